@@ -1,0 +1,82 @@
+"""Memory-ordering primitives: the only place Tabby's kernels touch flags.
+
+Flags are int32 counters in GPU memory (symmetric memory when they cross GPUs). Producers
+publish with a *release* atomic after their stores; consumers poll with an *acquire* atomic
+(a plain ``tl.load`` in a loop is hoisted by the compiler and never sees the flag). Flags that
+cross GPUs use scope ``"sys"``; flags inside one GPU ``"gpu"``.
+
+Every wait is bounded: after ``max_iters`` polls it gives up, writes what it waited for to the
+error record and returns, so a lost signal becomes a clear host-side error instead of a hang.
+
+Error record: int32 [ERR_WORDS] per rank, zero when healthy.
+    [0] error code (first error wins; see ``ERR_*``)  [1] rank that waited  [2] flag index
+    [3] expected value  [4] value last seen  [5] epoch
+"""
+import triton
+import triton.language as tl
+
+ERR_WORDS = 8
+
+# What a timed-out wait was waiting for (word 0 of the error record).
+ERR_NONE = 0
+ERR_WAIT_PEER_READY = 1  # a peer's inputs (topk_idx, x or dy) to be published
+ERR_WAIT_PEER_DONE = 2  # a peer to finish pushing its results into this rank's buffer
+ERR_WAIT_TILE = 3  # a tile's producer inside this rank (dispatch -> GEMM, GEMM -> GEMM)
+ERR_BAD_EXPERT_ID = 4  # an expert id outside [0, E) ([3] = E, [4] = the id)
+ERR_WAIT_RING_SLOT = 5  # a ring slot to be retired
+
+ERR_NAMES = {
+    ERR_WAIT_PEER_READY: "waited for a peer to publish its inputs",
+    ERR_WAIT_PEER_DONE: "waited for a peer to finish pushing results",
+    ERR_WAIT_TILE: "waited for a tile's producer",
+    ERR_BAD_EXPERT_ID: "expert id out of range",
+    ERR_WAIT_RING_SLOT: "waited for a ring slot to be retired",
+}
+
+
+@triton.jit
+def load_acquire(ptr, SCOPE: tl.constexpr):
+    """Read a flag with acquire semantics (an atomic add of 0)."""
+    return tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+
+
+@triton.jit
+def store_release(ptr, value, SCOPE: tl.constexpr):
+    """Publish ``value`` with release semantics: every earlier store of this program is visible first."""
+    tl.debug_barrier()  # all threads of the program have issued their stores
+    tl.atomic_xchg(ptr, value, sem="release", scope=SCOPE)
+
+
+@triton.jit
+def add_release(ptr, value, SCOPE: tl.constexpr):
+    """Add to a counter with release semantics (after a barrier over the program's stores)."""
+    tl.debug_barrier()
+    tl.atomic_add(ptr, value, sem="release", scope=SCOPE)
+
+
+@triton.jit
+def record_error(err_ptr, code, rank, index, expected, seen, epoch):
+    """Write the error record unless an earlier error is there (first error wins)."""
+    old = tl.atomic_cas(err_ptr, 0, code, sem="relaxed", scope="gpu")
+    if old == 0:
+        tl.store(err_ptr + 1, rank)
+        tl.store(err_ptr + 2, index)
+        tl.store(err_ptr + 3, expected)
+        tl.store(err_ptr + 4, seen)
+        tl.store(err_ptr + 5, epoch)
+
+
+@triton.jit
+def wait_geq(ptr, target, max_iters, err_ptr, code, rank, index, epoch, SCOPE: tl.constexpr):
+    """Spin until ``*ptr >= target`` (acquire); after ``max_iters`` polls record an error and return.
+
+    Returns the last value seen. Counters only grow, so ``>=`` tolerates producers running ahead.
+    """
+    seen = load_acquire(ptr, SCOPE)
+    i = 0
+    while (seen < target) & (i < max_iters):
+        seen = load_acquire(ptr, SCOPE)
+        i += 1
+    if seen < target:
+        record_error(err_ptr, code, rank, index, target, seen, epoch)
+    return seen

@@ -1,0 +1,122 @@
+"""Input validation shared by every implementation of the MoE layer.
+
+Every implementation (reference, anchors, Tabby kernels) takes the same arguments:
+
+    x             [T, H]            activations (bf16 for the kernels; any float for the reference)
+    topk_idx      [T, k]            int32/int64 global expert ids in [0, E_local * world_size)
+    topk_weights  [T, k]            float router weights
+    w_gate, w_up  [E_local, I, H]   nn.Linear layout (out x in), same dtype as x
+    w_down        [E_local, H, I]
+    shared        None or (w_gate_s [I_s, H], w_up_s [I_s, H], w_down_s [H, I_s])
+
+Errors are raised as :class:`MoEInputError` with a message naming the argument and the shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class MoEInputError(ValueError):
+    """Bad input to an MoE layer: wrong shape, dtype, device, expert id or group."""
+
+
+@dataclass(frozen=True)
+class MoEDims:
+    T: int  # tokens on this rank
+    H: int  # hidden size
+    k: int  # experts per token
+    E_local: int  # experts on this rank
+    I: int  # expert intermediate size
+    world_size: int  # ranks in the expert-parallel group
+    I_shared: int  # shared-expert intermediate size, 0 without one
+
+    @property
+    def E(self) -> int:
+        return self.E_local * self.world_size
+
+
+_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int32, torch.int64)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise MoEInputError(msg)
+
+
+def check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, world_size: int = 1,
+                 check_ids: bool = True, dtypes=_FLOATS) -> MoEDims:
+    """Check shapes, dtypes and devices; with ``check_ids`` also the expert-id range (a host sync).
+
+    Returns the layer's dimensions. ``dtypes`` lists the activation/weight dtypes accepted.
+    """
+    tensors = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    for name, t in tensors.items():
+        _need(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _need(x.dim() == 2, f"x must be [T, H], got shape {tuple(x.shape)}")
+    T, H = x.shape
+    _need(x.dtype in dtypes, f"x has dtype {x.dtype}; supported: {', '.join(map(str, dtypes))}")
+    _need(topk_idx.dim() == 2 and topk_idx.shape[0] == T,
+          f"topk_idx must be [T={T}, k], got shape {tuple(topk_idx.shape)}")
+    k = topk_idx.shape[1]
+    _need(k >= 1, "topk_idx must have at least one column (k >= 1)")
+    _need(topk_idx.dtype in _INTS, f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
+    _need(tuple(topk_weights.shape) == (T, k),
+          f"topk_weights must be [T={T}, k={k}] like topk_idx, got shape {tuple(topk_weights.shape)}")
+    _need(topk_weights.dtype.is_floating_point, f"topk_weights must be floating point, got {topk_weights.dtype}")
+    _need(w_gate.dim() == 3, f"w_gate must be [E_local, I, H], got shape {tuple(w_gate.shape)}")
+    E_local, I, Hg = w_gate.shape
+    _need(E_local >= 1, "w_gate has no experts (E_local = 0)")
+    _need(Hg == H, f"w_gate is [E_local, I, H] with H={Hg}, but x has H={H}")
+    _need(tuple(w_up.shape) == (E_local, I, H),
+          f"w_up must be [E_local={E_local}, I={I}, H={H}] like w_gate, got {tuple(w_up.shape)}")
+    _need(tuple(w_down.shape) == (E_local, H, I),
+          f"w_down must be [E_local={E_local}, H={H}, I={I}], got {tuple(w_down.shape)}")
+    for name in ("w_gate", "w_up", "w_down"):
+        _need(tensors[name].dtype == x.dtype, f"{name} has dtype {tensors[name].dtype} but x has {x.dtype}")
+    I_s = 0
+    if shared is not None:
+        _need(isinstance(shared, (tuple, list)) and len(shared) == 3,
+              "shared must be None or a tuple (w_gate_s [I_s, H], w_up_s [I_s, H], w_down_s [H, I_s])")
+        sg, su, sd = shared
+        for name, t in (("shared w_gate_s", sg), ("shared w_up_s", su), ("shared w_down_s", sd)):
+            _need(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor")
+            _need(t.dtype == x.dtype, f"{name} has dtype {t.dtype} but x has {x.dtype}")
+            tensors[name] = t
+        _need(sg.dim() == 2 and sg.shape[1] == H, f"shared w_gate_s must be [I_s, H={H}], got {tuple(sg.shape)}")
+        I_s = sg.shape[0]
+        _need(tuple(su.shape) == (I_s, H), f"shared w_up_s must be [I_s={I_s}, H={H}], got {tuple(su.shape)}")
+        _need(tuple(sd.shape) == (H, I_s), f"shared w_down_s must be [H={H}, I_s={I_s}], got {tuple(sd.shape)}")
+    devices = {name: t.device for name, t in tensors.items()}
+    _need(len(set(devices.values())) == 1,
+          "all tensors must be on one device, got " + ", ".join(f"{n}: {d}" for n, d in devices.items()))
+    dims = MoEDims(T=T, H=H, k=k, E_local=E_local, I=I, world_size=world_size, I_shared=I_s)
+    if check_ids and topk_idx.numel() > 0:
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        _need(lo >= 0 and hi < dims.E,
+              f"topk_idx holds expert ids in [{lo}, {hi}], outside [0, E={dims.E}) "
+              f"(E = E_local {E_local} x world size {world_size})")
+    return dims
+
+
+_DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4,
+                torch.float8_e4m3fn: 5}
+
+
+def check_group_agrees(dims: MoEDims, x: torch.Tensor, group) -> None:
+    """Raise on every rank if the ranks of ``group`` disagree on shapes or dtype (one small all_gather)."""
+    import torch.distributed as dist
+
+    desc = [dims.T, dims.H, dims.k, dims.E_local, dims.I, dims.I_shared, _DTYPE_CODES.get(x.dtype, 0)]
+    dev = x.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor(desc, dtype=torch.int64, device=dev)
+    world = dist.get_world_size(group)
+    allv = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(allv, mine, group=group)
+    names = ("T", "H", "k", "E_local", "I", "I_shared", "dtype")
+    rows = [v.tolist() for v in allv]
+    if any(r != rows[0] for r in rows):
+        table = "; ".join(f"rank {i}: " + ", ".join(f"{n}={v}" for n, v in zip(names, r)) for i, r in enumerate(rows))
+        raise MoEInputError(f"ranks of the expert-parallel group disagree on the layer's shapes: {table}")
