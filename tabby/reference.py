@@ -10,7 +10,9 @@ Expert-parallel over ``torch.distributed`` (any backend with ``all_to_all_single
 rank then token then k (the order of DESIGN.md), both on one process and across ranks, so the
 EP result equals the single-process result on the concatenated tokens bitwise. Every reduction
 has a fixed order: k contributions are summed in k order, and no atomics are used (gathers and
-scatters are by permutations, whose backward is a permutation too).
+scatters are by permutations, whose backward is a permutation too). (The shared expert is
+one dense matmul over the rank's tokens: BLAS results depend on the row count, so with a
+shared expert EP matches the single process to rounding rather than bitwise.)
 """
 from __future__ import annotations
 
