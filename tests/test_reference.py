@@ -136,9 +136,9 @@ def _mismatch_worker(rank, W, init_file, q):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=W)
     try:
-        x, idx, wts, ws, _ = _inputs(T=5 + rank, E_local=2, W=1, dtype=torch.float32)  # T differs by rank
+        x, idx, wts, ws, _ = _inputs(T=5 + rank, E_local=4, k=2, W=1, dtype=torch.float32)  # T differs by rank
         try:
-            moe_reference(x, idx % 4, wts, *[w[:2] for w in ws], group=dist.group.WORLD)
+            moe_reference(x, idx, wts, *[w[:2] for w in ws], group=dist.group.WORLD)
             q.put((rank, "no error"))
         except MoEInputError as e:
             q.put((rank, str(e)))
