@@ -1,0 +1,172 @@
+"""Workspace: the symmetric buffers and flags of one (process group, layer shape), allocated once.
+
+Symmetric buffers (every rank holds one copy; peers reach it through an address table):
+
+    x_pub   [T, H]   bf16   this rank's tokens, published for the experts' pull dispatch
+    idx_pub [T, k]   int32  this rank's routing, read by every rank's schedule
+    w_pub   [T, k]   fp32   router weights, pulled with the rows (the backward needs them)
+    y_in    [T*k, H] bf16   expert outputs pushed here by the experts' ranks, row t*k + kk
+    dy_pub  [T, H]   bf16   backward: upstream gradient, pulled by the experts
+    dx_in   [T*k, H] bf16   backward: dx rows pushed back, row t*k + kk
+    dw_in   [T*k]    fp32   backward: router-weight gradients pushed back
+    flags   [4, W]   int32  flags[slot, src], set by rank src (slots below)
+
+Signalling needs no memset between calls: ``epoch`` counts passes on the device (one counter
+for forward, one for backward); a flag holds the epoch of the last signal and waits test
+``flag >= epoch``. Every rank runs the same passes in the same order, so epochs agree.
+
+Transports (how the buffers are made and the address tables found):
+    * ``symm``   several GPUs: one ``torch.distributed._symmetric_memory`` allocation, rendezvous once;
+    * ``local``  one rank (any device): plain tensors;
+    * ``threads`` the CPU test harness: ranks are threads of one process sharing a ``ThreadGroup``.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..ops import sync
+
+# Flag slots.
+FWD_READY, FWD_DONE, BWD_READY, BWD_DONE = range(4)
+N_SLOTS = 4
+# Epoch counters.
+FWD, BWD = 0, 1
+
+
+@dataclass(frozen=True)
+class WorkspaceKey:
+    T: int
+    H: int
+    k: int
+    E_local: int
+    I: int
+    world_size: int
+    dtype: torch.dtype
+    device: str
+
+
+class ThreadGroup:
+    """Stands in for a process group in the CPU harness: W threads, one per rank."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._barrier = threading.Barrier(world_size)
+        self._bases: dict[int, int] = {}
+
+    def exchange(self, rank: int, base: int) -> list[int]:
+        self._bases[rank] = base
+        self._barrier.wait()
+        out = [self._bases[r] for r in range(self.world_size)]
+        self._barrier.wait()
+        return out
+
+
+def _layout(key: WorkspaceKey):
+    T, H, k, W = key.T, key.H, key.k, key.world_size
+    return [  # name, shape, dtype
+        ("x_pub", (T, H), key.dtype),
+        ("idx_pub", (T, k), torch.int32),
+        ("w_pub", (T, k), torch.float32),
+        ("y_in", (T * k, H), key.dtype),
+        ("dy_pub", (T, H), key.dtype),
+        ("dx_in", (T * k, H), key.dtype),
+        ("dw_in", (T * k,), torch.float32),
+        ("flags", (N_SLOTS, W), torch.int32),
+    ]
+
+
+class Workspace:
+    """Symmetric buffers, their address tables, epoch counters and the error record of one rank."""
+
+    def __init__(self, key: WorkspaceKey, rank: int, group=None, thread_group: ThreadGroup | None = None):
+        self.key, self.rank, self.world_size = key, rank, key.world_size
+        device = torch.device(key.device)
+        layout = _layout(key)
+        offsets, total = {}, 0
+        for name, shape, dtype in layout:
+            total = (total + 255) // 256 * 256  # keep every buffer 256-byte aligned
+            offsets[name] = total
+            total += _numel(shape) * dtype.itemsize
+        total = (total + 255) // 256 * 256
+        self.symmetric_bytes = total
+        if thread_group is not None:
+            self.transport = "threads"
+            self._raw = torch.zeros(total, dtype=torch.uint8, device=device)
+            bases = thread_group.exchange(rank, self._raw.data_ptr())
+        elif key.world_size == 1:
+            self.transport = "local"
+            self._raw = torch.zeros(total, dtype=torch.uint8, device=device)
+            bases = [self._raw.data_ptr()]
+        else:
+            import torch.distributed as dist
+            import torch.distributed._symmetric_memory as symm_mem
+
+            self.transport = "symm"
+            self._raw = symm_mem.empty(total, dtype=torch.uint8, device=device)
+            self._raw.zero_()  # flags start at epoch 0
+            self._handle = symm_mem.rendezvous(self._raw, group.group_name if group is not None
+                                               else dist.group.WORLD.group_name)
+            bases = list(self._handle.buffer_ptrs)
+            torch.cuda.synchronize(device)
+            dist.barrier(group=group)  # nobody signals before every rank has zeroed its flags
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.ptrs: dict[str, torch.Tensor] = {}
+        for name, shape, dtype in layout:
+            off = offsets[name]
+            view = self._raw[off:off + _numel(shape) * dtype.itemsize].view(dtype).view(shape)
+            self.buffers[name] = view
+            self.ptrs[name] = torch.tensor([b + off for b in bases], dtype=torch.int64, device=device)
+        self.epoch = torch.zeros(2, dtype=torch.int32, device=device)
+        self.err = torch.zeros(sync.ERR_WORDS, dtype=torch.int32, device=device)
+
+    def __getattr__(self, name):
+        buffers = self.__dict__.get("buffers", {})
+        if name in buffers:
+            return buffers[name]
+        raise AttributeError(name)
+
+    def check_errors(self) -> None:
+        """Raise if a kernel recorded an error (a host sync); clears the record."""
+        rec = self.err.tolist()
+        if rec[0] == sync.ERR_NONE:
+            return
+        self.err.zero_()
+        code, rank, index, expected, seen, epoch = rec[:6]
+        what = sync.ERR_NAMES.get(code, f"error code {code}")
+        if code == sync.ERR_BAD_EXPERT_ID:
+            raise TabbyDeviceError(f"rank {rank}: expert id {seen} at flat position {index} of a rank's "
+                                   f"topk_idx is outside [0, E={expected}); the call's output is invalid")
+        raise TabbyDeviceError(f"rank {rank}: a bounded wait timed out ({what}): flag {index} expected >= "
+                               f"{expected}, last saw {seen} (epoch {epoch}). A peer did not take part in the "
+                               f"call, or ran a different sequence of MoE calls; outputs of this call are invalid")
+
+
+class TabbyDeviceError(RuntimeError):
+    """An error recorded on the device (timed-out wait, bad expert id), raised on the host."""
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+_CACHE: dict = {}
+
+
+def get_workspace(key: WorkspaceKey, rank: int, group=None, thread_group=None, verbose=True) -> Workspace:
+    """The cached workspace for this group and shape (created on first use, collectively)."""
+    ck = (key, id(group) if group is not None else None, id(thread_group) if thread_group else None, rank)
+    ws = _CACHE.get(ck)
+    if ws is None:
+        ws = Workspace(key, rank, group=group, thread_group=thread_group)
+        _CACHE[ck] = ws
+        if verbose and rank == 0 and thread_group is None:
+            print(f"[tabby] workspace for T={key.T} H={key.H} k={key.k} E_local={key.E_local} I={key.I} "
+                  f"EP{key.world_size}: {ws.symmetric_bytes / 2**20:.1f} MiB symmetric ({ws.transport})",
+                  flush=True)
+    return ws

@@ -1,0 +1,41 @@
+"""Combine on the origin rank: sum a token's k pushed rows in k order, in fp32.
+
+    out[t] = sum_{kk in 0..k-1} w[t, kk] * rows[t*k + kk]  (+ extra[t])
+
+``w`` is optional (the backward's dx sums without weights). The fixed k order makes the result
+independent of when each row arrived: bitwise deterministic.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def combine_k_kernel(rows, w, extra, out, T, H, k,
+                     HAS_W: tl.constexpr, HAS_EXTRA: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    mask = (t < T)[:, None] & (cols < H)[None, :]
+    acc = tl.zeros((BT, BH), dtype=tl.float32)
+    for kk in range(k):
+        r = (t * k + kk).to(tl.int64)
+        v = tl.load(rows + r[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            wv = tl.load(w + t * k + kk, mask=t < T, other=0.0)
+            v = wv[:, None] * v
+        acc += v
+    if HAS_EXTRA:
+        acc += tl.load(extra + t.to(tl.int64)[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + t.to(tl.int64)[:, None] * H + cols[None, :], acc.to(out.dtype.element_ty), mask=mask)
+
+
+def combine_k(rows, T, k, w=None, extra=None, out=None, dtype=None):
+    """rows [T*k, H] -> out [T, H]; w [T, k] fp32 or None; extra [T, H] or None."""
+    H = rows.shape[1]
+    if out is None:
+        out = rows.new_empty((T, H), dtype=dtype or rows.dtype)
+    BT, BH = 16, 256
+    grid = (triton.cdiv(T, BT), triton.cdiv(H, BH))
+    if T > 0:
+        combine_k_kernel[grid](rows, w if w is not None else rows, extra if extra is not None else rows, out,
+                               T, H, k, HAS_W=w is not None, HAS_EXTRA=extra is not None, BT=BT, BH=BH)
+    return out

@@ -1,0 +1,89 @@
+"""Communication roles: publish/wait on peer flags, pull rows from peers, push scalars to peers.
+
+Peer buffers are reached through address tables: int64 tensors [W] whose entry ``r`` is the
+address of rank r's copy of a symmetric buffer (its own entry included). On the GPU these are
+symmetric-memory addresses; in the CPU test harness, the data pointers of CPU tensors.
+"""
+import triton
+import triton.language as tl
+
+from . import sync
+
+
+@triton.jit
+def signal_peers_kernel(flag_ptrs, epoch_ptr, slot, rank, W, BUMP: tl.constexpr):
+    """Set flag ``[slot, rank]`` to the current epoch on every rank (release, system scope).
+
+    With ``BUMP`` the epoch counter is incremented first: the publish signal of a pass starts a
+    new epoch; the done signal of the same pass reuses it. One program.
+    """
+    epoch = tl.load(epoch_ptr)
+    if BUMP:
+        epoch += 1
+        tl.store(epoch_ptr, epoch)
+    for p in range(W):
+        flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))
+        sync.store_release(flags + slot * W + rank, epoch, "sys")
+
+
+@triton.jit
+def wait_peers_kernel(my_flags, epoch_ptr, slot, rank, W, max_iters, err_ptr, code):
+    """Wait until every rank has set flag ``[slot, src]`` of this rank to at least the epoch."""
+    epoch = tl.load(epoch_ptr)
+    for src in range(W):
+        sync.wait_geq(my_flags + slot * W + src, epoch, max_iters, err_ptr, code, rank, slot * W + src,
+                      epoch, "sys")
+
+
+@triton.jit
+def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
+                   BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr):
+    """Copy rows ``tile*BR ..`` of the routed buffer from their source ranks.
+
+    Row r serves flat source id ``row_src[r] = src*TK + t*k + kk`` (-1: padding, written as zeros):
+    ``dst[r] = rows_of(src)[t]`` where ``src_ptrs[src]`` is the address of rank src's [T, H]
+    buffer. With WITH_WEIGHTS also ``ws_out[r] = weights_of(src)[t*k + kk]`` (fp32, 0 for padding).
+    """
+    rows = tile * BR + tl.arange(0, BR)
+    rs = tl.load(row_src + rows)
+    valid = rs >= 0
+    src = tl.where(valid, rs // TK, 0)
+    tk = tl.where(valid, rs % TK, 0)
+    tok = tk // k
+    base = tl.load(src_ptrs + src).to(tl.pointer_type(dst.dtype.element_ty))
+    src_row = base + tok.to(tl.int64) * H
+    dst_row = dst + rows.to(tl.int64) * H
+    for h0 in range(0, H, BH):
+        cols = h0 + tl.arange(0, BH)
+        cmask = cols < H
+        v = tl.load(src_row[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
+        tl.store(dst_row[:, None] + cols[None, :], v, mask=cmask[None, :])
+    if WITH_WEIGHTS:
+        wbase = tl.load(w_ptrs + src).to(tl.pointer_type(tl.float32))
+        wv = tl.load(wbase + tk, mask=valid, other=0.0)
+        tl.store(ws_out + rows, wv)
+
+
+@triton.jit
+def pull_rows_kernel(row_src, num_tiles_ptr, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
+                     BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr,
+                     TILE_ROWS: tl.constexpr):
+    """Persistent pull dispatch over the schedule's used rows (num_tiles * TILE_ROWS of them)."""
+    n_rows = tl.load(num_tiles_ptr) * TILE_ROWS
+    n_tiles = tl.cdiv(n_rows, BR)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out, BR, BH, WITH_WEIGHTS)
+
+
+@triton.jit
+def push_scalars_kernel(vals, row_src, num_tiles_ptr, dst_ptrs, TK, BR: tl.constexpr, TILE_ROWS: tl.constexpr):
+    """``dst_of(src)[t*k + kk] = vals[r]`` for every used row r (fp32); padding rows are skipped."""
+    n_rows = tl.load(num_tiles_ptr) * TILE_ROWS
+    for r0 in range(tl.program_id(0) * BR, n_rows, tl.num_programs(0) * BR):
+        rows = r0 + tl.arange(0, BR)
+        rs = tl.load(row_src + rows, mask=rows < n_rows, other=-1)
+        valid = rs >= 0
+        src = tl.where(valid, rs // TK, 0)
+        base = tl.load(dst_ptrs + src).to(tl.pointer_type(tl.float32))
+        v = tl.load(vals + rows, mask=valid, other=0.0)
+        tl.store(base + tl.where(valid, rs % TK, 0), v, mask=valid)
