@@ -1,0 +1,81 @@
+"""Command line: ``tabby bench ...`` (also ``python -m tabby bench ...``)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _list(text: str) -> list:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _ints(text: str) -> list:
+    try:
+        return [int(t) for t in _list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tabby", description="Tabby: expert-parallel MoE layer for Hopper GPUs.")
+    sub = p.add_subparsers(dest="command")
+    b = sub.add_parser("bench", help="correctness and speed of every implementation on the DESIGN.md shapes",
+                       description="Check every implementation against the fp32 reference and time it. "
+                                   "Without a GPU: the TINY shape on the CPU (errors only, no timings).")
+    b.add_argument("--shapes", type=_list, default=None, help="comma list of shape names (default: all six)")
+    b.add_argument("--tokens", type=_ints, default=[4096, 16384], help="tokens per GPU, comma list (default 4096,16384)")
+    b.add_argument("--ep", type=_ints, default=None, help="EP sizes, comma list (default: the number of GPUs)")
+    b.add_argument("--impls", type=_list, default=None, help="implementations, comma list (default: all registered)")
+    b.add_argument("--passes", type=_list, default=["fwd", "fwd+bwd"], help="fwd,fwd+bwd (default both)")
+    b.add_argument("--dtype", default="bf16", choices=["bf16"])
+    b.add_argument("--warmup", type=int, default=5, help="untimed iterations (default 5)")
+    b.add_argument("--iters", type=int, default=20, help="timed iterations (default 20)")
+    b.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness checks")
+    b.add_argument("--out", default="bench/results", help="output folder (default bench/results)")
+    b.add_argument("--tag", default="", help="label in the output file names")
+    return p
+
+
+def bench_config(args, parser):
+    """Validate the options into a :class:`tabby.bench.Config` (errors go through ``parser.error``)."""
+    import torch
+
+    from . import bench
+    from .shapes import SHAPES
+
+    names = args.shapes or list(SHAPES)
+    bad = [n for n in names if n not in SHAPES]
+    if bad:
+        parser.error(f"unknown shape(s) {', '.join(bad)}; known: {', '.join(SHAPES)}")
+    impls = args.impls or list(bench.IMPLS)
+    bad = [n for n in impls if n not in bench.IMPLS]
+    if bad:
+        parser.error(f"unknown implementation(s) {', '.join(bad)}; registered: {', '.join(bench.IMPLS)}")
+    bad = [p for p in args.passes if p not in bench.PASSES]
+    if bad or not args.passes:
+        parser.error(f"--passes takes fwd and/or fwd+bwd, got {','.join(args.passes)}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    eps = args.ep or [max(gpus, 1)]
+    if gpus and max(eps) > gpus:
+        parser.error(f"--ep {max(eps)} needs {max(eps)} GPUs, found {gpus}")
+    if min(eps) < 1 or any(t < 1 for t in args.tokens) or args.iters < 1 or args.warmup < 0:
+        parser.error("--ep and --tokens must be positive, --iters >= 1, --warmup >= 0")
+    return bench.Config(shapes=[SHAPES[n] for n in names], tokens=args.tokens, eps=eps, impls=impls,
+                        passes=args.passes, dtype=args.dtype, warmup=args.warmup, iters=args.iters,
+                        check=args.check, out=args.out, tag=args.tag)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "bench":
+        parser.print_help()
+        return 2
+    from . import bench
+
+    bench.run(bench_config(args, parser))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
