@@ -53,9 +53,8 @@ def expert_segments(xs, counts, w_gate, w_up, w_down, compute_dtype):
     outs = []
     H = xs.shape[1]
     for e, rows in enumerate(torch.split(xs, counts)):
-        if rows.shape[0] == 0:
-            outs.append(xs.new_zeros((0, H), dtype=compute_dtype))
-            continue
+        # Empty segments run too (on zero rows): their outputs must stay in the autograd graph, or
+        # an EP rank that receives no rows would skip the backward's all_to_all its peers wait in.
         # A fresh allocation per segment: BLAS results must not depend on where a segment starts.
         rows = rows.to(compute_dtype).clone()
         outs.append(swiglu_mlp(rows, w_gate[e].to(compute_dtype), w_up[e].to(compute_dtype),
