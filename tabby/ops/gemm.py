@@ -1,0 +1,845 @@
+"""Expert GEMMs over the routed-row buffer: tile functions, thin kernels and launchers.
+
+Routed rows live in a buffer of ``R`` rows (``R`` a multiple of the schedule's tile height
+``BM``), grouped by local expert, each expert's segment padded to ``BM``. The schedule gives:
+
+- ``tile_expert`` int32 [R // BM]: local expert of each BM-row tile, -1 for unused tiles;
+- ``num_tiles`` int32 [1]: number of used row tiles (a device scalar: never read on the host);
+- ``expert_start`` int32 [E + 1]: padded segment starts (multiples of BM);
+- ``expert_count`` int32 [E]: real rows of each expert;
+- ``row_src`` int32 [R]: ``src * TK + t * k + kk`` of each row's (token, k) (``TK = T * k``),
+  -1 for padding rows.
+
+Weights are in ``nn.Linear`` layout: ``w_gate, w_up [E, I, H]``, ``w_down [E, H, I]``.
+
+Roles (each a ``@triton.jit`` tile function that a persistent megakernel can call with tile
+coordinates, a thin kernel mapping ``program_id`` to tiles, and a Python launcher):
+
+1. ``gate_up_swiglu``: ``h = silu(xs @ Wg[e]^T) * (xs @ Wu[e]^T)`` (optionally saving g, u).
+2. ``rows_gemm`` / ``down_push``: ``A[rows] @ B[e]^T`` or ``A @ B[e]`` (optionally two K
+   phases with different A and B), stored locally or pushed row by row to their origin
+   through a table of destination base addresses.
+3. ``down_dgrad_swiglu_bwd``: ``dh_raw = dys @ Wd[e]`` with the SwiGLU backward, the router
+   weight and the router-weight-gradient partials in the epilogue.
+4. ``gate_up_dgrad_push``: ``dxs = dg @ Wg[e] + du @ Wu[e]`` pushed to the origin.
+5. ``expert_wgrad``: ``C[e] = A_seg^T @ B_seg`` over each expert's whole row range.
+
+Everything is sync-free (grids depend on shapes only; a program whose tile is unused returns)
+and deterministic (no atomics; every output element is computed by one program in a fixed K
+order). Under ``TRITON_INTERPRET=1`` every ``tl.dot`` goes through ``_dot``, which works around
+the interpreter's broken bf16 dot by upcasting to fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import INTERPRET
+
+
+# --------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes and launch knobs of one GEMM.
+
+    For the routed-row kernels (1-4) ``BM`` is the schedule's tile height and must equal it.
+    ``GROUP_M`` row tiles are walked together (grouped ordering) for L2 reuse of B tiles.
+    """
+    BM: int = 128
+    BN: int = 128
+    BK: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    GROUP_M: int = 8
+    # Load through tensor descriptors (TMA) where the kernel (rows_gemm, one K phase) and the strides
+    # allow. Measured on H200 (non-persistent launches): same speed as pointer loads, so off by default.
+    tma: bool = False
+
+    def with_(self, **kw) -> "GemmConfig":
+        return replace(self, **kw)
+
+
+# Which kernel a default config is for.
+KIND_GATE_UP = "gate_up"  # two accumulators (g and u) per tile: BN=128 means 256 columns of MMA
+KIND_DOWN = "down"  # rows_gemm, B[e] [N, K] (A @ B^T), local store or push
+KIND_DGRAD_SWIGLU = "dgrad_swiglu"  # heavy epilogue
+KIND_GATE_UP_DGRAD = "gate_up_dgrad"  # rows_gemm, B[e] [K, N] two-phase, push
+KIND_WGRAD = "wgrad"  # expert_wgrad
+
+
+def default_config(kind: str = KIND_DOWN, N: int | None = None, K: int | None = None, BM: int = 128,
+                   M: int | None = None) -> GemmConfig:
+    """A good Hopper config for ``kind`` (one of the ``KIND_*``), output width ``N``, depth ``K``.
+
+    ``BM`` is the schedule's tile height for kinds 1-4 (ignored for ``KIND_WGRAD``, whose tiles
+    are free). ``M`` is only used by ``KIND_WGRAD`` (rows of each C[e]).
+    """
+    if kind == KIND_GATE_UP:
+        # A 128x64 + 2 x (128x64) B per stage = 48 KB; 4 stages = 192 KB.
+        BN = 128 if N is None or N > 64 else 64
+        return GemmConfig(BM=BM, BN=BN, BK=64, num_warps=8, num_stages=4, GROUP_M=8)
+    if kind == KIND_DGRAD_SWIGLU:
+        BN = 128 if N is None or N > 64 else 64
+        return GemmConfig(BM=BM, BN=BN, BK=64, num_warps=8, num_stages=4, GROUP_M=8)
+    if kind in (KIND_DOWN, KIND_GATE_UP_DGRAD):
+        BN = 256 if N is None or N >= 256 else max(16, triton.next_power_of_2(N))
+        stages = 3 if BN == 256 else 4
+        return GemmConfig(BM=BM, BN=BN, BK=64, num_warps=8, num_stages=stages, GROUP_M=8)
+    if kind == KIND_WGRAD:
+        BN = 256 if N is None or N >= 256 else max(16, triton.next_power_of_2(N))
+        BMw = 128
+        stages = 3 if BN == 256 else 4
+        return GemmConfig(BM=BMw, BN=BN, BK=64, num_warps=8, num_stages=stages, GROUP_M=8)
+    raise ValueError(f"unknown GEMM kind {kind!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _dot(a, b, acc, INTERPRET: tl.constexpr):
+    """acc + a @ b with fp32 accumulation (the interpreter's bf16 dot is broken: upcast there)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Map a linear tile id to (pid_m, pid_n), walking GROUP_M row tiles per column sweep."""
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr):
+    """Local expert of row tile pid_m, or -1 when the tile is unused (past num_tiles or marked -1)."""
+    nt = tl.load(num_tiles_ptr)
+    e = tl.load(tile_expert_ptr + pid_m)
+    return tl.where(pid_m < nt, e, -1)
+
+
+@triton.jit
+def _rows_mainloop(pid_m, pid_n, e,
+                   a_ptr, a2_ptr, stride_am,
+                   b_ptr, b2_ptr, stride_be, stride_be2, stride_bo,
+                   N: tl.constexpr, K: tl.constexpr, K2: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   B_NK: tl.constexpr, TWO_PHASE: tl.constexpr, EVEN_K: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """fp32 [BM, BN] = A[rows of tile pid_m, :K] @ op(B[e])[:K, cols of tile pid_n] (+ phase 2).
+
+    A: row stride ``stride_am``, unit column stride. B[e] at ``b_ptr + e * stride_be``:
+    B2[e] at ``b2_ptr + e * stride_be2`` (same row stride and layout as B).
+    ``B_NK``: B[e] is [N, K] (row stride ``stride_bo``, unit K stride), result A @ B[e]^T;
+    otherwise B[e] is [K, N] (row stride ``stride_bo``, unit N stride), result A @ B[e].
+    ``TWO_PHASE``: after K columns of (a_ptr, b_ptr) come K2 of (a2_ptr, b2_ptr), same strides
+    and layouts, in one pipelined loop (each phase masked on its own K).
+    ``EVEN_K``: K (and K2) are multiples of BK: no K masks.
+    Columns of B past N are read modulo N (in bounds); the caller masks them at the store.
+    """
+    row0 = pid_m.to(tl.int64) * BM
+    offs_m = tl.arange(0, BM)
+    offs_n = (pid_n * BN + tl.arange(0, BN)) % N
+    offs_k = tl.arange(0, BK)
+    # Per-tile int32 offsets from 64-bit tile bases.
+    a_off = offs_m[:, None] * stride_am + offs_k[None, :]
+    if B_NK:
+        b_off = offs_n[:, None] * stride_bo + offs_k[None, :]  # [BN, BK]
+    else:
+        b_off = offs_k[:, None] * stride_bo + offs_n[None, :]  # [BK, BN]
+    a1 = a_ptr + row0 * stride_am
+    b1 = b_ptr + e.to(tl.int64) * stride_be
+    if TWO_PHASE:
+        a2 = a2_ptr + row0 * stride_am
+        b2 = b2_ptr + e.to(tl.int64) * stride_be2
+    else:
+        a2 = a1
+        b2 = b1
+    # Annotated constexpr assignments: the interpreter turns plain assignments into tensors,
+    # and range() of a tensor fails there.
+    NK1: tl.constexpr = (K + BK - 1) // BK
+    NK: tl.constexpr = NK1 + ((K2 + BK - 1) // BK if TWO_PHASE else 0)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kt in range(0, NK):
+        if TWO_PHASE:
+            ph1 = kt < NK1
+            k0 = tl.where(ph1, kt, kt - NK1) * BK
+            kcur = tl.where(ph1, K, K2)
+            a_base = tl.where(ph1, a1, a2)
+            b_base = tl.where(ph1, b1, b2)
+        else:
+            k0 = kt * BK
+            kcur = K
+            a_base = a1
+            b_base = b1
+        if B_NK:
+            kstep_b = k0
+        else:
+            kstep_b = k0 * stride_bo  # < K * N: fits int32
+        if EVEN_K:
+            a = tl.load(a_base + k0 + a_off)
+            b = tl.load(b_base + kstep_b + b_off)
+        else:
+            kmask = offs_k < kcur - k0
+            a = tl.load(a_base + k0 + a_off, mask=kmask[None, :], other=0.0)
+            if B_NK:
+                b = tl.load(b_base + kstep_b + b_off, mask=kmask[None, :], other=0.0)
+            else:
+                b = tl.load(b_base + kstep_b + b_off, mask=kmask[:, None], other=0.0)
+        if B_NK:
+            acc = _dot(a, tl.trans(b), acc, INTERPRET)
+        else:
+            acc = _dot(a, b, acc, INTERPRET)
+    return acc
+
+
+@triton.jit
+def _rows_mainloop_tma(pid_m, pid_n, e, a_desc, b_desc, K: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       B_NK: tl.constexpr, INTERPRET: tl.constexpr):
+    """As ``_rows_mainloop`` (one phase) with tensor-descriptor (TMA) loads.
+
+    a_desc: A [R, K], block [BM, BK]. b_desc: B [E, N, K] with block [1, BN, BK] (``B_NK``) or
+    B [E, K, N] with block [1, BK, BN]. Out-of-bounds K and N read as zeros.
+    """
+    row0 = pid_m * BM
+    n0 = pid_n * BN
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    NK: tl.constexpr = (K + BK - 1) // BK
+    for kt in range(0, NK):
+        k0 = kt * BK
+        a = a_desc.load([row0, k0])
+        if B_NK:
+            b = b_desc.load([e, n0, k0]).reshape(BN, BK)
+            acc = _dot(a, tl.trans(b), acc, INTERPRET)
+        else:
+            b = b_desc.load([e, k0, n0]).reshape(BK, BN)
+            acc = _dot(a, b, acc, INTERPRET)
+    return acc
+
+
+@triton.jit
+def _store_rows(acc, pid_m, pid_n, c_ptr, stride_cm, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Store the tile into local C [R, N] (row stride stride_cm), cast to C's element type."""
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :]
+    tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(cols < N)[None, :])
+
+
+@triton.jit
+def _push_rows(acc, pid_m, pid_n, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, N,
+               BM: tl.constexpr, BN: tl.constexpr, DST_DTYPE: tl.constexpr):
+    """Store each row r of the tile (row_src[r] >= 0) at its origin.
+
+    Destination of row r: ``dst_ptrs[row_src[r] // TK]`` (a base address, int64) as a
+    ``DST_DTYPE`` pointer, row ``row_src[r] % TK`` (row stride ``stride_dm``), columns as here.
+    """
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rs = tl.load(row_src_ptr + rows)
+    valid = rs >= 0
+    rs = tl.where(valid, rs, 0)
+    src = rs // TK
+    drow = (rs % TK).to(tl.int64)
+    base = tl.load(dst_ptrs_ptr + src, mask=valid, other=0)
+    # Address each row as an element offset from a pointer argument (the table itself, cast):
+    # a pointer made by an int-to-pointer cast loses its alignment in the compiler's analysis and
+    # the stores fall back to one element at a time; this way rows are stored with 16-byte vectors.
+    # Needs 16-byte aligned destination bases (allocations are) and row strides.
+    ESIZE: tl.constexpr = DST_DTYPE.primitive_bitwidth // 8
+    ref = dst_ptrs_ptr.to(tl.pointer_type(DST_DTYPE), bitcast=True)
+    ref_addr = dst_ptrs_ptr.to(tl.int64, bitcast=True)
+    row_off = tl.multiple_of((base - ref_addr) // ESIZE + drow * stride_dm, 16 // ESIZE)
+    ptrs = ref + row_off[:, None] + cols[None, :]
+    tl.store(ptrs, acc.to(DST_DTYPE), mask=valid[:, None] & (cols < N)[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# 1. gate/up GEMM with the SwiGLU in its epilogue
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def gate_up_swiglu_tile(pid_m, pid_n,
+                        xs_ptr, stride_xm,
+                        wg_ptr, wu_ptr, stride_we, stride_wn,
+                        h_ptr, stride_hm, gu_ptr, stride_gum,
+                        tile_expert_ptr, num_tiles_ptr,
+                        H: tl.constexpr, I: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr):
+    """One (row tile, I-column tile): g = xs @ Wg[e]^T, u = xs @ Wu[e]^T, h = silu(g) * u.
+
+    xs [R, H] (row stride stride_xm); Wg, Wu [E, I, H] (strides stride_we, stride_wn, 1);
+    h [R, I] bf16; gu [R, 2I] bf16 (g in [0, I), u in [I, 2I)) when SAVE_GU.
+    Unused tiles store nothing.
+    """
+    e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
+    if e >= 0:
+        row0 = pid_m.to(tl.int64) * BM
+        offs_m = tl.arange(0, BM)
+        offs_n = (pid_n * BN + tl.arange(0, BN)) % I
+        offs_k = tl.arange(0, BK)
+        a_ptrs = xs_ptr + row0 * stride_xm + (offs_m[:, None] * stride_xm + offs_k[None, :])
+        w_off = e.to(tl.int64) * stride_we
+        b_off = offs_n[:, None] * stride_wn + offs_k[None, :]
+        bg_ptrs = wg_ptr + w_off + b_off
+        bu_ptrs = wu_ptr + w_off + b_off
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for kt in range(0, (H + BK - 1) // BK):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                bg = tl.load(bg_ptrs)
+                bu = tl.load(bu_ptrs)
+            else:
+                kmask = offs_k < H - kt * BK
+                a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+                bg = tl.load(bg_ptrs, mask=kmask[None, :], other=0.0)
+                bu = tl.load(bu_ptrs, mask=kmask[None, :], other=0.0)
+            acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)
+            acc_u = _dot(a, tl.trans(bu), acc_u, INTERPRET)
+            a_ptrs += BK
+            bg_ptrs += BK
+            bu_ptrs += BK
+        rows = row0 + offs_m
+        cols = pid_n * BN + tl.arange(0, BN)
+        cmask = (cols < I)[None, :]
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=cmask)
+        if SAVE_GU:
+            gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
+            tl.store(gptrs, acc_g.to(gu_ptr.dtype.element_ty), mask=cmask)
+            tl.store(gptrs + I, acc_u.to(gu_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def gate_up_swiglu_kernel(xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_wn,
+                          h_ptr, stride_hm, gu_ptr, stride_gum,
+                          tile_expert_ptr, num_tiles_ptr, num_m, H: tl.constexpr, I: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                          EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, BN), GROUP_M)
+    gate_up_swiglu_tile(pid_m, pid_n, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_wn,
+                        h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr, num_tiles_ptr, H, I,
+                        BM, BN, BK, EVEN_K, SAVE_GU, INTERPRET)
+
+
+def _tma_ok(*ts) -> bool:
+    """Tensor descriptors need 16-byte aligned bases and 16-byte multiple strides (but the last)."""
+    for t in ts:
+        es = t.element_size()
+        if t.data_ptr() % 16 or t.stride(-1) != 1 or any((st * es) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _desc(t: torch.Tensor, block) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+
+
+def _check_rows(name, t, R, BM):
+    if t.shape[0] != R:
+        raise ValueError(f"{name} has {t.shape[0]} rows, expected {R}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a unit last stride")
+
+
+def _check_schedule(tile_expert, num_tiles, R, BM):
+    if R % BM:
+        raise ValueError(f"rows R={R} must be a multiple of BM={BM}")
+    if tile_expert.numel() != R // BM:
+        raise ValueError(f"tile_expert has {tile_expert.numel()} entries, expected R // BM = {R // BM}")
+    if tile_expert.dtype != torch.int32 or num_tiles.dtype != torch.int32:
+        raise ValueError("tile_expert and num_tiles must be int32")
+
+
+def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                   tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
+                   h: torch.Tensor | None = None, gu: torch.Tensor | None = None, save_gu: bool = False,
+                   config: GemmConfig | None = None):
+    """h [R, I] = silu(xs @ Wg[e]^T) * (xs @ Wu[e]^T) per row tile; returns h, or (h, gu) with save_gu.
+
+    xs [R, H] bf16; w_gate, w_up [E, I, H] bf16 (contiguous last dim, same strides);
+    gu [R, 2I] bf16 (g then u) is written when ``save_gu`` (or when ``gu`` is given).
+    Tiles of unused row tiles are left untouched in h / gu.
+    """
+    R, H = xs.shape
+    E, I, H2 = w_gate.shape
+    assert H2 == H and w_up.shape == w_gate.shape and w_up.stride() == w_gate.stride()
+    cfg = config or default_config(KIND_GATE_UP, I, H)
+    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
+    _check_rows("xs", xs, R, cfg.BM)
+    assert w_gate.stride(-1) == 1
+    if h is None:
+        h = torch.empty(R, I, dtype=xs.dtype, device=xs.device)
+    save_gu = save_gu or gu is not None
+    if save_gu and gu is None:
+        gu = torch.empty(R, 2 * I, dtype=xs.dtype, device=xs.device)
+    gu_arg = gu if save_gu else h
+    num_m = R // cfg.BM
+    grid = (num_m * triton.cdiv(I, cfg.BN),)
+    gate_up_swiglu_kernel[grid](
+        xs, xs.stride(0), w_gate, w_up, w_gate.stride(0), w_gate.stride(1),
+        h, h.stride(0), gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, H, I,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, EVEN_K=(H % cfg.BK == 0),
+        SAVE_GU=save_gu, INTERPRET=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return (h, gu) if save_gu else h
+
+
+# --------------------------------------------------------------------------------------------
+# 2 / 4. Generic routed-row GEMM: local store or push to origin
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def rows_gemm_tile(pid_m, pid_n,
+                   a_desc, b_desc,
+                   a_ptr, a2_ptr, stride_am,
+                   b_ptr, b2_ptr, stride_be, stride_be2, stride_bo,
+                   c_ptr, stride_cm,
+                   row_src_ptr, dst_ptrs_ptr, TK, stride_dm,
+                   tile_expert_ptr, num_tiles_ptr,
+                   N: tl.constexpr, K: tl.constexpr, K2: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   B_NK: tl.constexpr, TWO_PHASE: tl.constexpr, EVEN_K: tl.constexpr,
+                   PUSH: tl.constexpr, DST_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
+    """One (row tile, N-column tile) of A @ op(B[e]) (see ``_rows_mainloop``).
+
+    USE_TMA (one phase only): load through the tensor descriptors a_desc / b_desc (see
+    ``_rows_mainloop_tma``) instead of the pointers.
+
+    PUSH: rows with row_src >= 0 go to their origin (see ``_push_rows``); otherwise the tile is
+    stored into C [R, N]. Unused tiles store nothing.
+    """
+    e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
+    if e >= 0:
+        if USE_TMA:
+            acc = _rows_mainloop_tma(pid_m, pid_n, e, a_desc, b_desc, K, BM, BN, BK, B_NK, INTERPRET)
+        else:
+            acc = _rows_mainloop(pid_m, pid_n, e, a_ptr, a2_ptr, stride_am, b_ptr, b2_ptr, stride_be, stride_be2,
+                                 stride_bo, N, K, K2, BM, BN, BK, B_NK, TWO_PHASE, EVEN_K, INTERPRET)
+        if PUSH:
+            _push_rows(acc, pid_m, pid_n, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, N, BM, BN, DST_DTYPE)
+        else:
+            _store_rows(acc, pid_m, pid_n, c_ptr, stride_cm, N, BM, BN)
+
+
+@triton.jit
+def rows_gemm_kernel(a_desc, b_desc,
+                     a_ptr, a2_ptr, stride_am,
+                     b_ptr, b2_ptr, stride_be, stride_be2, stride_bo,
+                     c_ptr, stride_cm,
+                     row_src_ptr, dst_ptrs_ptr, TK, stride_dm,
+                     tile_expert_ptr, num_tiles_ptr, num_m,
+                     N: tl.constexpr, K: tl.constexpr, K2: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                     B_NK: tl.constexpr, TWO_PHASE: tl.constexpr, EVEN_K: tl.constexpr,
+                     PUSH: tl.constexpr, DST_DTYPE: tl.constexpr, USE_TMA: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(N, BN), GROUP_M)
+    rows_gemm_tile(pid_m, pid_n, a_desc, b_desc, a_ptr, a2_ptr, stride_am, b_ptr, b2_ptr, stride_be, stride_be2, stride_bo,
+                   c_ptr, stride_cm, row_src_ptr, dst_ptrs_ptr, TK, stride_dm,
+                   tile_expert_ptr, num_tiles_ptr, N, K, K2,
+                   BM, BN, BK, B_NK, TWO_PHASE, EVEN_K, PUSH, DST_DTYPE, USE_TMA, INTERPRET)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
+              b_layout: str = "nk", a2: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+              row_src: torch.Tensor | None = None, dst_ptrs: torch.Tensor | None = None,
+              TK: int | None = None, dst_stride: int | None = None, dst_dtype: torch.dtype = torch.bfloat16,
+              config: GemmConfig | None = None):
+    """Routed-row GEMM: for each used row tile m (expert e = tile_expert[m]),
+    ``rows = A[m-tile] @ op(B[e])`` (+ ``A2[m-tile] @ op(B2[e])`` when a2/b2 are given).
+
+    a [R, K] (any row stride, unit column stride); b [E, N, K] for ``b_layout="nk"`` (A @ B^T,
+    e.g. nn.Linear weights) or [E, K, N] for ``"kn"`` (A @ B). a2 [R, K2] / b2 (same layout,
+    shape [E, N, K2] / [E, K2, N] and strides as b): a second K phase, accumulated after the first.
+    Epilogue: with ``dst_ptrs`` (int64 [W] base addresses) and ``row_src`` (int32 [R]) each row
+    r with row_src[r] >= 0 is pushed, as ``dst_dtype``, to row ``row_src[r] % TK`` (row stride
+    ``dst_stride``, default N) of buffer ``row_src[r] // TK``; returns None. Otherwise stores into
+    ``out`` [R, N] (allocated as ``out_dtype``, default a's dtype) and returns it.
+    """
+    R, K = a.shape
+    E = b.shape[0]
+    if b_layout == "nk":
+        N, Kb = b.shape[1], b.shape[2]
+    elif b_layout == "kn":
+        Kb, N = b.shape[1], b.shape[2]
+    else:
+        raise ValueError("b_layout must be 'nk' or 'kn'")
+    assert Kb == K, f"A has K={K}, B has {Kb}"
+    assert b.stride(-1) == 1 and a.stride(-1) == 1
+    two = a2 is not None
+    if two:
+        assert b2 is not None and b2.stride(1) == b.stride(1) and b2.stride(-1) == 1, "b2 must have b's row stride"
+        assert a2.stride(0) == a.stride(0) and a2.stride(-1) == 1 and a2.shape[0] == R
+        K2 = a2.shape[1]
+        Kb2 = b2.shape[2] if b_layout == "nk" else b2.shape[1]
+        Nb2 = b2.shape[1] if b_layout == "nk" else b2.shape[2]
+        assert Kb2 == K2 and Nb2 == N and b2.shape[0] == E
+    else:
+        K2 = 0
+    kind = KIND_DOWN if b_layout == "nk" else KIND_GATE_UP_DGRAD
+    cfg = config or default_config(kind, N, K + K2)
+    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
+    push = dst_ptrs is not None
+    if push:
+        assert row_src is not None and TK is not None
+        assert dst_ptrs.dtype == torch.int64 and row_src.dtype == torch.int32 and row_src.numel() == R
+        c = a  # unused
+        stride_c = 0
+        stride_d = N if dst_stride is None else dst_stride
+    else:
+        if out is None:
+            out = torch.empty(R, N, dtype=out_dtype or a.dtype, device=a.device)
+        assert out.shape == (R, N) and out.stride(-1) == 1
+        c, stride_c = out, out.stride(0)
+        row_src = tile_expert  # unused
+        dst_ptrs = tile_expert  # unused
+        TK, stride_d = 1, 0
+    num_m = R // cfg.BM
+    grid = (num_m * triton.cdiv(N, cfg.BN),)
+    even_k = K % cfg.BK == 0 and K2 % cfg.BK == 0
+    use_tma = cfg.tma and not two and _tma_ok(a, b)
+    if use_tma:
+        a_desc = _desc(a, [cfg.BM, cfg.BK])
+        b_desc = _desc(b, [1, cfg.BN, cfg.BK] if b_layout == "nk" else [1, cfg.BK, cfg.BN])
+    else:
+        a_desc = b_desc = None
+    rows_gemm_kernel[grid](
+        a_desc, b_desc, a, a2 if two else a, a.stride(0),
+        b, b2 if two else b, b.stride(0), (b2 if two else b).stride(0), b.stride(1),
+        c, stride_c, row_src, dst_ptrs, TK, stride_d,
+        tile_expert, num_tiles, num_m, N, K, K2,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+        B_NK=(b_layout == "nk"), TWO_PHASE=two, EVEN_K=even_k, PUSH=push,
+        DST_DTYPE=_TL_DTYPES[dst_dtype], USE_TMA=use_tma, INTERPRET=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return None if push else out
+
+
+def down_push(h: torch.Tensor, w_down: torch.Tensor, tile_expert: torch.Tensor, num_tiles: torch.Tensor,
+              row_src: torch.Tensor, dst_ptrs: torch.Tensor, TK: int, *, dst_stride: int | None = None,
+              config: GemmConfig | None = None):
+    """Down projection with push epilogue: row r of h[m-tile] @ Wd[e]^T ([R, I] x [E, H, I]) goes,
+    bf16, to ``dst_ptrs[row_src[r] // TK]`` row ``row_src[r] % TK`` (each destination [TK, H])."""
+    rows_gemm(h, w_down, tile_expert, num_tiles, b_layout="nk", row_src=row_src, dst_ptrs=dst_ptrs,
+              TK=TK, dst_stride=dst_stride, config=config)
+
+
+def down_local(h: torch.Tensor, w_down: torch.Tensor, tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
+               out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """Down projection into a local [R, H] buffer (rows of unused tiles untouched)."""
+    return rows_gemm(h, w_down, tile_expert, num_tiles, b_layout="nk", out=out, config=config)
+
+
+def gate_up_dgrad_push(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                       tile_expert: torch.Tensor, num_tiles: torch.Tensor,
+                       row_src: torch.Tensor, dst_ptrs: torch.Tensor, TK: int, *,
+                       dst_stride: int | None = None, config: GemmConfig | None = None):
+    """dxs = dg @ Wg[e] + du @ Wu[e] (dgu [R, 2I]: dg = dgu[:, :I], du = dgu[:, I:]; w [E, I, H]),
+    each row pushed bf16 to its origin as in ``down_push`` (destinations [TK, H])."""
+    I = w_gate.shape[1]
+    assert dgu.shape[1] == 2 * I
+    rows_gemm(dgu[:, :I], w_gate, tile_expert, num_tiles, b_layout="kn", a2=dgu[:, I:], b2=w_up,
+              row_src=row_src, dst_ptrs=dst_ptrs, TK=TK, dst_stride=dst_stride, config=config)
+
+
+def gate_up_dgrad_local(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                        tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
+                        out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """dxs [R, H] = dg @ Wg[e] + du @ Wu[e] into a local buffer."""
+    I = w_gate.shape[1]
+    return rows_gemm(dgu[:, :I], w_gate, tile_expert, num_tiles, b_layout="kn", a2=dgu[:, I:], b2=w_up,
+                     out=out, config=config)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. down dgrad with the SwiGLU backward in its epilogue
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def down_dgrad_swiglu_tile(pid_m, pid_n,
+                           dys_ptr, stride_dym,
+                           wd_ptr, stride_we, stride_wh,
+                           gu_ptr, stride_gum, ws_ptr,
+                           dgu_ptr, stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm,
+                           tile_expert_ptr, num_tiles_ptr,
+                           H: tl.constexpr, I: tl.constexpr,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           EVEN_K: tl.constexpr, EPI_SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
+    """One (row tile, I-column tile) of the down dgrad + SwiGLU backward.
+
+    dh_raw = dys[m-tile] @ Wd[e] (dys [R, H], Wd [E, H, I]: K = H, B[e] is [K, N]).
+    With g, u from gu [R, 2I] and the router weight ws[r] (fp32):
+    dw_part[r, pid_n] = sum_cols dh_raw * h (h = silu(g) * u); dh = ws * dh_raw;
+    dg = dh * u * sig(g) * (1 + g * (1 - sig(g))); du = dh * silu(g);
+    dgu [R, 2I] bf16 (dg, du); hw [R, I] bf16 = ws * h.
+    """
+    e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
+    if e >= 0:
+        acc = _rows_mainloop(pid_m, pid_n, e, dys_ptr, dys_ptr, stride_dym, wd_ptr, wd_ptr, stride_we, stride_we, stride_wh,
+                             I, H, 0, BM, BN, BK, False, False, EVEN_K, INTERPRET)
+        rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+        w = tl.load(ws_ptr + rows)
+        if EPI_SPLIT:
+            # Two column halves, one after the other: a whole-tile epilogue keeps ~6 fp32 tiles
+            # live and spills at BN=128.
+            acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+            acc_lo, acc_hi = tl.split(acc3)
+            dw_lo = _swiglu_bwd_epilogue(acc_lo, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
+                                         hw_ptr, stride_hwm, I, BN // 2)
+            dw_hi = _swiglu_bwd_epilogue(acc_hi, rows, pid_n * BN + BN // 2, w, gu_ptr, stride_gum, dgu_ptr,
+                                         stride_dgum, hw_ptr, stride_hwm, I, BN // 2)
+            dw = dw_lo + dw_hi
+        else:
+            dw = _swiglu_bwd_epilogue(acc, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
+                                      hw_ptr, stride_hwm, I, BN)
+        tl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw)
+
+
+@triton.jit
+def _swiglu_bwd_epilogue(acc, rows, col0, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
+                         I: tl.constexpr, BNE: tl.constexpr):
+    """SwiGLU backward on a [BM, BNE] slice of dh_raw (columns col0...); returns sum_cols dh_raw * h."""
+    cols = col0 + tl.arange(0, BNE)
+    cmask = (cols < I)[None, :]
+    gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
+    g = tl.load(gptrs, mask=cmask, other=0.0).to(tl.float32)
+    u = tl.load(gptrs + I, mask=cmask, other=0.0).to(tl.float32)
+    sg = tl.sigmoid(g)
+    silu = g * sg
+    h = silu * u
+    dw = tl.sum(acc * h, axis=1)  # masked columns: g = u = 0 -> h = 0
+    dh = acc * w[:, None]
+    dg = dh * u * sg * (1.0 + g * (1.0 - sg))
+    du = dh * silu
+    dptrs = dgu_ptr + rows[:, None] * stride_dgum + cols[None, :]
+    tl.store(dptrs, dg.to(dgu_ptr.dtype.element_ty), mask=cmask)
+    tl.store(dptrs + I, du.to(dgu_ptr.dtype.element_ty), mask=cmask)
+    tl.store(hw_ptr + rows[:, None] * stride_hwm + cols[None, :], (h * w[:, None]).to(hw_ptr.dtype.element_ty),
+             mask=cmask)
+    return dw
+
+
+@triton.jit
+def down_dgrad_swiglu_kernel(dys_ptr, stride_dym, wd_ptr, stride_we, stride_wh,
+                             gu_ptr, stride_gum, ws_ptr,
+                             dgu_ptr, stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm,
+                             tile_expert_ptr, num_tiles_ptr, num_m, H: tl.constexpr, I: tl.constexpr,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                             EVEN_K: tl.constexpr, EPI_SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, BN), GROUP_M)
+    down_dgrad_swiglu_tile(pid_m, pid_n, dys_ptr, stride_dym, wd_ptr, stride_we, stride_wh,
+                           gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
+                           dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, H, I,
+                           BM, BN, BK, EVEN_K, EPI_SPLIT, INTERPRET)
+
+
+def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Tensor, ws: torch.Tensor,
+                          tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
+                          dgu: torch.Tensor | None = None, hw: torch.Tensor | None = None,
+                          dw_part: torch.Tensor | None = None, config: GemmConfig | None = None):
+    """Down dgrad fused with the SwiGLU backward. Returns (dgu, hw, dw_part).
+
+    dys [R, H] bf16 (unscaled dy rows); w_down [E, H, I] bf16; gu [R, 2I] bf16 (saved g, u);
+    ws [R] fp32 router weight of each row (0 for padding). Outputs: dgu [R, 2I] bf16 (dg, du),
+    hw [R, I] bf16 (ws * h), dw_part [R, cdiv(I, BN)] fp32 partial router-weight gradients
+    (reduce with ``reduce_dw``). Rows of unused tiles are left untouched.
+    """
+    R, H = dys.shape
+    E, H2, I = w_down.shape
+    assert H2 == H and gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
+    assert w_down.stride(-1) == 1 and gu.stride(-1) == 1 and ws.stride(0) == 1
+    cfg = config or default_config(KIND_DGRAD_SWIGLU, I, H)
+    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
+    _check_rows("dys", dys, R, cfg.BM)
+    nt_n = triton.cdiv(I, cfg.BN)
+    if dgu is None:
+        dgu = torch.empty(R, 2 * I, dtype=dys.dtype, device=dys.device)
+    if hw is None:
+        hw = torch.empty(R, I, dtype=dys.dtype, device=dys.device)
+    if dw_part is None:
+        dw_part = torch.empty(R, nt_n, dtype=torch.float32, device=dys.device)
+    assert dw_part.shape == (R, nt_n) and dw_part.dtype == torch.float32
+    num_m = R // cfg.BM
+    grid = (num_m * nt_n,)
+    down_dgrad_swiglu_kernel[grid](
+        dys, dys.stride(0), w_down, w_down.stride(0), w_down.stride(1),
+        gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0),
+        tile_expert, num_tiles, num_m, H, I,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, EVEN_K=(H % cfg.BK == 0),
+        EPI_SPLIT=(cfg.BN >= 32), INTERPRET=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dgu, hw, dw_part
+
+
+@triton.jit
+def reduce_dw_tile(pid, dwp_ptr, stride_dwpm, dw_ptr, R, NT, BR: tl.constexpr, NT_P2: tl.constexpr):
+    """dw[r] = sum over n of dw_part[r, n] for BR rows, a fixed-shape (deterministic) reduction."""
+    rows = pid * BR + tl.arange(0, BR)
+    cols = tl.arange(0, NT_P2)
+    m = (rows < R)[:, None] & (cols < NT)[None, :]
+    x = tl.load(dwp_ptr + rows[:, None] * stride_dwpm + cols[None, :], mask=m, other=0.0)
+    tl.store(dw_ptr + rows, tl.sum(x, axis=1), mask=rows < R)
+
+
+@triton.jit
+def reduce_dw_kernel(dwp_ptr, stride_dwpm, dw_ptr, R, NT, BR: tl.constexpr, NT_P2: tl.constexpr):
+    reduce_dw_tile(tl.program_id(0), dwp_ptr, stride_dwpm, dw_ptr, R, NT, BR, NT_P2)
+
+
+def reduce_dw(dw_part: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """dw [R] fp32 = dw_part.sum(1), in a fixed order (deterministic)."""
+    R, NT = dw_part.shape
+    if out is None:
+        out = torch.empty(R, dtype=torch.float32, device=dw_part.device)
+    BR = 128
+    reduce_dw_kernel[(triton.cdiv(R, BR),)](dw_part, dw_part.stride(0), out, R, NT, BR=BR,
+                                             NT_P2=max(2, triton.next_power_of_2(NT)), num_warps=4)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Per-expert weight gradients over the whole row range
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK: tl.constexpr, INTERPRET: tl.constexpr):
+    kmask = (offs_k < cnt - kt * BK)[:, None]
+    a = tl.load(a_ptrs, mask=kmask, other=0.0)
+    b = tl.load(b_ptrs, mask=kmask, other=0.0)
+    acc = _dot(tl.trans(a), b, acc, INTERPRET)
+    return acc, a_ptrs + BK * stride_ar, b_ptrs + BK * stride_br
+
+
+@triton.jit
+def expert_wgrad_tile(e, pid_m, pid_n,
+                      a_ptr, stride_ar, b_ptr, stride_br, c_ptr, stride_ce, stride_cm,
+                      expert_start_ptr, expert_count_ptr,
+                      M, N,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """C[e][m-tile, n-tile] = A_seg^T @ B_seg over expert e's rows, one program, rows in order.
+
+    A [R, >= M] (row stride stride_ar, unit column stride), B [R, >= N] likewise;
+    C [E, M, N] (strides stride_ce, stride_cm, 1). An expert with no rows writes zeros.
+    """
+    start = tl.load(expert_start_ptr + e).to(tl.int64)
+    cnt = tl.load(expert_count_ptr + e)
+    offs_k = tl.arange(0, BK)
+    offs_m = (pid_m * BM + tl.arange(0, BM)) % M
+    offs_n = (pid_n * BN + tl.arange(0, BN)) % N
+    a_ptrs = a_ptr + start * stride_ar + (offs_k[:, None] * stride_ar + offs_m[None, :])  # [BK, BM]
+    b_ptrs = b_ptr + start * stride_br + (offs_k[:, None] * stride_br + offs_n[None, :])  # [BK, BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    nk = tl.cdiv(cnt, BK)
+    if INTERPRET:
+        # The interpreter (numpy >= 2.4) cannot take range() of a runtime scalar: same steps, a while loop.
+        kt = 0
+        while kt < nk:
+            acc, a_ptrs, b_ptrs = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK, INTERPRET)
+            kt += 1
+    else:
+        for kt in range(0, nk):
+            acc, a_ptrs, b_ptrs = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK, INTERPRET)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    cptrs = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :]
+    tl.store(cptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def expert_wgrad_kernel(a_ptr, a2_ptr, stride_ar, b_ptr, stride_br, c_ptr, c2_ptr, stride_ce, stride_cm,
+                        expert_start_ptr, expert_count_ptr, M, N,
+                        NUM_PAIRS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
+    """Tiles ordered expert-major (the expert's rows stay in L2), then pair, then grouped (m, n)."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    per_pair = num_m * num_n
+    pid = tl.program_id(0)
+    e = pid // (per_pair * NUM_PAIRS)
+    rem = pid % (per_pair * NUM_PAIRS)
+    pair = rem // per_pair
+    pid_m, pid_n = grouped_tile(rem % per_pair, num_m, num_n, GROUP_M)
+    if NUM_PAIRS == 2:
+        a_sel = tl.where(pair == 0, a_ptr, a2_ptr)
+        c_sel = tl.where(pair == 0, c_ptr, c2_ptr)
+    else:
+        a_sel = a_ptr
+        c_sel = c_ptr
+    expert_wgrad_tile(e, pid_m, pid_n, a_sel, stride_ar, b_ptr, stride_br, c_sel, stride_ce, stride_cm,
+                      expert_start_ptr, expert_count_ptr, M, N, BM, BN, BK, INTERPRET)
+
+
+def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg):
+    E = expert_count.numel()
+    N = out.shape[2]
+    assert expert_start.dtype == torch.int32 and expert_count.dtype == torch.int32
+    assert expert_start.numel() >= E
+    assert a.stride(-1) == 1 and b.stride(-1) == 1 and a.shape[0] == b.shape[0]
+    assert out.shape == (E, M, N) and out.stride(-1) == 1
+    pairs = 1 if a2 is None else 2
+    if pairs == 2:
+        assert a2.stride() == a.stride() and out2.stride() == out.stride() and out2.shape == out.shape
+    grid = (E * pairs * triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
+    expert_wgrad_kernel[grid](
+        a, a2 if pairs == 2 else a, a.stride(0), b, b.stride(0), out, out2 if pairs == 2 else out,
+        out.stride(0), out.stride(1), expert_start, expert_count, M, N,
+        NUM_PAIRS=pairs, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, INTERPRET=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def expert_wgrad(a: torch.Tensor, b: torch.Tensor, expert_start: torch.Tensor, expert_count: torch.Tensor, *,
+                 out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                 config: GemmConfig | None = None) -> torch.Tensor:
+    """C [E, M, N] with C[e] = A[s:s+c]^T @ B[s:s+c] (s = expert_start[e], c = expert_count[e]).
+
+    a [R, M], b [R, N]: any row strides (e.g. column slices of wider buffers), unit column stride.
+    fp32 accumulation, one program per output tile over the expert's rows in order; experts with
+    no rows get zeros. E.g. dW_down = expert_wgrad(dys, hw, ...) -> [E, H, I].
+    """
+    M, N = a.shape[1], b.shape[1]
+    E = expert_count.numel()
+    cfg = config or default_config(KIND_WGRAD, N, None, M=M)
+    if out is None:
+        out = torch.empty(E, M, N, dtype=out_dtype, device=a.device)
+    _wgrad_launch(a, None, b, expert_start, expert_count, M, out, None, cfg)
+    return out
+
+
+def expert_wgrad_gate_up(dgu: torch.Tensor, xs: torch.Tensor, expert_start: torch.Tensor,
+                         expert_count: torch.Tensor, *, out_gate: torch.Tensor | None = None,
+                         out_up: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                         config: GemmConfig | None = None):
+    """dW_gate[e] = dg_seg^T @ xs_seg, dW_up[e] = du_seg^T @ xs_seg (dgu [R, 2I], xs [R, H]) in one
+    launch; returns (dW_gate, dW_up), each [E, I, H]."""
+    I = dgu.shape[1] // 2
+    H = xs.shape[1]
+    E = expert_count.numel()
+    cfg = config or default_config(KIND_WGRAD, H, None, M=I)
+    if out_gate is None:
+        out_gate = torch.empty(E, I, H, dtype=out_dtype, device=dgu.device)
+    if out_up is None:
+        out_up = torch.empty(E, I, H, dtype=out_dtype, device=dgu.device)
+    _wgrad_launch(dgu[:, :I], dgu[:, I:], xs, expert_start, expert_count, I, out_gate, out_up, cfg)
+    return out_gate, out_up
