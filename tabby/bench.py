@@ -33,22 +33,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import types
 import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from . import launch as _launch  # sets the NVLS-off environment first
-from .launch import LaunchError, launch, under_torchrun
+import torch
 
-import torch  # noqa: E402
-
-from .anchors.floor import ErrorSums, expert_fp32, floor_errors, floor_forward, floor_fwdbwd, prepare_floor  # noqa: E402
-from .anchors.torch_a2a import dispatch_rows, moe_torch_a2a, return_rows, route_plan  # noqa: E402
-from .anchors.torch_symm import moe_torch_symm, release_buffers  # noqa: E402
-from .reference import combine_k, moe_reference  # noqa: E402
-from .shapes import SHAPES, TINY, Shape, make_routing, make_weights  # noqa: E402
+from .anchors.floor import ErrorSums, expert_fp32, floor_errors, floor_forward, floor_fwdbwd, prepare_floor
+from .anchors.torch_a2a import dispatch_rows, moe_torch_a2a, return_rows, route_plan
+from .anchors.torch_symm import moe_torch_symm, release_buffers
+from .launch import LaunchError, launch, under_torchrun  # importing it keeps NVLink multicast off
+from .reference import combine_k, moe_reference
+from .shapes import TINY, Shape, make_routing, make_weights
 
 PASSES = ("fwd", "fwd+bwd")
 ANCHORS = ("torch-a2a", "torch-symm")
@@ -386,7 +383,7 @@ def time_iterations(run, warmup: int, iters: int) -> list:
     torch.cuda.synchronize()
     dist = _dist()
     if dist is not None:
-        dist.barrier()
+        dist.barrier(device_ids=[torch.cuda.current_device()])
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for s, e in ev:
         s.record()
@@ -740,11 +737,12 @@ def format_errors(records: list) -> str:
 def git_commit() -> tuple:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        head = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-        dirty = bool(subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip())
-        return head, dirty
+        head = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode != 0 or not head.stdout.strip():
+            return "unknown", None
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip(), (bool(dirty.stdout.strip()) if dirty.returncode == 0 else None)
     except Exception:  # noqa: BLE001 -- no git: still write results
         return "unknown", None
 
@@ -814,7 +812,7 @@ def plot(records: list, dense_tflops, path: str) -> bool:
         ax.set_xticklabels([f"{s}\nEP{e}" if multi_ep else s for s, e in groups], fontsize=8)
         ax.set_ylabel("TFLOP/s per GPU")
         ax.set_title(f"{p}, {T} tokens/GPU (hatched: failed the correctness check)", fontsize=10)
-        ax.legend(fontsize=7, ncol=min(len(impls) + 1, 5))
+        ax.legend(fontsize=7, ncol=min(len(impls) + 1, 5), loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -129,15 +129,21 @@ def launch(fn, *args, nprocs: int | None = None, cpu: bool | None = None, timeou
         raise ValueError(f"asked for {nprocs} GPU processes but only {torch.cuda.device_count()} GPUs are visible")
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="tabby-launch-") as tmp:
-        try:
-            mp.spawn(_child, args=(fn, nprocs, free_port(), backend, args, tmp, timeout), nprocs=nprocs, join=True)
-        except mp.ProcessRaisedException as e:
-            raise LaunchError(_first_failure(tmp, f"rank {e.error_index} (pid {e.error_pid}) raised:\n{e.msg}")) from None
-        except mp.ProcessExitedException as e:
-            raise LaunchError(_first_failure(tmp, f"rank {e.error_index} (pid {e.error_pid}) died: {e.msg}")) from None
-        result_path = os.path.join(tmp, "rank0.pkl")
-        if not os.path.exists(result_path):
-            return None
-        with open(result_path, "rb") as f:
-            return pickle.load(f)
+    for attempt in range(3):
+        with tempfile.TemporaryDirectory(prefix="tabby-launch-") as tmp:
+            try:
+                mp.spawn(_child, args=(fn, nprocs, free_port(), backend, args, tmp, timeout), nprocs=nprocs,
+                         join=True)
+            except mp.ProcessRaisedException as e:
+                msg = _first_failure(tmp, f"rank {e.error_index} (pid {e.error_pid}) raised:\n{e.msg}")
+            except mp.ProcessExitedException as e:
+                msg = _first_failure(tmp, f"rank {e.error_index} (pid {e.error_pid}) died: {e.msg}")
+            else:
+                result_path = os.path.join(tmp, "rank0.pkl")
+                if not os.path.exists(result_path):
+                    return None
+                with open(result_path, "rb") as f:
+                    return pickle.load(f)
+        # The free port can be taken between free_port() and the store binding it: try another.
+        if not (attempt < 2 and "init_process_group" in msg and "EADDRINUSE" in msg):
+            raise LaunchError(msg)

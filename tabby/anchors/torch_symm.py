@@ -35,12 +35,13 @@ freeing NVSHMEM memory is collective).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from .. import launch as _launch  # noqa: F401  (keeps NVLS off before NVSHMEM initializes)
-from .torch_a2a import (check_layer_inputs, combine_sorted, expert_offsets, group_size, grouped_swiglu,
+from .torch_a2a import (check_layer_inputs, combine_sorted, expert_offsets, grouped_swiglu,
                         shared_swiglu, sort_rows)
 
 MAX_CHUNKS = 16  # all_to_all_vdev_2d: experts per rank <= NUM_TILES = 512 threads / 32
@@ -116,7 +117,9 @@ def _buffers(group, rows_tok: int, rows_exp: int, H: int, dtype, G: int, device)
         return bufs
     _ensure_nvshmem(device)
     if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        symm_mem.enable_symm_mem_for_group(name)  # required before 2.9, a no-op later
+        with warnings.catch_warnings():  # required before 2.9; deprecated (a no-op) later
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(name)
     W = dist.get_world_size(group)
 
     def alloc(*shape, dt=dtype):
@@ -131,7 +134,7 @@ def _buffers(group, rows_tok: int, rows_exp: int, H: int, dtype, G: int, device)
     bufs = _Buffers(name, alloc(rows_tok, H), alloc(rows_tok, H), alloc(rows_exp, H), alloc(rows_exp, H),
                     alloc(W * G, dt=torch.int64), alloc(2, W * G, dt=torch.int64), alloc(2, W * G, dt=torch.int64),
                     alloc(2, W * G, dt=torch.int64))
-    dist.barrier(group=group)  # every peer's buffers exist before anyone reads them
+    dist.barrier(group=group, device_ids=[device.index])  # every peer's buffers exist before anyone reads them
     _CACHE[key] = bufs
     return bufs
 
