@@ -317,3 +317,19 @@ def test_cpu_bench_end_to_end(tmp_path):
         assert got[key]["correct"] is True, got[key]
     assert got["torch-a2a", 2, "fwd+bwd"]["errors"]["dw_down"] < 2e-2
     assert got["torch-symm", 2, "fwd"]["error"].startswith("skipped")
+
+
+def test_tabby_layer_is_registered_when_present(monkeypatch):
+    import tabby
+
+    def fake_moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None, config=None):
+        return moe_torch_a2a(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
+
+    monkeypatch.setattr(tabby, "moe", fake_moe, raising=False)
+    monkeypatch.setitem(bench.IMPLS, "tabby", None)  # restored afterwards
+    bench.register_tabby()
+    impl = bench.IMPLS["tabby"]
+    assert impl.fn is fake_moe and impl.supports_cpu and not impl.anchor
+    inp = bench.make_inputs(TINY, 32, 1, 0, torch.device("cpu"))
+    errs = impl.prepare(inp, None).check(with_grads=False)
+    assert errs["y"] < 2e-2
