@@ -28,6 +28,21 @@ Everything is sync-free (grids depend on shapes only; a program whose tile is un
 and deterministic (no atomics; every output element is computed by one program in a fixed K
 order). Under ``TRITON_INTERPRET=1`` every ``tl.dot`` goes through ``_dot``, which works around
 the interpreter's broken bf16 dot by upcasting to fp32.
+
+Notes for callers of the tile functions (the megakernel):
+- Model dimensions (H, I, N, K, M) are ``tl.constexpr``: loop trip counts are then known, the
+  interpreter can iterate them (it cannot take ``range()`` of a runtime scalar under numpy >= 2.4,
+  and turns plain assignments into tensors: constexpr locals are written ``X: tl.constexpr = ...``),
+  and the compiler can prove the contiguity it needs to vectorize and pipeline the loads.
+- The row-tile height BM of kinds 1-4 must equal the schedule's tile height.
+- Push epilogues need 16-byte aligned destination bases and row strides (``_push_rows``).
+- Each tile function checks ``tile_expert`` / ``num_tiles`` itself and does nothing for an unused
+  tile; ``grouped_tile`` maps a linear id to (m, n) in L2-friendly groups of GROUP_M row tiles.
+
+Measured on one H200 (non-persistent thin kernels, triton 3.6, 64 local experts, H=2048,
+I=768, 65536 routed rows): gate_up_swiglu 556 TFLOP/s, down_push 481 (local store 546),
+down_dgrad_swiglu_bwd 379, gate_up_dgrad_push 558 (local 616), expert_wgrad 533-600;
+torch._grouped_mm on the same rows 577, dense mm 722. Run-to-run spread is about +-8%.
 """
 from __future__ import annotations
 
@@ -83,9 +98,9 @@ def default_config(kind: str = KIND_DOWN, N: int | None = None, K: int | None = 
     are free). ``M`` is only used by ``KIND_WGRAD`` (rows of each C[e]).
     """
     if kind == KIND_GATE_UP:
-        # A 128x64 + 2 x (128x64) B per stage = 48 KB; 4 stages = 192 KB.
+        # A 128x64 + 2 x (128x64) B per stage = 48 KB; 3 stages = 144 KB (4 measured no faster).
         BN = 128 if N is None or N > 64 else 64
-        return GemmConfig(BM=BM, BN=BN, BK=64, num_warps=8, num_stages=4, GROUP_M=8)
+        return GemmConfig(BM=BM, BN=BN, BK=64, num_warps=8, num_stages=3, GROUP_M=8)
     if kind == KIND_DGRAD_SWIGLU:
         BN = 128 if N is None or N > 64 else 64
         return GemmConfig(BM=BM, BN=BN, BK=64, num_warps=8, num_stages=4, GROUP_M=8)
@@ -94,10 +109,9 @@ def default_config(kind: str = KIND_DOWN, N: int | None = None, K: int | None = 
         stages = 3 if BN == 256 else 4
         return GemmConfig(BM=BM, BN=BN, BK=64, num_warps=8, num_stages=stages, GROUP_M=8)
     if kind == KIND_WGRAD:
+        # K runs over an expert's rows; BK=32 with 4 stages measured best (BN=256).
         BN = 256 if N is None or N >= 256 else max(16, triton.next_power_of_2(N))
-        BMw = 128
-        stages = 3 if BN == 256 else 4
-        return GemmConfig(BM=BMw, BN=BN, BK=64, num_warps=8, num_stages=stages, GROUP_M=8)
+        return GemmConfig(BM=128, BN=BN, BK=32, num_warps=8, num_stages=4, GROUP_M=8)
     raise ValueError(f"unknown GEMM kind {kind!r}")
 
 
@@ -736,7 +750,7 @@ def _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK: 
 def expert_wgrad_tile(e, pid_m, pid_n,
                       a_ptr, stride_ar, b_ptr, stride_br, c_ptr, stride_ce, stride_cm,
                       expert_start_ptr, expert_count_ptr,
-                      M, N,
+                      M: tl.constexpr, N: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
     """C[e][m-tile, n-tile] = A_seg^T @ B_seg over expert e's rows, one program, rows in order.
 
@@ -769,13 +783,15 @@ def expert_wgrad_tile(e, pid_m, pid_n,
 
 @triton.jit
 def expert_wgrad_kernel(a_ptr, a2_ptr, stride_ar, b_ptr, stride_br, c_ptr, c2_ptr, stride_ce, stride_cm,
-                        expert_start_ptr, expert_count_ptr, M, N,
+                        expert_start_ptr, expert_count_ptr, M: tl.constexpr, N: tl.constexpr,
                         NUM_PAIRS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
     """Tiles ordered expert-major (the expert's rows stay in L2), then pair, then grouped (m, n)."""
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    per_pair = num_m * num_n
+    # M, N constexpr: with them known, (offs % M) keeps the contiguity the loads need to vectorize
+    # (and to be pipelined); a runtime M would make every A and B load element-wise.
+    num_m: tl.constexpr = (M + BM - 1) // BM
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    per_pair: tl.constexpr = num_m * num_n
     pid = tl.program_id(0)
     e = pid // (per_pair * NUM_PAIRS)
     rem = pid % (per_pair * NUM_PAIRS)
