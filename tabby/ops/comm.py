@@ -36,6 +36,20 @@ def wait_peers_kernel(my_flags, epoch_ptr, slot, rank, W, max_iters, err_ptr, co
 
 
 @triton.jit
+def count_ready_kernel(my_flags, epoch_ptr, slot, W, out):
+    """out[0] = how many ranks have set flag ``[slot, src]`` to at least the epoch (one poll, no wait).
+
+    The CPU harness polls with this from the host: the interpreter cannot run launches of
+    several threads at once, so a wait there must not hold the interpreter.
+    """
+    epoch = tl.load(epoch_ptr)
+    n = 0
+    for src in range(W):
+        n += (sync.load_acquire(my_flags + slot * W + src, "sys") >= epoch).to(tl.int32)
+    tl.store(out, n)
+
+
+@triton.jit
 def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
                    BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr):
     """Copy rows ``tile*BR ..`` of the routed buffer from their source ranks.

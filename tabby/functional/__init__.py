@@ -1,0 +1,1 @@
+"""The ``functional`` layer: config, workspace, forward, backward and the autograd Function."""

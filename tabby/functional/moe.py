@@ -1,0 +1,217 @@
+"""The sync-free expert-parallel MoE layer: forward, backward and the autograd Function.
+
+Each pass is a short sequence of launches on the current stream, none of which reads anything
+back to the host (so a forward + backward can be captured in a CUDA graph):
+
+forward, on every rank
+    publish      copy x, topk_idx, topk_weights into the symmetric buffers; signal FWD_READY to all
+    wait         every peer's FWD_READY (its inputs are readable)
+    schedule     read every rank's topk_idx; routed-row table of the local experts (ops/schedule.py)
+    dispatch     pull x rows (and router weights) from their source ranks into xs   (ops/comm.py)
+    gate/up      h = silu(xs Wg^T) * (xs Wu^T); g, u saved for the backward          (ops/gemm.py)
+    down         rows of h Wd^T pushed to the origin's y_in[t*k + kk]                (ops/gemm.py)
+    signal       FWD_DONE to every rank; then wait for every peer's FWD_DONE
+    combine      y[t] = sum_kk w[t,kk] y_in[t*k+kk] (fp32, k order) + shared[t]     (ops/combine.py)
+
+backward, mirrored: publish dy; pull dy rows; down dgrad with the SwiGLU backward and the
+router-weight gradient <dy, y_e>; gate/up dgrad whose rows are pushed to the origin's dx_in;
+router-weight gradients pushed to dw_in; per-expert weight gradients (one program per output
+tile over the expert's whole row range); signal and wait; dx summed over k in k order.
+
+Saved for the backward (per call, from PyTorch's caching allocator): the schedule, the
+dispatched rows xs [R, H], g and u [R, 2I] and the router weight of each row: nothing is
+recomputed, at the cost of (H + 2I) * 2 bytes per routed row. The shared expert is plain
+PyTorch outside the Function (its output enters the combine as ``extra``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..ops import INTERPRET, comm, gemm, sync
+from ..ops.combine import combine_k
+from ..ops.schedule import alloc_schedule, launch_schedule
+from ..validate import MoEInputError, check_inputs
+from .config import MoEConfig
+from .workspace import (BWD, BWD_DONE, BWD_READY, FWD, FWD_DONE, FWD_READY, ThreadGroup, WorkspaceKey,
+                        get_workspace)
+
+
+@dataclass(frozen=True)
+class ThreadRank:
+    """The ``group`` argument in the CPU test harness: rank ``rank`` of a ``ThreadGroup``."""
+
+    group: ThreadGroup
+    rank: int
+
+
+def _group_info(group, device):
+    """(rank, world size, torch process group or None, thread group or None)."""
+    if isinstance(group, ThreadRank):
+        return group.rank, group.group.world_size, None, group.group
+    if group is None:
+        import torch.distributed as dist
+
+        if device.type == "cuda" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            group = dist.group.WORLD
+        else:
+            return 0, 1, None, None
+    import torch.distributed as dist
+
+    return dist.get_rank(group), dist.get_world_size(group), group, None
+
+
+def _signal(ws, slot, epoch_idx, bump):
+    comm.signal_peers_kernel[(1,)](ws.ptrs["flags"], ws.epoch[epoch_idx:], slot, ws.rank, ws.world_size,
+                                   BUMP=bump)
+
+
+def _wait(ws, slot, epoch_idx, code, cfg):
+    if INTERPRET:  # CPU harness: poll from the host so other ranks' threads can run their kernels
+        ready = torch.zeros(1, dtype=torch.int32)
+        for _ in range(cfg.max_wait_iters):
+            comm.count_ready_kernel[(1,)](ws.flags, ws.epoch[epoch_idx:], slot, ws.world_size, ready)
+            if int(ready) == ws.world_size:
+                return
+            time.sleep(1e-3)
+        # Not ready: the bounded wait below records what was missing.
+        comm.wait_peers_kernel[(1,)](ws.flags, ws.epoch[epoch_idx:], slot, ws.rank, ws.world_size,
+                                     0, ws.err, code)
+        return
+    comm.wait_peers_kernel[(1,)](ws.flags, ws.epoch[epoch_idx:], slot, ws.rank, ws.world_size,
+                                 cfg.max_wait_iters, ws.err, code)
+
+
+def _pull_rows(cfg, sched, src_ptrs, dst, TK, k, w_ptrs=None, ws_out=None):
+    H = dst.shape[1]
+    with_w = w_ptrs is not None
+    comm.pull_rows_kernel[(cfg.comm_programs,)](
+        sched.row_src, sched.num_tiles, src_ptrs, dst, H, TK, k,
+        w_ptrs if with_w else src_ptrs, ws_out if with_w else dst,
+        BR=cfg.pull_rows, BH=min(cfg.pull_cols, triton_next_pow2(H)), WITH_WEIGHTS=with_w,
+        TILE_ROWS=cfg.tile_m, num_warps=8)
+
+
+def _gemm_cfg(cfg: MoEConfig, kind, N, K):
+    """The GEMM config of ``kind``: row tiles are the schedule's tiles (cfg.tile_m)."""
+    return gemm.default_config(kind, N, K, BM=cfg.tile_m)
+
+
+def triton_next_pow2(n):
+    return 1 << max(0, n - 1).bit_length()
+
+
+def moe_forward(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra=None):
+    """Forward pass on one rank. Returns (y [T, H], saved) where saved feeds ``moe_backward``."""
+    T, H = x.shape
+    k = topk_idx.shape[1]
+    E_local, I = w_gate.shape[0], w_gate.shape[1]
+    W, rank, TK = ws.world_size, ws.rank, T * k
+    ws.x_pub.copy_(x)
+    ws.idx_pub.copy_(topk_idx)
+    ws.w_pub.copy_(topk_weights)
+    _signal(ws, FWD_READY, FWD, bump=True)
+    _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
+
+    sched = alloc_schedule(W, T, k, E_local, cfg.tile_m, x.device)
+    launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, rank)
+    R = sched.R_max
+    xs = x.new_empty((R, H))
+    row_w = torch.empty(R, dtype=torch.float32, device=x.device)
+    _pull_rows(cfg, sched, ws.ptrs["x_pub"], xs, TK, k, ws.ptrs["w_pub"], row_w)
+
+    h, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, save_gu=True,
+                                config=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H))
+    gemm.down_push(h, w_down, sched.tile_expert, sched.num_tiles, sched.row_src, ws.ptrs["y_in"], TK,
+                   config=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I))
+    _signal(ws, FWD_DONE, FWD, bump=False)
+    _wait(ws, FWD_DONE, FWD, sync.ERR_WAIT_PEER_DONE, cfg)
+    y = combine_k(ws.y_in, T, k, w=topk_weights.float().contiguous(), extra=extra, dtype=x.dtype)
+    if cfg.debug:
+        ws.check_errors()
+    return y, (sched, xs, gu, row_w)
+
+
+def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
+    """Backward pass on one rank. Returns (dx, d topk_weights [T, k] fp32, dw_gate, dw_up, dw_down)."""
+    sched, xs, gu, row_w = saved
+    T, H = dy.shape
+    k, TK = sched.k, sched.T * sched.k
+    I = w_gate.shape[1]
+    ws.dy_pub.copy_(dy)
+    _signal(ws, BWD_READY, BWD, bump=True)
+    _wait(ws, BWD_READY, BWD, sync.ERR_WAIT_PEER_READY, cfg)
+
+    dys = torch.empty_like(xs)
+    _pull_rows(cfg, sched, ws.ptrs["dy_pub"], dys, TK, k)
+    dgu, hw, dw_part = gemm.down_dgrad_swiglu_bwd(dys, w_down, gu, row_w, sched.tile_expert, sched.num_tiles,
+                                                  config=_gemm_cfg(cfg, gemm.KIND_DGRAD_SWIGLU, I, H))
+    gemm.gate_up_dgrad_push(dgu, w_gate, w_up, sched.tile_expert, sched.num_tiles, sched.row_src,
+                            ws.ptrs["dx_in"], TK, config=_gemm_cfg(cfg, gemm.KIND_GATE_UP_DGRAD, H, 2 * I))
+    dw_rows = gemm.reduce_dw(dw_part)
+    comm.push_scalars_kernel[(64,)](dw_rows, sched.row_src, sched.num_tiles, ws.ptrs["dw_in"], TK,
+                                    BR=256, TILE_ROWS=cfg.tile_m)
+    dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype)
+    dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
+                                               out_dtype=w_gate.dtype)
+    _signal(ws, BWD_DONE, BWD, bump=False)
+    _wait(ws, BWD_DONE, BWD, sync.ERR_WAIT_PEER_DONE, cfg)
+    dx = combine_k(ws.dx_in, T, k, dtype=dy.dtype)
+    dtopk = ws.dw_in.view(T, k).clone()
+    if cfg.debug:
+        ws.check_errors()
+    return dx, dtopk, dw_gate, dw_up, dw_down
+
+
+class _TabbyMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra, ws, cfg):
+        y, saved = moe_forward(ws, cfg, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra)
+        ctx.ws, ctx.cfg, ctx.saved = ws, cfg, saved
+        ctx.w_dtype = topk_weights.dtype
+        ctx.has_extra = extra is not None
+        ctx.save_for_backward(w_gate, w_up, w_down)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        w_gate, w_up, w_down = ctx.saved_tensors
+        dx, dtopk, dwg, dwu, dwd = moe_backward(ctx.ws, ctx.cfg, dy.contiguous(), ctx.saved, w_gate, w_up, w_down)
+        ctx.saved = None
+        return (dx, None, dtopk.to(ctx.w_dtype), dwg, dwu, dwd, dy if ctx.has_extra else None, None, None)
+
+
+def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None, config: MoEConfig | None = None):
+    """Tabby's MoE layer (same arguments as ``tabby.moe_reference``; see tabby/validate.py).
+
+    x [T, H] bf16; topk_idx [T, k] int; topk_weights [T, k] float; w_gate, w_up [E_local, I, H],
+    w_down [E_local, H, I] bf16; shared None or (w_gate_s [I_s, H], w_up_s [I_s, H], w_down_s [H, I_s]).
+    ``group``: the expert-parallel process group (None: the default group if initialized, else one
+    rank). Returns y [T, H] bf16. No host synchronization: expert ids are checked on the device
+    and reported by ``check_errors`` (or at once with ``config.debug``).
+    """
+    cfg = config or MoEConfig()
+    rank, W, pg, tg = _group_info(group, x.device)
+    dims = check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, world_size=W,
+                        check_ids=False, dtypes=(torch.bfloat16,))
+    if dims.T == 0:
+        raise MoEInputError("x has no tokens (T = 0)")
+    key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device))
+    ws = get_workspace(key, rank, group=pg, thread_group=tg)
+    extra = None
+    if shared is not None:
+        sg, su, sd = shared
+        extra = (F.silu(x @ sg.t()) * (x @ su.t())) @ sd.t()
+    return _TabbyMoE.apply(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate, w_up,
+                           w_down, extra, ws, cfg)
+
+
+def check_errors(group=None, device=None):
+    """Raise ``TabbyDeviceError`` if any cached workspace of this process recorded an error (host sync)."""
+    from .workspace import _CACHE
+
+    for ws in list(_CACHE.values()):
+        ws.check_errors()
