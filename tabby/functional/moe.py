@@ -197,6 +197,9 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
     rank, W, pg, tg = _group_info(group, x.device)
     dims = check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, world_size=W,
                         check_ids=False, dtypes=(torch.bfloat16,))
+    if W > 1 and tg is None and x.device.type != "cuda":
+        raise MoEInputError("Tabby across processes needs CUDA tensors (GPU symmetric memory); on the CPU "
+                            "run one rank, or the thread harness of tests/harness.py")
     if dims.T == 0:
         raise MoEInputError("x has no tokens (T = 0)")
     key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device))

@@ -1,0 +1,170 @@
+"""Tabby on the GPU: values and gradients against the reference, determinism, no host sync,
+CUDA-graph replay; EP1 in this process, EP2 across two GPUs (spawned). Skips without a GPU.
+
+Shapes: the DESIGN.md shapes with their true H, I and k and a small expert count per rank
+(the full expert counts run in ``tabby bench``, which checks every implementation first).
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import rel_err  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+TOL = 2e-2
+# name: (T per rank, H, I, E_local, k, shared, route)
+CASES = {
+    "kimi-k2": (256, 7168, 2048, 8, 8, False, "random"),
+    "glm-5": (256, 6144, 2048, 8, 8, False, "random"),
+    "qwen3.5-397b": (256, 4096, 1024, 16, 10, False, "random"),
+    "deepseek-v4-pro": (256, 7168, 3072, 8, 6, False, "random"),
+    "qwen3-30b-a3b": (512, 2048, 768, 16, 8, True, "random"),
+    "gpt-oss-120b": (256, 2880, 2880, 8, 4, False, "random"),
+    "odd-T": (333, 2048, 768, 16, 8, False, "random"),
+    "k1": (300, 2048, 768, 16, 1, False, "random"),
+    "one-expert": (200, 2048, 768, 16, 4, False, "one_expert"),
+    "one-rank-empty-experts": (200, 2048, 768, 16, 2, False, "one_rank"),
+}
+
+
+def _inputs(case, rank, W, device):
+    T, H, I, E_local, k, shared, route = CASES[case]
+    g = torch.Generator(device=device).manual_seed(1000 + rank)
+    E = E_local * W
+    x = torch.randn(T, H, generator=g, device=device).bfloat16()
+    if route == "random":
+        vals, idx = torch.randn(T, E, generator=g, device=device).topk(k, dim=1)
+    elif route == "one_expert":
+        idx = torch.zeros(T, k, dtype=torch.int64, device=device)
+        vals = torch.randn(T, k, generator=g, device=device)
+    else:  # every token to the experts of the last rank; most experts of it get nothing with k small
+        vals, idx = torch.randn(T, 2, generator=g, device=device).topk(k, dim=1)
+        idx = idx + (W - 1) * E_local
+    wts = torch.softmax(vals, dim=1)
+    gw = torch.Generator(device=device).manual_seed(7)  # expert weights differ per rank by slicing
+    s = lambda *sz: (torch.randn(*sz, generator=gw, device=device) / sz[-1] ** 0.5).bfloat16()
+    ws = [s(E, I, H)[rank * E_local:(rank + 1) * E_local].contiguous(),
+          s(E, I, H)[rank * E_local:(rank + 1) * E_local].contiguous(),
+          s(E, H, I)[rank * E_local:(rank + 1) * E_local].contiguous()]
+    sh = [s(256, H), s(256, H), s(H, 256)] if shared else None
+    dy = torch.randn(T, H, generator=g, device=device).bfloat16()
+    return x, idx, wts, ws, sh, dy
+
+
+def _fwd_bwd(fn, x, idx, wts, ws, sh, dy, group):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, wts, *ws, *(sh or ()))]
+    y = fn(leaves[0], idx, leaves[1], *leaves[2:5], shared=leaves[5:] or None, group=group)
+    y.backward(dy)
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+NAMES = ["y", "dx", "dtopk", "dw_gate", "dw_up", "dw_down", "dsh_gate", "dsh_up", "dsh_down"]
+
+
+def check_rank(rank, W, cases, reps=20):
+    """Run every check on this rank; returns {case: {check: value}}."""
+    import tabby
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    group = None
+    if W > 1:
+        import torch.distributed as dist
+
+        group = dist.group.WORLD
+    out = {}
+    for case in cases:
+        inp = _inputs(case, rank, W, device)
+        got = _fwd_bwd(tabby.moe, *inp, group)
+        want = _fwd_bwd(tabby.moe_reference, *inp, group)
+        res = {f"err_{n}": rel_err(a, b) for n, a, b in zip(NAMES, got, want)}
+        tabby.check_errors()
+        out[case] = res
+    # Determinism, no host sync and graph replay on the last case.
+    case = cases[-1]
+    inp = _inputs(case, rank, W, device)
+    first = _fwd_bwd(tabby.moe, *inp, group)
+    same = True
+    for _ in range(reps - 1):
+        again = _fwd_bwd(tabby.moe, *inp, group)
+        same &= all(torch.equal(a, b) for a, b in zip(first, again))
+    out["determinism"] = {"bitwise_equal": same, "reps": reps}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _fwd_bwd(tabby.moe, *inp, group)
+        no_sync = True
+    except RuntimeError as e:
+        no_sync = f"host sync: {e}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out["no_host_sync"] = {"ok": no_sync}
+    out["graph"] = _graph_check(inp, group, device)
+    tabby.check_errors()
+    return out
+
+
+def _graph_check(inp, group, device):
+    import tabby
+
+    x, idx, wts, ws, sh, dy = inp
+    static = [t.clone() for t in (x, idx, wts, dy)]
+    params = [w.detach().clone().requires_grad_(True) for w in ws]
+    xs = static[0].requires_grad_(True)
+    wl = static[2].requires_grad_(True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up on a side stream, as graph capture wants
+        for _ in range(2):
+            y = tabby.moe(xs, static[1], wl, *params, group=group)
+            y.backward(static[3])
+    torch.cuda.current_stream().wait_stream(s)
+    for t in (xs, wl, *params):
+        t.grad = None
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = tabby.moe(xs, static[1], wl, *params, group=group)
+        y.backward(static[3])
+    # New inputs: copy into the static tensors and replay.
+    gen = torch.Generator(device=device).manual_seed(99)
+    with torch.no_grad():
+        xs.copy_(torch.randn(x.shape, generator=gen, device=device).bfloat16())
+        static[3].copy_(torch.randn(dy.shape, generator=gen, device=device).bfloat16())
+    g.replay()
+    eager = _fwd_bwd(tabby.moe, xs.detach(), static[1], wl.detach(), params, None, static[3], group)
+    graph = [y.detach(), xs.grad, wl.grad] + [p.grad for p in params]
+    return {"matches_eager": all(torch.equal(a, b) for a, b in zip(graph, [eager[0], eager[1], eager[2],
+                                                                          *eager[3:6]]))}
+
+
+def _assert_ok(res):
+    for case, r in res.items():
+        if case.startswith("err") or case in ("determinism", "no_host_sync", "graph"):
+            continue
+        bad = {k: v for k, v in r.items() if not v < TOL}
+        assert not bad, f"{case}: errors over {TOL}: {bad}"
+    assert res["determinism"]["bitwise_equal"], "outputs or gradients differ between repeated runs"
+    assert res["no_host_sync"]["ok"] is True, res["no_host_sync"]["ok"]
+    assert res["graph"]["matches_eager"], "CUDA graph replay with new inputs differs from eager"
+
+
+def test_tabby_gpu_ep1():
+    res = check_rank(0, 1, list(CASES))
+    print(res)
+    _assert_ok(res)
+
+
+def _ep_worker(rank, world, cases):
+    return check_rank(rank, world, cases)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tabby_gpu_ep2():
+    from tabby.launch import launch
+
+    res = launch(_ep_worker, list(CASES), nprocs=2)
+    print(res)
+    _assert_ok(res)
