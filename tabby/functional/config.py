@@ -20,5 +20,5 @@ class MoEConfig:
     pull_rows: int = 32
     pull_cols: int = 512
     comm_programs: int = 132
-    max_wait_iters: int = 1 << 24
+    max_wait_iters: int = int(os.environ.get("TABBY_MAX_WAIT_ITERS", 1 << 24))
     debug: bool = os.environ.get("TABBY_DEBUG", "0") == "1"

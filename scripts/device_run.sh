@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One batched call on the GPU machine (the device tool): GPU tests, then `tabby bench`.
+# Usage: scripts/device_run.sh STAGE [bench args...]; STAGE is tests, bench or all.
+# Writes logs and results under $OUT (the device tool brings that folder back).
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" TABBY_MAX_WAIT_ITERS=${TABBY_MAX_WAIT_ITERS:-4194304}
+OUT=${OUT:-/tmp/tabby-out}
+mkdir -p "$OUT/res"
+stage=${1:-all}; shift || true
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/machine.txt" 2>&1
+nvidia-smi topo -m >> "$OUT/machine.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" >> "$OUT/machine.txt"
+git rev-parse HEAD >> "$OUT/machine.txt" 2>/dev/null
+if [ "$stage" = tests ] || [ "$stage" = all ]; then
+  timeout 300 python3 -m pytest -q -rA -p no:cacheprovider --timeout 280 -s tests/test_moe_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|error|assert" | tail -40
+fi
+if [ "$stage" = bench ] || [ "$stage" = all ]; then
+  python3 -m tabby bench --out "$OUT/res" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80
+fi
