@@ -48,17 +48,15 @@ class ThreadRank:
     rank: int
 
 
-def _group_info(group, device):
-    """(rank, world size, torch process group or None, thread group or None)."""
+def _group_info(group):
+    """(rank, world size, torch process group or None, thread group or None).
+
+    ``group=None`` means one rank, as in ``moe_reference`` (even when a default group exists).
+    """
     if isinstance(group, ThreadRank):
         return group.rank, group.group.world_size, None, group.group
     if group is None:
-        import torch.distributed as dist
-
-        if device.type == "cuda" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            group = dist.group.WORLD
-        else:
-            return 0, 1, None, None
+        return 0, 1, None, None
     import torch.distributed as dist
 
     return dist.get_rank(group), dist.get_world_size(group), group, None
@@ -189,12 +187,11 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
 
     x [T, H] bf16; topk_idx [T, k] int; topk_weights [T, k] float; w_gate, w_up [E_local, I, H],
     w_down [E_local, H, I] bf16; shared None or (w_gate_s [I_s, H], w_up_s [I_s, H], w_down_s [H, I_s]).
-    ``group``: the expert-parallel process group (None: the default group if initialized, else one
-    rank). Returns y [T, H] bf16. No host synchronization: expert ids are checked on the device
+    ``group``: the expert-parallel process group (None: one rank). Returns y [T, H] bf16. No host synchronization: expert ids are checked on the device
     and reported by ``check_errors`` (or at once with ``config.debug``).
     """
     cfg = config or MoEConfig()
-    rank, W, pg, tg = _group_info(group, x.device)
+    rank, W, pg, tg = _group_info(group)
     dims = check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, world_size=W,
                         check_ids=False, dtypes=(torch.bfloat16,))
     if W > 1 and tg is None and x.device.type != "cuda":
