@@ -11,7 +11,7 @@ stage=${1:-all}; shift || true
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/machine.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/machine.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" >> "$OUT/machine.txt"
-git rev-parse HEAD >> "$OUT/machine.txt" 2>/dev/null
+echo "commit ${TABBY_GIT_COMMIT:-unknown} (pass TABBY_GIT_COMMIT=$(git rev-parse HEAD): the device tree has no .git)" >> "$OUT/machine.txt"
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
   timeout 300 python3 -m pytest -q -rA -p no:cacheprovider --timeout 280 -s tests/test_moe_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|error|assert" | tail -40
 fi

@@ -519,6 +519,11 @@ class _Sink:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
+        # A flat copy beside the results, so a run killed at a time limit keeps what it measured.
+        partial = os.environ.get("TABBY_BENCH_PARTIAL")
+        if partial:
+            with open(partial, "a") as f:
+                f.write(json.dumps(rec) + "\n")
         print(f"[{self.i}/{self.total}] {progress_line(rec)}", flush=True)
 
     def note(self, obj: dict) -> None:
@@ -741,7 +746,10 @@ def format_errors(records: list) -> str:
 
 
 def git_commit() -> tuple:
+    """(commit, dirty); TABBY_GIT_COMMIT names it where the tree has no .git (the device machine)."""
     here = os.path.dirname(os.path.abspath(__file__))
+    if os.environ.get("TABBY_GIT_COMMIT"):
+        return os.environ["TABBY_GIT_COMMIT"], None
     try:
         head = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if head.returncode != 0 or not head.stdout.strip():
@@ -874,6 +882,9 @@ def _run_phases(cfg: Config, tmp: str) -> tuple:
 def run(cfg: Config) -> dict:
     """Run the benchmark; returns the result dict (also written under ``cfg.out`` by rank 0)."""
     gpu = torch.cuda.is_available()
+    os.makedirs(cfg.out, exist_ok=True)
+    partial = os.path.join(cfg.out, "partial-records.jsonl")
+    os.environ["TABBY_BENCH_PARTIAL"] = partial  # inherited by the spawned workers
     with tempfile.TemporaryDirectory(prefix="tabby-bench-") as tmp:
         if gpu:
             records, dense = _run_phases(cfg, tmp)
@@ -898,6 +909,8 @@ def run(cfg: Config) -> dict:
     stem = os.path.join(cfg.out, file_stem(info, cfg.tag))
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
+    if os.path.exists(partial):  # the complete JSON supersedes it
+        os.remove(partial)
     header = (f"# tabby bench: {info['machine']}\n\ntorch {info['torch']}, triton {info['triton']}, commit "
               f"{info['git_commit']}{' (dirty)' if info['git_dirty'] else ''}, {info['date']}\n\n")
     if dense:
