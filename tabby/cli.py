@@ -1,4 +1,4 @@
-"""Command line: ``tabby bench ...`` (also ``python -m tabby bench ...``)."""
+"""Command line: ``tabby bench ...`` and ``tabby profile ...`` (also ``python -m tabby ...``)."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness checks")
     b.add_argument("--out", default="bench/results", help="output folder (default bench/results)")
     b.add_argument("--tag", default="", help="label in the output file names")
+    pr = sub.add_parser("profile", help="time every stage of Tabby's forward and backward",
+                        description="Per-stage times (CUDA events between launches), median over iterations, "
+                                    "max over ranks. 'tiny' runs on the CPU under the Triton interpreter.")
+    pr.add_argument("--shapes", type=_list, default=["qwen3-30b-a3b"], help="comma list of shape names")
+    pr.add_argument("--tokens", type=_ints, default=[16384], help="tokens per GPU, comma list")
+    pr.add_argument("--ep", type=_ints, default=[1], help="EP sizes, comma list")
+    pr.add_argument("--warmup", type=int, default=3)
+    pr.add_argument("--iters", type=int, default=10)
+    pr.add_argument("--out", default=None, help="JSON file for the per-stage times")
     return p
 
 
@@ -68,6 +77,15 @@ def bench_config(args, parser):
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "profile":
+        from . import profile
+        from .profile import PROFILE_SHAPES
+
+        bad = [n for n in args.shapes if n not in PROFILE_SHAPES]
+        if bad:
+            parser.error(f"unknown shape(s) {', '.join(bad)}; known: {', '.join(PROFILE_SHAPES)}")
+        profile.run(args.shapes, args.tokens, args.ep, args.iters, args.warmup, args.out)
+        return 0
     if args.command != "bench":
         parser.print_help()
         return 2

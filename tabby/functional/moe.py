@@ -62,6 +62,15 @@ def _group_info(group):
     return dist.get_rank(group), dist.get_world_size(group), group, None
 
 
+# Stage timing (tabby profile): None, or an object with .mark(name) called at stage boundaries.
+STAGE_TIMER = None
+
+
+def _stage(name):
+    if STAGE_TIMER is not None:
+        STAGE_TIMER.mark(name)
+
+
 def _signal(ws, slot, epoch_idx, bump):
     comm.signal_peers_kernel[(1,)](ws.ptrs["flags"], ws.epoch[epoch_idx:], slot, ws.rank, ws.world_size,
                                    BUMP=bump)
@@ -108,26 +117,34 @@ def moe_forward(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_d
     k = topk_idx.shape[1]
     E_local, I = w_gate.shape[0], w_gate.shape[1]
     W, rank, TK = ws.world_size, ws.rank, T * k
+    _stage("fwd:start")
     ws.x_pub.copy_(x)
     ws.idx_pub.copy_(topk_idx)
     ws.w_pub.copy_(topk_weights)
     _signal(ws, FWD_READY, FWD, bump=True)
     _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
+    _stage("fwd:publish+wait")
 
     sched = alloc_schedule(W, T, k, E_local, cfg.tile_m, x.device)
     launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, rank)
+    _stage("fwd:schedule")
     R = sched.R_max
     xs = x.new_empty((R, H))
     row_w = torch.empty(R, dtype=torch.float32, device=x.device)
     _pull_rows(cfg, sched, ws.ptrs["x_pub"], xs, TK, k, ws.ptrs["w_pub"], row_w)
+    _stage("fwd:dispatch")
 
     h, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, save_gu=True,
                                 config=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H))
+    _stage("fwd:gate_up")
     gemm.down_push(h, w_down, sched.tile_expert, sched.num_tiles, sched.row_src, ws.ptrs["y_in"], TK,
                    config=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I))
+    _stage("fwd:down+push")
     _signal(ws, FWD_DONE, FWD, bump=False)
     _wait(ws, FWD_DONE, FWD, sync.ERR_WAIT_PEER_DONE, cfg)
+    _stage("fwd:signal+wait")
     y = combine_k(ws.y_in, T, k, w=topk_weights.float().contiguous(), extra=extra, dtype=x.dtype)
+    _stage("fwd:combine")
     if cfg.debug:
         ws.check_errors()
     return y, (sched, xs, gu, row_w)
@@ -139,26 +156,35 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
     T, H = dy.shape
     k, TK = sched.k, sched.T * sched.k
     I = w_gate.shape[1]
+    _stage("bwd:start")
     ws.dy_pub.copy_(dy)
     _signal(ws, BWD_READY, BWD, bump=True)
     _wait(ws, BWD_READY, BWD, sync.ERR_WAIT_PEER_READY, cfg)
+    _stage("bwd:publish+wait")
 
     dys = torch.empty_like(xs)
     _pull_rows(cfg, sched, ws.ptrs["dy_pub"], dys, TK, k)
+    _stage("bwd:dispatch_dy")
     dgu, hw, dw_part = gemm.down_dgrad_swiglu_bwd(dys, w_down, gu, row_w, sched.tile_expert, sched.num_tiles,
                                                   config=_gemm_cfg(cfg, gemm.KIND_DGRAD_SWIGLU, I, H))
+    _stage("bwd:down_dgrad+swiglu")
     gemm.gate_up_dgrad_push(dgu, w_gate, w_up, sched.tile_expert, sched.num_tiles, sched.row_src,
                             ws.ptrs["dx_in"], TK, config=_gemm_cfg(cfg, gemm.KIND_GATE_UP_DGRAD, H, 2 * I))
+    _stage("bwd:gate_up_dgrad+push")
     dw_rows = gemm.reduce_dw(dw_part)
     comm.push_scalars_kernel[(64,)](dw_rows, sched.row_src, sched.num_tiles, ws.ptrs["dw_in"], TK,
                                     BR=256, TILE_ROWS=cfg.tile_m)
+    _stage("bwd:router_grad")
     dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype)
     dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
                                                out_dtype=w_gate.dtype)
+    _stage("bwd:wgrad")
     _signal(ws, BWD_DONE, BWD, bump=False)
     _wait(ws, BWD_DONE, BWD, sync.ERR_WAIT_PEER_DONE, cfg)
+    _stage("bwd:signal+wait")
     dx = combine_k(ws.dx_in, T, k, dtype=dy.dtype)
     dtopk = ws.dw_in.view(T, k).clone()
+    _stage("bwd:combine")
     if cfg.debug:
         ws.check_errors()
     return dx, dtopk, dw_gate, dw_up, dw_down
