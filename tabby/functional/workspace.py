@@ -163,6 +163,13 @@ def get_workspace(key: WorkspaceKey, rank: int, group=None, thread_group=None, v
     ck = (key, id(group) if group is not None else None, id(thread_group) if thread_group else None, rank)
     ws = _CACHE.get(ck)
     if ws is None:
+        if group is not None and key.world_size > 1:
+            # Ranks that disagree on shapes would wait for each other forever: check once, here.
+            from ..validate import MoEDims, check_group_agrees
+
+            dims = MoEDims(T=key.T, H=key.H, k=key.k, E_local=key.E_local, I=key.I, world_size=key.world_size,
+                           I_shared=0)
+            check_group_agrees(dims, torch.empty(0, dtype=key.dtype, device=key.device), group)
         ws = Workspace(key, rank, group=group, thread_group=thread_group)
         _CACHE[ck] = ws
         if verbose and rank == 0 and thread_group is None:
