@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import types
 import zlib
 from dataclasses import dataclass, field
@@ -512,6 +513,7 @@ class _Sink:
 
     def __init__(self, path, start, total, rank):
         self.path, self.i, self.total, self.rank = path, start, total, rank
+        self.t_last = time.monotonic()  # progress lines show the seconds each measurement took
 
     def emit(self, rec: dict) -> None:
         self.i += 1
@@ -524,7 +526,9 @@ class _Sink:
         if partial:
             with open(partial, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-        print(f"[{self.i}/{self.total}] {progress_line(rec)}", flush=True)
+        now = time.monotonic()
+        took, self.t_last = now - self.t_last, now
+        print(f"[{self.i}/{self.total}] {progress_line(rec)}  (+{took:.1f} s)", flush=True)
 
     def note(self, obj: dict) -> None:
         if self.rank == 0:
