@@ -14,6 +14,19 @@ class MoEConfig:
     comm_programs:   programs of the pull-dispatch launch.
     max_wait_iters:  polls before a spin-wait gives up and records an error (never hang).
     debug:           check the device error record after every pass (a host sync). Also TABBY_DEBUG=1.
+    megakernel:      forward through ONE persistent launch (ops/megakernel_fwd.py: pull dispatch into a
+                     ring, gate/up, down + push, shared expert; tile-level counters) instead of the
+                     dispatch / gate_up / down_push launches; the backward then recomputes xs and g, u.
+                     Off by default until measured on a GPU.
+    ring_rows:       rows of the megakernel's ring (xs and h); ring_rows // tile_m slots, at least 2.
+                     2048 = 16 slots of 128 rows: with 132 programs and, on qwen3-30b-a3b, 6 gate/up +
+                     8 down column tiles per row tile, about 10 row tiles are in flight at once; the rest
+                     lets the pull run ahead. Costs ring_rows * (H + I) * 2 bytes (11.5 MB there).
+    fwd_comm_programs: programs of the megakernel that only pull rows (0: fills are tickets of the
+                     compute order, taken by any program).
+    fwd_programs:    the megakernel's persistent grid (None: the device's SM count; 3 on the CPU).
+    fwd_prefetch:    merged mode: fills run this many row tiles ahead of gate/up in the ticket order,
+                     in [0, ring slots) (None: half the slots).
     """
 
     tile_m: int = 128
@@ -22,3 +35,8 @@ class MoEConfig:
     comm_programs: int = 132
     max_wait_iters: int = int(os.environ.get("TABBY_MAX_WAIT_ITERS", 1 << 24))
     debug: bool = os.environ.get("TABBY_DEBUG", "0") == "1"
+    megakernel: bool = False
+    ring_rows: int = 2048
+    fwd_comm_programs: int = 0
+    fwd_programs: int | None = None
+    fwd_prefetch: int | None = None

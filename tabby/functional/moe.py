@@ -22,6 +22,13 @@ Saved for the backward (per call, from PyTorch's caching allocator): the schedul
 dispatched rows xs [R, H], g and u [R, 2I] and the router weight of each row: nothing is
 recomputed, at the cost of (H + 2I) * 2 bytes per routed row. The shared expert is plain
 PyTorch outside the Function (its output enters the combine as ``extra``).
+
+With ``MoEConfig(megakernel=True)`` (off by default) the forward runs dispatch, gate/up, down +
+push and the shared expert in ONE persistent launch over a ring of ``ring_rows`` rows
+(ops/megakernel_fwd.py; ``moe_forward_mega``); nothing of the ring is kept, so the backward
+publishes x and topk_weights again with dy and recomputes xs, the row weights and g, u (pull +
+gate/up), then runs the same launches as above. The shared expert then lives inside the Function
+(``_TabbyMoEMega``), whose backward recomputes it with the same torch ops for its gradients.
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ops import INTERPRET, comm, gemm, sync
+from ..ops import INTERPRET, comm, gemm, megakernel_fwd, sync
 from ..ops.combine import combine_k
 from ..ops.schedule import alloc_schedule, launch_schedule
 from ..validate import MoEInputError, check_inputs
@@ -150,17 +157,106 @@ def moe_forward(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_d
     return y, (sched, xs, gu, row_w)
 
 
+@dataclass
+class MegaSaved:
+    """What the megakernel forward keeps for the backward: the schedule, x and the router weights."""
+
+    sched: object
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+
+
+def _mega_buffers(ws, cfg: MoEConfig, T, H, I, I_s, dtype, device):
+    """The megakernel's per-rank ring, counters and shared-expert buffers, cached with the workspace."""
+    cache = ws.__dict__.setdefault("_mega", {})
+    key = (cfg.tile_m, cfg.ring_rows, I_s)
+    mb = cache.get(key)
+    if mb is None:
+        mb = megakernel_fwd.alloc_mega(T, H, I, I_s, cfg.tile_m, cfg.ring_rows, dtype, device)
+        cache[key] = mb
+    return mb
+
+
+def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None):
+    """Forward pass on one rank through the forward megakernel (``cfg.megakernel``).
+
+    Same launches as ``moe_forward`` before (publish, wait, schedule) and after (signal, wait,
+    combine); dispatch, gate/up, down + push and the shared expert run in ONE persistent launch
+    over a ring of ``cfg.ring_rows`` rows. Returns (y, MegaSaved): nothing of the ring is kept,
+    the backward recomputes xs and g, u.
+    """
+    T, H = x.shape
+    k = topk_idx.shape[1]
+    E_local, I = w_gate.shape[0], w_gate.shape[1]
+    W, rank = ws.world_size, ws.rank
+    I_s = shared[0].shape[0] if shared is not None else 0
+    _stage("fwd:start")
+    ws.x_pub.copy_(x)
+    ws.idx_pub.copy_(topk_idx)
+    ws.w_pub.copy_(topk_weights)
+    _signal(ws, FWD_READY, FWD, bump=True)
+    _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
+    _stage("fwd:publish+wait")
+
+    sched = alloc_schedule(W, T, k, E_local, cfg.tile_m, x.device)
+    launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, rank)
+    _stage("fwd:schedule")
+    mb = _mega_buffers(ws, cfg, T, H, I, I_s, x.dtype, x.device)
+    programs = cfg.fwd_programs or megakernel_fwd.default_programs(x.device)
+    megakernel_fwd.launch_fwd_megakernel(
+        mb, sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], rank, cfg.max_wait_iters,
+        w_gate, w_up, w_down, x=x, shared=shared,
+        gu_cfg=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H), dn_cfg=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I),
+        gus_cfg=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I_s, H) if I_s else None,
+        dns_cfg=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I_s) if I_s else None,
+        programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
+        pull_cols=cfg.pull_cols)
+    _stage("fwd:megakernel")
+    _signal(ws, FWD_DONE, FWD, bump=False)
+    _wait(ws, FWD_DONE, FWD, sync.ERR_WAIT_PEER_DONE, cfg)
+    _stage("fwd:signal+wait")
+    extra = mb.extra[:T] if I_s else None
+    y = combine_k(ws.y_in, T, k, w=topk_weights.float().contiguous(), extra=extra, dtype=x.dtype)
+    _stage("fwd:combine")
+    if cfg.debug:
+        ws.check_errors()
+    return y, MegaSaved(sched, x, topk_weights)
+
+
 def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
-    """Backward pass on one rank. Returns (dx, d topk_weights [T, k] fp32, dw_gate, dw_up, dw_down)."""
-    sched, xs, gu, row_w = saved
+    """Backward pass on one rank. Returns (dx, d topk_weights [T, k] fp32, dw_gate, dw_up, dw_down).
+
+    ``saved``: from ``moe_forward`` (xs, g/u and row weights kept), or a ``MegaSaved`` from
+    ``moe_forward_mega`` (only x and topk_weights kept): x and topk_weights are then published
+    again with dy, under BWD_READY, and xs, the row weights and g, u are recomputed (pull +
+    gate/up). Re-publishing x_pub / w_pub here is safe: a peer reads them only between this
+    rank's READY signal of a pass and its own DONE signal of that pass, and this rank starts a
+    pass only after every peer's DONE of its previous pass (the forward waited FWD_DONE, an
+    earlier backward BWD_DONE); the next forward re-publishes x before its FWD_READY.
+    """
+    recompute = isinstance(saved, MegaSaved)
+    if recompute:
+        sched = saved.sched
+    else:
+        sched, xs, gu, row_w = saved
     T, H = dy.shape
     k, TK = sched.k, sched.T * sched.k
     I = w_gate.shape[1]
     _stage("bwd:start")
+    if recompute:
+        ws.x_pub.copy_(saved.x)
+        ws.w_pub.copy_(saved.topk_weights)
     ws.dy_pub.copy_(dy)
     _signal(ws, BWD_READY, BWD, bump=True)
     _wait(ws, BWD_READY, BWD, sync.ERR_WAIT_PEER_READY, cfg)
     _stage("bwd:publish+wait")
+    if recompute:
+        xs = dy.new_empty((sched.R_max, H))
+        row_w = torch.empty(sched.R_max, dtype=torch.float32, device=dy.device)
+        _pull_rows(cfg, sched, ws.ptrs["x_pub"], xs, TK, k, ws.ptrs["w_pub"], row_w)
+        _, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, save_gu=True,
+                                    config=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H))
+        _stage("bwd:recompute")
 
     dys = torch.empty_like(xs)
     _pull_rows(cfg, sched, ws.ptrs["dy_pub"], dys, TK, k)
@@ -208,6 +304,37 @@ class _TabbyMoE(torch.autograd.Function):
         return (dx, None, dtopk.to(ctx.w_dtype), dwg, dwu, dwd, dy if ctx.has_extra else None, None, None)
 
 
+class _TabbyMoEMega(torch.autograd.Function):
+    """The megakernel forward. The shared expert runs inside the kernel, so its gradients are made
+    here: recomputed in the backward with the same torch ops the default path differentiates."""
+
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, ws, cfg):
+        shared = (s_gate, s_up, s_down) if s_gate is not None else None
+        y, saved = moe_forward_mega(ws, cfg, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
+        ctx.ws, ctx.cfg, ctx.sched = ws, cfg, saved.sched
+        ctx.w_dtype = topk_weights.dtype
+        ctx.save_for_backward(w_gate, w_up, w_down, x, topk_weights, s_gate, s_up, s_down)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        w_gate, w_up, w_down, x, topk_weights, s_gate, s_up, s_down = ctx.saved_tensors
+        dy = dy.contiguous()
+        saved = MegaSaved(ctx.sched, x, topk_weights)
+        dx, dtopk, dwg, dwu, dwd = moe_backward(ctx.ws, ctx.cfg, dy, saved, w_gate, w_up, w_down)
+        ctx.sched = None
+        dsg = dsu = dsd = None
+        if s_gate is not None:
+            with torch.enable_grad():
+                xd = x.detach().requires_grad_(True)
+                sg, su, sd = (t.detach().requires_grad_(True) for t in (s_gate, s_up, s_down))
+                out = (F.silu(xd @ sg.t()) * (xd @ su.t())) @ sd.t()
+                dxs, dsg, dsu, dsd = torch.autograd.grad(out, (xd, sg, su, sd), dy)
+            dx = dx + dxs
+        return (dx, None, dtopk.to(ctx.w_dtype), dwg, dwu, dwd, dsg, dsu, dsd, None, None)
+
+
 def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None, config: MoEConfig | None = None):
     """Tabby's MoE layer (same arguments as ``tabby.moe_reference``; see tabby/validate.py).
 
@@ -226,7 +353,18 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
     if dims.T == 0:
         raise MoEInputError("x has no tokens (T = 0)")
     key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device))
+    if cfg.megakernel:
+        n_slots = cfg.ring_rows // cfg.tile_m
+        if n_slots < 2:
+            raise MoEInputError(f"MoEConfig(megakernel=True) needs ring_rows >= 2 * tile_m (two ring slots); "
+                                f"got ring_rows={cfg.ring_rows}, tile_m={cfg.tile_m}")
+        if cfg.fwd_prefetch is not None and not 0 <= cfg.fwd_prefetch < n_slots:
+            raise MoEInputError(f"fwd_prefetch={cfg.fwd_prefetch} must be in [0, ring slots={n_slots})")
     ws = get_workspace(key, rank, group=pg, thread_group=tg)
+    if cfg.megakernel:
+        sh = tuple(w.contiguous() for w in shared) if shared is not None else (None, None, None)
+        return _TabbyMoEMega.apply(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate, w_up,
+                                   w_down, *sh, ws, cfg)
     extra = None
     if shared is not None:
         sg, su, sd = shared

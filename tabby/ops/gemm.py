@@ -297,12 +297,15 @@ def gate_up_swiglu_tile(pid_m, pid_n,
                         tile_expert_ptr, num_tiles_ptr,
                         H: tl.constexpr, I: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr):
+                        EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
+                        n_rows=0, MASK_ROWS: tl.constexpr = False):
     """One (row tile, I-column tile): g = xs @ Wg[e]^T, u = xs @ Wu[e]^T, h = silu(g) * u.
 
     xs [R, H] (row stride stride_xm); Wg, Wu [E, I, H] (strides stride_we, stride_wn, 1);
     h [R, I] bf16; gu [R, 2I] bf16 (g in [0, I), u in [I, 2I)) when SAVE_GU.
     Unused tiles store nothing.
+    MASK_ROWS (the megakernel's shared expert over x [n_rows, H], n_rows not a multiple of BM):
+    rows >= n_rows of xs are not read (taken as zeros); h / gu rows are still all stored.
     """
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
     if e >= 0:
@@ -319,12 +322,18 @@ def gate_up_swiglu_tile(pid_m, pid_n,
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         for kt in range(0, (H + BK - 1) // BK):
             if EVEN_K:
-                a = tl.load(a_ptrs)
+                if MASK_ROWS:
+                    a = tl.load(a_ptrs, mask=(row0 + offs_m < n_rows)[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs)
                 bg = tl.load(bg_ptrs)
                 bu = tl.load(bu_ptrs)
             else:
                 kmask = offs_k < H - kt * BK
-                a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+                if MASK_ROWS:
+                    a = tl.load(a_ptrs, mask=(row0 + offs_m < n_rows)[:, None] & kmask[None, :], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
                 bg = tl.load(bg_ptrs, mask=kmask[None, :], other=0.0)
                 bu = tl.load(bu_ptrs, mask=kmask[None, :], other=0.0)
             acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)

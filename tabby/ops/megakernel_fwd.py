@@ -1,0 +1,316 @@
+"""The forward megakernel: dispatch (pull), gate/up + SwiGLU, down + push and the shared expert in
+ONE persistent launch, signalling at tile granularity through counters in GPU memory.
+
+It replaces the dispatch, gate_up and down_push launches of ``moe_forward``; the small launches
+before (publish, wait READY, schedule) and after (signal/wait DONE, combine) are unchanged.
+
+Ring. Routed row tile ``i`` (schedule order, ``i < num_tiles``; a device value) lives in slot
+``s = i % NS`` of two rings, generation ``g = i // NS``:
+
+    xs_ring [NS*BM, H]   bf16   its pulled x rows     (rows from sched.row_src[i*BM:(i+1)*BM])
+    h_ring  [NS*BM, I]   bf16   silu(x Wg^T) * (x Wu^T)
+
+Counters (int32, one array per rank, zeroed by a memset before each launch; layout below):
+
+    ready[s]     +1 after each fill of slot s                       (fill   -> gate/up)
+    gu_done[s]   +1 per finished gate/up column tile of the slot    (gate/up -> down, and slot free for fill)
+    dn_done[s]   +1 per finished down column tile of the slot       (down   -> h slot free for gate/up)
+    sh_gu[j]     +1 per finished shared gate/up column tile of x row tile j (shared gate/up -> shared down)
+
+    fill(i)      waits gu_done[s] >= G*g        (every gate/up tile of tile i-NS has read xs slot s)
+    gate/up(i,n) waits ready[s] >= g+1 and dn_done[s] >= D*g (every down tile of tile i-NS read h slot s)
+    down(i,n)    waits gu_done[s] >= G*(g+1)
+    (G = cdiv(I, BN_gate_up), D = cdiv(H, BN_down).) Every wait is bounded (``sync.wait_geq``,
+    scope gpu): a lost signal becomes an error record (ERR_WAIT_TILE / ERR_WAIT_RING_SLOT), never a hang.
+
+Work order: one global ticket sequence in which every producer precedes its consumers. Shared
+expert first (no dispatch needed; it covers the wait for the first pulled rows): for x row tile
+j = 0..n_sh: [gate/up(j, *)] [down(j-1, *)]; then the routed tiles: a prologue fill(0..P-1),
+then for i = 0..num_tiles: [fill(i+P)] [gate/up(i, *)] [down(i-1, *)] (fills past the last tile
+are empty tickets). P, the prefetch distance, is in [0, NS): fill(i+P) waits for gate/up(i+P-NS),
+which comes earlier. NS >= 2 is required (with one slot, gate/up(i) would wait on down(i-1),
+which comes after it). Programs take tickets with an atomic counter, so a program only ever
+waits on a ticket already taken by a running program: deadlock-free, even when not all programs
+of the grid are resident. Under the interpreter program 0 takes every ticket in order.
+
+SM split (``COMM`` > 0 programs): programs ``pid < COMM`` take fill tickets from their own
+counter, in tile order, and never compute; the others take compute tickets (the order above
+without fills). Under the interpreter programs run one after another, so the comm program 0
+finishes only if it never has to wait for a slot: num_tiles <= NS (the CPU tests use that).
+
+Row-tile index vs ring row: the tile functions of gemm.py / comm.py address rows as
+``tile * BM`` and use ``tile`` for the schedule tables (tile_expert, row_src). Here the tables
+are indexed by ``i`` and the data by slot ``s``: the ring bases passed down are shifted by
+``(s - i) * BM`` rows, so that row ``i * BM`` of the shifted base is row ``s * BM`` of the ring.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import INTERPRET, comm, gemm, sync
+
+_ERR_WAIT_TILE = tl.constexpr(sync.ERR_WAIT_TILE)
+_ERR_WAIT_RING_SLOT = tl.constexpr(sync.ERR_WAIT_RING_SLOT)
+
+# Counter layout (int32 indices): tickets, then per-slot counters, then per-x-row-tile counters.
+C_TICKET, C_FILL_TICKET, C_READY = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+def counter_layout(n_slots: int, n_sh: int) -> dict:
+    NS, r = n_slots, C_READY.value
+    return dict(ticket=C_TICKET.value, fill_ticket=C_FILL_TICKET.value, ready=r, gu_done=r + NS,
+                dn_done=r + 2 * NS, sh_gu=r + 3 * NS, total=r + 3 * NS + max(n_sh, 1))
+
+
+@triton.jit
+def _decode(t, n, F: tl.constexpr, G, D):
+    """Ticket t of a pipeline of n row tiles -> (kind, tile, column): kind 0 fill, 1 gate/up, 2 down.
+
+    Stage s = 0..n: [fill(s)] (F = 1) [gate/up(s, 0..G-1)] (s < n) [down(s-1, 0..D-1)] (s >= 1).
+    """
+    FG = F + G
+    FGD = FG + D
+    t2 = tl.maximum(t - FG, 0)
+    s = tl.where(t < FG, 0, 1 + t2 // FGD)
+    off = tl.where(t < FG, t, t2 % FGD)
+    off = tl.where(s == n, off + FG, off)  # the last stage holds only downs
+    kind = tl.where(off < F, 0, tl.where(off < FG, 1, 2))
+    tile = tl.where(kind == 2, s - 1, s)
+    col = tl.where(kind == 1, off - F, tl.where(kind == 2, off - FG, 0))
+    return kind, tile, col
+
+
+@triton.jit
+def _wait(cnt_ptr, idx, target, max_iters, err_ptr, code, rank, epoch):
+    sync.wait_geq(cnt_ptr + idx, target, max_iters, err_ptr, code, rank, idx, epoch, "gpu")
+    tl.debug_barrier()  # the acquire of the polling thread orders the reads of every thread after it
+
+
+@triton.jit
+def _fill(i, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, max_iters, err_ptr, rank, epoch,
+          NS: tl.constexpr, G, H: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr):
+    s = i % NS
+    g = i // NS
+    _wait(cnt_ptr, C_READY + NS + s, G * g, max_iters, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
+    dst = xs_ring + (s - i).to(tl.int64) * (BM * H)  # row i*BM of dst = row s*BM of the ring
+    comm.pull_rows_tile(i, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM, BH, False)
+    sync.add_release(cnt_ptr + C_READY + s, 1, "gpu")
+
+
+@triton.jit
+def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n, w_down, sd_e, sd_n,
+                  row_src, tile_expert, num_tiles, y_ptrs, TK, max_iters, err_ptr, rank, epoch,
+                  NS: tl.constexpr, G, D, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
+                  BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    s = i % NS
+    g = i // NS
+    if kind == 1:  # gate/up column tile n of row tile i
+        _wait(cnt_ptr, C_READY + s, g + 1, max_iters, err_ptr, _ERR_WAIT_TILE, rank, epoch)
+        _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, max_iters, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
+        xs = xs_ring + (s - i).to(tl.int64) * (BM * H)
+        hh = h_ring + (s - i).to(tl.int64) * (BM * I)
+        gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, hh, 0,
+                                 tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, False,
+                                 INTERPRET)
+        sync.add_release(cnt_ptr + C_READY + NS + s, 1, "gpu")
+    else:  # down column tile n of row tile i, rows pushed to their origins
+        _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), max_iters, err_ptr, _ERR_WAIT_TILE, rank, epoch)
+        hh = h_ring + (s - i).to(tl.int64) * (BM * I)
+        gemm.rows_gemm_tile(i, n, None, None, hh, hh, I, w_down, w_down, sd_e, sd_e, sd_n,
+                            hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
+                            H, I, 0, BM, BN_DN, BK_DN, True, False, I % BK_DN == 0, True, tl.bfloat16,
+                            False, INTERPRET)
+        sync.add_release(cnt_ptr + C_READY + 2 * NS + s, 1, "gpu")
+
+
+@triton.jit
+def _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n,
+                 max_iters, err_ptr, rank, epoch, SH_IDX: tl.constexpr, GS,
+                 H: tl.constexpr, IS: tl.constexpr, BM: tl.constexpr,
+                 BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """Shared expert over x row tile j: gate/up (kind 1) into h_sh, down (kind 2) into extra (local)."""
+    if kind == 1:
+        gemm.gate_up_swiglu_tile(j, n, x, H, s_gate, s_up, 0, H, h_sh, IS, h_sh, 0, sh_tiles, sh_n,
+                                 H, IS, BM, BN_GUS, BK_GUS, H % BK_GUS == 0, False, INTERPRET,
+                                 T, True)
+        sync.add_release(cnt_ptr + SH_IDX + j, 1, "gpu")
+    else:
+        _wait(cnt_ptr, SH_IDX + j, GS, max_iters, err_ptr, _ERR_WAIT_TILE, rank, epoch)
+        gemm.rows_gemm_tile(j, n, None, None, h_sh, h_sh, IS, s_down, s_down, 0, 0, IS,
+                            extra, H, sh_tiles, sh_tiles, 1, 0, sh_tiles, sh_n,
+                            H, IS, 0, BM, BN_DNS, BK_DNS, True, False, IS % BK_DNS == 0, False, tl.bfloat16,
+                            False, INTERPRET)
+
+
+@triton.jit
+def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, max_iters,
+                       row_src, tile_expert, num_tiles, x_ptrs, y_ptrs, TK, k,
+                       xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down, wd_e, wd_n,
+                       x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n, n_sh,
+                       pre, NS: tl.constexpr, COMM: tl.constexpr, HAS_SHARED: tl.constexpr,
+                       H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr,
+                       BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
+                       BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    """One persistent launch of the routed forward (and the shared expert); see the module docstring."""
+    pid = tl.program_id(0)
+    epoch = tl.load(epoch_ptr)
+    nt = tl.load(num_tiles)
+    G: tl.constexpr = (I + BN_GU - 1) // BN_GU
+    D: tl.constexpr = (H + BN_DN - 1) // BN_DN
+    GS: tl.constexpr = (IS + BN_GUS - 1) // BN_GUS
+    DS: tl.constexpr = (H + BN_DNS - 1) // BN_DNS
+    F: tl.constexpr = 0 if COMM > 0 else 1
+    SH_IDX: tl.constexpr = C_READY + 3 * NS
+    if HAS_SHARED:
+        sh_total = n_sh * (GS + DS)
+    else:
+        sh_total = 0
+    if COMM > 0:
+        pre = 0
+    total = sh_total + pre * F + nt * (F + G + D)
+    if pid < COMM:  # communication program: fills only, in tile order
+        f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
+        while f < nt:
+            _fill(f, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, max_iters, err_ptr, rank, epoch, NS, G, H, BM, BH)
+            f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
+    else:
+        t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
+        while t < total:
+            if t < sh_total:
+                if HAS_SHARED:
+                    kind, j, n = _decode(t, n_sh, 0, GS, DS)
+                    _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n,
+                                 max_iters, err_ptr, rank, epoch, SH_IDX, GS, H, IS, BM,
+                                 BN_GUS, BK_GUS, BN_DNS, BK_DNS, INTERPRET)
+            else:
+                tr = t - sh_total
+                if tr < pre * F:  # prologue: fill(0 .. pre-1)
+                    kind = 0
+                    i = tr
+                    n = 0
+                else:
+                    kind, i, n = _decode(tr - pre * F, nt, F, G, D)
+                    if kind == 0:
+                        i += pre  # the fill slot of stage s pulls tile s + pre
+                if kind == 0:
+                    if i < nt:
+                        _fill(i, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, max_iters, err_ptr, rank, epoch,
+                              NS, G, H, BM, BH)
+                else:
+                    _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
+                                  wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, max_iters, err_ptr,
+                                  rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN, INTERPRET)
+            t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
+
+
+# --------------------------------------------------------------------------------------------
+# Host side: per-rank buffers (allocated once) and the launcher
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class MegaBuffers:
+    """Per-rank buffers of the forward megakernel (local, not symmetric), allocated once per shape."""
+
+    n_slots: int
+    n_sh: int
+    counters: torch.Tensor  # int32 [counter_layout(...)["total"]]
+    xs_ring: torch.Tensor  # [n_slots * BM, H]
+    h_ring: torch.Tensor  # [n_slots * BM, I]
+    h_sh: torch.Tensor | None  # [n_sh * BM, I_s]
+    extra: torch.Tensor | None  # [n_sh * BM, H]: shared expert output (rows >= T unused)
+    sh_tiles: torch.Tensor  # int32 [max(n_sh, 1)] zeros: the shared expert is "expert 0" of every x row tile
+    sh_n: torch.Tensor  # int32 [1] = n_sh
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.counters, self.xs_ring, self.h_ring, self.h_sh,
+                                                          self.extra, self.sh_tiles, self.sh_n) if t is not None)
+
+
+def alloc_mega(T, H, I, I_s, BM, ring_rows, dtype, device) -> MegaBuffers:
+    n_slots = ring_rows // BM
+    if n_slots < 2:
+        raise ValueError(f"the forward megakernel needs at least two ring slots: ring_rows={ring_rows} "
+                         f"// tile_m={BM} = {n_slots}")
+    n_sh = triton.cdiv(T, BM) if I_s else 0
+    lay = counter_layout(n_slots, n_sh)
+    i32 = dict(dtype=torch.int32, device=device)
+    return MegaBuffers(
+        n_slots=n_slots, n_sh=n_sh,
+        counters=torch.zeros(lay["total"], **i32),
+        xs_ring=torch.empty(n_slots * BM, H, dtype=dtype, device=device),
+        h_ring=torch.empty(n_slots * BM, I, dtype=dtype, device=device),
+        h_sh=torch.empty(n_sh * BM, I_s, dtype=dtype, device=device) if I_s else None,
+        extra=torch.empty(n_sh * BM, H, dtype=dtype, device=device) if I_s else None,
+        sh_tiles=torch.zeros(max(n_sh, 1), **i32),
+        sh_n=torch.full((1,), n_sh, **i32),
+    )
+
+
+def default_programs(device) -> int:
+    if INTERPRET or device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, rank, max_iters,
+                          w_gate, w_up, w_down, x=None, shared=None, *, gu_cfg, dn_cfg, gus_cfg=None, dns_cfg=None,
+                          programs: int, comm_programs: int = 0, prefetch: int | None = None, pull_cols: int = 512,
+                          zero_counters: bool = True):
+    """Run the forward megakernel on one rank.
+
+    sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
+    of every rank's x_pub [T, H] / y_in [T*k, H]; err: error record; epoch: int32 device tensor
+    (the pass's epoch, for error records). shared: None or (w_gate_s, w_up_s, w_down_s) over the
+    local x [T, H]; its output lands in ``mb.extra[:T]``. ``zero_counters=False`` (tests only)
+    keeps whatever the counters hold. ``prefetch`` (merged mode): how many tiles the fills run
+    ahead of the gate/up tiles in the ticket order, in [0, n_slots) (default n_slots // 2).
+    """
+    E, I, H = w_gate.shape
+    BM = gu_cfg.BM
+    assert dn_cfg.BM == BM == sched.BM
+    assert w_gate.stride() == w_up.stride() and w_gate.stride(-1) == 1 and w_down.stride(-1) == 1
+    assert mb.xs_ring.shape == (mb.n_slots * BM, H) and mb.h_ring.shape == (mb.n_slots * BM, I)
+    if not 0 <= comm_programs < programs:
+        raise ValueError(f"fwd_comm_programs={comm_programs} must be in [0, programs={programs})")
+    if prefetch is None:
+        prefetch = mb.n_slots // 2
+    if not 0 <= prefetch < mb.n_slots:
+        raise ValueError(f"fwd_prefetch={prefetch} must be in [0, ring slots={mb.n_slots})")
+    # Split mode needs every program resident (compute programs wait on comm programs): ask for a
+    # cooperative launch, which fails instead of hanging when the grid does not fit. The merged
+    # ticket order needs no co-residency: a program waits only on tickets already taken.
+    launch_kw = dict(launch_cooperative_grid=True) if comm_programs > 0 and not INTERPRET else {}
+    if zero_counters:
+        mb.counters.zero_()
+    T, k = sched.T, sched.k
+    has_sh = shared is not None
+    if has_sh:
+        sg, su, sd = shared
+        I_s = sg.shape[0]
+        assert x is not None and x.is_contiguous() and sg.is_contiguous() and su.is_contiguous()
+        assert sd.is_contiguous() and mb.h_sh is not None and mb.h_sh.shape[1] == I_s
+        assert gus_cfg.BM == dns_cfg.BM == BM
+    else:
+        sg = su = sd = x = w_gate
+        I_s = 0
+        gus_cfg = dns_cfg = gu_cfg
+    h_sh = mb.h_sh if has_sh else mb.h_ring
+    extra = mb.extra if has_sh else mb.h_ring
+    BH = min(pull_cols, triton.next_power_of_2(H))
+    moe_fwd_megakernel[(programs,)](
+        mb.counters, err, epoch, rank, max_iters,
+        sched.row_src, sched.tile_expert, sched.num_tiles, x_ptrs, y_ptrs, T * k, k,
+        mb.xs_ring, mb.h_ring, w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_down, w_down.stride(0),
+        w_down.stride(1),
+        x, T, sg, su, sd, h_sh, extra, mb.sh_tiles, mb.sh_n, mb.n_sh, prefetch,
+        NS=mb.n_slots, COMM=comm_programs, HAS_SHARED=has_sh, H=H, I=I, IS=I_s, BM=BM, BH=BH,
+        BN_GU=gu_cfg.BN, BK_GU=gu_cfg.BK, BN_DN=dn_cfg.BN, BK_DN=dn_cfg.BK,
+        BN_GUS=gus_cfg.BN, BK_GUS=gus_cfg.BK, BN_DNS=dns_cfg.BN, BK_DNS=dns_cfg.BK,
+        INTERPRET=INTERPRET, num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)

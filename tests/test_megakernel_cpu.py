@@ -1,0 +1,325 @@
+"""The forward megakernel (MoEConfig(megakernel=True)) on the CPU: ranks as threads, kernels interpreted.
+
+Values and every gradient against the reference layer; bitwise equality of y with the
+sync-free path (same GEMM tiles, same K order per output element); bitwise determinism; small
+rings that wrap many times; extreme routing; and a wait that cannot be satisfied becoming an
+error record instead of a hang.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+import tabby
+from tabby.functional import moe as moe_mod
+from tabby.functional.config import MoEConfig
+from tabby.functional.workspace import TabbyDeviceError, Workspace, WorkspaceKey
+from tabby.ops import gemm, megakernel_fwd, sync
+from tabby.ops.schedule import alloc_schedule, launch_schedule
+
+from harness import make_problem, rel_err, run_ranks
+from test_moe_cpu import CFG, _check, _run_reference, _run_tabby
+
+# debug: check the error record after every pass (a timed-out tile wait fails the test)
+MEGA = dataclasses.replace(CFG, megakernel=True, ring_rows=2 * CFG.tile_m, fwd_programs=3, debug=True)
+
+
+def _small_tiles(monkeypatch, BN=16, BK=16):
+    """Several gate/up and down column tiles per row tile (and several K steps), both paths."""
+    orig = moe_mod._gemm_cfg
+    monkeypatch.setattr(moe_mod, "_gemm_cfg", lambda cfg, kind, N, K: orig(cfg, kind, N, K).with_(BN=BN, BK=BK))
+
+
+CASES = {
+    # name: (W, T, H, I, E_local, k, shared, route, ring slots)
+    "ep1-shared": (1, 9, 32, 24, 3, 2, True, "random", 2),
+    "ep2-shared": (2, 7, 48, 40, 2, 3, True, "random", 2),
+    "ep2-one-expert": (2, 20, 32, 16, 2, 2, False, "one_expert", 2),  # 80 rows (5 tiles) into one expert
+    "ep2-one-rank": (2, 12, 32, 16, 2, 2, True, "one_rank", 3),
+    "ep4": (4, 5, 32, 16, 2, 2, True, "random", 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_megakernel_matches_reference(case, monkeypatch):
+    W, T, H, I, E_local, k, shared, route, slots = CASES[case]
+    _small_tiles(monkeypatch)
+    prob = make_problem(W, T, H, I, E_local, k, shared=shared, seed=hash(case) % 1000, route=route)
+    cfg = dataclasses.replace(MEGA, ring_rows=slots * CFG.tile_m)
+    _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
+
+
+def _run_y(W, T, prob, cfg):
+    """Forward only: y of every rank (concatenated)."""
+    x, idx, wts, ws, sh, _ = prob
+    E_local = ws[0].shape[0] // W
+
+    def rank_fn(r, group):
+        rows = slice(r * T, (r + 1) * T)
+        wl = [w[r * E_local:(r + 1) * E_local] for w in ws]
+        with torch.no_grad():
+            return tabby.moe(x[rows], idx[rows], wts[rows], *wl, shared=sh, group=group, config=cfg)
+
+    return torch.cat(run_ranks(W, rank_fn))
+
+
+@pytest.mark.parametrize("route", ["random", "one_expert"])
+def test_megakernel_y_bitwise_equals_sync_free_path(route, monkeypatch):
+    # 2 slots; one_expert: 2*24*2 = 96 rows -> 6 tiles into expert 0 of rank 0 (the ring wraps 3 times)
+    _small_tiles(monkeypatch)
+    W, T, H, I, E_local, k = 2, 24, 48, 40, 2, 2
+    prob = make_problem(W, T, H, I, E_local, k, seed=11, route=route)
+    y0 = _run_y(W, T, prob, CFG)
+    y1 = _run_y(W, T, prob, MEGA)
+    assert torch.equal(y0, y1)
+
+
+@pytest.mark.parametrize("slots,prefetch", [(2, 0), (3, 2)])
+def test_megakernel_ring_wraps_many_times_bitwise_deterministic(slots, prefetch, monkeypatch):
+    # every token of every rank to expert 0: 2*64*2 = 256 rows = 16 tiles through a 2- or 3-slot
+    # ring (wraps 8 or 5 times), fills 0 or 2 tiles ahead, shared expert, a grid of 4; all outputs
+    # and gradients bitwise equal over runs
+    _small_tiles(monkeypatch, BN=32, BK=16)
+    W, T, H, I, E_local, k = 2, 64, 32, 32, 2, 2
+    prob = make_problem(W, T, H, I, E_local, k, shared=True, seed=3, route="one_expert")
+    cfg = dataclasses.replace(MEGA, fwd_programs=4, ring_rows=slots * CFG.tile_m, fwd_prefetch=prefetch)
+    a = _run_tabby(W, T, prob, cfg=cfg)
+    _check(a, _run_reference(prob))
+    b = _run_tabby(W, T, prob, cfg=cfg)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    ref = _run_tabby(W, T, prob, cfg=CFG)  # the sync-free path: routed part bitwise equal (no shared here)
+    for name in ("dw", "dw0", "dw1", "dw2"):
+        assert torch.equal(a[name], ref[name]), name
+
+
+def test_megakernel_split_mode_runs_when_the_ring_holds_every_tile(monkeypatch):
+    # fwd_comm_programs=1: program 0 pulls every tile, the others compute. Under the interpreter the
+    # programs run in pid order, so the comm program must never wait for a slot: ring >= num_tiles.
+    _small_tiles(monkeypatch)
+    W, T, H, I, E_local, k = 2, 10, 32, 16, 2, 2
+    prob = make_problem(W, T, H, I, E_local, k, shared=True, seed=4)
+    cfg = dataclasses.replace(MEGA, ring_rows=8 * CFG.tile_m, fwd_comm_programs=1, fwd_programs=3)
+    got = _run_tabby(W, T, prob, cfg=cfg)
+    _check(got, _run_reference(prob))
+    assert torch.equal(got["y"], _run_tabby(W, T, prob, cfg=dataclasses.replace(cfg, fwd_comm_programs=0))["y"])
+
+
+def test_megakernel_needs_two_slots_and_a_valid_prefetch():
+    prob = make_problem(1, 4, 32, 16, 2, 2)
+    x, idx, wts, ws, _, _ = prob
+    with pytest.raises(tabby.MoEInputError, match="two ring slots"):
+        tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, ring_rows=CFG.tile_m))
+    with pytest.raises(tabby.MoEInputError, match="fwd_prefetch"):
+        tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_prefetch=2))
+
+
+# ------------------------------------------------------------------------------------------------
+# One rank, the launcher directly: counters and error records
+# ------------------------------------------------------------------------------------------------
+
+def _one_rank(T=40, H=32, I=32, E_local=2, k=2, BM=16, slots=2, I_s=0, seed=0, route="one_expert"):
+    x, idx, wts, (wg, wu, wd), _, _ = make_problem(1, T, H, I, E_local, k, seed=seed, route=route)
+    ws = Workspace(WorkspaceKey(T, H, k, E_local, I, 1, x.dtype, "cpu"), 0)
+    ws.x_pub.copy_(x)
+    ws.idx_pub.copy_(idx)
+    sched = alloc_schedule(1, T, k, E_local, BM, x.device)
+    launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, 0)
+    mb = megakernel_fwd.alloc_mega(T, H, I, I_s, BM, slots * BM, x.dtype, x.device)
+    gu_cfg = gemm.default_config(gemm.KIND_GATE_UP, I, H, BM=BM).with_(BN=16, BK=16)
+    dn_cfg = gemm.default_config(gemm.KIND_DOWN, H, I, BM=BM).with_(BN=16, BK=16)
+    return dict(ws=ws, sched=sched, mb=mb, w=(wg, wu, wd), x=x, gu_cfg=gu_cfg, dn_cfg=dn_cfg, TK=T * k)
+
+
+def _launch(p, max_iters=1 << 20, programs=2, zero=True, prefetch=None):
+    ws = p["ws"]
+    megakernel_fwd.launch_fwd_megakernel(
+        p["mb"], p["sched"], ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[0:], 0, max_iters, *p["w"],
+        gu_cfg=p["gu_cfg"], dn_cfg=p["dn_cfg"], programs=programs, prefetch=prefetch, zero_counters=zero)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_megakernel_counters_and_pushed_rows(prefetch):
+    p = _one_rank()  # 80 rows into expert 0: 5 tiles, 2 slots
+    _launch(p, prefetch=prefetch)
+    nt = int(p["sched"].num_tiles)
+    assert nt == 5
+    NS, G, D = 2, 2, 2  # I / 16, H / 16
+    lay = megakernel_fwd.counter_layout(NS, 0)
+    c = p["mb"].counters
+    ready = c[lay["ready"]:lay["ready"] + NS].tolist()
+    assert ready == [3, 2]  # tiles 0, 2, 4 in slot 0; 1, 3 in slot 1
+    assert c[lay["gu_done"]:lay["gu_done"] + NS].tolist() == [G * r for r in ready]
+    assert c[lay["dn_done"]:lay["dn_done"] + NS].tolist() == [D * r for r in ready]
+    assert int(c[lay["ticket"]]) == prefetch + nt * (1 + G + D) + 2  # every ticket taken, one more per program
+    # the pushed rows equal those of the sync-free launches (pull, gate_up, down_push), bitwise
+    sched, ws = p["sched"], p["ws"]
+    xs = p["x"].new_empty((sched.R_max, p["x"].shape[1]))
+    moe_mod._pull_rows(CFG, sched, ws.ptrs["x_pub"], xs, p["TK"], sched.k)
+    h = gemm.gate_up_swiglu(xs, p["w"][0], p["w"][1], sched.tile_expert, sched.num_tiles, config=p["gu_cfg"])
+    y_ref = torch.zeros_like(ws.y_in)
+    gemm.down_push(h, p["w"][2], sched.tile_expert, sched.num_tiles, sched.row_src,
+                   torch.tensor([y_ref.data_ptr()], dtype=torch.int64), p["TK"], config=p["dn_cfg"])
+    assert torch.equal(ws.y_in, y_ref)
+    ws.check_errors()
+
+
+@pytest.mark.parametrize("which,code", [("gu_done", sync.ERR_WAIT_RING_SLOT), ("ready", sync.ERR_WAIT_TILE)])
+def test_megakernel_impossible_wait_is_an_error_record(which, code):
+    p = _one_rank()
+    lay = megakernel_fwd.counter_layout(2, 0)
+    c = p["mb"].counters
+    c.zero_()
+    c[lay[which] + 1] = -1000  # slot 1 can never be filled (gu_done) / never looks filled (ready)
+    _launch(p, max_iters=50, zero=False)  # returns: bounded waits
+    rec = p["ws"].err.tolist()
+    assert rec[0] == code and rec[2] == lay[which] + 1
+    with pytest.raises(TabbyDeviceError, match="timed out"):
+        p["ws"].check_errors()
+
+
+# ------------------------------------------------------------------------------------------------
+# The ticket / counter protocol under concurrent schedules (a model; the interpreter only ever runs
+# the programs one after another, so it cannot show a race or a deadlock of another interleaving)
+# ------------------------------------------------------------------------------------------------
+
+def _decode_py(t, n, F, G, D):
+    """Python mirror of megakernel_fwd._decode (checked against the kernel's below)."""
+    FG, FGD = F + G, F + G + D
+    s, off = (0, t) if t < FG else (1 + (t - FG) // FGD, (t - FG) % FGD)
+    if s == n:
+        off += FG
+    kind = 0 if off < F else (1 if off < FG else 2)
+    return kind, (s - 1 if kind == 2 else s), (off - F if kind == 1 else (off - FG if kind == 2 else 0))
+
+
+def test_decode_mirror_matches_the_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(out, n, F: tl.constexpr, G, D, BLOCK: tl.constexpr):
+        t = tl.arange(0, BLOCK)
+        kind, tile, col = megakernel_fwd._decode(t, n, F, G, D)
+        tl.store(out + t * 3, kind)
+        tl.store(out + t * 3 + 1, tile)
+        tl.store(out + t * 3 + 2, col)
+
+    for n, F, G, D in [(5, 1, 2, 3), (3, 0, 1, 1), (1, 1, 3, 2), (4, 0, 2, 5)]:
+        total = n * (F + G + D)
+        out = torch.zeros(128, 3, dtype=torch.int32)
+        k[(1,)](out, n, F, G, D, BLOCK=128)
+        want = [_decode_py(t, n, F, G, D) for t in range(total)]
+        assert [tuple(r) for r in out[:total].tolist()] == want
+        # every task exactly once
+        assert sorted(want) == sorted([(0, i, 0) for i in range(n) for _ in range(F)]
+                                      + [(1, i, c) for i in range(n) for c in range(G)]
+                                      + [(2, i, c) for i in range(n) for c in range(D)])
+
+
+def _simulate(nt, NS, G, D, pre, programs, comm, rng):
+    """Run the megakernel's routed protocol with a random interleaving of `programs` programs.
+
+    A task is: wait (its counter conditions), then work (an interval other programs may overlap),
+    then signal. Checks that no task starts its work while the data it reads is not yet written or
+    is being overwritten, and that the run never deadlocks. Returns the number of steps.
+    """
+    F = 0 if comm else 1
+    pre = pre if F else 0
+    total = pre * F + nt * (F + G + D)
+    cnt = dict(ticket=0, fill_ticket=0, ready=[0] * NS, gu=[0] * NS, dn=[0] * NS)
+    done = set()  # finished tasks
+    working = set()  # tasks between their wait and their signal
+    state = [None] * programs  # None: needs a ticket; ("wait"|"work", task); "exit"
+
+    def task_of(p):
+        if p < comm:
+            f = cnt["fill_ticket"]
+            cnt["fill_ticket"] += 1
+            return ("fill", f, 0) if f < nt else None
+        t = cnt["ticket"]
+        cnt["ticket"] += 1
+        if t >= total:
+            return None
+        if t < pre * F:
+            return ("fill", t, 0) if t < nt else ("nop", 0, 0)
+        kind, i, c = _decode_py(t - pre * F, nt, F, G, D)
+        if kind == 0:
+            i += pre
+            return ("fill", i, 0) if i < nt else ("nop", 0, 0)
+        return ("gu" if kind == 1 else "dn", i, c)
+
+    def ready(task):
+        kind, i, _ = task
+        s, g = i % NS, i // NS
+        if kind == "fill":
+            return cnt["gu"][s] >= G * g
+        if kind == "gu":
+            return cnt["ready"][s] >= g + 1 and cnt["dn"][s] >= D * g
+        if kind == "dn":
+            return cnt["gu"][s] >= G * (g + 1)
+        return True
+
+    def check_start(task):
+        kind, i, _ = task
+        busy = done | working
+        if kind == "fill":  # xs slot: every reader of the previous generation finished
+            assert i < NS or all(("gu", i - NS, c) in done for c in range(G)), task
+        elif kind == "gu":  # its rows are there and stay; the h slot's previous readers finished
+            assert ("fill", i, 0) in done and ("fill", i + NS, 0) not in busy, task
+            assert i < NS or all(("dn", i - NS, c) in done for c in range(D)), task
+        elif kind == "dn":  # every h column tile is there and stays
+            assert all(("gu", i, c) in done for c in range(G)), task
+            assert not any(("gu", i + NS, c) in busy for c in range(G)), task
+
+    def signal(task):
+        kind, i, _ = task
+        s = i % NS
+        if kind in ("fill", "gu", "dn"):
+            cnt[{"fill": "ready", "gu": "gu", "dn": "dn"}[kind]][s] += 1
+
+    steps = 0
+    while any(st != "exit" for st in state):
+        movable = [p for p, st in enumerate(state)
+                   if st is None or (st != "exit" and (st[0] == "work" or ready(st[1])))]
+        assert movable, f"deadlock: {state} {cnt}"
+        p = rng.choice(movable)
+        st = state[p]
+        if st is None:
+            task = task_of(p)
+            state[p] = "exit" if task is None else ("wait", task)
+        elif st[0] == "wait":
+            check_start(st[1])
+            working.add(st[1])
+            state[p] = ("work", st[1])
+        else:
+            working.discard(st[1])
+            done.add(st[1])
+            signal(st[1])
+            state[p] = None
+        steps += 1
+    assert all(("dn", i, c) in done for i in range(nt) for c in range(D))
+    return steps
+
+
+@pytest.mark.parametrize("NS,pre,comm", [(2, 0, 0), (2, 1, 0), (3, 2, 0), (4, 1, 0), (2, 0, 1), (3, 0, 2)])
+def test_protocol_model_random_interleavings(NS, pre, comm):
+    import random
+
+    rng = random.Random(NS * 100 + pre * 10 + comm)
+    for trial in range(60):
+        nt = rng.randint(0, 12)
+        G, D = rng.randint(1, 3), rng.randint(1, 3)
+        programs = comm + rng.randint(1, 6)
+        _simulate(nt, NS, G, D, pre, programs, comm, rng)
+
+
+def test_protocol_model_catches_a_one_slot_ring():
+    # with one slot gate/up(i) waits on down(i-1), a later ticket: deadlock once every program holds a
+    # gate/up ticket (here the one program; under the interpreter, program 0)
+    import random
+
+    with pytest.raises(AssertionError, match="deadlock"):
+        _simulate(4, 1, 2, 2, 0, 1, 0, random.Random(0))
+    with pytest.raises(AssertionError, match="deadlock"):
+        _simulate(4, 1, 2, 2, 0, 2, 0, random.Random(0))  # two programs, both on gate/up(1, *)
