@@ -323,3 +323,12 @@ def test_protocol_model_catches_a_one_slot_ring():
         _simulate(4, 1, 2, 2, 0, 1, 0, random.Random(0))
     with pytest.raises(AssertionError, match="deadlock"):
         _simulate(4, 1, 2, 2, 0, 2, 0, random.Random(0))  # two programs, both on gate/up(1, *)
+
+
+def test_split_mode_under_the_interpreter_refuses_a_ring_smaller_than_the_tiles():
+    p = _one_rank()  # 5 tiles, 2 slots
+    ws = p["ws"]
+    with pytest.raises(ValueError, match="holds every tile"):
+        megakernel_fwd.launch_fwd_megakernel(
+            p["mb"], p["sched"], ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[0:], 0, 1 << 20, *p["w"],
+            gu_cfg=p["gu_cfg"], dn_cfg=p["dn_cfg"], programs=3, comm_programs=1)

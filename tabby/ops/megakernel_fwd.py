@@ -38,6 +38,16 @@ counter, in tile order, and never compute; the others take compute tickets (the 
 without fills). Under the interpreter programs run one after another, so the comm program 0
 finishes only if it never has to wait for a slot: num_tiles <= NS (the CPU tests use that).
 
+Memory ordering on the GPU (read off the sm_90 SASS that tests/test_megakernel_compile.py builds;
+not yet run on a device): a wait polls with ``ld.global.gpu.acquire`` (SASS: LDG.E.STRONG.GPU then
+CCTL.IVALL, which invalidates the SM's L1, so ring rows left in L1 by an earlier generation are not
+read stale), then a CTA barrier so every thread's ordinary loads come after it. A signal is a CTA
+barrier after the tile's ordinary stores, then, on one thread, MEMBAR.ALL.GPU and the release add
+(the pattern of cooperative groups' grid sync). The ring is read with ordinary (not TMA) loads, so
+no ``fence.proxy.async`` is needed. Compiled at the qwen3-30b-a3b shape with the default tile
+configs, the kernel uses 255 registers with about 1 KB of spills (the standalone gate/up and down
+kernels built the same way: 255 and 0.5 KB).
+
 Row-tile index vs ring row: the tile functions of gemm.py / comm.py address rows as
 ``tile * BM`` and use ``tile`` for the schedule tables (tile_expert, row_src). Here the tables
 are indexed by ``i`` and the data by slot ``s``: the ring bases passed down are shifted by
@@ -287,6 +297,10 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     # cooperative launch, which fails instead of hanging when the grid does not fit. The merged
     # ticket order needs no co-residency: a program waits only on tickets already taken.
     launch_kw = dict(launch_cooperative_grid=True) if comm_programs > 0 and not INTERPRET else {}
+    if INTERPRET and comm_programs > 0 and int(sched.num_tiles) > mb.n_slots:  # CPU tensors: no device sync
+        raise ValueError(f"under the interpreter, fwd_comm_programs > 0 needs a ring that holds every tile "
+                         f"({int(sched.num_tiles)} tiles, {mb.n_slots} slots): programs run one after another, "
+                         f"so the comm program would wait forever for a slot")
     if zero_counters:
         mb.counters.zero_()
     T, k = sched.T, sched.k
