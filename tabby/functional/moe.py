@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from ..ops import INTERPRET, comm, gemm, megakernel_fwd, sync
 from ..ops.combine import combine_k
@@ -105,7 +106,7 @@ def _pull_rows(cfg, sched, src_ptrs, dst, TK, k, w_ptrs=None, ws_out=None):
     comm.pull_rows_kernel[(cfg.comm_programs,)](
         sched.row_src, sched.num_tiles, src_ptrs, dst, H, TK, k,
         w_ptrs if with_w else src_ptrs, ws_out if with_w else dst,
-        BR=cfg.pull_rows, BH=min(cfg.pull_cols, triton_next_pow2(H)), WITH_WEIGHTS=with_w,
+        BR=cfg.pull_rows, BH=min(cfg.pull_cols, triton.next_power_of_2(H)), WITH_WEIGHTS=with_w,
         TILE_ROWS=cfg.tile_m, num_warps=8)
 
 
@@ -114,16 +115,9 @@ def _gemm_cfg(cfg: MoEConfig, kind, N, K):
     return gemm.default_config(kind, N, K, BM=cfg.tile_m)
 
 
-def triton_next_pow2(n):
-    return 1 << max(0, n - 1).bit_length()
-
-
-def moe_forward(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra=None):
-    """Forward pass on one rank. Returns (y [T, H], saved) where saved feeds ``moe_backward``."""
-    T, H = x.shape
-    k = topk_idx.shape[1]
-    E_local, I = w_gate.shape[0], w_gate.shape[1]
-    W, rank, TK = ws.world_size, ws.rank, T * k
+def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local):
+    """Publish this rank's inputs, wait for every peer's, build the routed-row schedule."""
+    T, k = topk_idx.shape
     _stage("fwd:start")
     ws.x_pub.copy_(x)
     ws.idx_pub.copy_(topk_idx)
@@ -131,22 +125,15 @@ def moe_forward(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_d
     _signal(ws, FWD_READY, FWD, bump=True)
     _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
     _stage("fwd:publish+wait")
-
-    sched = alloc_schedule(W, T, k, E_local, cfg.tile_m, x.device)
-    launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, rank)
+    sched = alloc_schedule(ws.world_size, T, k, E_local, cfg.tile_m, x.device)
+    launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, ws.rank)
     _stage("fwd:schedule")
-    R = sched.R_max
-    xs = x.new_empty((R, H))
-    row_w = torch.empty(R, dtype=torch.float32, device=x.device)
-    _pull_rows(cfg, sched, ws.ptrs["x_pub"], xs, TK, k, ws.ptrs["w_pub"], row_w)
-    _stage("fwd:dispatch")
+    return sched
 
-    h, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, save_gu=True,
-                                config=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H))
-    _stage("fwd:gate_up")
-    gemm.down_push(h, w_down, sched.tile_expert, sched.num_tiles, sched.row_src, ws.ptrs["y_in"], TK,
-                   config=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I))
-    _stage("fwd:down+push")
+
+def _finish_forward(ws, cfg: MoEConfig, x, topk_weights, extra):
+    """Tell every peer its rows are pushed, wait for theirs, combine in k order."""
+    T, k = topk_weights.shape
     _signal(ws, FWD_DONE, FWD, bump=False)
     _wait(ws, FWD_DONE, FWD, sync.ERR_WAIT_PEER_DONE, cfg)
     _stage("fwd:signal+wait")
@@ -154,7 +141,25 @@ def moe_forward(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_d
     _stage("fwd:combine")
     if cfg.debug:
         ws.check_errors()
-    return y, (sched, xs, gu, row_w)
+    return y
+
+
+def moe_forward(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra=None):
+    """Forward pass on one rank. Returns (y [T, H], saved) where saved feeds ``moe_backward``."""
+    T, H = x.shape
+    I, TK = w_gate.shape[1], topk_idx.numel()
+    sched = _publish_and_schedule(ws, cfg, x, topk_idx, topk_weights, w_gate.shape[0])
+    xs = x.new_empty((sched.R_max, H))
+    row_w = torch.empty(sched.R_max, dtype=torch.float32, device=x.device)
+    _pull_rows(cfg, sched, ws.ptrs["x_pub"], xs, TK, sched.k, ws.ptrs["w_pub"], row_w)
+    _stage("fwd:dispatch")
+    h, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, save_gu=True,
+                                config=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H))
+    _stage("fwd:gate_up")
+    gemm.down_push(h, w_down, sched.tile_expert, sched.num_tiles, sched.row_src, ws.ptrs["y_in"], TK,
+                   config=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I))
+    _stage("fwd:down+push")
+    return _finish_forward(ws, cfg, x, topk_weights, extra), (sched, xs, gu, row_w)
 
 
 @dataclass
@@ -186,25 +191,13 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     the backward recomputes xs and g, u.
     """
     T, H = x.shape
-    k = topk_idx.shape[1]
-    E_local, I = w_gate.shape[0], w_gate.shape[1]
-    W, rank = ws.world_size, ws.rank
+    I = w_gate.shape[1]
     I_s = shared[0].shape[0] if shared is not None else 0
-    _stage("fwd:start")
-    ws.x_pub.copy_(x)
-    ws.idx_pub.copy_(topk_idx)
-    ws.w_pub.copy_(topk_weights)
-    _signal(ws, FWD_READY, FWD, bump=True)
-    _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
-    _stage("fwd:publish+wait")
-
-    sched = alloc_schedule(W, T, k, E_local, cfg.tile_m, x.device)
-    launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, rank)
-    _stage("fwd:schedule")
+    sched = _publish_and_schedule(ws, cfg, x, topk_idx, topk_weights, w_gate.shape[0])
     mb = _mega_buffers(ws, cfg, T, H, I, I_s, x.dtype, x.device)
     programs = cfg.fwd_programs or megakernel_fwd.default_programs(x.device)
     megakernel_fwd.launch_fwd_megakernel(
-        mb, sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], rank, cfg.max_wait_iters,
+        mb, sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], ws.rank, cfg.max_wait_iters,
         w_gate, w_up, w_down, x=x, shared=shared,
         gu_cfg=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H), dn_cfg=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I),
         gus_cfg=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I_s, H) if I_s else None,
@@ -212,14 +205,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
         pull_cols=cfg.pull_cols)
     _stage("fwd:megakernel")
-    _signal(ws, FWD_DONE, FWD, bump=False)
-    _wait(ws, FWD_DONE, FWD, sync.ERR_WAIT_PEER_DONE, cfg)
-    _stage("fwd:signal+wait")
-    extra = mb.extra[:T] if I_s else None
-    y = combine_k(ws.y_in, T, k, w=topk_weights.float().contiguous(), extra=extra, dtype=x.dtype)
-    _stage("fwd:combine")
-    if cfg.debug:
-        ws.check_errors()
+    y = _finish_forward(ws, cfg, x, topk_weights, mb.extra[:T] if I_s else None)
     return y, MegaSaved(sched, x, topk_weights)
 
 
@@ -373,7 +359,7 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
                            w_down, extra, ws, cfg)
 
 
-def check_errors(group=None, device=None):
+def check_errors():
     """Raise ``TabbyDeviceError`` if any cached workspace of this process recorded an error (host sync)."""
     from .workspace import _CACHE
 
