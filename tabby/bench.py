@@ -24,6 +24,7 @@ Without a GPU: the TINY shape on the CPU, single process and EP2 over gloo, erro
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
@@ -306,6 +307,10 @@ def register_tabby() -> None:
         return
     if fn is not None:
         register_layer("tabby", fn, supports_cpu=True)
+        # The forward megakernel (off by default in the layer until it is measured on a GPU).
+        from .functional.config import MoEConfig
+
+        register_layer("tabby-mega", functools.partial(fn, config=MoEConfig(megakernel=True)), supports_cpu=True)
 
 
 def load_plugins() -> None:
@@ -631,9 +636,9 @@ def cpu_worker(rank: int, world: int, cfg: Config, path: str) -> None:
                                correct=all(v <= tol for v in errors.values())))
         for name in cfg.impls:
             impl = IMPLS[name]
-            if impl.supports_cpu and not (name == "tabby" and ep > 1):
+            if impl.supports_cpu and not (name.startswith("tabby") and ep > 1):
                 recs = measure(impl, inp, group, cfg, timed=False)
-            elif name == "tabby":
+            elif name.startswith("tabby"):
                 # Tabby across processes needs GPU symmetric memory; its multi-rank CPU coverage is
                 # the thread harness of tests/test_moe_cpu.py.
                 recs = [dict(base_record(impl, shape, T, ep, p, cfg.dtype),
