@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched call on the GPU machine (the device tool): GPU tests, then `tabby bench`.
-# Usage: scripts/device_run.sh STAGE [bench args...]; STAGE is tests, profile, bench or all.
+# Usage: scripts/device_run.sh STAGE [bench args...]; STAGE is tests, mega, profile, bench or all.
 # Writes logs and results under $OUT (the device tool brings that folder back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -14,6 +14,10 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 echo "commit ${TABBY_GIT_COMMIT:-unknown} (pass TABBY_GIT_COMMIT=$(git rev-parse HEAD): the device tree has no .git)" >> "$OUT/machine.txt"
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
   timeout 300 python3 -m pytest -q -rA -p no:cacheprovider --timeout 280 -s tests/test_moe_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|error|assert" | tail -40
+fi
+if [ "$stage" = mega ]; then  # the forward megakernel (issue 4): its GPU tests, with fast-failing waits
+  TABBY_MAX_WAIT_ITERS=1000000 TABBY_DEBUG=1 timeout 400 python3 -m pytest -q -rA -p no:cacheprovider --timeout 380 -s \
+    tests/test_megakernel_gpu.py 2>&1 | tee "$OUT/mega-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|error|assert|ms" | tail -40
 fi
 if [ "$stage" = profile ] || [ "$stage" = all ]; then
   python3 -m tabby profile --shapes qwen3-30b-a3b,kimi-k2 --tokens 4096,16384 --ep 1,2 --out "$OUT/res/stages.json" 2>&1 | tee "$OUT/profile.log" | tail -40
