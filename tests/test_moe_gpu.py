@@ -168,3 +168,27 @@ def test_tabby_gpu_ep2():
     res = launch(_ep_worker, list(CASES), nprocs=2)
     print(res)
     _assert_ok(res)
+
+
+def _mismatch_worker(rank, world):
+    import tabby
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    import torch.distributed as dist
+
+    x, idx, wts, ws, _, _ = _inputs("qwen3-30b-a3b", rank, world, device)
+    if rank == 1:  # one token more on rank 1
+        x, idx, wts = torch.cat([x, x[:1]]), torch.cat([idx, idx[:1]]), torch.cat([wts, wts[:1]])
+    try:
+        tabby.moe(x, idx, wts, *ws, group=dist.group.WORLD)
+        return "no error"
+    except tabby.MoEInputError as e:
+        return str(e)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tabby_gpu_ranks_disagreeing_on_shapes_raise():
+    from tabby.launch import launch
+
+    msg = launch(_mismatch_worker, nprocs=2)
+    assert "disagree" in msg and "rank 1: T=513" in msg, msg
