@@ -90,3 +90,14 @@ def test_tabby_cpu_bitwise_deterministic_and_reuses_workspace():
     b = _run_tabby(W, T, prob)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_memory_report_sizes_the_worst_case():
+    from tabby.functional.moe import memory_report
+    from tabby.validate import MoEDims
+
+    d = MoEDims(T=16384, H=2048, k=8, E_local=64, I=768, world_size=2, I_shared=0)
+    rep = memory_report(d, MoEConfig())
+    # Every (token, k) of both ranks plus tile padding per expert, rounded to the tile.
+    assert "R_max=270336 rows" in rep and "kept per layer for the backward 1850.1 MiB" in rep
+    assert "11.0 MiB ring" in memory_report(d, MoEConfig(megakernel=True, ring_rows=2048))

@@ -326,8 +326,9 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
 
     x [T, H] bf16; topk_idx [T, k] int; topk_weights [T, k] float; w_gate, w_up [E_local, I, H],
     w_down [E_local, H, I] bf16; shared None or (w_gate_s [I_s, H], w_up_s [I_s, H], w_down_s [H, I_s]).
-    ``group``: the expert-parallel process group (None: one rank). Returns y [T, H] bf16. No host synchronization: expert ids are checked on the device
-    and reported by ``check_errors`` (or at once with ``config.debug``).
+    ``group``: the expert-parallel process group (None: one rank). Returns y [T, H] bf16.
+    No host synchronization: expert ids are checked on the device and reported by
+    ``check_errors`` (or at once with ``config.debug``).
     """
     cfg = config or MoEConfig()
     rank, W, pg, tg = _group_info(group)
@@ -347,6 +348,9 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
         if cfg.fwd_prefetch is not None and not 0 <= cfg.fwd_prefetch < n_slots:
             raise MoEInputError(f"fwd_prefetch={cfg.fwd_prefetch} must be in [0, ring slots={n_slots})")
     ws = get_workspace(key, rank, group=pg, thread_group=tg)
+    if rank == 0 and tg is None and not getattr(ws, "memory_reported", False):
+        ws.memory_reported = True
+        print("[tabby] " + memory_report(dims, cfg), flush=True)
     if cfg.megakernel:
         sh = tuple(w.contiguous() for w in shared) if shared is not None else (None, None, None)
         return _TabbyMoEMega.apply(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate, w_up,
@@ -357,6 +361,23 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
         extra = (F.silu(x @ sg.t()) * (x @ su.t())) @ sd.t()
     return _TabbyMoE.apply(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate, w_up,
                            w_down, extra, ws, cfg)
+
+
+def memory_report(dims, cfg: MoEConfig) -> str:
+    """Worst-case routed-buffer sizes (every (token, k) of every rank to this rank), known at setup."""
+    from ..ops.schedule import schedule_capacity
+
+    R = schedule_capacity(dims.world_size, dims.T, dims.k, dims.E_local, cfg.tile_m)
+    H, I, MiB = dims.H, dims.I, 2 ** 20
+    kept = R * (2 * H + 4 * I + 4 + 4)  # xs, g|u, row weight, row_src: kept per layer for the backward
+    fwd = R * 2 * I  # h
+    bwd = R * (2 * H + 4 * I + 2 * I + 4 * 2 + 4 * triton.cdiv(I, 64))  # dys, dg|du, hw, dw rows, dw partials
+    ring = cfg.ring_rows * 2 * (H + I)
+    mode = (f"megakernel forward keeps only the schedule and a {ring / MiB:.1f} MiB ring; its backward "
+            f"recomputes the routed rows" if cfg.megakernel else
+            f"kept per layer for the backward {kept / MiB:.1f} MiB, forward transient {fwd / MiB:.1f} MiB")
+    return (f"routed rows sized for the worst case: R_max={R} rows; {mode}; backward transient "
+            f"{(bwd + (kept if cfg.megakernel else 0)) / MiB:.1f} MiB")
 
 
 def check_errors():
