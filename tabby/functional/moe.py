@@ -107,7 +107,7 @@ def _pull_rows(cfg, sched, src_ptrs, dst, TK, k, w_ptrs=None, ws_out=None):
         sched.row_src, sched.num_tiles, src_ptrs, dst, H, TK, k,
         w_ptrs if with_w else src_ptrs, ws_out if with_w else dst,
         BR=cfg.pull_rows, BH=min(cfg.pull_cols, triton.next_power_of_2(H)), WITH_WEIGHTS=with_w,
-        TILE_ROWS=cfg.tile_m, num_warps=8)
+        TILE_ROWS=cfg.tile_m, ROWS_16B=(H * dst.element_size()) % 16 == 0, num_warps=8)
 
 
 def _gemm_cfg(cfg: MoEConfig, kind, N, K):

@@ -51,12 +51,13 @@ def count_ready_kernel(my_flags, epoch_ptr, slot, W, out):
 
 @triton.jit
 def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
-                   BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr):
+                   BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr):
     """Copy rows ``tile*BR ..`` of the routed buffer from their source ranks.
 
     Row r serves flat source id ``row_src[r] = src*TK + t*k + kk`` (-1: padding, written as zeros):
     ``dst[r] = rows_of(src)[t]`` where ``src_ptrs[src]`` is the address of rank src's [T, H]
     buffer. With WITH_WEIGHTS also ``ws_out[r] = weights_of(src)[t*k + kk]`` (fp32, 0 for padding).
+    ROWS_16B: every source row starts 16-byte aligned (H * itemsize % 16 == 0; the buffers are).
     """
     rows = tile * BR + tl.arange(0, BR)
     rs = tl.load(row_src + rows)
@@ -64,8 +65,18 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     src = tl.where(valid, rs // TK, 0)
     tk = tl.where(valid, rs % TK, 0)
     tok = tk // k
-    base = tl.load(src_ptrs + src).to(tl.pointer_type(dst.dtype.element_ty))
-    src_row = base + tok.to(tl.int64) * H
+    # Address each source row as an element offset from a pointer argument (the table itself,
+    # cast): a pointer made by an int-to-pointer cast loses its alignment in the compiler's
+    # analysis and the loads fall back to one element at a time (seen in the sm_90 PTX); this
+    # way, with ROWS_16B, rows are read with 16-byte vectors.
+    DT: tl.constexpr = dst.dtype.element_ty
+    ESIZE: tl.constexpr = DT.primitive_bitwidth // 8
+    base = tl.load(src_ptrs + src)
+    ref = src_ptrs.to(tl.pointer_type(DT), bitcast=True)
+    row_off = (base - src_ptrs.to(tl.int64, bitcast=True)) // ESIZE + tok.to(tl.int64) * H
+    if ROWS_16B:
+        row_off = tl.multiple_of(row_off, 16 // ESIZE)
+    src_row = ref + row_off
     dst_row = dst + rows.to(tl.int64) * H
     for h0 in range(0, H, BH):
         cols = h0 + tl.arange(0, BH)
@@ -81,12 +92,12 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
 @triton.jit
 def pull_rows_kernel(row_src, num_tiles_ptr, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
                      BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr,
-                     TILE_ROWS: tl.constexpr):
+                     TILE_ROWS: tl.constexpr, ROWS_16B: tl.constexpr):
     """Persistent pull dispatch over the schedule's used rows (num_tiles * TILE_ROWS of them)."""
     n_rows = tl.load(num_tiles_ptr) * TILE_ROWS
     n_tiles = tl.cdiv(n_rows, BR)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out, BR, BH, WITH_WEIGHTS)
+        pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out, BR, BH, WITH_WEIGHTS, ROWS_16B)
 
 
 @triton.jit

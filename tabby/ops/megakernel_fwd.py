@@ -107,7 +107,7 @@ def _fill(i, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, max_iters, err_ptr, rank,
     g = i // NS
     _wait(cnt_ptr, C_READY + NS + s, G * g, max_iters, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
     dst = xs_ring + (s - i).to(tl.int64) * (BM * H)  # row i*BM of dst = row s*BM of the ring
-    comm.pull_rows_tile(i, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM, BH, False)
+    comm.pull_rows_tile(i, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM, BH, False, (H % 8) == 0)
     sync.add_release(cnt_ptr + C_READY + s, 1, "gpu")
 
 
