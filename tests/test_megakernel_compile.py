@@ -2,27 +2,20 @@
 
 The interpreter runs the kernel's Python; it does not type-check it the way the compiler does
 (e.g. a variable with different types in the branches of an ``if``). So each variant is compiled
-here through Triton's whole pipeline (TTIR, TTGIR, PTX, ptxas) in a subprocess without
-TRITON_INTERPRET, at the qwen3-30b-a3b shape with the default tile configs.
+through Triton's whole pipeline (see sm90.py) at the qwen3-30b-a3b shape with the default tiles.
 """
-import os
-import subprocess
 import sys
 
 import pytest
+
+from sm90 import compile_for_sm90, run_compiled_check
 
 H, I, IS, BM = 2048, 768, 256, 128
 
 
 def _compile(has_shared: bool, comm: int):
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from tabby.ops import megakernel_fwd as mk
 
-    fn = mk.moe_fwd_megakernel
     const = dict(NS=16, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
                  BN_GU=128, BK_GU=64, BN_DN=256, BK_DN=64, BN_GUS=128, BK_GUS=64, BN_DNS=256, BK_DNS=64,
                  INTERPRET=False)
@@ -31,27 +24,14 @@ def _compile(has_shared: bool, comm: int):
     ptrs.update({n: "*i64" for n in ["x_ptrs", "y_ptrs"]})
     ptrs.update({n: "*bf16" for n in ["xs_ring", "h_ring", "w_gate", "w_up", "w_down", "x", "s_gate", "s_up",
                                       "s_down", "h_sh", "extra"]})
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
+    k = compile_for_sm90(mk.moe_fwd_megakernel, const, ptrs, num_warps=8, num_stages=3)
     assert "ptx" in k.asm and k.asm.get("cubin")
     print(f"ok shared={has_shared} comm={comm} smem={k.metadata.shared}")
 
 
 @pytest.mark.parametrize("has_shared,comm", [(False, 0), (True, 0), (True, 16)])
 def test_megakernel_compiles_for_sm90(has_shared, comm):
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("triton has no NVIDIA backend here")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), str(int(has_shared)), str(comm)], env=env,
-                       capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
-        pytest.skip("no ptxas")
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "ok" in r.stdout
+    assert "ok" in run_compiled_check(__file__, str(int(has_shared)), str(comm))
 
 
 if __name__ == "__main__":
