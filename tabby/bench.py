@@ -218,7 +218,10 @@ class LayerImpl:
     supports_cpu: bool = True
     isolate: bool = False  # run in worker processes of its own
     kwargs: dict = field(default_factory=dict)
-    in_default: bool = True  # measured when --impls is not given
+    in_default: bool = True
+    # Without a GPU, does EP>1 across gloo processes work? (Tabby's needs GPU symmetric memory;
+    # its multi-rank CPU coverage is the thread harness of tests/test_moe_cpu.py.)
+    cpu_multiprocess: bool = True  # measured when --impls is not given
 
     def prepare(self, inp: Inputs, group):
         fn = self.fn if not self.kwargs else (lambda *a, **kw: self.fn(*a, **kw, **self.kwargs))
@@ -307,14 +310,14 @@ def register_tabby() -> None:
         register(BrokenImpl("tabby", f"importing tabby.moe failed: {type(e).__name__}: {e}"))
         return
     if fn is not None:
-        register_layer("tabby", fn, supports_cpu=True)
+        register_layer("tabby", fn, supports_cpu=True, cpu_multiprocess=False)
         # The forward megakernel (off by default in the layer until it is measured on a GPU).
         from .functional.config import MoEConfig
 
         # Opt-in (--impls) until it has passed its GPU tests: a protocol bug there would show up as
         # a long series of bounded waits timing out.
         register_layer("tabby-mega", functools.partial(fn, config=MoEConfig(megakernel=True)), supports_cpu=True,
-                       in_default=False)
+                       cpu_multiprocess=False, in_default=False)
 
 
 def load_plugins() -> None:
@@ -640,11 +643,10 @@ def cpu_worker(rank: int, world: int, cfg: Config, path: str) -> None:
                                correct=all(v <= tol for v in errors.values())))
         for name in cfg.impls:
             impl = IMPLS[name]
-            if impl.supports_cpu and not (name.startswith("tabby") and ep > 1):
+            cpu_ok = impl.supports_cpu and (ep == 1 or getattr(impl, "cpu_multiprocess", True))
+            if cpu_ok:
                 recs = measure(impl, inp, group, cfg, timed=False)
-            elif name.startswith("tabby"):
-                # Tabby across processes needs GPU symmetric memory; its multi-rank CPU coverage is
-                # the thread harness of tests/test_moe_cpu.py.
+            elif impl.supports_cpu:
                 recs = [dict(base_record(impl, shape, T, ep, p, cfg.dtype),
                              error="skipped: EP>1 across processes needs GPUs (CPU: tests/test_moe_cpu.py)")
                         for p in cfg.passes]
