@@ -16,11 +16,11 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
   timeout 300 python3 -m pytest -q -rA -p no:cacheprovider --timeout 280 -s tests/test_moe_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|error|assert" | tail -40
 fi
 if [ "$stage" = mega ]; then  # the forward megakernel (issue 4): its GPU tests, with fast-failing waits
-  TABBY_MAX_WAIT_ITERS=1000000 TABBY_DEBUG=1 timeout 400 python3 -m pytest -q -rA -p no:cacheprovider --timeout 380 -s \
+  TABBY_MAX_WAIT_ITERS=1000000 TABBY_DEBUG=1 timeout ${MEGA_TIMEOUT:-400} python3 -m pytest -q -rA -p no:cacheprovider --timeout ${MEGA_TIMEOUT:-400} -s \
     tests/test_megakernel_gpu.py 2>&1 | tee "$OUT/mega-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|error|assert|ms" | tail -40
 fi
-if [ "$stage" = profile ] || [ "$stage" = all ]; then
-  python3 -m tabby profile --shapes qwen3-30b-a3b,kimi-k2 --tokens 4096,16384 --ep 1,2 --out "$OUT/res/stages.json" 2>&1 | tee "$OUT/profile.log" | tail -40
+if [ "$stage" = profile ] || [ "$stage" = all ] || [ "${WITH_PROFILE:-0}" = 1 ]; then
+  timeout ${PROFILE_TIMEOUT:-400} python3 -m tabby profile --shapes ${PROFILE_SHAPES:-qwen3-30b-a3b,kimi-k2} --tokens ${PROFILE_TOKENS:-4096,16384} --ep ${PROFILE_EP:-1,2} --out "$OUT/res/stages.json" 2>&1 | tee "$OUT/profile.log" | tail -40
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 -m tabby bench --out "$OUT/res" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80

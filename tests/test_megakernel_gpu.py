@@ -75,6 +75,7 @@ def check_mega_rank(rank, W, cases):
             res["fwd_ms_mega"] = _fwd_ms(fn, x, idx, wts, ws, sh, group)
             res["fwd_ms_sync_free"] = _fwd_ms(tabby.moe, x, idx, wts, ws, sh, group)
             out[f"{cname}/{case}"] = res
+            print(f"[mega rank {rank}] {cname}/{case}: {res}", flush=True)  # survives a later timeout
     cfg = _configs()["merged"]
     fn = functools.partial(tabby.moe, config=cfg)
     inp = _inputs(cases[0], rank, W, device)

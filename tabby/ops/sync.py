@@ -5,8 +5,8 @@ publish with a *release* atomic after their stores; consumers poll with an *acqu
 (a plain ``tl.load`` in a loop is hoisted by the compiler and never sees the flag). Flags that
 cross GPUs use scope ``"sys"``; flags inside one GPU ``"gpu"``.
 
-Every wait is bounded: after ``max_iters`` polls it gives up, writes what it waited for to the
-error record and returns, so a lost signal becomes a clear host-side error instead of a hang.
+Every wait is bounded: after ``max_iters`` polls (or as soon as this rank's error record holds
+an earlier error) it gives up, writes what it waited for to the error record and returns, so a lost signal becomes a clear host-side error instead of a hang.
 
 Error record: int32 [ERR_WORDS] per rank, zero when healthy.
     [0] error code (first error wins; see ``ERR_*``)  [1] rank that waited  [2] flag index
@@ -77,6 +77,11 @@ def wait_geq(ptr, target, max_iters, err_ptr, code, rank, index, epoch, SCOPE: t
     while (seen < target) & (i < max_iters):
         seen = load_acquire(ptr, SCOPE)
         i += 1
+        # An earlier error on this rank already dooms the pass: give up at once instead of
+        # letting every dependent wait run out its own budget one after another.
+        if (i % 64) == 0:
+            if tl.load(err_ptr, volatile=True) != 0:
+                i = max_iters
     if seen < target:
         record_error(err_ptr, code, rank, index, target, seen, epoch)
     return seen

@@ -1,0 +1,45 @@
+"""tabby/ops/sync.py under the interpreter: bounded waits and the error record."""
+import time
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from tabby.ops import sync
+
+
+@triton.jit
+def _wait_kernel(flag, target, max_iters, err, out):
+    seen = sync.wait_geq(flag, target, max_iters, err, sync.ERR_WAIT_TILE, 3, 7, 11, "gpu")
+    tl.store(out, seen)
+
+
+def _run(flag_value, target, max_iters, err_preset=0):
+    flag = torch.tensor([flag_value], dtype=torch.int32)
+    err = torch.zeros(sync.ERR_WORDS, dtype=torch.int32)
+    err[0] = err_preset
+    out = torch.zeros(1, dtype=torch.int32)
+    _wait_kernel[(1,)](flag, target, max_iters, err, out)
+    return int(out), err.tolist()
+
+
+def test_satisfied_wait_leaves_no_record():
+    seen, err = _run(5, 5, 10)
+    assert seen == 5 and err == [0] * sync.ERR_WORDS
+
+
+def test_timed_out_wait_records_what_it_waited_for():
+    seen, err = _run(2, 9, 100)
+    assert seen == 2
+    assert err[:6] == [sync.ERR_WAIT_TILE, 3, 7, 9, 2, 11]
+
+
+@pytest.mark.parametrize("budget", [1 << 30])
+def test_earlier_error_aborts_a_wait_early(budget):
+    # With an error already recorded, a wait that can never be met gives up after one check
+    # interval instead of polling 2^30 times; the first error stays in the record.
+    t0 = time.perf_counter()
+    seen, err = _run(0, 1, budget, err_preset=sync.ERR_WAIT_PEER_DONE)
+    assert time.perf_counter() - t0 < 60
+    assert seen == 0 and err[0] == sync.ERR_WAIT_PEER_DONE
