@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One batched call on the GPU machine (the device tool): GPU tests, then `tabby bench`.
-# Usage: scripts/device_run.sh STAGE [bench args...]; STAGE is tests, mega, profile, bench or all.
+# Usage: scripts/device_run.sh STAGE [bench or tune args...]; STAGE is tests, mega, profile, tune, bench or all.
+# Knobs (env): MEGA_TIMEOUT, WITH_PROFILE=1 (profile after another stage), PROFILE_{SHAPES,TOKENS,EP,TIMEOUT},
+# TUNE_TIMEOUT.
 # Writes logs and results under $OUT (the device tool brings that folder back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" TABBY_MAX_WAIT_ITERS=${TABBY_MAX_WAIT_ITERS:-4194304}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-/tmp/tabby-out}
 mkdir -p "$OUT/res"
 stage=${1:-all}; shift || true
@@ -16,11 +18,14 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
   timeout 300 python3 -m pytest -q -rA -p no:cacheprovider --timeout 280 -s tests/test_moe_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|error|assert" | tail -40
 fi
 if [ "$stage" = mega ]; then  # the forward megakernel (issue 4): its GPU tests, with fast-failing waits
-  TABBY_MAX_WAIT_ITERS=1000000 TABBY_DEBUG=1 timeout ${MEGA_TIMEOUT:-400} python3 -m pytest -q -rA -p no:cacheprovider --timeout ${MEGA_TIMEOUT:-400} -s \
+  TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${MEGA_TIMEOUT:-400} python3 -m pytest -q -rA -p no:cacheprovider --timeout ${MEGA_TIMEOUT:-400} -s \
     tests/test_megakernel_gpu.py 2>&1 | tee "$OUT/mega-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|error|assert|ms" | tail -40
 fi
 if [ "$stage" = profile ] || [ "$stage" = all ] || [ "${WITH_PROFILE:-0}" = 1 ]; then
   timeout ${PROFILE_TIMEOUT:-400} python3 -m tabby profile --shapes ${PROFILE_SHAPES:-qwen3-30b-a3b,kimi-k2} --tokens ${PROFILE_TOKENS:-4096,16384} --ep ${PROFILE_EP:-1,2} --out "$OUT/res/stages.json" 2>&1 | tee "$OUT/profile.log" | tail -40
+fi
+if [ "$stage" = tune ]; then  # forward megakernel variants vs the sync-free path and the floor
+  timeout ${TUNE_TIMEOUT:-500} python3 -m tabby tune --out "$OUT/res/tune.json" "$@" 2>&1 | tee "$OUT/tune.log" | grep -v Warning | tail -60
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 -m tabby bench --out "$OUT/res" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80

@@ -42,6 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--warmup", type=int, default=3)
     pr.add_argument("--iters", type=int, default=10)
     pr.add_argument("--out", default=None, help="JSON file for the per-stage times")
+    tu = sub.add_parser("tune", help="time the forward megakernel's variants (GPU)",
+                        description="Forward time of megakernel variants (comm programs C, prefetch P, ring rows R, "
+                                    "programs N, ablations A) against the sync-free path and the floor; see tabby/tune.py.")
+    tu.add_argument("--shapes", type=_list, default=["qwen3-30b-a3b"], help="comma list of shape names")
+    tu.add_argument("--tokens", type=_ints, default=[16384], help="tokens per GPU, comma list")
+    tu.add_argument("--ep", type=_ints, default=[1], help="EP sizes, comma list")
+    tu.add_argument("--variants", type=lambda s: s.split(";"), default=None,
+                    help="semicolon list, e.g. 'sync-free;mega;mega:C=16,R=4096' (default: a sweep)")
+    tu.add_argument("--warmup", type=int, default=3)
+    tu.add_argument("--iters", type=int, default=10)
+    tu.add_argument("--out", default=None, help="JSON file for the results")
     return p
 
 
@@ -85,6 +96,20 @@ def main(argv=None) -> int:
         if bad:
             parser.error(f"unknown shape(s) {', '.join(bad)}; known: {', '.join(PROFILE_SHAPES)}")
         profile.run(args.shapes, args.tokens, args.ep, args.iters, args.warmup, args.out)
+        return 0
+    if args.command == "tune":
+        from . import tune
+        from .shapes import SHAPES
+
+        bad = [n for n in args.shapes if n not in SHAPES]
+        if bad:
+            parser.error(f"unknown shape(s) {', '.join(bad)}")
+        try:
+            for v in args.variants or []:
+                tune.parse_variant(v)
+        except ValueError as e:
+            parser.error(str(e))
+        tune.run(args.shapes, args.tokens, args.ep, args.variants, args.warmup, args.iters, args.out)
         return 0
     if args.command != "bench":
         parser.print_help()

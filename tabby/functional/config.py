@@ -12,7 +12,10 @@ class MoEConfig:
     tile_m:          rows per tile of the routed buffer; each expert's segment is padded to it.
     pull_rows/cols:  the block one dispatch program copies per step (rows x columns).
     comm_programs:   programs of the pull-dispatch launch.
-    max_wait_iters:  polls before a spin-wait gives up and records an error (never hang).
+    max_wait_ms:     GPU time a spin-wait may take before it gives up and records an error (never
+                     hang). Generous, because a peer may start late (its first call compiles kernels).
+                     Also TABBY_MAX_WAIT_MS.
+    max_wait_iters:  the same bound under the CPU interpreter, which has no clock: polls.
     debug:           check the device error record after every pass (a host sync). Also TABBY_DEBUG=1.
     megakernel:      forward through ONE persistent launch (ops/megakernel_fwd.py: pull dispatch into a
                      ring, gate/up, down + push, shared expert; tile-level counters) instead of the
@@ -27,12 +30,15 @@ class MoEConfig:
     fwd_programs:    the megakernel's persistent grid (None: the device's SM count; 3 on the CPU).
     fwd_prefetch:    merged mode: fills run this many row tiles ahead of gate/up in the ticket order,
                      in [0, ring slots) (None: half the slots).
+    fwd_ablate:      measurement only (`tabby tune`), makes the output WRONG: 1 skips the megakernel's
+                     row copies, 2 its routed GEMM math (waits and signals stay).
     """
 
     tile_m: int = 128
     pull_rows: int = 32
     pull_cols: int = 512
     comm_programs: int = 132
+    max_wait_ms: float = float(os.environ.get("TABBY_MAX_WAIT_MS", 60_000))
     max_wait_iters: int = int(os.environ.get("TABBY_MAX_WAIT_ITERS", 1 << 24))
     debug: bool = os.environ.get("TABBY_DEBUG", "0") == "1"
     megakernel: bool = False
@@ -40,3 +46,10 @@ class MoEConfig:
     fwd_comm_programs: int = 0
     fwd_programs: int | None = None
     fwd_prefetch: int | None = None
+    fwd_ablate: int = 0
+
+    def wait_budget(self) -> int:
+        """The budget argument of the kernels' bounded waits (``ops.sync.wait_geq``)."""
+        from ..ops import INTERPRET
+
+        return self.max_wait_iters if INTERPRET else int(self.max_wait_ms * 1e6)

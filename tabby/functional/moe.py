@@ -97,7 +97,7 @@ def _wait(ws, slot, epoch_idx, code, cfg):
                                      0, ws.err, code)
         return
     comm.wait_peers_kernel[(1,)](ws.flags, ws.epoch[epoch_idx:], slot, ws.rank, ws.world_size,
-                                 cfg.max_wait_iters, ws.err, code)
+                                 cfg.wait_budget(), ws.err, code)
 
 
 def _pull_rows(cfg, sched, src_ptrs, dst, TK, k, w_ptrs=None, ws_out=None):
@@ -139,7 +139,7 @@ def _finish_forward(ws, cfg: MoEConfig, x, topk_weights, extra):
     _stage("fwd:signal+wait")
     y = combine_k(ws.y_in, T, k, w=topk_weights.float().contiguous(), extra=extra, dtype=x.dtype)
     _stage("fwd:combine")
-    if cfg.debug:
+    if cfg.debug and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):  # a graph replays without it
         ws.check_errors()
     return y
 
@@ -197,13 +197,13 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     mb = _mega_buffers(ws, cfg, T, H, I, I_s, x.dtype, x.device)
     programs = cfg.fwd_programs or megakernel_fwd.default_programs(x.device)
     megakernel_fwd.launch_fwd_megakernel(
-        mb, sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], ws.rank, cfg.max_wait_iters,
+        mb, sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], ws.rank, cfg.wait_budget(),
         w_gate, w_up, w_down, x=x, shared=shared,
         gu_cfg=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H), dn_cfg=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I),
         gus_cfg=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I_s, H) if I_s else None,
         dns_cfg=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I_s) if I_s else None,
         programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
-        pull_cols=cfg.pull_cols)
+        pull_cols=cfg.pull_cols, ablate=cfg.fwd_ablate)
     _stage("fwd:megakernel")
     y = _finish_forward(ws, cfg, x, topk_weights, mb.extra[:T] if I_s else None)
     return y, MegaSaved(sched, x, topk_weights)
@@ -267,7 +267,7 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
     dx = combine_k(ws.dx_in, T, k, dtype=dy.dtype)
     dtopk = ws.dw_in.view(T, k).clone()
     _stage("bwd:combine")
-    if cfg.debug:
+    if cfg.debug and not (dy.is_cuda and torch.cuda.is_current_stream_capturing()):  # a graph replays without it
         ws.check_errors()
     return dx, dtopk, dw_gate, dw_up, dw_down
 

@@ -27,11 +27,11 @@ def signal_peers_kernel(flag_ptrs, epoch_ptr, slot, rank, W, BUMP: tl.constexpr)
 
 
 @triton.jit
-def wait_peers_kernel(my_flags, epoch_ptr, slot, rank, W, max_iters, err_ptr, code):
+def wait_peers_kernel(my_flags, epoch_ptr, slot, rank, W, wait_budget, err_ptr, code):
     """Wait until every rank has set flag ``[slot, src]`` of this rank to at least the epoch."""
     epoch = tl.load(epoch_ptr)
     for src in range(W):
-        sync.wait_geq(my_flags + slot * W + src, epoch, max_iters, err_ptr, code, rank, slot * W + src,
+        sync.wait_geq(my_flags + slot * W + src, epoch, wait_budget, err_ptr, code, rank, slot * W + src,
                       epoch, "sys")
 
 

@@ -95,52 +95,55 @@ def _decode(t, n, F: tl.constexpr, G, D):
 
 
 @triton.jit
-def _wait(cnt_ptr, idx, target, max_iters, err_ptr, code, rank, epoch):
-    sync.wait_geq(cnt_ptr + idx, target, max_iters, err_ptr, code, rank, idx, epoch, "gpu")
+def _wait(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch):
+    sync.wait_geq(cnt_ptr + idx, target, wait_budget, err_ptr, code, rank, idx, epoch, "gpu")
     tl.debug_barrier()  # the acquire of the polling thread orders the reads of every thread after it
 
 
 @triton.jit
-def _fill(i, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, max_iters, err_ptr, rank, epoch,
-          NS: tl.constexpr, G, H: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr):
+def _fill(i, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
+          NS: tl.constexpr, G, H: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, ABLATE: tl.constexpr = 0):
     s = i % NS
     g = i // NS
-    _wait(cnt_ptr, C_READY + NS + s, G * g, max_iters, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
+    _wait(cnt_ptr, C_READY + NS + s, G * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
     dst = xs_ring + (s - i).to(tl.int64) * (BM * H)  # row i*BM of dst = row s*BM of the ring
-    comm.pull_rows_tile(i, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM, BH, False, (H % 8) == 0)
+    if (ABLATE & 1) == 0:
+        comm.pull_rows_tile(i, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM, BH, False, (H % 8) == 0)
     sync.add_release(cnt_ptr + C_READY + s, 1, "gpu")
 
 
 @triton.jit
 def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n, w_down, sd_e, sd_n,
-                  row_src, tile_expert, num_tiles, y_ptrs, TK, max_iters, err_ptr, rank, epoch,
+                  row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget, err_ptr, rank, epoch,
                   NS: tl.constexpr, G, D, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                   BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+                  INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0):
     s = i % NS
     g = i // NS
     if kind == 1:  # gate/up column tile n of row tile i
-        _wait(cnt_ptr, C_READY + s, g + 1, max_iters, err_ptr, _ERR_WAIT_TILE, rank, epoch)
-        _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, max_iters, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
+        _wait(cnt_ptr, C_READY + s, g + 1, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch)
+        _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
         xs = xs_ring + (s - i).to(tl.int64) * (BM * H)
         hh = h_ring + (s - i).to(tl.int64) * (BM * I)
-        gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, hh, 0,
-                                 tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, False,
-                                 INTERPRET)
+        if (ABLATE & 2) == 0:
+            gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, hh, 0,
+                                     tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, False,
+                                     INTERPRET)
         sync.add_release(cnt_ptr + C_READY + NS + s, 1, "gpu")
     else:  # down column tile n of row tile i, rows pushed to their origins
-        _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), max_iters, err_ptr, _ERR_WAIT_TILE, rank, epoch)
+        _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch)
         hh = h_ring + (s - i).to(tl.int64) * (BM * I)
-        gemm.rows_gemm_tile(i, n, None, None, hh, hh, I, w_down, w_down, sd_e, sd_e, sd_n,
-                            hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
-                            H, I, 0, BM, BN_DN, BK_DN, True, False, I % BK_DN == 0, True, tl.bfloat16,
-                            False, INTERPRET)
+        if (ABLATE & 2) == 0:
+            gemm.rows_gemm_tile(i, n, None, None, hh, hh, I, w_down, w_down, sd_e, sd_e, sd_n,
+                                hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
+                                H, I, 0, BM, BN_DN, BK_DN, True, False, I % BK_DN == 0, True, tl.bfloat16,
+                                False, INTERPRET)
         sync.add_release(cnt_ptr + C_READY + 2 * NS + s, 1, "gpu")
 
 
 @triton.jit
 def _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n,
-                 max_iters, err_ptr, rank, epoch, SH_IDX: tl.constexpr, GS,
+                 wait_budget, err_ptr, rank, epoch, SH_IDX: tl.constexpr, GS,
                  H: tl.constexpr, IS: tl.constexpr, BM: tl.constexpr,
                  BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
                  INTERPRET: tl.constexpr):
@@ -151,7 +154,7 @@ def _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, s
                                  T, True)
         sync.add_release(cnt_ptr + SH_IDX + j, 1, "gpu")
     else:
-        _wait(cnt_ptr, SH_IDX + j, GS, max_iters, err_ptr, _ERR_WAIT_TILE, rank, epoch)
+        _wait(cnt_ptr, SH_IDX + j, GS, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch)
         gemm.rows_gemm_tile(j, n, None, None, h_sh, h_sh, IS, s_down, s_down, 0, 0, IS,
                             extra, H, sh_tiles, sh_tiles, 1, 0, sh_tiles, sh_n,
                             H, IS, 0, BM, BN_DNS, BK_DNS, True, False, IS % BK_DNS == 0, False, tl.bfloat16,
@@ -159,7 +162,7 @@ def _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, s
 
 
 @triton.jit
-def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, max_iters,
+def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        row_src, tile_expert, num_tiles, x_ptrs, y_ptrs, TK, k,
                        xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down, wd_e, wd_n,
                        x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n, n_sh,
@@ -167,8 +170,13 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, max_iters,
                        H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr,
                        BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
                        BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
-                       INTERPRET: tl.constexpr):
-    """One persistent launch of the routed forward (and the shared expert); see the module docstring."""
+                       INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0):
+    """One persistent launch of the routed forward (and the shared expert); see the module docstring.
+
+    ABLATE (measurement only; the output is then wrong): bit 1 skips the row copies of the fills,
+    bit 2 the GEMM math of the routed tiles; every wait and signal stays, so the time of a variant
+    shows what the remaining stages cost under the same schedule.
+    """
     pid = tl.program_id(0)
     epoch = tl.load(epoch_ptr)
     nt = tl.load(num_tiles)
@@ -188,7 +196,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, max_iters,
     if pid < COMM:  # communication program: fills only, in tile order
         f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
         while f < nt:
-            _fill(f, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, max_iters, err_ptr, rank, epoch, NS, G, H, BM, BH)
+            _fill(f, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch, NS, G, H, BM, BH,
+                  ABLATE)
             f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
     else:
         t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
@@ -197,7 +206,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, max_iters,
                 if HAS_SHARED:
                     kind, j, n = _decode(t, n_sh, 0, GS, DS)
                     _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n,
-                                 max_iters, err_ptr, rank, epoch, SH_IDX, GS, H, IS, BM,
+                                 wait_budget, err_ptr, rank, epoch, SH_IDX, GS, H, IS, BM,
                                  BN_GUS, BK_GUS, BN_DNS, BK_DNS, INTERPRET)
             else:
                 tr = t - sh_total
@@ -211,12 +220,12 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, max_iters,
                         i += pre  # the fill slot of stage s pulls tile s + pre
                 if kind == 0:
                     if i < nt:
-                        _fill(i, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, max_iters, err_ptr, rank, epoch,
-                              NS, G, H, BM, BH)
+                        _fill(i, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
+                              NS, G, H, BM, BH, ABLATE)
                 else:
                     _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
-                                  wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, max_iters, err_ptr,
-                                  rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN, INTERPRET)
+                                  wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget, err_ptr,
+                                  rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN, INTERPRET, ABLATE)
             t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
 
 
@@ -269,17 +278,17 @@ def default_programs(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, rank, max_iters,
+def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, rank, wait_budget,
                           w_gate, w_up, w_down, x=None, shared=None, *, gu_cfg, dn_cfg, gus_cfg=None, dns_cfg=None,
                           programs: int, comm_programs: int = 0, prefetch: int | None = None, pull_cols: int = 512,
-                          zero_counters: bool = True):
+                          zero_counters: bool = True, ablate: int = 0):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
     of every rank's x_pub [T, H] / y_in [T*k, H]; err: error record; epoch: int32 device tensor
     (the pass's epoch, for error records). shared: None or (w_gate_s, w_up_s, w_down_s) over the
     local x [T, H]; its output lands in ``mb.extra[:T]``. ``zero_counters=False`` (tests only)
-    keeps whatever the counters hold. ``prefetch`` (merged mode): how many tiles the fills run
+    keeps whatever the counters hold; ``ablate`` (measurement only): see the kernel. ``prefetch`` (merged mode): how many tiles the fills run
     ahead of the gate/up tiles in the ticket order, in [0, n_slots) (default n_slots // 2).
     """
     E, I, H = w_gate.shape
@@ -319,7 +328,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     extra = mb.extra if has_sh else mb.h_ring
     BH = min(pull_cols, triton.next_power_of_2(H))
     moe_fwd_megakernel[(programs,)](
-        mb.counters, err, epoch, rank, max_iters,
+        mb.counters, err, epoch, rank, wait_budget,
         sched.row_src, sched.tile_expert, sched.num_tiles, x_ptrs, y_ptrs, T * k, k,
         mb.xs_ring, mb.h_ring, w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_down, w_down.stride(0),
         w_down.stride(1),
@@ -327,4 +336,4 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         NS=mb.n_slots, COMM=comm_programs, HAS_SHARED=has_sh, H=H, I=I, IS=I_s, BM=BM, BH=BH,
         BN_GU=gu_cfg.BN, BK_GU=gu_cfg.BK, BN_DN=dn_cfg.BN, BK_DN=dn_cfg.BK,
         BN_GUS=gus_cfg.BN, BK_GUS=gus_cfg.BK, BN_DNS=dns_cfg.BN, BK_DNS=dns_cfg.BK,
-        INTERPRET=INTERPRET, num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
+        INTERPRET=INTERPRET, ABLATE=ablate, num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)

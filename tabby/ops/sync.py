@@ -5,8 +5,9 @@ publish with a *release* atomic after their stores; consumers poll with an *acqu
 (a plain ``tl.load`` in a loop is hoisted by the compiler and never sees the flag). Flags that
 cross GPUs use scope ``"sys"``; flags inside one GPU ``"gpu"``.
 
-Every wait is bounded: after ``max_iters`` polls (or as soon as this rank's error record holds
-an earlier error) it gives up, writes what it waited for to the error record and returns, so a lost signal becomes a clear host-side error instead of a hang.
+Every wait is bounded: after a budget of GPU time (``%globaltimer`` nanoseconds; under the
+interpreter, which has no clock, a number of polls), or as soon as this rank's error record holds
+an earlier error, it gives up, writes what it waited for to the error record and returns, so a lost signal becomes a clear host-side error instead of a hang.
 
 Error record: int32 [ERR_WORDS] per rank, zero when healthy.
     [0] error code (first error wins; see ``ERR_*``)  [1] rank that waited  [2] flag index
@@ -14,6 +15,11 @@ Error record: int32 [ERR_WORDS] per rank, zero when healthy.
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+from . import INTERPRET as _INTERPRET_HOST
+
+_INTERPRET = tl.constexpr(_INTERPRET_HOST)
 
 ERR_WORDS = 8
 
@@ -67,21 +73,34 @@ def record_error(err_ptr, code, rank, index, expected, seen, epoch):
 
 
 @triton.jit
-def wait_geq(ptr, target, max_iters, err_ptr, code, rank, index, epoch, SCOPE: tl.constexpr):
-    """Spin until ``*ptr >= target`` (acquire); after ``max_iters`` polls record an error and return.
+def wait_geq(ptr, target, budget, err_ptr, code, rank, index, epoch, SCOPE: tl.constexpr):
+    """Spin until ``*ptr >= target`` (acquire); when ``budget`` runs out record an error and return.
 
-    Returns the last value seen. Counters only grow, so ``>=`` tolerates producers running ahead.
+    budget: nanoseconds of GPU time (polls under the interpreter). A time budget, not a poll
+    count, so that the bound means the same on every GPU and tolerates a peer that starts late
+    (e.g. still compiling its kernels on the first call). Returns the last value seen. Counters
+    only grow, so ``>=`` tolerates producers running ahead.
     """
     seen = load_acquire(ptr, SCOPE)
+    if _INTERPRET:
+        start = 0
+    else:
+        start = globaltimer()
+    spent = (start - start).to(tl.int64)
+    stop = 0
     i = 0
-    while (seen < target) & (i < max_iters):
+    while (seen < target) & (spent < budget) & (stop == 0):
         seen = load_acquire(ptr, SCOPE)
         i += 1
-        # An earlier error on this rank already dooms the pass: give up at once instead of
-        # letting every dependent wait run out its own budget one after another.
+        if _INTERPRET:
+            spent = (spent + 1).to(tl.int64)
         if (i % 64) == 0:
+            if not _INTERPRET:
+                spent = (globaltimer() - start).to(tl.int64)
+            # An earlier error on this rank already dooms the pass: give up at once instead of
+            # letting every dependent wait run out its own budget one after another.
             if tl.load(err_ptr, volatile=True) != 0:
-                i = max_iters
+                stop = 1
     if seen < target:
         record_error(err_ptr, code, rank, index, target, seen, epoch)
     return seen

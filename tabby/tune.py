@@ -1,0 +1,123 @@
+"""``tabby tune``: time the forward of the megakernel's variants against the sync-free path and the floor.
+
+A variant is ``floor``, ``sync-free`` or ``mega`` with knobs after a colon, comma separated:
+``C`` comm programs (``fwd_comm_programs``), ``P`` prefetch, ``R`` ring rows, ``N`` persistent
+programs, ``A`` ablation (1: no row copies, 2: no routed GEMM math; the output is then wrong and
+not checked). Example: ``mega:C=16,R=4096``. Every non-ablated variant's output is compared with
+the sync-free path's (bitwise without a shared expert). Forward times: CUDA events per
+iteration, maximum over ranks, median.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import torch
+
+from .launch import launch
+from .shapes import SHAPES
+
+DEFAULT_VARIANTS = ["floor", "sync-free", "mega", "mega:P=2", "mega:P=12", "mega:C=8", "mega:C=16", "mega:C=32",
+                    "mega:R=4096", "mega:A=1", "mega:A=2", "mega:A=3"]
+_KNOBS = {"C": "fwd_comm_programs", "P": "fwd_prefetch", "R": "ring_rows", "N": "fwd_programs", "A": "fwd_ablate"}
+
+
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """'mega:C=16,R=4096' -> ('mega', {'fwd_comm_programs': 16, 'ring_rows': 4096})."""
+    kind, _, rest = spec.partition(":")
+    if kind not in ("floor", "sync-free", "mega"):
+        raise ValueError(f"unknown variant kind {kind!r} in {spec!r}: floor, sync-free or mega")
+    knobs = {}
+    for item in filter(None, rest.split(",")):
+        key, _, val = item.partition("=")
+        if key not in _KNOBS or not val.lstrip("-").isdigit():
+            raise ValueError(f"bad knob {item!r} in {spec!r}; knobs: {', '.join(f'{k}=<int>' for k in _KNOBS)}")
+        knobs[_KNOBS[key]] = int(val)
+    if knobs and kind != "mega":
+        raise ValueError(f"knobs apply to mega variants only: {spec!r}")
+    return kind, knobs
+
+
+def _median_ms(run, warmup, iters):
+    from .bench import max_over_ranks, time_iterations
+
+    return statistics.median(max_over_ranks(time_iterations(run, warmup, iters)))
+
+
+def tune_rank(rank, world, shape_name, T, variants, warmup, iters):
+    """[{variant, ms, check}] for one (shape, T, EP) on this rank (ms already max over ranks)."""
+    import torch.distributed as dist
+
+    import tabby
+
+    from . import bench
+    from .functional.config import MoEConfig
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    inp = bench.make_inputs(SHAPES[shape_name], T, world, rank, dev)
+    group = dist.group.WORLD if world > 1 else None
+    args = (inp.x.detach(), inp.topk_idx, inp.topk_weights.detach(), inp.w_gate.detach(), inp.w_up.detach(),
+            inp.w_down.detach())
+    shared = tuple(t.detach() for t in inp.shared) if inp.shared else None
+    with torch.no_grad():
+        base = tabby.moe(*args, shared=shared, group=group)
+    rows = []
+    for spec in variants:
+        kind, knobs = parse_variant(spec)
+        check = None
+        try:
+            if kind == "floor":
+                run = bench.IMPLS["floor"].prepare(inp, group).run_fwd
+            else:
+                cfg = MoEConfig(megakernel=kind == "mega", **knobs)
+
+                def run(cfg=cfg):
+                    with torch.no_grad():
+                        return tabby.moe(*args, shared=shared, group=group, config=cfg)
+
+                if not knobs.get("fwd_ablate"):
+                    y = run()
+                    check = bool(torch.equal(y, base)) if shared is None else \
+                        float((y.float() - base.float()).norm() / base.float().norm())
+            ms = _median_ms(run, warmup, iters)
+            tabby.check_errors()
+            rows.append(dict(variant=spec, ms=ms, check=check))
+        except Exception as e:  # noqa: BLE001 -- one bad variant must not lose the others
+            rows.append(dict(variant=spec, ms=None, check=None, error=f"{type(e).__name__}: {e}"[:300]))
+        if rank == 0:
+            r = rows[-1]
+            print(f"  {shape_name} T={T} EP{world} {spec:22s} "
+                  + (f"{r['ms']:8.3f} ms  check={r['check']}" if r["ms"] is not None else r["error"]), flush=True)
+    return rows
+
+
+def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None) -> list:
+    variants = variants or DEFAULT_VARIANTS
+    for v in variants:
+        parse_variant(v)  # fail before starting any process
+    if not torch.cuda.is_available():
+        raise SystemExit("tabby tune times GPU kernels: it needs a GPU")
+    results = []
+    for shape in shapes:
+        for T in tokens:
+            for ep in eps:
+                rows = (launch(tune_rank, shape, T, variants, warmup, iters, nprocs=ep) if ep > 1
+                        else tune_rank(0, 1, shape, T, variants, warmup, iters))
+                results.append(dict(shape=shape, tokens_per_gpu=T, ep=ep, rows=rows))
+                ref = {r["variant"]: r["ms"] for r in rows}
+                print(f"\n| {shape} T={T} EP{ep} | ms | x floor | x sync-free | check |\n|---|---|---|---|---|")
+                for r in rows:
+                    if r["ms"] is None:
+                        print(f"| {r['variant']} | error | | | {r['error']} |")
+                        continue
+                    xf = f"{r['ms'] / ref['floor']:.2f}" if ref.get("floor") else ""
+                    xs = f"{r['ms'] / ref['sync-free']:.2f}" if ref.get("sync-free") else ""
+                    print(f"| {r['variant']} | {r['ms']:.3f} | {xf} | {xs} | {r['check']} |")
+                print(flush=True)
+                if out:
+                    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+                    with open(out, "w") as f:
+                        json.dump(dict(commit=os.environ.get("TABBY_GIT_COMMIT", "unknown"), results=results), f,
+                                  indent=1)
+    return results
