@@ -1,11 +1,12 @@
 """The forward megakernel (MoEConfig(megakernel=True)) on the GPU. Skips without a GPU.
 
-UNVERIFIED until the next device session: written and run on the CPU only (the kernels themselves
-are tested under the interpreter in test_megakernel_cpu.py). Per config (merged tickets; split mode
+Run on 2 x H200 in session 2 (bench/results/mega-tests-*.log); the kernels themselves are also
+tested under the interpreter in test_megakernel_cpu.py. Per config (merged tickets; split mode
 with communication programs; a small ring that wraps): values and gradients against the reference,
 y bitwise equal to the sync-free path's, bitwise determinism, no host sync, CUDA-graph replay, and
 the forward time of both paths (printed, not asserted).
 """
+import dataclasses
 import functools
 import os
 import sys
@@ -76,7 +77,9 @@ def check_mega_rank(rank, W, cases):
             res["fwd_ms_sync_free"] = _fwd_ms(tabby.moe, x, idx, wts, ws, sh, group)
             out[f"{cname}/{case}"] = res
             print(f"[mega rank {rank}] {cname}/{case}: {res}", flush=True)  # survives a later timeout
-    cfg = _configs()["merged"]
+    # The debug mode (TABBY_DEBUG=1, set by scripts/device_run.sh mega) reads the error record
+    # after every pass, a host sync by design: the sync and graph checks run without it.
+    cfg = dataclasses.replace(_configs()["merged"], debug=False)
     fn = functools.partial(tabby.moe, config=cfg)
     inp = _inputs(cases[0], rank, W, device)
     torch.cuda.synchronize()
