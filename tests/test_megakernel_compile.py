@@ -16,12 +16,13 @@ H, I, IS, BM = 2048, 768, 256, 128
 def _compile(has_shared: bool, comm: int):
     from tabby.ops import megakernel_fwd as mk
 
-    const = dict(NS=16, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
+    const = dict(NS=32, FS=4, ABLATE=0, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
                  BN_GU=128, BK_GU=64, BN_DN=256, BK_DN=64, BN_GUS=128, BK_GUS=64, BN_DNS=256, BK_DNS=64,
                  INTERPRET=False)
     ptrs = {n: "*i32" for n in ["cnt_ptr", "err_ptr", "epoch_ptr", "row_src", "tile_expert", "num_tiles",
                                 "sh_tiles", "sh_n"]}
     ptrs.update({n: "*i64" for n in ["x_ptrs", "y_ptrs"]})
+    ptrs["wait_budget"] = "i64"  # nanoseconds: 60 s does not fit an i32
     ptrs.update({n: "*bf16" for n in ["xs_ring", "h_ring", "w_gate", "w_up", "w_down", "x", "s_gate", "s_up",
                                       "s_down", "h_sh", "extra"]})
     k = compile_for_sm90(mk.moe_fwd_megakernel, const, ptrs, num_warps=8, num_stages=3)

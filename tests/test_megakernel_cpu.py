@@ -74,15 +74,16 @@ def test_megakernel_y_bitwise_equals_sync_free_path(route, monkeypatch):
     assert torch.equal(y0, y1)
 
 
-@pytest.mark.parametrize("slots,prefetch", [(2, 0), (3, 2)])
-def test_megakernel_ring_wraps_many_times_bitwise_deterministic(slots, prefetch, monkeypatch):
+@pytest.mark.parametrize("slots,prefetch,lag,split", [(2, 0, 1, 4), (3, 2, 2, 2), (3, 1, 2, 1)])
+def test_megakernel_ring_wraps_many_times_bitwise_deterministic(slots, prefetch, lag, split, monkeypatch):
     # every token of every rank to expert 0: 2*64*2 = 256 rows = 16 tiles through a 2- or 3-slot
     # ring (wraps 8 or 5 times), fills 0 or 2 tiles ahead, shared expert, a grid of 4; all outputs
     # and gradients bitwise equal over runs
     _small_tiles(monkeypatch, BN=32, BK=16)
     W, T, H, I, E_local, k = 2, 64, 32, 32, 2, 2
     prob = make_problem(W, T, H, I, E_local, k, shared=True, seed=3, route="one_expert")
-    cfg = dataclasses.replace(MEGA, fwd_programs=4, ring_rows=slots * CFG.tile_m, fwd_prefetch=prefetch)
+    cfg = dataclasses.replace(MEGA, fwd_programs=4, ring_rows=slots * CFG.tile_m, fwd_prefetch=prefetch,
+                              fwd_down_lag=lag, fwd_fill_split=split)
     a = _run_tabby(W, T, prob, cfg=cfg)
     _check(a, _run_reference(prob))
     b = _run_tabby(W, T, prob, cfg=cfg)
@@ -112,6 +113,10 @@ def test_megakernel_needs_two_slots_and_a_valid_prefetch():
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, ring_rows=CFG.tile_m))
     with pytest.raises(tabby.MoEInputError, match="fwd_prefetch"):
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_prefetch=2))
+    with pytest.raises(tabby.MoEInputError, match="fwd_down_lag"):
+        tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_down_lag=2))  # 2 slots: lag in [1, 2)
+    with pytest.raises(tabby.MoEInputError, match="fwd_fill_split"):
+        tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_fill_split=3))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,27 +136,29 @@ def _one_rank(T=40, H=32, I=32, E_local=2, k=2, BM=16, slots=2, I_s=0, seed=0, r
     return dict(ws=ws, sched=sched, mb=mb, w=(wg, wu, wd), x=x, gu_cfg=gu_cfg, dn_cfg=dn_cfg, TK=T * k)
 
 
-def _launch(p, max_iters=1 << 20, programs=2, zero=True, prefetch=None):
+def _launch(p, max_iters=1 << 20, programs=2, zero=True, prefetch=None, fill_split=1):
     ws = p["ws"]
     megakernel_fwd.launch_fwd_megakernel(
         p["mb"], p["sched"], ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[0:], 0, max_iters, *p["w"],
-        gu_cfg=p["gu_cfg"], dn_cfg=p["dn_cfg"], programs=programs, prefetch=prefetch, zero_counters=zero)
+        gu_cfg=p["gu_cfg"], dn_cfg=p["dn_cfg"], programs=programs, prefetch=prefetch, zero_counters=zero,
+        fill_split=fill_split)
 
 
-@pytest.mark.parametrize("prefetch", [0, 1])
-def test_megakernel_counters_and_pushed_rows(prefetch):
+@pytest.mark.parametrize("prefetch,split", [(0, 1), (1, 1), (1, 4)])
+def test_megakernel_counters_and_pushed_rows(prefetch, split):
     p = _one_rank()  # 80 rows into expert 0: 5 tiles, 2 slots
-    _launch(p, prefetch=prefetch)
+    _launch(p, prefetch=prefetch, fill_split=split)
     nt = int(p["sched"].num_tiles)
     assert nt == 5
     NS, G, D = 2, 2, 2  # I / 16, H / 16
     lay = megakernel_fwd.counter_layout(NS, 0)
     c = p["mb"].counters
     ready = c[lay["ready"]:lay["ready"] + NS].tolist()
-    assert ready == [3, 2]  # tiles 0, 2, 4 in slot 0; 1, 3 in slot 1
-    assert c[lay["gu_done"]:lay["gu_done"] + NS].tolist() == [G * r for r in ready]
-    assert c[lay["dn_done"]:lay["dn_done"] + NS].tolist() == [D * r for r in ready]
-    assert int(c[lay["ticket"]]) == prefetch + nt * (1 + G + D) + 2  # every ticket taken, one more per program
+    assert ready == [3 * split, 2 * split]  # tiles 0, 2, 4 in slot 0; 1, 3 in slot 1; split fills each
+    assert c[lay["gu_done"]:lay["gu_done"] + NS].tolist() == [G * 3, G * 2]
+    assert c[lay["dn_done"]:lay["dn_done"] + NS].tolist() == [D * 3, D * 2]
+    F = split  # every ticket taken, one more per program
+    assert int(c[lay["ticket"]]) == prefetch * F + nt * (F + G + D) + 2
     # the pushed rows equal those of the sync-free launches (pull, gate_up, down_push), bitwise
     sched, ws = p["sched"], p["ws"]
     xs = p["x"].new_empty((sched.R_max, p["x"].shape[1]))
@@ -183,14 +190,15 @@ def test_megakernel_impossible_wait_is_an_error_record(which, code):
 # the programs one after another, so it cannot show a race or a deadlock of another interleaving)
 # ------------------------------------------------------------------------------------------------
 
-def _decode_py(t, n, F, G, D):
-    """Python mirror of megakernel_fwd._decode (checked against the kernel's below)."""
-    FG, FGD = F + G, F + G + D
-    s, off = (0, t) if t < FG else (1 + (t - FG) // FGD, (t - FG) % FGD)
-    if s == n:
-        off += FG
-    kind = 0 if off < F else (1 if off < FG else 2)
-    return kind, (s - 1 if kind == 2 else s), (off - F if kind == 1 else (off - FG if kind == 2 else 0))
+def _decode_py(t, n, F, G, D, L=1):
+    """Python mirror of megakernel_fwd._decode (checked against the kernel's below): the stages
+    [F fills of s] [G gate/ups of s if s < n] [D downs of s - L if s >= L], empty ones skipped."""
+    seq = []
+    for s in range(n + L):
+        seq += [(0, s, p) for p in range(F)] if s < n else []
+        seq += [(1, s, c) for c in range(G)] if s < n else []
+        seq += [(2, s - L, c) for c in range(D)] if s >= L else []
+    return seq[t]
 
 
 def test_decode_mirror_matches_the_kernel():
@@ -198,33 +206,34 @@ def test_decode_mirror_matches_the_kernel():
     import triton.language as tl
 
     @triton.jit
-    def k(out, n, F: tl.constexpr, G, D, BLOCK: tl.constexpr):
+    def k(out, n, F, G, D, L, BLOCK: tl.constexpr):
         t = tl.arange(0, BLOCK)
-        kind, tile, col = megakernel_fwd._decode(t, n, F, G, D)
+        kind, tile, col = megakernel_fwd._decode(t, n, F, G, D, L)
         tl.store(out + t * 3, kind)
         tl.store(out + t * 3 + 1, tile)
         tl.store(out + t * 3 + 2, col)
 
-    for n, F, G, D in [(5, 1, 2, 3), (3, 0, 1, 1), (1, 1, 3, 2), (4, 0, 2, 5)]:
+    for n, F, G, D, L in [(5, 1, 2, 3, 1), (3, 0, 1, 1, 1), (1, 1, 3, 2, 1), (4, 0, 2, 5, 1), (5, 4, 2, 3, 2),
+                          (2, 2, 1, 2, 4), (6, 3, 2, 1, 3), (0, 1, 1, 1, 2)]:
         total = n * (F + G + D)
         out = torch.zeros(128, 3, dtype=torch.int32)
-        k[(1,)](out, n, F, G, D, BLOCK=128)
-        want = [_decode_py(t, n, F, G, D) for t in range(total)]
+        k[(1,)](out, n, F, G, D, L, BLOCK=128)
+        want = [_decode_py(t, n, F, G, D, L) for t in range(total)]
         assert [tuple(r) for r in out[:total].tolist()] == want
         # every task exactly once
-        assert sorted(want) == sorted([(0, i, 0) for i in range(n) for _ in range(F)]
+        assert sorted(want) == sorted([(0, i, p) for i in range(n) for p in range(F)]
                                       + [(1, i, c) for i in range(n) for c in range(G)]
                                       + [(2, i, c) for i in range(n) for c in range(D)])
 
 
-def _simulate(nt, NS, G, D, pre, programs, comm, rng):
+def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1):
     """Run the megakernel's routed protocol with a random interleaving of `programs` programs.
 
     A task is: wait (its counter conditions), then work (an interval other programs may overlap),
     then signal. Checks that no task starts its work while the data it reads is not yet written or
     is being overwritten, and that the run never deadlocks. Returns the number of steps.
     """
-    F = 0 if comm else 1
+    F = 0 if comm else FS
     pre = pre if F else 0
     total = pre * F + nt * (F + G + D)
     cnt = dict(ticket=0, fill_ticket=0, ready=[0] * NS, gu=[0] * NS, dn=[0] * NS)
@@ -236,17 +245,17 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng):
         if p < comm:
             f = cnt["fill_ticket"]
             cnt["fill_ticket"] += 1
-            return ("fill", f, 0) if f < nt else None
+            return ("fill", f // FS, f % FS) if f < nt * FS else None
         t = cnt["ticket"]
         cnt["ticket"] += 1
         if t >= total:
             return None
         if t < pre * F:
-            return ("fill", t, 0) if t < nt else ("nop", 0, 0)
-        kind, i, c = _decode_py(t - pre * F, nt, F, G, D)
+            return ("fill", t // F, t % F) if t // F < nt else ("nop", 0, 0)
+        kind, i, c = _decode_py(t - pre * F, nt, F, G, D, L)
         if kind == 0:
             i += pre
-            return ("fill", i, 0) if i < nt else ("nop", 0, 0)
+            return ("fill", i, c) if i < nt else ("nop", 0, 0)
         return ("gu" if kind == 1 else "dn", i, c)
 
     def ready(task):
@@ -255,7 +264,7 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng):
         if kind == "fill":
             return cnt["gu"][s] >= G * g
         if kind == "gu":
-            return cnt["ready"][s] >= g + 1 and cnt["dn"][s] >= D * g
+            return cnt["ready"][s] >= FS * (g + 1) and cnt["dn"][s] >= D * g
         if kind == "dn":
             return cnt["gu"][s] >= G * (g + 1)
         return True
@@ -266,7 +275,8 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng):
         if kind == "fill":  # xs slot: every reader of the previous generation finished
             assert i < NS or all(("gu", i - NS, c) in done for c in range(G)), task
         elif kind == "gu":  # its rows are there and stay; the h slot's previous readers finished
-            assert ("fill", i, 0) in done and ("fill", i + NS, 0) not in busy, task
+            assert all(("fill", i, p) in done for p in range(FS)), task
+            assert not any(("fill", i + NS, p) in busy for p in range(FS)), task
             assert i < NS or all(("dn", i - NS, c) in done for c in range(D)), task
         elif kind == "dn":  # every h column tile is there and stays
             assert all(("gu", i, c) in done for c in range(G)), task
@@ -302,16 +312,27 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng):
     return steps
 
 
-@pytest.mark.parametrize("NS,pre,comm", [(2, 0, 0), (2, 1, 0), (3, 2, 0), (4, 1, 0), (2, 0, 1), (3, 0, 2)])
-def test_protocol_model_random_interleavings(NS, pre, comm):
+@pytest.mark.parametrize("NS,pre,comm,L,FS", [(2, 0, 0, 1, 1), (2, 1, 0, 1, 1), (3, 2, 0, 1, 1), (4, 1, 0, 1, 1),
+                                             (2, 0, 1, 1, 1), (3, 0, 2, 1, 1), (4, 2, 0, 3, 2), (5, 4, 0, 4, 4),
+                                             (3, 1, 0, 2, 2), (4, 0, 2, 3, 4)])
+def test_protocol_model_random_interleavings(NS, pre, comm, L, FS):
     import random
 
-    rng = random.Random(NS * 100 + pre * 10 + comm)
+    rng = random.Random(NS * 100 + pre * 10 + comm + 1000 * L + 10000 * FS)
     for trial in range(60):
         nt = rng.randint(0, 12)
         G, D = rng.randint(1, 3), rng.randint(1, 3)
         programs = comm + rng.randint(1, 6)
-        _simulate(nt, NS, G, D, pre, programs, comm, rng)
+        _simulate(nt, NS, G, D, pre, programs, comm, rng, L=L, FS=FS)
+
+
+def test_protocol_model_catches_a_lag_as_long_as_the_ring():
+    # down(i - L) must come before gate/up(i + 1) of the next generation of its slot: L = NS deadlocks
+    import random
+
+    with pytest.raises(AssertionError, match="deadlock"):
+        for seed in range(20):
+            _simulate(8, 2, 1, 1, 0, 1, 0, random.Random(seed), L=2)
 
 
 def test_protocol_model_catches_a_one_slot_ring():

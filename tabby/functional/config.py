@@ -22,14 +22,17 @@ class MoEConfig:
                      dispatch / gate_up / down_push launches; the backward then recomputes xs and g, u.
                      Off by default until measured on a GPU.
     ring_rows:       rows of the megakernel's ring (xs and h); ring_rows // tile_m slots, at least 2.
-                     2048 = 16 slots of 128 rows: with 132 programs and, on qwen3-30b-a3b, 6 gate/up +
-                     8 down column tiles per row tile, about 10 row tiles are in flight at once; the rest
-                     lets the pull run ahead. Costs ring_rows * (H + I) * 2 bytes (11.5 MB there).
+                     4096 = 32 slots of 128 rows: measured faster than 2048 on qwen3-30b-a3b at EP2
+                     (docs/perf-notes.md), since the fills must run far enough ahead of gate/up to
+                     hide a pull's latency. Costs ring_rows * (H + I) * 2 bytes (23 MB there).
     fwd_comm_programs: programs of the megakernel that only pull rows (0: fills are tickets of the
                      compute order, taken by any program).
     fwd_programs:    the megakernel's persistent grid (None: the device's SM count; 3 on the CPU).
     fwd_prefetch:    merged mode: fills run this many row tiles ahead of gate/up in the ticket order,
                      in [0, ring slots) (None: half the slots).
+    fwd_down_lag:    merged mode: down tiles run this many row tiles behind gate/up in the ticket
+                     order, in [1, ring slots) (None: the row tiles the grid works on at once, plus one).
+    fwd_fill_split:  each row tile is pulled as this many tickets (tile_m / fill_split rows each).
     fwd_ablate:      measurement only (`tabby tune`), makes the output WRONG: 1 skips the megakernel's
                      row copies, 2 its routed GEMM math (waits and signals stay).
     """
@@ -42,10 +45,12 @@ class MoEConfig:
     max_wait_iters: int = int(os.environ.get("TABBY_MAX_WAIT_ITERS", 1 << 24))
     debug: bool = os.environ.get("TABBY_DEBUG", "0") == "1"
     megakernel: bool = False
-    ring_rows: int = 2048
+    ring_rows: int = 4096
     fwd_comm_programs: int = 0
     fwd_programs: int | None = None
     fwd_prefetch: int | None = None
+    fwd_down_lag: int | None = None
+    fwd_fill_split: int = 4
     fwd_ablate: int = 0
 
     def wait_budget(self) -> int:

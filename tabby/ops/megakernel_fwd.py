@@ -77,20 +77,28 @@ def counter_layout(n_slots: int, n_sh: int) -> dict:
 
 
 @triton.jit
-def _decode(t, n, F: tl.constexpr, G, D):
+def _decode(t, n, F, G, D, L):
     """Ticket t of a pipeline of n row tiles -> (kind, tile, column): kind 0 fill, 1 gate/up, 2 down.
 
-    Stage s = 0..n: [fill(s)] (F = 1) [gate/up(s, 0..G-1)] (s < n) [down(s-1, 0..D-1)] (s >= 1).
+    Stage s = 0 .. n+L-1: [fill(s): F sub-tickets, column = part] [gate/up(s, 0..G-1)] (s < n)
+    [down(s-L, 0..D-1)] (s >= L); stages without any task are skipped. The down lag L >= 1 lets
+    a row tile's gate/up tiles finish before its down tiles are handed out, so that the programs
+    taking them rarely wait.
     """
     FG = F + G
     FGD = FG + D
-    t2 = tl.maximum(t - FG, 0)
-    s = tl.where(t < FG, 0, 1 + t2 // FGD)
-    off = tl.where(t < FG, t, t2 % FGD)
-    off = tl.where(s == n, off + FG, off)  # the last stage holds only downs
+    A = tl.minimum(n, L)  # stages with fills and gate/ups only
+    B = tl.maximum(n - L, 0)  # stages with all three
+    r1 = A * FG
+    r2 = r1 + B * FGD
+    u2 = tl.maximum(t - r1, 0)
+    u3 = tl.maximum(t - r2, 0)
+    s = tl.where(t < r1, t // FG, A + u2 // FGD)
+    off = tl.where(t < r1, t % FG, u2 % FGD)
     kind = tl.where(off < F, 0, tl.where(off < FG, 1, 2))
-    tile = tl.where(kind == 2, s - 1, s)
-    col = tl.where(kind == 1, off - F, tl.where(kind == 2, off - FG, 0))
+    kind = tl.where(t < r2, kind, 2)
+    tile = tl.where(t < r2, tl.where(kind == 2, s - L, s), B + u3 // D)
+    col = tl.where(t < r2, tl.where(kind == 0, off, tl.where(kind == 1, off - F, off - FG)), u3 % D)
     return kind, tile, col
 
 
@@ -101,14 +109,18 @@ def _wait(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch):
 
 
 @triton.jit
-def _fill(i, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
-          NS: tl.constexpr, G, H: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, ABLATE: tl.constexpr = 0):
+def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
+          NS: tl.constexpr, G, H: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, FS: tl.constexpr,
+          ABLATE: tl.constexpr = 0):
+    """Pull part ``part`` (BM // FS rows) of row tile i into its ring slot."""
     s = i % NS
     g = i // NS
     _wait(cnt_ptr, C_READY + NS + s, G * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
     dst = xs_ring + (s - i).to(tl.int64) * (BM * H)  # row i*BM of dst = row s*BM of the ring
     if (ABLATE & 1) == 0:
-        comm.pull_rows_tile(i, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM, BH, False, (H % 8) == 0)
+        # rows i*BM + part*BM/FS .. : "tile" i*FS + part of height BM // FS
+        comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM // FS, BH, False,
+                            (H % 8) == 0)
     sync.add_release(cnt_ptr + C_READY + s, 1, "gpu")
 
 
@@ -117,11 +129,11 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget, err_ptr, rank, epoch,
                   NS: tl.constexpr, G, D, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                   BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
-                  INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0):
+                  INTERPRET: tl.constexpr, FS: tl.constexpr, ABLATE: tl.constexpr = 0):
     s = i % NS
     g = i // NS
     if kind == 1:  # gate/up column tile n of row tile i
-        _wait(cnt_ptr, C_READY + s, g + 1, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch)
+        _wait(cnt_ptr, C_READY + s, FS * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch)
         _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
         xs = xs_ring + (s - i).to(tl.int64) * (BM * H)
         hh = h_ring + (s - i).to(tl.int64) * (BM * I)
@@ -166,7 +178,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        row_src, tile_expert, num_tiles, x_ptrs, y_ptrs, TK, k,
                        xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down, wd_e, wd_n,
                        x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n, n_sh,
-                       pre, NS: tl.constexpr, COMM: tl.constexpr, HAS_SHARED: tl.constexpr,
+                       pre, lag, NS: tl.constexpr, FS: tl.constexpr, COMM: tl.constexpr, HAS_SHARED: tl.constexpr,
                        H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr,
                        BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
                        BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
@@ -184,7 +196,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     D: tl.constexpr = (H + BN_DN - 1) // BN_DN
     GS: tl.constexpr = (IS + BN_GUS - 1) // BN_GUS
     DS: tl.constexpr = (H + BN_DNS - 1) // BN_DNS
-    F: tl.constexpr = 0 if COMM > 0 else 1
+    F: tl.constexpr = 0 if COMM > 0 else FS  # fill sub-tickets per stage
     SH_IDX: tl.constexpr = C_READY + 3 * NS
     if HAS_SHARED:
         sh_total = n_sh * (GS + DS)
@@ -195,37 +207,38 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     total = sh_total + pre * F + nt * (F + G + D)
     if pid < COMM:  # communication program: fills only, in tile order
         f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
-        while f < nt:
-            _fill(f, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch, NS, G, H, BM, BH,
-                  ABLATE)
+        while f < nt * FS:
+            _fill(f // FS, f % FS, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
+                  NS, G, H, BM, BH, FS, ABLATE)
             f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
     else:
         t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
         while t < total:
             if t < sh_total:
                 if HAS_SHARED:
-                    kind, j, n = _decode(t, n_sh, 0, GS, DS)
+                    kind, j, n = _decode(t, n_sh, 0, GS, DS, 1)
                     _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n,
                                  wait_budget, err_ptr, rank, epoch, SH_IDX, GS, H, IS, BM,
                                  BN_GUS, BK_GUS, BN_DNS, BK_DNS, INTERPRET)
             else:
                 tr = t - sh_total
-                if tr < pre * F:  # prologue: fill(0 .. pre-1)
+                if tr < pre * F:  # prologue: fill(0 .. pre-1), FS parts each
                     kind = 0
-                    i = tr
-                    n = 0
+                    i = tr // F
+                    n = tr % F
                 else:
-                    kind, i, n = _decode(tr - pre * F, nt, F, G, D)
+                    kind, i, n = _decode(tr - pre * F, nt, F, G, D, lag)
                     if kind == 0:
-                        i += pre  # the fill slot of stage s pulls tile s + pre
+                        i += pre  # the fills of stage s pull tile s + pre
                 if kind == 0:
                     if i < nt:
-                        _fill(i, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
-                              NS, G, H, BM, BH, ABLATE)
+                        _fill(i, n, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
+                              NS, G, H, BM, BH, FS, ABLATE)
                 else:
                     _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
                                   wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget, err_ptr,
-                                  rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN, INTERPRET, ABLATE)
+                                  rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN, INTERPRET, FS,
+                                  ABLATE)
             t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
 
 
@@ -281,15 +294,20 @@ def default_programs(device) -> int:
 def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, rank, wait_budget,
                           w_gate, w_up, w_down, x=None, shared=None, *, gu_cfg, dn_cfg, gus_cfg=None, dns_cfg=None,
                           programs: int, comm_programs: int = 0, prefetch: int | None = None, pull_cols: int = 512,
-                          zero_counters: bool = True, ablate: int = 0):
+                          zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
+                          fill_split: int = 4):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
     of every rank's x_pub [T, H] / y_in [T*k, H]; err: error record; epoch: int32 device tensor
     (the pass's epoch, for error records). shared: None or (w_gate_s, w_up_s, w_down_s) over the
     local x [T, H]; its output lands in ``mb.extra[:T]``. ``zero_counters=False`` (tests only)
-    keeps whatever the counters hold; ``ablate`` (measurement only): see the kernel. ``prefetch`` (merged mode): how many tiles the fills run
-    ahead of the gate/up tiles in the ticket order, in [0, n_slots) (default n_slots // 2).
+    keeps whatever the counters hold; ``ablate`` (measurement only): see the kernel.
+    Merged mode (``comm_programs == 0``): ``prefetch``: how many row tiles the fills run ahead of
+    the gate/up tiles in the ticket order, in [0, n_slots) (default n_slots // 2); ``lag``: how
+    many row tiles the down tiles run behind the gate/up tiles, in [1, n_slots) (default: the
+    stages the grid works on at once, plus one). ``fill_split``: each row tile is pulled as this
+    many tickets of tile_m // fill_split rows (more programs pull at once, each for less time).
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -302,6 +320,15 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         prefetch = mb.n_slots // 2
     if not 0 <= prefetch < mb.n_slots:
         raise ValueError(f"fwd_prefetch={prefetch} must be in [0, ring slots={mb.n_slots})")
+    if fill_split < 1 or BM % fill_split or (BM // fill_split) & (BM // fill_split - 1):
+        raise ValueError(f"fwd_fill_split={fill_split} must divide tile_m={BM} into a power-of-two row count")
+    F = 0 if comm_programs else fill_split
+    G, D = triton.cdiv(I, gu_cfg.BN), triton.cdiv(H, dn_cfg.BN)
+    if lag is None:  # down tiles handed out after the stages in flight have had their gate/ups taken
+        lag = min(mb.n_slots - 1, triton.cdiv(programs - comm_programs, F + G + D) + 1)
+    if not 1 <= lag < mb.n_slots:
+        raise ValueError(f"fwd_down_lag={lag} must be in [1, ring slots={mb.n_slots}): gate/up(i) waits for "
+                         f"down(i - slots), which must come earlier in the ticket order")
     # Split mode needs every program resident (compute programs wait on comm programs): ask for a
     # cooperative launch, which fails instead of hanging when the grid does not fit. The merged
     # ticket order needs no co-residency: a program waits only on tickets already taken.
@@ -332,8 +359,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         sched.row_src, sched.tile_expert, sched.num_tiles, x_ptrs, y_ptrs, T * k, k,
         mb.xs_ring, mb.h_ring, w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_down, w_down.stride(0),
         w_down.stride(1),
-        x, T, sg, su, sd, h_sh, extra, mb.sh_tiles, mb.sh_n, mb.n_sh, prefetch,
-        NS=mb.n_slots, COMM=comm_programs, HAS_SHARED=has_sh, H=H, I=I, IS=I_s, BM=BM, BH=BH,
+        x, T, sg, su, sd, h_sh, extra, mb.sh_tiles, mb.sh_n, mb.n_sh, prefetch, lag,
+        NS=mb.n_slots, FS=fill_split, COMM=comm_programs, HAS_SHARED=has_sh, H=H, I=I, IS=I_s, BM=BM, BH=BH,
         BN_GU=gu_cfg.BN, BK_GU=gu_cfg.BK, BN_DN=dn_cfg.BN, BK_DN=dn_cfg.BK,
         BN_GUS=gus_cfg.BN, BK_GUS=gus_cfg.BK, BN_DNS=dns_cfg.BN, BK_DNS=dns_cfg.BK,
         INTERPRET=INTERPRET, ABLATE=ablate, num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
