@@ -36,24 +36,25 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("profile", help="time every stage of Tabby's forward and backward",
                         description="Per-stage times (CUDA events between launches), median over iterations, "
                                     "max over ranks. 'tiny' runs on the CPU under the Triton interpreter.")
-    pr.add_argument("--shapes", type=_list, default=["qwen3-30b-a3b"], help="comma list of shape names")
-    pr.add_argument("--tokens", type=_ints, default=[16384], help="tokens per GPU, comma list")
-    pr.add_argument("--ep", type=_ints, default=[1], help="EP sizes, comma list")
-    pr.add_argument("--warmup", type=int, default=3)
-    pr.add_argument("--iters", type=int, default=10)
-    pr.add_argument("--out", default=None, help="JSON file for the per-stage times")
+    _one_shape_run_args(pr, "JSON file for the per-stage times")
     tu = sub.add_parser("tune", help="time the forward megakernel's variants (GPU)",
                         description="Forward time of megakernel variants (comm programs C, prefetch P, ring rows R, "
-                                    "programs N, ablations A) against the sync-free path and the floor; see tabby/tune.py.")
-    tu.add_argument("--shapes", type=_list, default=["qwen3-30b-a3b"], help="comma list of shape names")
-    tu.add_argument("--tokens", type=_ints, default=[16384], help="tokens per GPU, comma list")
-    tu.add_argument("--ep", type=_ints, default=[1], help="EP sizes, comma list")
+                                    "programs N, down lag L, fill split S, row-tile group M, ablations A) against "
+                                    "the sync-free path and the floor; see tabby/tune.py.")
+    _one_shape_run_args(tu, "JSON file for the results")
     tu.add_argument("--variants", type=lambda s: s.split(";"), default=None,
                     help="semicolon list, e.g. 'sync-free;mega;mega:C=16,R=4096' (default: a sweep)")
-    tu.add_argument("--warmup", type=int, default=3)
-    tu.add_argument("--iters", type=int, default=10)
-    tu.add_argument("--out", default=None, help="JSON file for the results")
     return p
+
+
+def _one_shape_run_args(sub_parser, out_help: str) -> None:
+    """The options `tabby profile` and `tabby tune` share (one shape, one size, one EP by default)."""
+    sub_parser.add_argument("--shapes", type=_list, default=["qwen3-30b-a3b"], help="comma list of shape names")
+    sub_parser.add_argument("--tokens", type=_ints, default=[16384], help="tokens per GPU, comma list")
+    sub_parser.add_argument("--ep", type=_ints, default=[1], help="EP sizes, comma list")
+    sub_parser.add_argument("--warmup", type=int, default=3)
+    sub_parser.add_argument("--iters", type=int, default=10)
+    sub_parser.add_argument("--out", default=None, help=out_help)
 
 
 def bench_config(args, parser):

@@ -16,7 +16,7 @@ H, I, IS, BM = 2048, 768, 256, 128
 def _compile(has_shared: bool, comm: int):
     from tabby.ops import megakernel_fwd as mk
 
-    const = dict(NS=32, FS=4, ABLATE=0, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
+    const = dict(NS=32, FS=4, GM=2, ABLATE=0, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
                  BN_GU=128, BK_GU=64, BN_DN=256, BK_DN=64, BN_GUS=128, BK_GUS=64, BN_DNS=256, BK_DNS=64,
                  INTERPRET=False)
     ptrs = {n: "*i32" for n in ["cnt_ptr", "err_ptr", "epoch_ptr", "row_src", "tile_expert", "num_tiles",

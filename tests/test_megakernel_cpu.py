@@ -74,8 +74,9 @@ def test_megakernel_y_bitwise_equals_sync_free_path(route, monkeypatch):
     assert torch.equal(y0, y1)
 
 
-@pytest.mark.parametrize("slots,prefetch,lag,split", [(2, 0, 1, 4), (3, 2, 2, 2), (3, 1, 2, 1)])
-def test_megakernel_ring_wraps_many_times_bitwise_deterministic(slots, prefetch, lag, split, monkeypatch):
+@pytest.mark.parametrize("slots,prefetch,lag,split,group", [(2, 0, 1, 4, 1), (3, 2, 2, 2, 1), (3, 1, 2, 1, 1),
+                                                           (4, 1, 1, 2, 2), (6, 0, 1, 1, 3)])
+def test_megakernel_ring_wraps_many_times_bitwise_deterministic(slots, prefetch, lag, split, group, monkeypatch):
     # every token of every rank to expert 0: 2*64*2 = 256 rows = 16 tiles through a 2- or 3-slot
     # ring (wraps 8 or 5 times), fills 0 or 2 tiles ahead, shared expert, a grid of 4; all outputs
     # and gradients bitwise equal over runs
@@ -83,7 +84,7 @@ def test_megakernel_ring_wraps_many_times_bitwise_deterministic(slots, prefetch,
     W, T, H, I, E_local, k = 2, 64, 32, 32, 2, 2
     prob = make_problem(W, T, H, I, E_local, k, shared=True, seed=3, route="one_expert")
     cfg = dataclasses.replace(MEGA, fwd_programs=4, ring_rows=slots * CFG.tile_m, fwd_prefetch=prefetch,
-                              fwd_down_lag=lag, fwd_fill_split=split)
+                              fwd_down_lag=lag, fwd_fill_split=split, fwd_group_m=group)
     a = _run_tabby(W, T, prob, cfg=cfg)
     _check(a, _run_reference(prob))
     b = _run_tabby(W, T, prob, cfg=cfg)
@@ -117,6 +118,8 @@ def test_megakernel_needs_two_slots_and_a_valid_prefetch():
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_down_lag=2))  # 2 slots: lag in [1, 2)
     with pytest.raises(tabby.MoEInputError, match="fwd_fill_split"):
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_fill_split=3))
+    with pytest.raises(tabby.MoEInputError, match="fwd_group_m"):
+        tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_group_m=2))  # 2 slots: one group
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,7 +229,45 @@ def test_decode_mirror_matches_the_kernel():
                                       + [(2, i, c) for i in range(n) for c in range(D)])
 
 
-def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1):
+def _routed_task_py(tr, nt, pre, L, F, G, D, GM):
+    """Python mirror of megakernel_fwd._routed_task: (kind, row tile, column or part)."""
+    if tr < pre * GM * F:
+        return 0, tr // F, tr % F
+    ng = -(-nt // GM)
+    kind, q, c = _decode_py(tr - pre * GM * F, ng, GM * F, GM * G, GM * D, L)
+    if kind == 0:
+        return 0, (q + pre) * GM + c // F, c % F
+    return kind, q * GM + c % GM, c // GM
+
+
+@pytest.mark.parametrize("GM", [1, 2, 3])
+def test_routed_task_mirror_matches_the_kernel_and_covers_every_task(GM):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(out, nt, pre, L, F: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GM: tl.constexpr,
+          BLOCK: tl.constexpr):
+        t = tl.arange(0, BLOCK)
+        kind, i, n = megakernel_fwd._routed_task(t, nt, pre, L, F, G, D, GM)
+        tl.store(out + t * 3, kind)
+        tl.store(out + t * 3 + 1, i)
+        tl.store(out + t * 3 + 2, n)
+
+    for nt, pre, L, F, G, D in [(5, 1, 1, 1, 2, 3), (7, 2, 2, 2, 1, 2), (4, 0, 3, 0, 2, 2), (1, 1, 1, 4, 1, 1)]:
+        ng = -(-nt // GM)
+        total = pre * GM * F + ng * GM * (F + G + D)
+        out = torch.zeros(256, 3, dtype=torch.int32)
+        k[(1,)](out, nt, pre, L, F, G, D, GM, BLOCK=256)
+        want = [_routed_task_py(t, nt, pre, L, F, G, D, GM) for t in range(total)]
+        assert [tuple(r) for r in out[:total].tolist()] == want
+        real = sorted(w for w in want if w[1] < nt)  # every task of every row tile exactly once
+        assert real == sorted([(0, i, p) for i in range(nt) for p in range(F)]
+                              + [(1, i, c) for i in range(nt) for c in range(G)]
+                              + [(2, i, c) for i in range(nt) for c in range(D)])
+
+
+def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1, GM=1):
     """Run the megakernel's routed protocol with a random interleaving of `programs` programs.
 
     A task is: wait (its counter conditions), then work (an interval other programs may overlap),
@@ -235,7 +276,7 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1):
     """
     F = 0 if comm else FS
     pre = pre if F else 0
-    total = pre * F + nt * (F + G + D)
+    total = pre * GM * F + -(-nt // GM) * GM * (F + G + D)
     cnt = dict(ticket=0, fill_ticket=0, ready=[0] * NS, gu=[0] * NS, dn=[0] * NS)
     done = set()  # finished tasks
     working = set()  # tasks between their wait and their signal
@@ -250,13 +291,10 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1):
         cnt["ticket"] += 1
         if t >= total:
             return None
-        if t < pre * F:
-            return ("fill", t // F, t % F) if t // F < nt else ("nop", 0, 0)
-        kind, i, c = _decode_py(t - pre * F, nt, F, G, D, L)
-        if kind == 0:
-            i += pre
-            return ("fill", i, c) if i < nt else ("nop", 0, 0)
-        return ("gu" if kind == 1 else "dn", i, c)
+        kind, i, c = _routed_task_py(t, nt, pre, L, F, G, D, GM)
+        if i >= nt:
+            return ("nop", 0, 0)
+        return (("fill", "gu", "dn")[kind], i, c)
 
     def ready(task):
         kind, i, _ = task
@@ -312,18 +350,19 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1):
     return steps
 
 
-@pytest.mark.parametrize("NS,pre,comm,L,FS", [(2, 0, 0, 1, 1), (2, 1, 0, 1, 1), (3, 2, 0, 1, 1), (4, 1, 0, 1, 1),
-                                             (2, 0, 1, 1, 1), (3, 0, 2, 1, 1), (4, 2, 0, 3, 2), (5, 4, 0, 4, 4),
-                                             (3, 1, 0, 2, 2), (4, 0, 2, 3, 4)])
-def test_protocol_model_random_interleavings(NS, pre, comm, L, FS):
+@pytest.mark.parametrize("NS,pre,comm,L,FS,GM", [
+    (2, 0, 0, 1, 1, 1), (2, 1, 0, 1, 1, 1), (3, 2, 0, 1, 1, 1), (4, 1, 0, 1, 1, 1), (2, 0, 1, 1, 1, 1),
+    (3, 0, 2, 1, 1, 1), (4, 2, 0, 3, 2, 1), (5, 4, 0, 4, 4, 1), (3, 1, 0, 2, 2, 1), (4, 0, 2, 3, 4, 1),
+    (4, 1, 0, 1, 2, 2), (6, 1, 0, 2, 1, 2), (6, 0, 0, 1, 2, 3), (8, 1, 0, 1, 2, 4), (6, 0, 2, 2, 1, 2)])
+def test_protocol_model_random_interleavings(NS, pre, comm, L, FS, GM):
     import random
 
-    rng = random.Random(NS * 100 + pre * 10 + comm + 1000 * L + 10000 * FS)
+    rng = random.Random(NS * 100 + pre * 10 + comm + 1000 * L + 10000 * FS + 100000 * GM)
     for trial in range(60):
         nt = rng.randint(0, 12)
         G, D = rng.randint(1, 3), rng.randint(1, 3)
         programs = comm + rng.randint(1, 6)
-        _simulate(nt, NS, G, D, pre, programs, comm, rng, L=L, FS=FS)
+        _simulate(nt, NS, G, D, pre, programs, comm, rng, L=L, FS=FS, GM=GM)
 
 
 def test_protocol_model_catches_a_lag_as_long_as_the_ring():
@@ -333,6 +372,9 @@ def test_protocol_model_catches_a_lag_as_long_as_the_ring():
     with pytest.raises(AssertionError, match="deadlock"):
         for seed in range(20):
             _simulate(8, 2, 1, 1, 0, 1, 0, random.Random(seed), L=2)
+    with pytest.raises(AssertionError, match="deadlock"):  # groups of 2 in 4 slots: 2 groups, L = 2 too long
+        for seed in range(20):
+            _simulate(8, 4, 1, 1, 0, 1, 0, random.Random(seed), L=2, GM=2)
 
 
 def test_protocol_model_catches_a_one_slot_ring():

@@ -33,6 +33,9 @@ class MoEConfig:
     fwd_down_lag:    merged mode: down tiles run this many row tiles behind gate/up in the ticket
                      order, in [1, ring slots) (None: the row tiles the grid works on at once, plus one).
     fwd_fill_split:  each row tile is pulled as this many tickets (tile_m / fill_split rows each).
+    fwd_group_m:     row tiles per group of the ticket order; gate/up and down tickets go column-major
+                     over a group, so the row tiles of one expert read each weight block together
+                     (not yet measured; with group_m > 1, fwd_prefetch and fwd_down_lag count groups).
     fwd_ablate:      measurement only (`tabby tune`), makes the output WRONG: 1 skips the megakernel's
                      row copies, 2 its routed GEMM math (waits and signals stay).
     """
@@ -51,6 +54,7 @@ class MoEConfig:
     fwd_prefetch: int | None = None
     fwd_down_lag: int | None = None
     fwd_fill_split: int = 4
+    fwd_group_m: int = 1
     fwd_ablate: int = 0
 
     def wait_budget(self) -> int:

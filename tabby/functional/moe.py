@@ -203,7 +203,8 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         gus_cfg=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I_s, H) if I_s else None,
         dns_cfg=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I_s) if I_s else None,
         programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
-        pull_cols=cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split)
+        pull_cols=cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
+        group_m=cfg.fwd_group_m)
     _stage("fwd:megakernel")
     y = _finish_forward(ws, cfg, x, topk_weights, mb.extra[:T] if I_s else None)
     return y, MegaSaved(sched, x, topk_weights)
@@ -341,18 +342,11 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
         raise MoEInputError("x has no tokens (T = 0)")
     key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device))
     if cfg.megakernel:
-        n_slots = cfg.ring_rows // cfg.tile_m
-        if n_slots < 2:
-            raise MoEInputError(f"MoEConfig(megakernel=True) needs ring_rows >= 2 * tile_m (two ring slots); "
-                                f"got ring_rows={cfg.ring_rows}, tile_m={cfg.tile_m}")
-        if cfg.fwd_prefetch is not None and not 0 <= cfg.fwd_prefetch < n_slots:
-            raise MoEInputError(f"fwd_prefetch={cfg.fwd_prefetch} must be in [0, ring slots={n_slots})")
-        if cfg.fwd_down_lag is not None and not 1 <= cfg.fwd_down_lag < n_slots:
-            raise MoEInputError(f"fwd_down_lag={cfg.fwd_down_lag} must be in [1, ring slots={n_slots})")
-        rows = cfg.tile_m // max(cfg.fwd_fill_split, 1)
-        if cfg.fwd_fill_split < 1 or cfg.tile_m % cfg.fwd_fill_split or rows & (rows - 1):
-            raise MoEInputError(f"fwd_fill_split={cfg.fwd_fill_split} must divide tile_m={cfg.tile_m} into a "
-                                f"power-of-two number of rows")
+        try:
+            megakernel_fwd.check_order(cfg.ring_rows // cfg.tile_m, cfg.tile_m, cfg.fwd_group_m, cfg.fwd_prefetch,
+                                       cfg.fwd_down_lag, cfg.fwd_fill_split)
+        except ValueError as e:
+            raise MoEInputError(f"MoEConfig(megakernel=True): {e}") from None
     ws = get_workspace(key, rank, group=pg, thread_group=tg)
     if rank == 0 and tg is None and not getattr(ws, "memory_reported", False):
         ws.memory_reported = True

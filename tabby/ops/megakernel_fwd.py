@@ -25,13 +25,18 @@ Counters (int32, one array per rank, zeroed by a memset before each launch; layo
 
 Work order: one global ticket sequence in which every producer precedes its consumers. Shared
 expert first (no dispatch needed; it covers the wait for the first pulled rows): for x row tile
-j = 0..n_sh: [gate/up(j, *)] [down(j-1, *)]; then the routed tiles: a prologue fill(0..P-1),
-then for i = 0..num_tiles: [fill(i+P)] [gate/up(i, *)] [down(i-1, *)] (fills past the last tile
-are empty tickets). P, the prefetch distance, is in [0, NS): fill(i+P) waits for gate/up(i+P-NS),
-which comes earlier. NS >= 2 is required (with one slot, gate/up(i) would wait on down(i-1),
-which comes after it). Programs take tickets with an atomic counter, so a program only ever
-waits on a ticket already taken by a running program: deadlock-free, even when not all programs
-of the grid are resident. Under the interpreter program 0 takes every ticket in order.
+j = 0..n_sh: [gate/up(j, *)] [down(j-1, *)]. Then the routed tiles in groups of GM consecutive
+row tiles (``group_m``; 1 by default): a prologue of fills for groups 0..P-1, then for group
+q = 0..: [fills of group q+P] [gate/up(q, *)] [down(q-L, *)], each of the last two column-major
+(column tile outer, the GM row tiles inner, so that the row tiles of one expert read a weight
+block at the same time, once from HBM; the GROUP_M of the standalone GEMMs). Each fill is FS
+tickets of BM/FS rows. Tiles past the last are empty tickets. With NSg = NS / GM ring groups:
+P in [0, NSg) (the fills of group q+P wait for the gate/ups of group q+P-NSg, which come
+earlier) and L in [1, NSg) (gate/up of group q waits for the downs of group q-NSg, handed out in
+stage q-NSg+L < q). The lag L keeps down tiles from being handed out while their gate/ups still
+run. Programs take tickets with an atomic counter, so a program only ever waits on a ticket
+already taken by a running program: deadlock-free, even when not all programs of the grid are
+resident. Under the interpreter program 0 takes every ticket in order.
 
 SM split (``COMM`` > 0 programs): programs ``pid < COMM`` take fill tickets from their own
 counter, in tile order, and never compute; the others take compute tickets (the order above
@@ -39,7 +44,7 @@ without fills). Under the interpreter programs run one after another, so the com
 finishes only if it never has to wait for a slot: num_tiles <= NS (the CPU tests use that).
 
 Memory ordering on the GPU (read off the sm_90 SASS that tests/test_megakernel_compile.py builds;
-not yet run on a device): a wait polls with ``ld.global.gpu.acquire`` (SASS: LDG.E.STRONG.GPU then
+the GPU tests pass on 2 x H200 with it, bench/results/mega-tests-*.log): a wait polls with ``ld.global.gpu.acquire`` (SASS: LDG.E.STRONG.GPU then
 CCTL.IVALL, which invalidates the SM's L1, so ring rows left in L1 by an earlier generation are not
 read stale), then a CTA barrier so every thread's ordinary loads come after it. A signal is a CTA
 barrier after the tile's ordinary stores, then, on one thread, MEMBAR.ALL.GPU and the release add
@@ -100,6 +105,26 @@ def _decode(t, n, F, G, D, L):
     tile = tl.where(t < r2, tl.where(kind == 2, s - L, s), B + u3 // D)
     col = tl.where(t < r2, tl.where(kind == 0, off, tl.where(kind == 1, off - F, off - FG)), u3 % D)
     return kind, tile, col
+
+
+@triton.jit
+def _routed_task(tr, nt, pre, L, F: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GM: tl.constexpr):
+    """Routed ticket tr -> (kind, row tile, column or fill part); row tile >= nt: an empty ticket.
+
+    A prologue of the fills of groups 0..pre-1, then ``_decode``'s stages over groups of GM row
+    tiles: [fills of group q+pre] [gate/up of group q] [down of group q-L], the last two
+    column-major (column tile outer, row tile of the group inner).
+    """
+    F1: tl.constexpr = F if F > 0 else 1  # F = 0 (split mode): no fill tickets at all
+    ng = (nt + GM - 1) // GM
+    kind, q, c = _decode(tl.maximum(tr - pre * GM * F, 0), ng, GM * F, GM * G, GM * D, L)
+    i = tl.where(kind == 0, (q + pre) * GM + c // F1, q * GM + c % GM)
+    n = tl.where(kind == 0, c % F1, c // GM)
+    pro = tr < pre * GM * F  # prologue
+    kind = tl.where(pro, 0, kind)
+    i = tl.where(pro, tr // F1, i)
+    n = tl.where(pro, tr % F1, n)
+    return kind, i, n
 
 
 @triton.jit
@@ -178,7 +203,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        row_src, tile_expert, num_tiles, x_ptrs, y_ptrs, TK, k,
                        xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down, wd_e, wd_n,
                        x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n, n_sh,
-                       pre, lag, NS: tl.constexpr, FS: tl.constexpr, COMM: tl.constexpr, HAS_SHARED: tl.constexpr,
+                       pre, lag, NS: tl.constexpr, FS: tl.constexpr, GM: tl.constexpr, COMM: tl.constexpr,
+                       HAS_SHARED: tl.constexpr,
                        H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr,
                        BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
                        BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
@@ -204,7 +230,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
         sh_total = 0
     if COMM > 0:
         pre = 0
-    total = sh_total + pre * F + nt * (F + G + D)
+    ng = (nt + GM - 1) // GM  # groups of GM row tiles
+    total = sh_total + pre * GM * F + ng * GM * (F + G + D)
     if pid < COMM:  # communication program: fills only, in tile order
         f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
         while f < nt * FS:
@@ -221,24 +248,16 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                                  wait_budget, err_ptr, rank, epoch, SH_IDX, GS, H, IS, BM,
                                  BN_GUS, BK_GUS, BN_DNS, BK_DNS, INTERPRET)
             else:
-                tr = t - sh_total
-                if tr < pre * F:  # prologue: fill(0 .. pre-1), FS parts each
-                    kind = 0
-                    i = tr // F
-                    n = tr % F
-                else:
-                    kind, i, n = _decode(tr - pre * F, nt, F, G, D, lag)
+                kind, i, n = _routed_task(t - sh_total, nt, pre, lag, F, G, D, GM)
+                if i < nt:  # else past the last row tile: a partial last group, or fills beyond the end
                     if kind == 0:
-                        i += pre  # the fills of stage s pull tile s + pre
-                if kind == 0:
-                    if i < nt:
                         _fill(i, n, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
                               NS, G, H, BM, BH, FS, ABLATE)
-                else:
-                    _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
-                                  wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget, err_ptr,
-                                  rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN, INTERPRET, FS,
-                                  ABLATE)
+                    else:
+                        _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
+                                      wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
+                                      err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
+                                      INTERPRET, FS, ABLATE)
             t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
 
 
@@ -291,11 +310,34 @@ def default_programs(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def check_order(n_slots: int, BM: int, group_m: int, prefetch: int | None, lag: int | None,
+                fill_split: int) -> int:
+    """Validate the ticket-order knobs (None: the default, always valid); returns the ring groups.
+
+    Raises ValueError naming the MoEConfig field at fault.
+    """
+    if n_slots < 2:
+        raise ValueError(f"the forward megakernel needs ring_rows >= 2 * tile_m (two ring slots); "
+                         f"got {n_slots} slot(s) of {BM} rows")
+    if group_m < 1 or n_slots % group_m or n_slots // group_m < 2:
+        raise ValueError(f"fwd_group_m={group_m} must divide the {n_slots} ring slots into at least two groups")
+    n_groups = n_slots // group_m
+    if prefetch is not None and not 0 <= prefetch < n_groups:
+        raise ValueError(f"fwd_prefetch={prefetch} must be in [0, ring groups={n_groups})")
+    if lag is not None and not 1 <= lag < n_groups:
+        raise ValueError(f"fwd_down_lag={lag} must be in [1, ring groups={n_groups}): gate/up of group q waits "
+                         f"for the downs of group q - {n_groups}, which must come earlier in the ticket order")
+    rows = BM // max(fill_split, 1)
+    if fill_split < 1 or BM % fill_split or rows & (rows - 1):
+        raise ValueError(f"fwd_fill_split={fill_split} must divide tile_m={BM} into a power-of-two number of rows")
+    return n_groups
+
+
 def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, rank, wait_budget,
                           w_gate, w_up, w_down, x=None, shared=None, *, gu_cfg, dn_cfg, gus_cfg=None, dns_cfg=None,
                           programs: int, comm_programs: int = 0, prefetch: int | None = None, pull_cols: int = 512,
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
-                          fill_split: int = 4):
+                          fill_split: int = 4, group_m: int = 1):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -303,11 +345,11 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     (the pass's epoch, for error records). shared: None or (w_gate_s, w_up_s, w_down_s) over the
     local x [T, H]; its output lands in ``mb.extra[:T]``. ``zero_counters=False`` (tests only)
     keeps whatever the counters hold; ``ablate`` (measurement only): see the kernel.
-    Merged mode (``comm_programs == 0``): ``prefetch``: how many row tiles the fills run ahead of
-    the gate/up tiles in the ticket order, in [0, n_slots) (default n_slots // 2); ``lag``: how
-    many row tiles the down tiles run behind the gate/up tiles, in [1, n_slots) (default: the
-    stages the grid works on at once, plus one). ``fill_split``: each row tile is pulled as this
-    many tickets of tile_m // fill_split rows (more programs pull at once, each for less time).
+    ``group_m``: row tiles per group of the ticket order (divides n_slots). ``prefetch``: how many
+    groups the fills run ahead of the gate/up tiles, in [0, n_slots // group_m) (default half);
+    ``lag``: how many groups the down tiles run behind the gate/up tiles, in [1, n_slots // group_m)
+    (default: the groups the grid works on at once, plus one). ``fill_split``: each row tile is
+    pulled as this many tickets of tile_m // fill_split rows (more programs pull at once).
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -316,19 +358,13 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     assert mb.xs_ring.shape == (mb.n_slots * BM, H) and mb.h_ring.shape == (mb.n_slots * BM, I)
     if not 0 <= comm_programs < programs:
         raise ValueError(f"fwd_comm_programs={comm_programs} must be in [0, programs={programs})")
+    n_groups = check_order(mb.n_slots, BM, group_m, prefetch, lag, fill_split)
     if prefetch is None:
-        prefetch = mb.n_slots // 2
-    if not 0 <= prefetch < mb.n_slots:
-        raise ValueError(f"fwd_prefetch={prefetch} must be in [0, ring slots={mb.n_slots})")
-    if fill_split < 1 or BM % fill_split or (BM // fill_split) & (BM // fill_split - 1):
-        raise ValueError(f"fwd_fill_split={fill_split} must divide tile_m={BM} into a power-of-two row count")
-    F = 0 if comm_programs else fill_split
-    G, D = triton.cdiv(I, gu_cfg.BN), triton.cdiv(H, dn_cfg.BN)
-    if lag is None:  # down tiles handed out after the stages in flight have had their gate/ups taken
-        lag = min(mb.n_slots - 1, triton.cdiv(programs - comm_programs, F + G + D) + 1)
-    if not 1 <= lag < mb.n_slots:
-        raise ValueError(f"fwd_down_lag={lag} must be in [1, ring slots={mb.n_slots}): gate/up(i) waits for "
-                         f"down(i - slots), which must come earlier in the ticket order")
+        prefetch = n_groups // 2
+    if lag is None:  # down tiles handed out after the groups in flight have had their gate/ups taken
+        F = 0 if comm_programs else fill_split
+        G, D = triton.cdiv(I, gu_cfg.BN), triton.cdiv(H, dn_cfg.BN)
+        lag = min(n_groups - 1, triton.cdiv(programs - comm_programs, group_m * (F + G + D)) + 1)
     # Split mode needs every program resident (compute programs wait on comm programs): ask for a
     # cooperative launch, which fails instead of hanging when the grid does not fit. The merged
     # ticket order needs no co-residency: a program waits only on tickets already taken.
@@ -360,7 +396,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         mb.xs_ring, mb.h_ring, w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_down, w_down.stride(0),
         w_down.stride(1),
         x, T, sg, su, sd, h_sh, extra, mb.sh_tiles, mb.sh_n, mb.n_sh, prefetch, lag,
-        NS=mb.n_slots, FS=fill_split, COMM=comm_programs, HAS_SHARED=has_sh, H=H, I=I, IS=I_s, BM=BM, BH=BH,
+        NS=mb.n_slots, FS=fill_split, GM=group_m, COMM=comm_programs, HAS_SHARED=has_sh, H=H, I=I, IS=I_s, BM=BM, BH=BH,
         BN_GU=gu_cfg.BN, BK_GU=gu_cfg.BK, BN_DN=dn_cfg.BN, BK_DN=dn_cfg.BK,
         BN_GUS=gus_cfg.BN, BK_GUS=gus_cfg.BK, BN_DNS=dns_cfg.BN, BK_DNS=dns_cfg.BK,
         INTERPRET=INTERPRET, ABLATE=ablate, num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
