@@ -13,11 +13,11 @@ from sm90 import compile_for_sm90, run_compiled_check
 H, I, IS, BM = 2048, 768, 256, 128
 
 
-def _compile(has_shared: bool, comm: int):
+def _compile(has_shared: bool, comm: int, bn_dn: int = 256):
     from tabby.ops import megakernel_fwd as mk
 
     const = dict(NS=32, FS=4, GM=2, ABLATE=0, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
-                 BN_GU=128, BK_GU=64, BN_DN=256, BK_DN=64, BN_GUS=128, BK_GUS=64, BN_DNS=256, BK_DNS=64,
+                 BN_GU=128, BK_GU=64, BN_DN=bn_dn, BK_DN=64, BN_GUS=128, BK_GUS=64, BN_DNS=256, BK_DNS=64,
                  INTERPRET=False)
     ptrs = {n: "*i32" for n in ["cnt_ptr", "err_ptr", "epoch_ptr", "row_src", "tile_expert", "num_tiles",
                                 "sh_tiles", "sh_n"]}
@@ -27,13 +27,13 @@ def _compile(has_shared: bool, comm: int):
                                       "s_down", "h_sh", "extra"]})
     k = compile_for_sm90(mk.moe_fwd_megakernel, const, ptrs, num_warps=8, num_stages=3)
     assert "ptx" in k.asm and k.asm.get("cubin")
-    print(f"ok shared={has_shared} comm={comm} smem={k.metadata.shared}")
+    print(f"ok shared={has_shared} comm={comm} bn_dn={bn_dn} smem={k.metadata.shared}")
 
 
-@pytest.mark.parametrize("has_shared,comm", [(False, 0), (True, 0), (True, 16)])
-def test_megakernel_compiles_for_sm90(has_shared, comm):
-    assert "ok" in run_compiled_check(__file__, str(int(has_shared)), str(comm))
+@pytest.mark.parametrize("has_shared,comm,bn_dn", [(False, 0, 256), (True, 0, 256), (True, 16, 256), (False, 0, 128)])
+def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn):
+    assert "ok" in run_compiled_check(__file__, str(int(has_shared)), str(comm), str(bn_dn))
 
 
 if __name__ == "__main__":
-    _compile(bool(int(sys.argv[1])), int(sys.argv[2]))
+    _compile(bool(int(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]))

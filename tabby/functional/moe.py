@@ -115,6 +115,13 @@ def _gemm_cfg(cfg: MoEConfig, kind, N, K):
     return gemm.default_config(kind, N, K, BM=cfg.tile_m)
 
 
+def _mega_down_cfg(cfg: MoEConfig, H, I):
+    """The megakernel's routed down tiles: the standalone config, or ``cfg.fwd_down_bn`` columns
+    (a narrower tile halves the down accumulator, the fused kernel's register pressure)."""
+    c = _gemm_cfg(cfg, gemm.KIND_DOWN, H, I)
+    return c if cfg.fwd_down_bn is None else c.with_(BN=cfg.fwd_down_bn)
+
+
 def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local):
     """Publish this rank's inputs, wait for every peer's, build the routed-row schedule."""
     T, k = topk_idx.shape
@@ -199,7 +206,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     megakernel_fwd.launch_fwd_megakernel(
         mb, sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], ws.rank, cfg.wait_budget(),
         w_gate, w_up, w_down, x=x, shared=shared,
-        gu_cfg=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H), dn_cfg=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I),
+        gu_cfg=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H), dn_cfg=_mega_down_cfg(cfg, H, I),
         gus_cfg=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I_s, H) if I_s else None,
         dns_cfg=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I_s) if I_s else None,
         programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
