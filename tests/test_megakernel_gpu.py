@@ -136,10 +136,12 @@ def _ep_worker(rank, world, cases):
     return check_mega_rank(rank, world, cases)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_megakernel_gpu_ep2():
+@pytest.mark.parametrize("ep", [2, 4, 8])
+def test_megakernel_gpu_ep(ep):
+    if torch.cuda.device_count() < ep:
+        pytest.skip(f"needs {ep} GPUs")
     from tabby.launch import launch
 
-    res = launch(_ep_worker, MEGA_CASES, nprocs=2)
+    res = launch(_ep_worker, MEGA_CASES, nprocs=ep)
     print(res)
     _assert_ok(res)
