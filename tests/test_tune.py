@@ -23,3 +23,13 @@ def test_cli_rejects_bad_variant(capsys):
     with pytest.raises(SystemExit):
         cli.main(["tune", "--variants", "mega:Q=1"])
     assert "bad knob" in capsys.readouterr().err
+
+
+def test_tune_needs_a_gpu(monkeypatch):
+    import torch
+
+    from tabby import tune
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        tune.run(["qwen3-30b-a3b"], [16], [1], ["sync-free"])
