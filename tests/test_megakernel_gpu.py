@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import rel_err  # noqa: E402
-from test_moe_gpu import CASES, NAMES, TOL, _fwd_bwd, _inputs  # noqa: E402
+from test_moe_gpu import NAMES, TOL, _fwd_bwd, _inputs, run_on_gpus  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -126,22 +126,8 @@ def _assert_ok(res):
     assert res["graph_matches_eager"], "CUDA graph replay differs from eager"
 
 
-def test_megakernel_gpu_ep1():
-    res = check_mega_rank(0, 1, MEGA_CASES)
-    print(res)
-    _assert_ok(res)
-
-
-def _ep_worker(rank, world, cases):
-    return check_mega_rank(rank, world, cases)
-
-
-@pytest.mark.parametrize("ep", [2, 4, 8])
-def test_megakernel_gpu_ep(ep):
-    if torch.cuda.device_count() < ep:
-        pytest.skip(f"needs {ep} GPUs")
-    from tabby.launch import launch
-
-    res = launch(_ep_worker, MEGA_CASES, nprocs=ep)
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+def test_megakernel_gpu(ep):
+    res = run_on_gpus(check_mega_rank, MEGA_CASES, ep)
     print(res)
     _assert_ok(res)

@@ -151,24 +151,26 @@ def _assert_ok(res):
     assert res["graph"]["matches_eager"], "CUDA graph replay with new inputs differs from eager"
 
 
-def test_tabby_gpu_ep1():
-    res = check_rank(0, 1, list(CASES))
-    print(res)
-    _assert_ok(res)
+def _check_worker(rank, world, check, cases):
+    return check(rank, world, cases)
 
 
-def _ep_worker(rank, world, cases):
-    return check_rank(rank, world, cases)
-
-
-@pytest.mark.parametrize("ep", [2, 4, 8])
-def test_tabby_gpu_ep(ep):
-    # EP4 / EP8 (issue 5) run where the machine has the GPUs: nvidia-h200-x4 / -x8
+def run_on_gpus(check, cases, ep):
+    """``check(rank, ep, cases)`` on ``ep`` GPUs: in this process for EP1, else one spawned
+    process per GPU (rank 0's result). Skips when the machine has fewer GPUs (EP4 / EP8 are
+    issue 5: nvidia-h200-x4 / -x8)."""
+    if ep == 1:
+        return check(0, 1, cases)
     if torch.cuda.device_count() < ep:
         pytest.skip(f"needs {ep} GPUs")
     from tabby.launch import launch
 
-    res = launch(_ep_worker, list(CASES), nprocs=ep)
+    return launch(_check_worker, check, cases, nprocs=ep)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+def test_tabby_gpu(ep):
+    res = run_on_gpus(check_rank, list(CASES), ep)
     print(res)
     _assert_ok(res)
 
