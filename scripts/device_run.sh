@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One batched call on the GPU machine (the device tool): GPU tests, then `tabby bench`.
-# Usage: scripts/device_run.sh STAGE [bench or tune args...]; STAGE is tests, mega, profile, tune, bench or all.
+# Usage: scripts/device_run.sh STAGE [bench or tune args...]; STAGE is tests, mega, profile, tune, mega-pick,
+# bench or all.
 # Knobs (env): MEGA_TIMEOUT, WITH_PROFILE=1 (profile after another stage), PROFILE_{SHAPES,TOKENS,EP,TIMEOUT},
-# TUNE_TIMEOUT.
+# TUNE_TIMEOUT, TUNE_SHAPES, TUNE_TOKENS, BENCH_TIMEOUT.
 # Writes logs and results under $OUT (the device tool brings that folder back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,6 +27,15 @@ if [ "$stage" = profile ] || [ "$stage" = all ] || [ "${WITH_PROFILE:-0}" = 1 ];
 fi
 if [ "$stage" = tune ]; then  # forward megakernel variants vs the sync-free path and the floor
   timeout ${TUNE_TIMEOUT:-500} python3 -m tabby tune --out "$OUT/res/tune.json" "$@" 2>&1 | tee "$OUT/tune.log" | grep -v Warning | tail -60
+fi
+if [ "$stage" = mega-pick ]; then  # sweep megakernel variants, then bench the best one against the rest (EP2)
+  timeout ${TUNE_TIMEOUT:-300} python3 -m tabby tune --shapes ${TUNE_SHAPES:-kimi-k2,qwen3-30b-a3b} \
+    --tokens ${TUNE_TOKENS:-4096} --ep 2 --out "$OUT/res/tune.json" --best-out "$OUT/res/best-mega.txt" 2>&1 \
+    | tee "$OUT/tune.log" | grep -E "^\||best mega"
+  export TABBY_MEGA_VARIANT=$(cat "$OUT/res/best-mega.txt" 2>/dev/null)
+  echo "bench with TABBY_MEGA_VARIANT='$TABBY_MEGA_VARIANT'"
+  timeout ${BENCH_TIMEOUT:-300} python3 -m tabby bench --out "$OUT/res" --tag mega-pick --ep 2 \
+    --impls floor,torch-a2a,tabby,tabby-mega --iters 10 --warmup 3 "$@" 2>&1 | tee "$OUT/bench.log" | grep -E "^\|" | tail -60
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 -m tabby bench --out "$OUT/res" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80

@@ -265,6 +265,7 @@ class BrokenImpl:
     anchor: bool = False
     supports_cpu: bool = True
     isolate: bool = False
+    in_default: bool = True
 
     def prepare(self, inp, group):
         raise RuntimeError(self.reason)
@@ -311,13 +312,18 @@ def register_tabby() -> None:
         return
     if fn is not None:
         register_layer("tabby", fn, supports_cpu=True, cpu_multiprocess=False)
-        # The forward megakernel (off by default in the layer until it is measured on a GPU).
+        # The forward megakernel: opt-in (--impls) while it is slower than the default path on most
+        # shapes. TABBY_MEGA_VARIANT (`tabby tune` knob syntax, e.g. "M=4,B=128") sets its knobs.
         from .functional.config import MoEConfig
+        from .tune import parse_variant
 
-        # Opt-in (--impls) until it has passed its GPU tests: a protocol bug there would show up as
-        # a long series of bounded waits timing out.
-        register_layer("tabby-mega", functools.partial(fn, config=MoEConfig(megakernel=True)), supports_cpu=True,
-                       cpu_multiprocess=False, in_default=False)
+        try:
+            _, knobs = parse_variant("mega:" + os.environ.get("TABBY_MEGA_VARIANT", ""))
+        except ValueError as e:
+            register(BrokenImpl("tabby-mega", f"TABBY_MEGA_VARIANT: {e}", in_default=False))
+            return
+        register_layer("tabby-mega", functools.partial(fn, config=MoEConfig(megakernel=True, **knobs)),
+                       supports_cpu=True, cpu_multiprocess=False, in_default=False)
 
 
 def load_plugins() -> None:
@@ -788,7 +794,8 @@ def machine_info() -> dict:
     commit, dirty = git_commit()
     return dict(machine=machine, hostname=host, gpu_name=name, gpu_count=count, torch=torch.__version__,
                 triton=triton.__version__, cuda=torch.version.cuda, git_commit=commit, git_dirty=dirty,
-                date=datetime.now(timezone.utc).isoformat(timespec="seconds"), argv=list(sys.argv))
+                date=datetime.now(timezone.utc).isoformat(timespec="seconds"), argv=list(sys.argv),
+                env={k: v for k, v in os.environ.items() if k.startswith("TABBY_")})
 
 
 def file_stem(info: dict, tag: str) -> str:

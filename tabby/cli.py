@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     _one_shape_run_args(tu, "JSON file for the results")
     tu.add_argument("--variants", type=lambda s: s.split(";"), default=None,
                     help="semicolon list, e.g. 'sync-free;mega;mega:C=16,R=4096' (default: a sweep)")
+    tu.add_argument("--best-out", default=None,
+                    help="write the best mega variant's knobs (for TABBY_MEGA_VARIANT) to this file")
     return p
 
 
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
                 tune.parse_variant(v)
         except ValueError as e:
             parser.error(str(e))
-        tune.run(args.shapes, args.tokens, args.ep, args.variants, args.warmup, args.iters, args.out)
+        tune.run(args.shapes, args.tokens, args.ep, args.variants, args.warmup, args.iters, args.out, args.best_out)
         return 0
     if args.command != "bench":
         parser.print_help()

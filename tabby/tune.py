@@ -93,7 +93,30 @@ def tune_rank(rank, world, shape_name, T, variants, warmup, iters):
     return rows
 
 
-def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None) -> list:
+def best_mega_variant(results: list) -> str | None:
+    """The knob string of the mega variant (not ablated, correct everywhere) with the lowest
+    geometric mean of its time over the sync-free path's across every run in ``results``; None
+    when no such variant ran everywhere. ``TABBY_MEGA_VARIANT`` takes it (the bench's tabby-mega)."""
+    import math
+
+    scores = {}
+    for res in results:
+        ref = {r["variant"]: r for r in res["rows"]}.get("sync-free")
+        if not ref or ref["ms"] is None:
+            return None
+        for r in res["rows"]:
+            kind, knobs = parse_variant(r["variant"])
+            ok = kind == "mega" and not knobs.get("fwd_ablate") and r["ms"] is not None and r["check"] not in (
+                False, None) and (r["check"] is True or r["check"] < 2e-2)
+            scores.setdefault(r["variant"], []).append(math.log(r["ms"] / ref["ms"]) if ok else None)
+    runs = len(results)
+    good = {v: sum(x) / runs for v, x in scores.items() if len(x) == runs and None not in x}
+    if not good:
+        return None
+    return min(good, key=good.get).partition(":")[2]
+
+
+def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None, best_out=None) -> list:
     variants = variants or DEFAULT_VARIANTS
     for v in variants:
         parse_variant(v)  # fail before starting any process
@@ -119,6 +142,12 @@ def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None) -> lis
                 if out:
                     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
                     with open(out, "w") as f:
-                        json.dump(dict(commit=os.environ.get("TABBY_GIT_COMMIT", "unknown"), results=results), f,
-                                  indent=1)
+                        json.dump(dict(commit=os.environ.get("TABBY_GIT_COMMIT", "unknown"), results=results,
+                                       best_mega_variant=best_mega_variant(results)), f, indent=1)
+    best = best_mega_variant(results)
+    print(f"best mega variant over {len(results)} run(s), by geometric mean vs sync-free: "
+          f"{'mega:' + best if best is not None else 'none'}", flush=True)
+    if best_out and best is not None:
+        with open(best_out, "w") as f:
+            f.write(best + "\n")
     return results

@@ -33,3 +33,37 @@ def test_tune_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a GPU"):
         tune.run(["qwen3-30b-a3b"], [16], [1], ["sync-free"])
+
+
+def _res(rows):
+    return dict(shape="s", tokens_per_gpu=1, ep=2, rows=[dict(variant=v, ms=ms, check=c) for v, ms, c in rows])
+
+
+def test_best_mega_variant_by_geometric_mean_over_runs():
+    from tabby.tune import best_mega_variant
+
+    a = _res([("sync-free", 10.0, True), ("mega", 9.0, True), ("mega:M=2", 6.0, True), ("mega:A=1", 1.0, None),
+              ("mega:B=128", 5.0, False)])  # ablations and wrong outputs never win
+    b = _res([("sync-free", 10.0, True), ("mega", 9.0, True), ("mega:M=2", 12.0, True), ("mega:A=1", 1.0, None),
+              ("mega:B=128", 5.0, True)])
+    assert best_mega_variant([a]) == "M=2"
+    assert best_mega_variant([a, b]) == "M=2"  # 0.6 * 1.2 = 0.72 < 0.9 * 0.9 = 0.81
+    c = _res([("sync-free", 10.0, True), ("mega", 9.0, True), ("mega:M=2", None, None)])  # M=2 failed here
+    assert best_mega_variant([a, b, c]) == ""  # plain "mega" (the defaults) is the only one that ran everywhere
+    assert best_mega_variant([_res([("sync-free", 10.0, True), ("mega:A=2", 1.0, None)])]) is None
+
+
+def test_bench_mega_variant_from_the_environment(monkeypatch):
+    from tabby import bench
+
+    monkeypatch.setenv("TABBY_MEGA_VARIANT", "M=2,B=128")
+    bench.register_tabby()
+    cfg = bench.IMPLS["tabby-mega"].fn.keywords["config"]
+    assert cfg.megakernel and cfg.fwd_group_m == 2 and cfg.fwd_down_bn == 128
+    monkeypatch.setenv("TABBY_MEGA_VARIANT", "Q=1")
+    bench.register_tabby()
+    with pytest.raises(RuntimeError, match="TABBY_MEGA_VARIANT"):
+        bench.IMPLS["tabby-mega"].prepare(None, None)
+    monkeypatch.delenv("TABBY_MEGA_VARIANT")
+    bench.register_tabby()
+    assert bench.IMPLS["tabby-mega"].fn.keywords["config"].fwd_group_m == 1
