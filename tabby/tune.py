@@ -2,7 +2,7 @@
 
 A variant is ``floor``, ``sync-free`` or ``mega`` with knobs after a colon, comma separated:
 ``C`` comm programs (``fwd_comm_programs``), ``P`` prefetch, ``R`` ring rows, ``N`` persistent
-programs, ``L`` down lag, ``S`` fill split, ``M`` group of row tiles, ``B`` down tile columns, ``A`` ablation (1: no row copies, 2: no routed GEMM math; the output is then wrong and
+programs, ``L`` down lag, ``S`` fill split, ``M`` group of row tiles, ``B`` down tile columns, ``U`` gate/up tile columns, ``A`` ablation (1: no row copies, 2: no routed GEMM math; the output is then wrong and
 not checked). Example: ``mega:C=16,R=4096``. Every non-ablated variant's output is compared with
 the sync-free path's (bitwise without a shared expert). Forward times: CUDA events per
 iteration, maximum over ranks, median.
@@ -18,10 +18,11 @@ import torch
 from .launch import launch
 from .shapes import SHAPES
 
-DEFAULT_VARIANTS = ["floor", "sync-free", "mega", "mega:M=2", "mega:M=4", "mega:B=128", "mega:M=4,B=128",
-                    "mega:R=8192", "mega:C=16", "mega:A=1", "mega:A=2"]
+DEFAULT_VARIANTS = ["floor", "sync-free", "mega", "mega:M=2", "mega:M=4", "mega:B=128", "mega:U=64,B=128",
+                    "mega:M=4,B=128", "mega:R=8192", "mega:A=1", "mega:A=2"]
 _KNOBS = {"C": "fwd_comm_programs", "P": "fwd_prefetch", "R": "ring_rows", "N": "fwd_programs", "L": "fwd_down_lag",
-          "S": "fwd_fill_split", "M": "fwd_group_m", "B": "fwd_down_bn", "A": "fwd_ablate"}
+          "S": "fwd_fill_split", "M": "fwd_group_m", "B": "fwd_down_bn",
+          "U": "fwd_gate_up_bn", "A": "fwd_ablate"}
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:

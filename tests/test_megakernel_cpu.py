@@ -63,15 +63,15 @@ def _run_y(W, T, prob, cfg):
     return torch.cat(run_ranks(W, rank_fn))
 
 
-@pytest.mark.parametrize("route,down_bn", [("random", None), ("one_expert", None), ("random", 8)])
-def test_megakernel_y_bitwise_equals_sync_free_path(route, down_bn, monkeypatch):
+@pytest.mark.parametrize("route,down_bn,gu_bn", [("random", None, None), ("one_expert", None, None), ("random", 8, 8)])
+def test_megakernel_y_bitwise_equals_sync_free_path(route, down_bn, gu_bn, monkeypatch):
     # 2 slots; one_expert: 2*24*2 = 96 rows -> 6 tiles into expert 0 of rank 0 (the ring wraps 3 times);
-    # down_bn: narrower down tiles in the megakernel only (each output still sums K in the same order)
+    # down_bn / gu_bn: narrower tiles in the megakernel only (each output still sums K in the same order)
     _small_tiles(monkeypatch)
     W, T, H, I, E_local, k = 2, 24, 48, 40, 2, 2
     prob = make_problem(W, T, H, I, E_local, k, seed=11, route=route)
     y0 = _run_y(W, T, prob, CFG)
-    y1 = _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_down_bn=down_bn))
+    y1 = _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_down_bn=down_bn, fwd_gate_up_bn=gu_bn))
     assert torch.equal(y0, y1)
 
 

@@ -38,6 +38,8 @@ class MoEConfig:
                      (not yet measured; with group_m > 1, fwd_prefetch and fwd_down_lag count groups).
     fwd_down_bn:     columns of the megakernel's down tiles (None: the standalone kernel's, 256 for
                      H >= 256); 128 halves the down accumulator (not yet measured).
+    fwd_gate_up_bn:  columns of its gate/up tiles (None: the standalone kernel's, 128); 64 halves the
+                     two accumulators (not yet measured).
     fwd_ablate:      measurement only (`tabby tune`), makes the output WRONG: 1 skips the megakernel's
                      row copies, 2 its routed GEMM math (waits and signals stay).
     """
@@ -58,6 +60,7 @@ class MoEConfig:
     fwd_fill_split: int = 4
     fwd_group_m: int = 1
     fwd_down_bn: int | None = None
+    fwd_gate_up_bn: int | None = None
     fwd_ablate: int = 0
 
     def wait_budget(self) -> int:

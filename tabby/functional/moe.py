@@ -115,11 +115,16 @@ def _gemm_cfg(cfg: MoEConfig, kind, N, K):
     return gemm.default_config(kind, N, K, BM=cfg.tile_m)
 
 
-def _mega_down_cfg(cfg: MoEConfig, H, I):
-    """The megakernel's routed down tiles: the standalone config, or ``cfg.fwd_down_bn`` columns
-    (a narrower tile halves the down accumulator, the fused kernel's register pressure)."""
-    c = _gemm_cfg(cfg, gemm.KIND_DOWN, H, I)
-    return c if cfg.fwd_down_bn is None else c.with_(BN=cfg.fwd_down_bn)
+def _mega_cfgs(cfg: MoEConfig, H, I):
+    """The megakernel's routed gate/up and down tile configs: the standalone ones, or
+    ``cfg.fwd_gate_up_bn`` / ``cfg.fwd_down_bn`` columns (narrower tiles shrink the accumulators,
+    the fused kernel's register pressure, at the cost of more tiles)."""
+    gu, dn = _gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H), _gemm_cfg(cfg, gemm.KIND_DOWN, H, I)
+    if cfg.fwd_gate_up_bn is not None:
+        gu = gu.with_(BN=cfg.fwd_gate_up_bn)
+    if cfg.fwd_down_bn is not None:
+        dn = dn.with_(BN=cfg.fwd_down_bn)
+    return gu, dn
 
 
 def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local):
@@ -203,10 +208,11 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     sched = _publish_and_schedule(ws, cfg, x, topk_idx, topk_weights, w_gate.shape[0])
     mb = _mega_buffers(ws, cfg, T, H, I, I_s, x.dtype, x.device)
     programs = cfg.fwd_programs or megakernel_fwd.default_programs(x.device)
+    gu_cfg, dn_cfg = _mega_cfgs(cfg, H, I)
     megakernel_fwd.launch_fwd_megakernel(
         mb, sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], ws.rank, cfg.wait_budget(),
         w_gate, w_up, w_down, x=x, shared=shared,
-        gu_cfg=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H), dn_cfg=_mega_down_cfg(cfg, H, I),
+        gu_cfg=gu_cfg, dn_cfg=dn_cfg,
         gus_cfg=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I_s, H) if I_s else None,
         dns_cfg=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I_s) if I_s else None,
         programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
