@@ -20,7 +20,8 @@ class MoEConfig:
     megakernel:      forward through ONE persistent launch (ops/megakernel_fwd.py: pull dispatch into a
                      ring, gate/up, down + push, shared expert; tile-level counters) instead of the
                      dispatch / gate_up / down_push launches; the backward then recomputes xs and g, u.
-                     Off by default until measured on a GPU.
+                     Off by default: correct on the GPU, but faster than the default path only on
+                     qwen3-30b-a3b so far (docs/perf-notes.md).
     ring_rows:       rows of the megakernel's ring (xs and h); ring_rows // tile_m slots, at least 2.
                      4096 = 32 slots of 128 rows: measured faster than 2048 on qwen3-30b-a3b at EP2
                      (docs/perf-notes.md), since the fills must run far enough ahead of gate/up to

@@ -12,13 +12,13 @@ Ring. Routed row tile ``i`` (schedule order, ``i < num_tiles``; a device value) 
 
 Counters (int32, one array per rank, zeroed by a memset before each launch; layout below):
 
-    ready[s]     +1 after each fill of slot s                       (fill   -> gate/up)
+    ready[s]     +1 after each fill part of slot s (FS per tile)   (fill   -> gate/up)
     gu_done[s]   +1 per finished gate/up column tile of the slot    (gate/up -> down, and slot free for fill)
     dn_done[s]   +1 per finished down column tile of the slot       (down   -> h slot free for gate/up)
     sh_gu[j]     +1 per finished shared gate/up column tile of x row tile j (shared gate/up -> shared down)
 
-    fill(i)      waits gu_done[s] >= G*g        (every gate/up tile of tile i-NS has read xs slot s)
-    gate/up(i,n) waits ready[s] >= g+1 and dn_done[s] >= D*g (every down tile of tile i-NS read h slot s)
+    fill(i, p)   waits gu_done[s] >= G*g        (every gate/up tile of tile i-NS has read xs slot s)
+    gate/up(i,n) waits ready[s] >= FS*(g+1) and dn_done[s] >= D*g (every down tile of tile i-NS read h slot s)
     down(i,n)    waits gu_done[s] >= G*(g+1)
     (G = cdiv(I, BN_gate_up), D = cdiv(H, BN_down).) Every wait is bounded (``sync.wait_geq``,
     scope gpu): a lost signal becomes an error record (ERR_WAIT_TILE / ERR_WAIT_RING_SLOT), never a hang.

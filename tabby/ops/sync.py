@@ -7,7 +7,8 @@ cross GPUs use scope ``"sys"``; flags inside one GPU ``"gpu"``.
 
 Every wait is bounded: after a budget of GPU time (``%globaltimer`` nanoseconds; under the
 interpreter, which has no clock, a number of polls), or as soon as this rank's error record holds
-an earlier error, it gives up, writes what it waited for to the error record and returns, so a lost signal becomes a clear host-side error instead of a hang.
+an earlier error, it gives up, writes what it waited for to the error record and returns, so a
+lost signal becomes a clear host-side error instead of a hang.
 
 Error record: int32 [ERR_WORDS] per rank, zero when healthy.
     [0] error code (first error wins; see ``ERR_*``)  [1] rank that waited  [2] flag index
