@@ -127,6 +127,13 @@ def _mega_cfgs(cfg: MoEConfig, H, I):
     return gu, dn
 
 
+def _debug_check(ws, cfg: MoEConfig, t):
+    """Debug mode: raise at once on a device error (a host sync), except while a CUDA graph is
+    captured (a replay runs without the check; call ``check_errors`` after it)."""
+    if cfg.debug and not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        ws.check_errors()
+
+
 def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local):
     """Publish this rank's inputs, wait for every peer's, build the routed-row schedule."""
     T, k = topk_idx.shape
@@ -151,8 +158,7 @@ def _finish_forward(ws, cfg: MoEConfig, x, topk_weights, extra):
     _stage("fwd:signal+wait")
     y = combine_k(ws.y_in, T, k, w=topk_weights.float().contiguous(), extra=extra, dtype=x.dtype)
     _stage("fwd:combine")
-    if cfg.debug and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):  # a graph replays without it
-        ws.check_errors()
+    _debug_check(ws, cfg, x)
     return y
 
 
@@ -281,8 +287,7 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
     dx = combine_k(ws.dx_in, T, k, dtype=dy.dtype)
     dtopk = ws.dw_in.view(T, k).clone()
     _stage("bwd:combine")
-    if cfg.debug and not (dy.is_cuda and torch.cuda.is_current_stream_capturing()):  # a graph replays without it
-        ws.check_errors()
+    _debug_check(ws, cfg, dy)
     return dx, dtopk, dw_gate, dw_up, dw_down
 
 

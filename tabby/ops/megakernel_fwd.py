@@ -44,7 +44,8 @@ without fills). Under the interpreter programs run one after another, so the com
 finishes only if it never has to wait for a slot: num_tiles <= NS (the CPU tests use that).
 
 Memory ordering on the GPU (read off the sm_90 SASS that tests/test_megakernel_compile.py builds;
-the GPU tests pass on 2 x H200 with it, bench/results/mega-tests-*.log): a wait polls with ``ld.global.gpu.acquire`` (SASS: LDG.E.STRONG.GPU then
+the GPU tests pass on 2 x H200 with it, bench/results/mega-tests-*.log): a wait polls with
+``ld.global.gpu.acquire`` (SASS: LDG.E.STRONG.GPU then
 CCTL.IVALL, which invalidates the SM's L1, so ring rows left in L1 by an earlier generation are not
 read stale), then a CTA barrier so every thread's ordinary loads come after it. A signal is a CTA
 barrier after the tile's ordinary stores, then, on one thread, MEMBAR.ALL.GPU and the release add
@@ -396,7 +397,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         mb.xs_ring, mb.h_ring, w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_down, w_down.stride(0),
         w_down.stride(1),
         x, T, sg, su, sd, h_sh, extra, mb.sh_tiles, mb.sh_n, mb.n_sh, prefetch, lag,
-        NS=mb.n_slots, FS=fill_split, GM=group_m, COMM=comm_programs, HAS_SHARED=has_sh, H=H, I=I, IS=I_s, BM=BM, BH=BH,
+        NS=mb.n_slots, FS=fill_split, GM=group_m, COMM=comm_programs, HAS_SHARED=has_sh,
+        H=H, I=I, IS=I_s, BM=BM, BH=BH,
         BN_GU=gu_cfg.BN, BK_GU=gu_cfg.BK, BN_DN=dn_cfg.BN, BK_DN=dn_cfg.BK,
         BN_GUS=gus_cfg.BN, BK_GUS=gus_cfg.BK, BN_DNS=dns_cfg.BN, BK_DNS=dns_cfg.BK,
         INTERPRET=INTERPRET, ABLATE=ablate, num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
