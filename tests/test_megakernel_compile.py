@@ -13,27 +13,44 @@ from sm90 import compile_for_sm90, run_compiled_check
 H, I, IS, BM = 2048, 768, 256, 128
 
 
-def _compile(has_shared: bool, comm: int, bn_dn: int = 256):
+DESCS = ["xs_desc", "wg_desc", "wu_desc", "h_desc", "wd_desc", "x_desc", "sg_desc", "su_desc", "hsh_desc", "sd_desc"]
+
+
+def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False):
     from tabby.ops import megakernel_fwd as mk
 
     const = dict(NS=32, FS=4, GM=2, ABLATE=0, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
                  BN_GU=128, BK_GU=64, BN_DN=bn_dn, BK_DN=64, BN_GUS=128, BK_GUS=64, BN_DNS=256, BK_DNS=64,
-                 INTERPRET=False)
+                 INTERPRET=False, TMA=tma)
     ptrs = {n: "*i32" for n in ["cnt_ptr", "err_ptr", "epoch_ptr", "row_src", "tile_expert", "num_tiles",
                                 "sh_tiles", "sh_n"]}
     ptrs.update({n: "*i64" for n in ["x_ptrs", "y_ptrs"]})
     ptrs["wait_budget"] = "i64"  # nanoseconds: 60 s does not fit an i32
     ptrs.update({n: "*bf16" for n in ["xs_ring", "h_ring", "w_gate", "w_up", "w_down", "x", "s_gate", "s_up",
                                       "s_down", "h_sh", "extra"]})
-    k = compile_for_sm90(mk.moe_fwd_megakernel, const, ptrs, num_warps=8, num_stages=3)
+    if tma:  # host tensor descriptors: element type and block shape are part of the signature
+        blocks = [[BM, 64], [1, 128, 64], [1, 128, 64], [BM, 64], [1, bn_dn, 64],
+                  [BM, 64], [1, 128, 64], [1, 128, 64], [BM, 64], [1, 256, 64]]
+        ptrs.update({n: "tensordesc<bf16[%s]>" % ",".join(map(str, b)) for n, b in zip(DESCS, blocks)})
+    else:
+        const.update({n: None for n in DESCS})
+    # strides multiples of 16, as the JIT specializes them at these shapes (the loads then pipeline)
+    k = compile_for_sm90(mk.moe_fwd_megakernel, const, ptrs, divisible=("wg_e", "wg_n", "wd_e", "wd_n", "TK"),
+                         num_warps=8, num_stages=3)
     assert "ptx" in k.asm and k.asm.get("cubin")
-    print(f"ok shared={has_shared} comm={comm} bn_dn={bn_dn} smem={k.metadata.shared}")
+    ttgir = k.asm["ttgir"]
+    # every GEMM K loop is software-pipelined: async copies (cp.async or TMA) into shared memory
+    n_async = ttgir.count("async_tma_copy_global_to_local" if tma else "async_copy_global_to_local")
+    assert n_async > 0, "no pipelined loads"
+    print(f"ok shared={has_shared} comm={comm} bn_dn={bn_dn} tma={tma} smem={k.metadata.shared} async={n_async}")
 
 
-@pytest.mark.parametrize("has_shared,comm,bn_dn", [(False, 0, 256), (True, 0, 256), (True, 16, 256), (False, 0, 128)])
-def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn):
-    assert "ok" in run_compiled_check(__file__, str(int(has_shared)), str(comm), str(bn_dn))
+@pytest.mark.parametrize("has_shared,comm,bn_dn,tma", [(False, 0, 256, False), (True, 0, 256, False),
+                                                        (True, 16, 256, False), (False, 0, 128, False),
+                                                        (True, 0, 256, True)])
+def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn, tma):
+    assert "ok" in run_compiled_check(__file__, str(int(has_shared)), str(comm), str(bn_dn), str(int(tma)))
 
 
 if __name__ == "__main__":
-    _compile(bool(int(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]))
+    _compile(bool(int(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]), bool(int(sys.argv[4])))

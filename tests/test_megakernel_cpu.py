@@ -63,16 +63,28 @@ def _run_y(W, T, prob, cfg):
     return torch.cat(run_ranks(W, rank_fn))
 
 
-@pytest.mark.parametrize("route,down_bn,gu_bn", [("random", None, None), ("one_expert", None, None), ("random", 8, 8)])
-def test_megakernel_y_bitwise_equals_sync_free_path(route, down_bn, gu_bn, monkeypatch):
+@pytest.mark.parametrize("route,down_bn,gu_bn,tma", [("random", None, None, False), ("one_expert", None, None, False),
+                                                     ("random", 8, 8, False), ("one_expert", None, None, True),
+                                                     ("random", 8, 8, True)])
+def test_megakernel_y_bitwise_equals_sync_free_path(route, down_bn, gu_bn, tma, monkeypatch):
     # 2 slots; one_expert: 2*24*2 = 96 rows -> 6 tiles into expert 0 of rank 0 (the ring wraps 3 times);
-    # down_bn / gu_bn: narrower tiles in the megakernel only (each output still sums K in the same order)
+    # down_bn / gu_bn: narrower tiles in the megakernel only (each output still sums K in the same order);
+    # tma: operands through tensor descriptors (ring slots as TMA coordinates)
     _small_tiles(monkeypatch)
     W, T, H, I, E_local, k = 2, 24, 48, 40, 2, 2
     prob = make_problem(W, T, H, I, E_local, k, seed=11, route=route)
     y0 = _run_y(W, T, prob, CFG)
-    y1 = _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_down_bn=down_bn, fwd_gate_up_bn=gu_bn))
+    y1 = _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_down_bn=down_bn, fwd_gate_up_bn=gu_bn, fwd_tma=tma))
     assert torch.equal(y0, y1)
+
+
+def test_megakernel_tma_with_shared_expert_matches_reference(monkeypatch):
+    # the shared expert through descriptors too: x rows past T read as zeros (x has 9 rows, one 16-row tile)
+    _small_tiles(monkeypatch)
+    W, T, H, I, E_local, k = 2, 9, 32, 24, 3, 2
+    prob = make_problem(W, T, H, I, E_local, k, shared=True, seed=5, route="random")
+    cfg = dataclasses.replace(MEGA, fwd_tma=True)
+    _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
 
 
 @pytest.mark.parametrize("slots,prefetch,lag,split,group", [(2, 0, 1, 4, 1), (3, 2, 2, 2, 1), (3, 1, 2, 1, 1),

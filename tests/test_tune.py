@@ -9,11 +9,14 @@ def test_parse_variant():
     assert parse_variant("mega:C=16,R=4096") == ("mega", {"fwd_comm_programs": 16, "ring_rows": 4096})
     assert parse_variant("sync-free") == ("sync-free", {})
     assert parse_variant("mega:A=1") == ("mega", {"fwd_ablate": 1})
+    assert parse_variant("mega:T=1,Y=64") == ("mega", {"fwd_tma": 1, "tile_m": 64})
+    assert parse_variant("sync-free:Y=64") == ("sync-free", {"tile_m": 64})
     for v in DEFAULT_VARIANTS:
         parse_variant(v)
 
 
-@pytest.mark.parametrize("bad", ["mega:Q=1", "mega:C=x", "fast", "floor:C=1"])
+@pytest.mark.parametrize("bad", ["mega:Q=1", "mega:C=x", "fast", "floor:C=1", "floor:Y=64",
+                                 "sync-free:M=2"])
 def test_bad_variants_are_rejected(bad):
     with pytest.raises(ValueError):
         parse_variant(bad)

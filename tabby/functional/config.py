@@ -43,6 +43,8 @@ class MoEConfig:
                      two accumulators (not yet measured).
     fwd_ablate:      measurement only (`tabby tune`), makes the output WRONG: 1 skips the megakernel's
                      row copies, 2 its routed GEMM math (waits and signals stay).
+    fwd_tma:         the megakernel loads its GEMM operands through tensor descriptors (TMA) instead
+                     of pointer tensors, which frees the registers the pointers hold.
     """
 
     tile_m: int = 128
@@ -63,6 +65,7 @@ class MoEConfig:
     fwd_down_bn: int | None = None
     fwd_gate_up_bn: int | None = None
     fwd_ablate: int = 0
+    fwd_tma: bool = False
 
     def wait_budget(self) -> int:
         """The budget argument of the kernels' bounded waits (``ops.sync.wait_geq``)."""

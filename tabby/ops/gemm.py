@@ -226,13 +226,14 @@ def _rows_mainloop(pid_m, pid_n, e,
 @triton.jit
 def _rows_mainloop_tma(pid_m, pid_n, e, a_desc, b_desc, K: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       B_NK: tl.constexpr, INTERPRET: tl.constexpr):
+                       B_NK: tl.constexpr, INTERPRET: tl.constexpr, a_row_shift=0):
     """As ``_rows_mainloop`` (one phase) with tensor-descriptor (TMA) loads.
 
-    a_desc: A [R, K], block [BM, BK]. b_desc: B [E, N, K] with block [1, BN, BK] (``B_NK``) or
-    B [E, K, N] with block [1, BK, BN]. Out-of-bounds K and N read as zeros.
+    a_desc: A [R, K], block [BM, BK]; the tile's rows start at A row ``pid_m * BM + a_row_shift``
+    (the megakernel's ring slot). b_desc: B [E, N, K] with block [1, BN, BK] (``B_NK``) or
+    B [E, K, N] with block [1, BK, BN]. Out-of-bounds rows, K and N read as zeros.
     """
-    row0 = pid_m * BM
+    row0 = pid_m * BM + a_row_shift
     n0 = pid_n * BN
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     NK: tl.constexpr = (K + BK - 1) // BK
@@ -298,7 +299,8 @@ def gate_up_swiglu_tile(pid_m, pid_n,
                         H: tl.constexpr, I: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
-                        n_rows=0, MASK_ROWS: tl.constexpr = False):
+                        n_rows=0, MASK_ROWS: tl.constexpr = False,
+                        USE_TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, a_row_shift=0):
     """One (row tile, I-column tile): g = xs @ Wg[e]^T, u = xs @ Wu[e]^T, h = silu(g) * u.
 
     xs [R, H] (row stride stride_xm); Wg, Wu [E, I, H] (strides stride_we, stride_wn, 1);
@@ -306,41 +308,20 @@ def gate_up_swiglu_tile(pid_m, pid_n,
     Unused tiles store nothing.
     MASK_ROWS (the megakernel's shared expert over x [n_rows, H], n_rows not a multiple of BM):
     rows >= n_rows of xs are not read (taken as zeros); h / gu rows are still all stored.
+    USE_TMA: the operands come through tensor descriptors instead (``_gate_up_mainloop_tma``):
+    xs_desc over xs [R', H] (the tile's rows start at row ``pid_m * BM + a_row_shift``; rows past
+    R' read as zeros, which is MASK_ROWS for free), wg_desc / wu_desc over Wg / Wu [E, I, H].
     """
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
     if e >= 0:
         row0 = pid_m.to(tl.int64) * BM
+        if USE_TMA:
+            acc_g, acc_u = _gate_up_mainloop_tma(pid_m * BM + a_row_shift, pid_n * BN, e, xs_desc, wg_desc, wu_desc,
+                                                 H, BM, BN, BK, INTERPRET)
+        else:
+            acc_g, acc_u = _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_wn,
+                                             H, I, BM, BN, BK, EVEN_K, INTERPRET, n_rows, MASK_ROWS)
         offs_m = tl.arange(0, BM)
-        offs_n = (pid_n * BN + tl.arange(0, BN)) % I
-        offs_k = tl.arange(0, BK)
-        a_ptrs = xs_ptr + row0 * stride_xm + (offs_m[:, None] * stride_xm + offs_k[None, :])
-        w_off = e.to(tl.int64) * stride_we
-        b_off = offs_n[:, None] * stride_wn + offs_k[None, :]
-        bg_ptrs = wg_ptr + w_off + b_off
-        bu_ptrs = wu_ptr + w_off + b_off
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for kt in range(0, (H + BK - 1) // BK):
-            if EVEN_K:
-                if MASK_ROWS:
-                    a = tl.load(a_ptrs, mask=(row0 + offs_m < n_rows)[:, None], other=0.0)
-                else:
-                    a = tl.load(a_ptrs)
-                bg = tl.load(bg_ptrs)
-                bu = tl.load(bu_ptrs)
-            else:
-                kmask = offs_k < H - kt * BK
-                if MASK_ROWS:
-                    a = tl.load(a_ptrs, mask=(row0 + offs_m < n_rows)[:, None] & kmask[None, :], other=0.0)
-                else:
-                    a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-                bg = tl.load(bg_ptrs, mask=kmask[None, :], other=0.0)
-                bu = tl.load(bu_ptrs, mask=kmask[None, :], other=0.0)
-            acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)
-            acc_u = _dot(a, tl.trans(bu), acc_u, INTERPRET)
-            a_ptrs += BK
-            bg_ptrs += BK
-            bu_ptrs += BK
         rows = row0 + offs_m
         cols = pid_n * BN + tl.arange(0, BN)
         cmask = (cols < I)[None, :]
@@ -350,6 +331,66 @@ def gate_up_swiglu_tile(pid_m, pid_n,
             gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
             tl.store(gptrs, acc_g.to(gu_ptr.dtype.element_ty), mask=cmask)
             tl.store(gptrs + I, acc_u.to(gu_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _gate_up_mainloop_tma(a_row0, n0, e, xs_desc, wg_desc, wu_desc, H: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ([BM, BN], [BM, BN]) = xs[a_row0 :, :] @ (Wg[e], Wu[e])[n0 :, :]^T through TMA loads.
+
+    No pointer tensors: the loop holds only the two accumulators, so the tile fits in registers
+    inside a persistent kernel (with pointer loads it spills at BN=128).
+    """
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    NK: tl.constexpr = (H + BK - 1) // BK
+    for kt in range(0, NK):
+        k0 = kt * BK
+        a = xs_desc.load([a_row0, k0])
+        bg = wg_desc.load([e, n0, k0]).reshape(BN, BK)
+        bu = wu_desc.load([e, n0, k0]).reshape(BN, BK)
+        acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)
+        acc_u = _dot(a, tl.trans(bu), acc_u, INTERPRET)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_wn,
+                      H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, n_rows, MASK_ROWS: tl.constexpr):
+    """The pointer-load K loop of ``gate_up_swiglu_tile``: fp32 (acc_g, acc_u) [BM, BN] each."""
+    offs_m = tl.arange(0, BM)
+    offs_n = (pid_n * BN + tl.arange(0, BN)) % I
+    offs_k = tl.arange(0, BK)
+    a_ptrs = xs_ptr + row0 * stride_xm + (offs_m[:, None] * stride_xm + offs_k[None, :])
+    w_off = e.to(tl.int64) * stride_we
+    b_off = offs_n[:, None] * stride_wn + offs_k[None, :]
+    bg_ptrs = wg_ptr + w_off + b_off
+    bu_ptrs = wu_ptr + w_off + b_off
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for kt in range(0, (H + BK - 1) // BK):
+        if EVEN_K:
+            if MASK_ROWS:
+                a = tl.load(a_ptrs, mask=(row0 + offs_m < n_rows)[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs)
+            bg = tl.load(bg_ptrs)
+            bu = tl.load(bu_ptrs)
+        else:
+            kmask = offs_k < H - kt * BK
+            if MASK_ROWS:
+                a = tl.load(a_ptrs, mask=(row0 + offs_m < n_rows)[:, None] & kmask[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            bg = tl.load(bg_ptrs, mask=kmask[None, :], other=0.0)
+            bu = tl.load(bu_ptrs, mask=kmask[None, :], other=0.0)
+        acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)
+        acc_u = _dot(a, tl.trans(bu), acc_u, INTERPRET)
+        a_ptrs += BK
+        bg_ptrs += BK
+        bu_ptrs += BK
+    return acc_g, acc_u
 
 
 @triton.jit
@@ -441,11 +482,12 @@ def rows_gemm_tile(pid_m, pid_n,
                    N: tl.constexpr, K: tl.constexpr, K2: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    B_NK: tl.constexpr, TWO_PHASE: tl.constexpr, EVEN_K: tl.constexpr,
-                   PUSH: tl.constexpr, DST_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
+                   PUSH: tl.constexpr, DST_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+                   a_row_shift=0):
     """One (row tile, N-column tile) of A @ op(B[e]) (see ``_rows_mainloop``).
 
     USE_TMA (one phase only): load through the tensor descriptors a_desc / b_desc (see
-    ``_rows_mainloop_tma``) instead of the pointers.
+    ``_rows_mainloop_tma``; A rows start at ``pid_m * BM + a_row_shift``) instead of the pointers.
 
     PUSH: rows with row_src >= 0 go to their origin (see ``_push_rows``); otherwise the tile is
     stored into C [R, N]. Unused tiles store nothing.
@@ -453,7 +495,8 @@ def rows_gemm_tile(pid_m, pid_n,
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
     if e >= 0:
         if USE_TMA:
-            acc = _rows_mainloop_tma(pid_m, pid_n, e, a_desc, b_desc, K, BM, BN, BK, B_NK, INTERPRET)
+            acc = _rows_mainloop_tma(pid_m, pid_n, e, a_desc, b_desc, K, BM, BN, BK, B_NK, INTERPRET,
+                                         a_row_shift)
         else:
             acc = _rows_mainloop(pid_m, pid_n, e, a_ptr, a2_ptr, stride_am, b_ptr, b2_ptr, stride_be, stride_be2,
                                  stride_bo, N, K, K2, BM, BN, BK, B_NK, TWO_PHASE, EVEN_K, INTERPRET)

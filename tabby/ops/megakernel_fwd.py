@@ -129,15 +129,17 @@ def _routed_task(tr, nt, pre, L, F: tl.constexpr, G: tl.constexpr, D: tl.constex
 
 
 @triton.jit
-def _wait(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch):
+def _wait(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch, TMA: tl.constexpr = False):
     sync.wait_geq(cnt_ptr + idx, target, wait_budget, err_ptr, code, rank, idx, epoch, "gpu")
     tl.debug_barrier()  # the acquire of the polling thread orders the reads of every thread after it
+    if TMA:  # ... and the TMA (async-proxy) reads of what the producer wrote with ordinary stores
+        sync.fence_proxy_async()
 
 
 @triton.jit
 def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
           NS: tl.constexpr, G, H: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, FS: tl.constexpr,
-          ABLATE: tl.constexpr = 0):
+          ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False):
     """Pull part ``part`` (BM // FS rows) of row tile i into its ring slot."""
     s = i % NS
     g = i // NS
@@ -147,6 +149,8 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
         # rows i*BM + part*BM/FS .. : "tile" i*FS + part of height BM // FS
         comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM // FS, BH, False,
                             (H % 8) == 0)
+    if TMA:  # the gate/up tiles read these rows through TMA (the async proxy)
+        sync.fence_proxy_async()
     sync.add_release(cnt_ptr + C_READY + s, 1, "gpu")
 
 
@@ -155,27 +159,31 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget, err_ptr, rank, epoch,
                   NS: tl.constexpr, G, D, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                   BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
-                  INTERPRET: tl.constexpr, FS: tl.constexpr, ABLATE: tl.constexpr = 0):
+                  INTERPRET: tl.constexpr, FS: tl.constexpr, ABLATE: tl.constexpr = 0,
+                  TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None):
     s = i % NS
     g = i // NS
+    shift = (s - i) * BM  # row i*BM of a shifted ring base (or TMA coordinate) is row s*BM of the ring
     if kind == 1:  # gate/up column tile n of row tile i
-        _wait(cnt_ptr, C_READY + s, FS * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch)
+        _wait(cnt_ptr, C_READY + s, FS * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
         _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
-        xs = xs_ring + (s - i).to(tl.int64) * (BM * H)
-        hh = h_ring + (s - i).to(tl.int64) * (BM * I)
+        xs = xs_ring + shift.to(tl.int64) * H
+        hh = h_ring + shift.to(tl.int64) * I
         if (ABLATE & 2) == 0:
             gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, hh, 0,
                                      tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, False,
-                                     INTERPRET)
+                                     INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, shift)
+        if TMA:  # the down tiles read h through TMA
+            sync.fence_proxy_async()
         sync.add_release(cnt_ptr + C_READY + NS + s, 1, "gpu")
     else:  # down column tile n of row tile i, rows pushed to their origins
-        _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch)
-        hh = h_ring + (s - i).to(tl.int64) * (BM * I)
+        _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
+        hh = h_ring + shift.to(tl.int64) * I
         if (ABLATE & 2) == 0:
-            gemm.rows_gemm_tile(i, n, None, None, hh, hh, I, w_down, w_down, sd_e, sd_e, sd_n,
+            gemm.rows_gemm_tile(i, n, h_desc, wd_desc, hh, hh, I, w_down, w_down, sd_e, sd_e, sd_n,
                                 hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
                                 H, I, 0, BM, BN_DN, BK_DN, True, False, I % BK_DN == 0, True, tl.bfloat16,
-                                False, INTERPRET)
+                                TMA, INTERPRET, shift)
         sync.add_release(cnt_ptr + C_READY + 2 * NS + s, 1, "gpu")
 
 
@@ -184,19 +192,22 @@ def _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, s
                  wait_budget, err_ptr, rank, epoch, SH_IDX: tl.constexpr, GS,
                  H: tl.constexpr, IS: tl.constexpr, BM: tl.constexpr,
                  BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 INTERPRET: tl.constexpr, TMA: tl.constexpr = False, x_desc=None, sg_desc=None, su_desc=None,
+                 hsh_desc=None, sd_desc=None):
     """Shared expert over x row tile j: gate/up (kind 1) into h_sh, down (kind 2) into extra (local)."""
     if kind == 1:
         gemm.gate_up_swiglu_tile(j, n, x, H, s_gate, s_up, 0, H, h_sh, IS, h_sh, 0, sh_tiles, sh_n,
                                  H, IS, BM, BN_GUS, BK_GUS, H % BK_GUS == 0, False, INTERPRET,
-                                 T, True)
+                                 T, True, TMA, x_desc, sg_desc, su_desc)
+        if TMA:
+            sync.fence_proxy_async()
         sync.add_release(cnt_ptr + SH_IDX + j, 1, "gpu")
     else:
-        _wait(cnt_ptr, SH_IDX + j, GS, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch)
-        gemm.rows_gemm_tile(j, n, None, None, h_sh, h_sh, IS, s_down, s_down, 0, 0, IS,
+        _wait(cnt_ptr, SH_IDX + j, GS, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
+        gemm.rows_gemm_tile(j, n, hsh_desc, sd_desc, h_sh, h_sh, IS, s_down, s_down, 0, 0, IS,
                             extra, H, sh_tiles, sh_tiles, 1, 0, sh_tiles, sh_n,
                             H, IS, 0, BM, BN_DNS, BK_DNS, True, False, IS % BK_DNS == 0, False, tl.bfloat16,
-                            False, INTERPRET)
+                            TMA, INTERPRET)
 
 
 @triton.jit
@@ -204,13 +215,18 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        row_src, tile_expert, num_tiles, x_ptrs, y_ptrs, TK, k,
                        xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down, wd_e, wd_n,
                        x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n, n_sh,
-                       pre, lag, NS: tl.constexpr, FS: tl.constexpr, GM: tl.constexpr, COMM: tl.constexpr,
+                       pre, lag, xs_desc, wg_desc, wu_desc, h_desc, wd_desc, x_desc, sg_desc, su_desc, hsh_desc,
+                       sd_desc, NS: tl.constexpr, FS: tl.constexpr, GM: tl.constexpr, COMM: tl.constexpr,
                        HAS_SHARED: tl.constexpr,
                        H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr,
                        BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
                        BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
-                       INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0):
+                       INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
+
+    TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
+    instead of pointer tensors: ring rows cross from ordinary stores to TMA loads with a proxy
+    fence on each side (``sync.fence_proxy_async``).
 
     ABLATE (measurement only; the output is then wrong): bit 1 skips the row copies of the fills,
     bit 2 the GEMM math of the routed tiles; every wait and signal stays, so the time of a variant
@@ -237,7 +253,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
         f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
         while f < nt * FS:
             _fill(f // FS, f % FS, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
-                  NS, G, H, BM, BH, FS, ABLATE)
+                  NS, G, H, BM, BH, FS, ABLATE, TMA)
             f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
     else:
         t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
@@ -247,18 +263,19 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                     kind, j, n = _decode(t, n_sh, 0, GS, DS, 1)
                     _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n,
                                  wait_budget, err_ptr, rank, epoch, SH_IDX, GS, H, IS, BM,
-                                 BN_GUS, BK_GUS, BN_DNS, BK_DNS, INTERPRET)
+                                 BN_GUS, BK_GUS, BN_DNS, BK_DNS, INTERPRET, TMA, x_desc, sg_desc, su_desc,
+                                 hsh_desc, sd_desc)
             else:
                 kind, i, n = _routed_task(t - sh_total, nt, pre, lag, F, G, D, GM)
                 if i < nt:  # else past the last row tile: a partial last group, or fills beyond the end
                     if kind == 0:
                         _fill(i, n, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
-                              NS, G, H, BM, BH, FS, ABLATE)
+                              NS, G, H, BM, BH, FS, ABLATE, TMA)
                     else:
                         _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
                                       wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
                                       err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
-                                      INTERPRET, FS, ABLATE)
+                                      INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc)
             t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
 
 
@@ -338,7 +355,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           w_gate, w_up, w_down, x=None, shared=None, *, gu_cfg, dn_cfg, gus_cfg=None, dns_cfg=None,
                           programs: int, comm_programs: int = 0, prefetch: int | None = None, pull_cols: int = 512,
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
-                          fill_split: int = 4, group_m: int = 1):
+                          fill_split: int = 4, group_m: int = 1, tma: bool = False):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -351,6 +368,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     ``lag``: how many groups the down tiles run behind the gate/up tiles, in [1, n_slots // group_m)
     (default: the groups the grid works on at once, plus one). ``fill_split``: each row tile is
     pulled as this many tickets of tile_m // fill_split rows (more programs pull at once).
+    ``tma``: load the GEMM operands through tensor descriptors (where every operand allows it:
+    16-byte aligned bases and row strides; otherwise pointer loads).
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -391,14 +410,25 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     h_sh = mb.h_sh if has_sh else mb.h_ring
     extra = mb.extra if has_sh else mb.h_ring
     BH = min(pull_cols, triton.next_power_of_2(H))
+    use_tma = tma and gemm._tma_ok(mb.xs_ring, mb.h_ring, w_gate, w_up, w_down, *((x, sg, su, sd) if has_sh else ()))
+    descs = [None] * 10
+    if use_tma:
+        D = gemm._desc
+        descs[:5] = [D(mb.xs_ring, [BM, gu_cfg.BK]), D(w_gate, [1, gu_cfg.BN, gu_cfg.BK]),
+                     D(w_up, [1, gu_cfg.BN, gu_cfg.BK]), D(mb.h_ring, [BM, dn_cfg.BK]),
+                     D(w_down, [1, dn_cfg.BN, dn_cfg.BK])]
+        if has_sh:  # the shared expert is "expert 0" of [1, ...] weight views
+            descs[5:] = [D(x, [BM, gus_cfg.BK]), D(sg.unsqueeze(0), [1, gus_cfg.BN, gus_cfg.BK]),
+                         D(su.unsqueeze(0), [1, gus_cfg.BN, gus_cfg.BK]), D(mb.h_sh, [BM, dns_cfg.BK]),
+                         D(sd.unsqueeze(0), [1, dns_cfg.BN, dns_cfg.BK])]
     moe_fwd_megakernel[(programs,)](
         mb.counters, err, epoch, rank, wait_budget,
         sched.row_src, sched.tile_expert, sched.num_tiles, x_ptrs, y_ptrs, T * k, k,
         mb.xs_ring, mb.h_ring, w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_down, w_down.stride(0),
         w_down.stride(1),
-        x, T, sg, su, sd, h_sh, extra, mb.sh_tiles, mb.sh_n, mb.n_sh, prefetch, lag,
+        x, T, sg, su, sd, h_sh, extra, mb.sh_tiles, mb.sh_n, mb.n_sh, prefetch, lag, *descs,
         NS=mb.n_slots, FS=fill_split, GM=group_m, COMM=comm_programs, HAS_SHARED=has_sh,
         H=H, I=I, IS=I_s, BM=BM, BH=BH,
         BN_GU=gu_cfg.BN, BK_GU=gu_cfg.BK, BN_DN=dn_cfg.BN, BK_DN=dn_cfg.BK,
         BN_GUS=gus_cfg.BN, BK_GUS=gus_cfg.BK, BN_DNS=dns_cfg.BN, BK_DNS=dns_cfg.BK,
-        INTERPRET=INTERPRET, ABLATE=ablate, num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
+        INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)

@@ -62,6 +62,19 @@ def add_release(ptr, value, SCOPE: tl.constexpr):
 
 
 @triton.jit
+def fence_proxy_async():
+    """Order this thread's generic-proxy memory accesses with its async-proxy ones (TMA).
+
+    Ring rows written with ordinary stores and read by tensor-descriptor (TMA) loads in another
+    program cross proxies: the writer fences after its stores (before the release), the reader
+    after its acquire (before the TMA loads). A no-op under the interpreter.
+    """
+    if not _INTERPRET:
+        tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def record_error(err_ptr, code, rank, index, expected, seen, epoch):
     """Write the error record unless an earlier error is there (first error wins)."""
     old = tl.atomic_cas(err_ptr, 0, code, sem="relaxed", scope="gpu")
