@@ -311,19 +311,21 @@ def register_tabby() -> None:
         register(BrokenImpl("tabby", f"importing tabby.moe failed: {type(e).__name__}: {e}"))
         return
     if fn is not None:
-        register_layer("tabby", fn, supports_cpu=True, cpu_multiprocess=False)
-        # The forward megakernel: opt-in (--impls) while it is slower than the default path on most
-        # shapes. TABBY_MEGA_VARIANT (`tabby tune` knob syntax, e.g. "M=4,B=128") sets its knobs.
+        # "tabby": the default config, i.e. the forward megakernel; TABBY_MEGA_VARIANT (`tabby tune`
+        # knob syntax, e.g. "M=2,T=0") overrides its knobs. "tabby-sync-free": the separate launches.
         from .functional.config import MoEConfig
         from .tune import parse_variant
 
+        register_layer("tabby-sync-free", functools.partial(fn, config=MoEConfig(megakernel=False)),
+                       supports_cpu=True, cpu_multiprocess=False)
         try:
             _, knobs = parse_variant("mega:" + os.environ.get("TABBY_MEGA_VARIANT", ""))
         except ValueError as e:
-            register(BrokenImpl("tabby-mega", f"TABBY_MEGA_VARIANT: {e}", in_default=False))
+            register(BrokenImpl("tabby", f"TABBY_MEGA_VARIANT: {e}"))
             return
-        register_layer("tabby-mega", functools.partial(fn, config=MoEConfig(megakernel=True, **knobs)),
-                       supports_cpu=True, cpu_multiprocess=False, in_default=False)
+        cfg = MoEConfig(megakernel=True, **knobs)
+        register_layer("tabby", functools.partial(fn, config=cfg) if knobs else fn, supports_cpu=True,
+                       cpu_multiprocess=False)
 
 
 def load_plugins() -> None:

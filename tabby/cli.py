@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shapes", type=_list, default=None, help="comma list of shape names (default: all six)")
     b.add_argument("--tokens", type=_ints, default=[4096, 16384], help="tokens per GPU, comma list (default 4096,16384)")
     b.add_argument("--ep", type=_ints, default=None, help="EP sizes, comma list (default: the number of GPUs)")
-    b.add_argument("--impls", type=_list, default=None, help="implementations, comma list (default: all registered except opt-in ones like tabby-mega)")
+    b.add_argument("--impls", type=_list, default=None, help="implementations, comma list (default: all registered except opt-in ones)")
     b.add_argument("--passes", type=_list, default=["fwd", "fwd+bwd"], help="fwd,fwd+bwd (default both)")
     b.add_argument("--dtype", default="bf16", choices=["bf16"])
     b.add_argument("--warmup", type=int, default=5, help="untimed iterations (default 5)")

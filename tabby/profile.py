@@ -1,5 +1,8 @@
 """``tabby profile``: time every stage of Tabby's forward and backward (CUDA events between launches).
 
+It profiles the sync-free path (``MoEConfig(megakernel=False)``), whose stages are separate launches;
+the megakernel's forward is one launch (``fwd:megakernel``), split by ``tabby tune``'s ablations.
+
 Events are recorded at the stage boundaries marked in ``tabby/functional/moe.py``; a stage's time
 is the gap between its mark and the previous one, median over iterations, maximum over ranks.
 Recording events between launches adds a little time, so the sum is slightly above the
@@ -13,6 +16,8 @@ import statistics
 import time
 
 import torch
+
+from .functional.config import MoEConfig
 
 from .functional import moe as moe_mod
 from .launch import launch
@@ -65,7 +70,8 @@ def profile_rank(rank, world, shape_name, T, iters, warmup):
     timer, samples = StageTimer(), []
     for it in range(warmup + iters):
         moe_mod.STAGE_TIMER = timer if it >= warmup else None
-        y = moe_mod.moe(x, inp.topk_idx, inp.topk_weights, *weights, shared=inp.shared, group=group)
+        y = moe_mod.moe(x, inp.topk_idx, inp.topk_weights, *weights, shared=inp.shared, group=group,
+                        config=MoEConfig(megakernel=False))
         y.backward(inp.dy)
         moe_mod.STAGE_TIMER = None
         if it >= warmup:

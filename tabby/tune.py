@@ -65,7 +65,7 @@ def tune_rank(rank, world, shape_name, T, variants, warmup, iters):
             inp.w_down.detach())
     shared = tuple(t.detach() for t in inp.shared) if inp.shared else None
     with torch.no_grad():
-        base = tabby.moe(*args, shared=shared, group=group)
+        base = tabby.moe(*args, shared=shared, group=group, config=MoEConfig(megakernel=False))
     rows = []
     for spec in variants:
         kind, knobs = parse_variant(spec)
@@ -101,7 +101,7 @@ def tune_rank(rank, world, shape_name, T, variants, warmup, iters):
 def best_mega_variant(results: list) -> str | None:
     """The knob string of the mega variant (not ablated, correct everywhere) with the lowest
     geometric mean of its time over the sync-free path's across every run in ``results``; None
-    when no such variant ran everywhere. ``TABBY_MEGA_VARIANT`` takes it (the bench's tabby-mega)."""
+    when no such variant ran everywhere. ``TABBY_MEGA_VARIANT`` takes it (the bench's tabby)."""
     import math
 
     from .bench import TOLERANCE  # not at the top: the bench imports this module while it loads

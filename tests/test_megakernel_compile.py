@@ -16,15 +16,19 @@ H, I, IS, BM = 2048, 768, 256, 128
 DESCS = ["xs_desc", "wg_desc", "wu_desc", "h_desc", "wd_desc", "x_desc", "sg_desc", "su_desc", "hsh_desc", "sd_desc"]
 
 
-def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False):
+def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, save: bool = False):
     from tabby.ops import megakernel_fwd as mk
 
     const = dict(NS=32, FS=4, GM=2, ABLATE=0, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
                  BN_GU=128, BK_GU=64, BN_DN=bn_dn, BK_DN=64, BN_GUS=128, BK_GUS=64, BN_DNS=256, BK_DNS=64,
-                 INTERPRET=False, TMA=tma)
+                 INTERPRET=False, TMA=tma, SAVE=save)
     ptrs = {n: "*i32" for n in ["cnt_ptr", "err_ptr", "epoch_ptr", "row_src", "tile_expert", "num_tiles",
                                 "sh_tiles", "sh_n"]}
     ptrs.update({n: "*i64" for n in ["x_ptrs", "y_ptrs"]})
+    if save:  # what a differentiated forward keeps: router-weight table, row weights, g | u
+        ptrs.update(w_ptrs="*i64", row_w="*fp32", gu_save="*bf16")
+    else:
+        const.update(w_ptrs=None, row_w=None, gu_save=None)
     ptrs["wait_budget"] = "i64"  # nanoseconds: 60 s does not fit an i32
     ptrs.update({n: "*bf16" for n in ["xs_ring", "h_ring", "w_gate", "w_up", "w_down", "x", "s_gate", "s_up",
                                       "s_down", "h_sh", "extra"]})
@@ -42,15 +46,16 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False):
     # every GEMM K loop is software-pipelined: async copies (cp.async or TMA) into shared memory
     n_async = ttgir.count("async_tma_copy_global_to_local" if tma else "async_copy_global_to_local")
     assert n_async > 0, "no pipelined loads"
-    print(f"ok shared={has_shared} comm={comm} bn_dn={bn_dn} tma={tma} smem={k.metadata.shared} async={n_async}")
+    print(f"ok shared={has_shared} comm={comm} bn_dn={bn_dn} tma={tma} save={save} smem={k.metadata.shared} "
+          f"async={n_async}")
 
 
-@pytest.mark.parametrize("has_shared,comm,bn_dn,tma", [(False, 0, 256, False), (True, 0, 256, False),
-                                                        (True, 16, 256, False), (False, 0, 128, False),
-                                                        (True, 0, 256, True)])
-def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn, tma):
-    assert "ok" in run_compiled_check(__file__, str(int(has_shared)), str(comm), str(bn_dn), str(int(tma)))
+@pytest.mark.parametrize("has_shared,comm,bn_dn,tma,save", [(False, 0, 256, False, False), (True, 0, 256, False, True),
+                                                             (True, 16, 256, False, False), (False, 0, 128, False, False),
+                                                             (True, 0, 256, True, True), (False, 0, 256, True, False)])
+def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn, tma, save):
+    assert "ok" in run_compiled_check(__file__, *(str(int(v)) for v in (has_shared, comm, bn_dn, tma, save)))
 
 
 if __name__ == "__main__":
-    _compile(bool(int(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]), bool(int(sys.argv[4])))
+    _compile(*(bool(int(a)) if i in (0, 3, 4) else int(a) for i, a in enumerate(sys.argv[1:6])))

@@ -87,9 +87,11 @@ def test_megakernel_tma_with_shared_expert_matches_reference(monkeypatch):
     _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
 
 
-@pytest.mark.parametrize("slots,prefetch,lag,split,group", [(2, 0, 1, 4, 1), (3, 2, 2, 2, 1), (3, 1, 2, 1, 1),
-                                                           (4, 1, 1, 2, 2), (6, 0, 1, 1, 3)])
-def test_megakernel_ring_wraps_many_times_bitwise_deterministic(slots, prefetch, lag, split, group, monkeypatch):
+@pytest.mark.parametrize("slots,prefetch,lag,split,group,save", [(2, 0, 1, 4, 1, True), (3, 2, 2, 2, 1, False),
+                                                                (3, 1, 2, 1, 1, True), (4, 1, 1, 2, 2, False),
+                                                                (6, 0, 1, 1, 3, True)])
+def test_megakernel_ring_wraps_many_times_bitwise_deterministic(slots, prefetch, lag, split, group, save,
+                                                                monkeypatch):
     # every token of every rank to expert 0: 2*64*2 = 256 rows = 16 tiles through a 2- or 3-slot
     # ring (wraps 8 or 5 times), fills 0 or 2 tiles ahead, shared expert, a grid of 4; all outputs
     # and gradients bitwise equal over runs
@@ -97,7 +99,8 @@ def test_megakernel_ring_wraps_many_times_bitwise_deterministic(slots, prefetch,
     W, T, H, I, E_local, k = 2, 64, 32, 32, 2, 2
     prob = make_problem(W, T, H, I, E_local, k, shared=True, seed=3, route="one_expert")
     cfg = dataclasses.replace(MEGA, fwd_programs=4, ring_rows=slots * CFG.tile_m, fwd_prefetch=prefetch,
-                              fwd_down_lag=lag, fwd_fill_split=split, fwd_group_m=group)
+                              fwd_down_lag=lag, fwd_fill_split=split, fwd_group_m=group,
+                              fwd_save_for_backward=save)  # save: the backward uses what the kernel kept
     a = _run_tabby(W, T, prob, cfg=cfg)
     _check(a, _run_reference(prob))
     b = _run_tabby(W, T, prob, cfg=cfg)
@@ -408,3 +411,23 @@ def test_split_mode_under_the_interpreter_refuses_a_ring_smaller_than_the_tiles(
         megakernel_fwd.launch_fwd_megakernel(
             p["mb"], p["sched"], ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[0:], 0, 1 << 20, *p["w"],
             gu_cfg=p["gu_cfg"], dn_cfg=p["dn_cfg"], programs=3, comm_programs=1)
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_megakernel_backward_recomputes_only_without_saved_rows(save, monkeypatch):
+    # fwd_save_for_backward: the kernel fills xs, g|u and the row weights and the backward uses them
+    # (no "bwd:recompute" stage); without it the backward replays dispatch and gate/up. Both correct.
+    stages = []
+
+    class Marks:
+        def mark(self, name):
+            stages.append(name)
+
+    monkeypatch.setattr(moe_mod, "STAGE_TIMER", Marks())
+    _small_tiles(monkeypatch)
+    W, T, H, I, E_local, k = 2, 12, 32, 24, 2, 2
+    prob = make_problem(W, T, H, I, E_local, k, shared=True, seed=21, route="random")
+    cfg = dataclasses.replace(MEGA, fwd_save_for_backward=save)
+    _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
+    assert "fwd:megakernel" in stages
+    assert ("bwd:recompute" in stages) == (not save)

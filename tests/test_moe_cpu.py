@@ -12,7 +12,7 @@ from tabby.functional.moe import moe
 
 from harness import make_problem, rel_err, run_ranks
 
-CFG = MoEConfig(tile_m=16, pull_rows=16, pull_cols=64, comm_programs=4)
+CFG = MoEConfig(tile_m=16, pull_rows=16, pull_cols=64, comm_programs=4, megakernel=False)  # the sync-free path
 
 
 def _run_tabby(W, T, prob, cfg=CFG, E_local=None):
@@ -97,7 +97,10 @@ def test_memory_report_sizes_the_worst_case():
     from tabby.validate import MoEDims
 
     d = MoEDims(T=16384, H=2048, k=8, E_local=64, I=768, world_size=2, I_shared=0)
-    rep = memory_report(d, MoEConfig())
+    rep = memory_report(d, MoEConfig(megakernel=False))
     # Every (token, k) of both ranks plus tile padding per expert, rounded to the tile.
     assert "R_max=270336 rows" in rep and "kept per layer for the backward 1850.1 MiB" in rep
-    assert "11.0 MiB ring" in memory_report(d, MoEConfig(megakernel=True, ring_rows=2048))
+    assert "11.0 MiB ring" in memory_report(d, MoEConfig(megakernel=True, ring_rows=2048,
+                                                         fwd_save_for_backward=False))
+    rep = memory_report(d, MoEConfig(megakernel=True, ring_rows=2048))
+    assert "megakernel ring 11.0 MiB" in rep and "keeps 1850.1 MiB per layer" in rep

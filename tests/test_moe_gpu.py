@@ -13,6 +13,14 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import rel_err  # noqa: E402
 
+
+def sync_free_moe(*args, **kw):
+    """tabby.moe on the sync-free path (the default is the megakernel, tested in test_megakernel_gpu.py)."""
+    import tabby
+    from tabby.functional.config import MoEConfig
+
+    return tabby.moe(*args, config=MoEConfig(megakernel=False), **kw)
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 TOL = 2e-2
@@ -78,7 +86,7 @@ def check_rank(rank, W, cases, reps=20):
     out = {}
     for case in cases:
         inp = _inputs(case, rank, W, device)
-        got = _fwd_bwd(tabby.moe, *inp, group)
+        got = _fwd_bwd(sync_free_moe, *inp, group)
         want = _fwd_bwd(tabby.moe_reference, *inp, group)
         res = {f"err_{n}": rel_err(a, b) for n, a, b in zip(NAMES, got, want)}
         tabby.check_errors()
@@ -86,16 +94,16 @@ def check_rank(rank, W, cases, reps=20):
     # Determinism, no host sync and graph replay on the last case.
     case = cases[-1]
     inp = _inputs(case, rank, W, device)
-    first = _fwd_bwd(tabby.moe, *inp, group)
+    first = _fwd_bwd(sync_free_moe, *inp, group)
     same = True
     for _ in range(reps - 1):
-        again = _fwd_bwd(tabby.moe, *inp, group)
+        again = _fwd_bwd(sync_free_moe, *inp, group)
         same &= all(torch.equal(a, b) for a, b in zip(first, again))
     out["determinism"] = {"bitwise_equal": same, "reps": reps}
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _fwd_bwd(tabby.moe, *inp, group)
+        _fwd_bwd(sync_free_moe, *inp, group)
         no_sync = True
     except RuntimeError as e:
         no_sync = f"host sync: {e}"
@@ -119,14 +127,14 @@ def _graph_check(inp, group, device):
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm up on a side stream, as graph capture wants
         for _ in range(2):
-            y = tabby.moe(xs, static[1], wl, *params, group=group)
+            y = sync_free_moe(xs, static[1], wl, *params, group=group)
             y.backward(static[3])
     torch.cuda.current_stream().wait_stream(s)
     for t in (xs, wl, *params):
         t.grad = None
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = tabby.moe(xs, static[1], wl, *params, group=group)
+        y = sync_free_moe(xs, static[1], wl, *params, group=group)
         y.backward(static[3])
     # New inputs: copy into the static tensors and replay.
     gen = torch.Generator(device=device).manual_seed(99)
@@ -134,7 +142,7 @@ def _graph_check(inp, group, device):
         xs.copy_(torch.randn(x.shape, generator=gen, device=device).bfloat16())
         static[3].copy_(torch.randn(dy.shape, generator=gen, device=device).bfloat16())
     g.replay()
-    eager = _fwd_bwd(tabby.moe, xs.detach(), static[1], wl.detach(), params, None, static[3], group)
+    eager = _fwd_bwd(sync_free_moe, xs.detach(), static[1], wl.detach(), params, None, static[3], group)
     graph = [y.detach(), xs.grad, wl.grad] + [p.grad for p in params]
     return {"matches_eager": all(torch.equal(a, b) for a, b in zip(graph, [eager[0], eager[1], eager[2],
                                                                           *eager[3:6]]))}
@@ -185,7 +193,7 @@ def _mismatch_worker(rank, world):
     if rank == 1:  # one token more on rank 1
         x, idx, wts = torch.cat([x, x[:1]]), torch.cat([idx, idx[:1]]), torch.cat([wts, wts[:1]])
     try:
-        tabby.moe(x, idx, wts, *ws, group=dist.group.WORLD)
+        sync_free_moe(x, idx, wts, *ws, group=dist.group.WORLD)
         return "no error"
     except tabby.MoEInputError as e:
         return str(e)

@@ -61,12 +61,16 @@ def test_bench_mega_variant_from_the_environment(monkeypatch):
 
     monkeypatch.setenv("TABBY_MEGA_VARIANT", "M=2,B=128")
     bench.register_tabby()
-    cfg = bench.IMPLS["tabby-mega"].fn.keywords["config"]
+    cfg = bench.IMPLS["tabby"].fn.keywords["config"]
     assert cfg.megakernel and cfg.fwd_group_m == 2 and cfg.fwd_down_bn == 128
+    assert not bench.IMPLS["tabby-sync-free"].fn.keywords["config"].megakernel
     monkeypatch.setenv("TABBY_MEGA_VARIANT", "Q=1")
     bench.register_tabby()
     with pytest.raises(RuntimeError, match="TABBY_MEGA_VARIANT"):
-        bench.IMPLS["tabby-mega"].prepare(None, None)
+        bench.IMPLS["tabby"].prepare(None, None)
     monkeypatch.delenv("TABBY_MEGA_VARIANT")
     bench.register_tabby()
-    assert bench.IMPLS["tabby-mega"].fn.keywords["config"].fwd_group_m == 1
+    from tabby.functional.config import MoEConfig
+
+    # no knobs: tabby.moe with its default config, which is the megakernel
+    assert not getattr(bench.IMPLS["tabby"].fn, "keywords", None) and MoEConfig().megakernel

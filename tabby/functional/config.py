@@ -19,9 +19,9 @@ class MoEConfig:
     debug:           check the device error record after every pass (a host sync). Also TABBY_DEBUG=1.
     megakernel:      forward through ONE persistent launch (ops/megakernel_fwd.py: pull dispatch into a
                      ring, gate/up, down + push, shared expert; tile-level counters) instead of the
-                     dispatch / gate_up / down_push launches; the backward then recomputes xs and g, u.
-                     Off by default: correct on the GPU, but faster than the default path only on
-                     qwen3-30b-a3b so far (docs/perf-notes.md).
+                     dispatch / gate_up / down_push launches (the sync-free path, ``False``). On by
+                     default: with row-tile groups and TMA loads it measured as fast as the sync-free
+                     path or faster (docs/perf-notes.md, bench/results/).
     ring_rows:       rows of the megakernel's ring (xs and h); ring_rows // tile_m slots, at least 2.
                      4096 = 32 slots of 128 rows: measured faster than 2048 on qwen3-30b-a3b at EP2
                      (docs/perf-notes.md), since the fills must run far enough ahead of gate/up to
@@ -44,7 +44,13 @@ class MoEConfig:
     fwd_ablate:      measurement only (`tabby tune`), makes the output WRONG: 1 skips the megakernel's
                      row copies, 2 its routed GEMM math (waits and signals stay).
     fwd_tma:         the megakernel loads its GEMM operands through tensor descriptors (TMA) instead
-                     of pointer tensors, which frees the registers the pointers hold.
+                     of pointer tensors, which frees the registers the pointers hold (falls back to
+                     pointer loads when a tensor is not 16-byte aligned).
+    fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
+                     rows, their router weights and g | u into full-size buffers (what the sync-free
+                     forward keeps), so the backward does not replay dispatch and gate/up; False:
+                     the forward keeps only the ring and the backward recomputes (MoK's way: less
+                     memory, a slower backward). A forward without autograd keeps only the ring.
     """
 
     tile_m: int = 128
@@ -54,18 +60,19 @@ class MoEConfig:
     max_wait_ms: float = float(os.environ.get("TABBY_MAX_WAIT_MS", 60_000))
     max_wait_iters: int = int(os.environ.get("TABBY_MAX_WAIT_ITERS", 1 << 24))
     debug: bool = os.environ.get("TABBY_DEBUG", "0") == "1"
-    megakernel: bool = False
+    megakernel: bool = True
     ring_rows: int = 4096
     fwd_comm_programs: int = 0
     fwd_programs: int | None = None
     fwd_prefetch: int | None = None
     fwd_down_lag: int | None = None
     fwd_fill_split: int = 4
-    fwd_group_m: int = 1
+    fwd_group_m: int | None = None
     fwd_down_bn: int | None = None
     fwd_gate_up_bn: int | None = None
     fwd_ablate: int = 0
-    fwd_tma: bool = False
+    fwd_tma: bool = True
+    fwd_save_for_backward: bool = True
 
     def wait_budget(self) -> int:
         """The budget argument of the kernels' bounded waits (``ops.sync.wait_geq``)."""

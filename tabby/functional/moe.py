@@ -23,9 +23,11 @@ dispatched rows xs [R, H], g and u [R, 2I] and the router weight of each row: no
 recomputed, at the cost of (H + 2I) * 2 bytes per routed row. The shared expert is plain
 PyTorch outside the Function (its output enters the combine as ``extra``).
 
-With ``MoEConfig(megakernel=True)`` (off by default) the forward runs dispatch, gate/up, down +
+With ``MoEConfig(megakernel=True)`` (the default) the forward runs dispatch, gate/up, down +
 push and the shared expert in ONE persistent launch over a ring of ``ring_rows`` rows
-(ops/megakernel_fwd.py; ``moe_forward_mega``); nothing of the ring is kept, so the backward
+(ops/megakernel_fwd.py; ``moe_forward_mega``). When a backward will follow
+(``fwd_save_for_backward``, on by default) the kernel also fills xs, g | u and the row weights as
+above and the backward is the same; otherwise nothing of the ring is kept, and the backward
 publishes x and topk_weights again with dy and recomputes xs, the row weights and g, u (pull +
 gate/up), then runs the same launches as above. The shared expert then lives inside the Function
 (``_TabbyMoEMega``), whose backward recomputes it with the same torch ops for its gradients.
@@ -200,13 +202,15 @@ def _mega_buffers(ws, cfg: MoEConfig, T, H, I, I_s, dtype, device):
     return mb
 
 
-def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None):
+def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
+                     save=False):
     """Forward pass on one rank through the forward megakernel (``cfg.megakernel``).
 
     Same launches as ``moe_forward`` before (publish, wait, schedule) and after (signal, wait,
     combine); dispatch, gate/up, down + push and the shared expert run in ONE persistent launch
-    over a ring of ``cfg.ring_rows`` rows. Returns (y, MegaSaved): nothing of the ring is kept,
-    the backward recomputes xs and g, u.
+    over a ring of ``cfg.ring_rows`` rows. Returns (y, saved): with ``save`` the kernel also
+    fills xs, g | u and the row weights as ``moe_forward`` does and ``saved`` is the same tuple;
+    otherwise a MegaSaved (nothing of the ring is kept; the backward recomputes xs and g, u).
     """
     T, H = x.shape
     I = w_gate.shape[1]
@@ -215,6 +219,10 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     mb = _mega_buffers(ws, cfg, T, H, I, I_s, x.dtype, x.device)
     programs = cfg.fwd_programs or megakernel_fwd.default_programs(x.device)
     gu_cfg, dn_cfg = _mega_cfgs(cfg, H, I)
+    kept = None
+    if save:
+        kept = (x.new_empty((sched.R_max, H)), x.new_empty((sched.R_max, 2 * I)),
+                torch.empty(sched.R_max, dtype=torch.float32, device=x.device))
     megakernel_fwd.launch_fwd_megakernel(
         mb, sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], ws.rank, cfg.wait_budget(),
         w_gate, w_up, w_down, x=x, shared=shared,
@@ -223,9 +231,12 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         dns_cfg=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I_s) if I_s else None,
         programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
         pull_cols=cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
-        group_m=cfg.fwd_group_m, tma=cfg.fwd_tma)
+        group_m=cfg.fwd_group_m, tma=cfg.fwd_tma, save=kept, w_ptrs=ws.ptrs["w_pub"])
     _stage("fwd:megakernel")
     y = _finish_forward(ws, cfg, x, topk_weights, mb.extra[:T] if I_s else None)
+    if save:
+        xs, gu, row_w = kept
+        return y, (sched, xs, gu, row_w)
     return y, MegaSaved(sched, x, topk_weights)
 
 
@@ -314,10 +325,10 @@ class _TabbyMoEMega(torch.autograd.Function):
     here: recomputed in the backward with the same torch ops the default path differentiates."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, ws, cfg):
+    def forward(ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, ws, cfg, save):
         shared = (s_gate, s_up, s_down) if s_gate is not None else None
-        y, saved = moe_forward_mega(ws, cfg, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
-        ctx.ws, ctx.cfg, ctx.sched = ws, cfg, saved.sched
+        y, saved = moe_forward_mega(ws, cfg, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, save)
+        ctx.ws, ctx.cfg, ctx.saved = ws, cfg, saved
         ctx.w_dtype = topk_weights.dtype
         ctx.save_for_backward(w_gate, w_up, w_down, x, topk_weights, s_gate, s_up, s_down)
         return y
@@ -326,9 +337,11 @@ class _TabbyMoEMega(torch.autograd.Function):
     def backward(ctx, dy):
         w_gate, w_up, w_down, x, topk_weights, s_gate, s_up, s_down = ctx.saved_tensors
         dy = dy.contiguous()
-        saved = MegaSaved(ctx.sched, x, topk_weights)
+        saved = ctx.saved
+        if isinstance(saved, MegaSaved):  # x and topk_weights came back through save_for_backward
+            saved = MegaSaved(saved.sched, x, topk_weights)
         dx, dtopk, dwg, dwu, dwd = moe_backward(ctx.ws, ctx.cfg, dy, saved, w_gate, w_up, w_down)
-        ctx.sched = None
+        ctx.saved = None
         dsg = dsu = dsd = None
         if s_gate is not None:
             with torch.enable_grad():
@@ -337,7 +350,7 @@ class _TabbyMoEMega(torch.autograd.Function):
                 out = (F.silu(xd @ sg.t()) * (xd @ su.t())) @ sd.t()
                 dxs, dsg, dsu, dsd = torch.autograd.grad(out, (xd, sg, su, sd), dy)
             dx = dx + dxs
-        return (dx, None, dtopk.to(ctx.w_dtype), dwg, dwu, dwd, dsg, dsu, dsd, None, None)
+        return (dx, None, dtopk.to(ctx.w_dtype), dwg, dwu, dwd, dsg, dsu, dsd, None, None, None)
 
 
 def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None, config: MoEConfig | None = None):
@@ -361,8 +374,9 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
     key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device))
     if cfg.megakernel:
         try:
-            megakernel_fwd.check_order(cfg.ring_rows // cfg.tile_m, cfg.tile_m, cfg.fwd_group_m, cfg.fwd_prefetch,
-                                       cfg.fwd_down_lag, cfg.fwd_fill_split)
+            n_slots = cfg.ring_rows // cfg.tile_m
+            megakernel_fwd.check_order(n_slots, cfg.tile_m, cfg.fwd_group_m or megakernel_fwd.default_group_m(n_slots),
+                                       cfg.fwd_prefetch, cfg.fwd_down_lag, cfg.fwd_fill_split)
         except ValueError as e:
             raise MoEInputError(f"MoEConfig(megakernel=True): {e}") from None
     ws = get_workspace(key, rank, group=pg, thread_group=tg)
@@ -371,8 +385,11 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
         print("[tabby] " + memory_report(dims, cfg), flush=True)
     if cfg.megakernel:
         sh = tuple(w.contiguous() for w in shared) if shared is not None else (None, None, None)
+        # keep what the backward needs only when there will be one
+        save = cfg.fwd_save_for_backward and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *sh))
         return _TabbyMoEMega.apply(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate, w_up,
-                                   w_down, *sh, ws, cfg)
+                                   w_down, *sh, ws, cfg, save)
     extra = None
     if shared is not None:
         sg, su, sd = shared
@@ -392,10 +409,12 @@ def memory_report(dims, cfg: MoEConfig) -> str:
     bwd = R * (2 * H + 4 * I + 2 * I + 4 * 2 + 4 * triton.cdiv(I, 64))  # dys, dg|du, hw, dw rows, dw partials
     ring = cfg.ring_rows * 2 * (H + I)
     mode = (f"megakernel forward keeps only the schedule and a {ring / MiB:.1f} MiB ring; its backward "
-            f"recomputes the routed rows" if cfg.megakernel else
+            f"recomputes the routed rows" if cfg.megakernel and not cfg.fwd_save_for_backward else
+            f"megakernel ring {ring / MiB:.1f} MiB; a differentiated forward keeps {kept / MiB:.1f} MiB per layer "
+            f"for the backward (without autograd: only the ring)" if cfg.megakernel else
             f"kept per layer for the backward {kept / MiB:.1f} MiB, forward transient {fwd / MiB:.1f} MiB")
     return (f"routed rows sized for the worst case: R_max={R} rows; {mode}; backward transient "
-            f"{(bwd + (kept if cfg.megakernel else 0)) / MiB:.1f} MiB")
+            f"{(bwd + (kept if cfg.megakernel and not cfg.fwd_save_for_backward else 0)) / MiB:.1f} MiB")
 
 
 def check_errors():

@@ -49,10 +49,13 @@ the GPU tests pass on 2 x H200 with it, bench/results/mega-tests-*.log): a wait 
 CCTL.IVALL, which invalidates the SM's L1, so ring rows left in L1 by an earlier generation are not
 read stale), then a CTA barrier so every thread's ordinary loads come after it. A signal is a CTA
 barrier after the tile's ordinary stores, then, on one thread, MEMBAR.ALL.GPU and the release add
-(the pattern of cooperative groups' grid sync). The ring is read with ordinary (not TMA) loads, so
-no ``fence.proxy.async`` is needed. Compiled at the qwen3-30b-a3b shape with the default tile
-configs, the kernel uses 255 registers with about 1 KB of spills (the standalone gate/up and down
-kernels built the same way: 255 and 0.5 KB).
+(the pattern of cooperative groups' grid sync). Exception: ``dn_done`` only says that a down
+tile has finished reading its h slot, so it is a relaxed add after the barrier
+(``sync.add_reads_done``) and does not wait for the rows the tile pushed over NVLink (the DONE
+signal after the kernel publishes those). With ``fwd_tma`` the GEMM operands come through TMA
+(the async proxy) while the ring is written with ordinary stores: the writer fences
+(``fence.proxy.async``) before its release and the reader after its acquire. Compiled at the
+kimi-k2 shape, the kernel uses 255 registers with pointer loads and 200 with TMA, no spills.
 
 Row-tile index vs ring row: the tile functions of gemm.py / comm.py address rows as
 ``tile * BM`` and use ``tile`` for the schedule tables (tile_expert, row_src). Here the tables
@@ -139,16 +142,22 @@ def _wait(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch, TMA: tl
 @triton.jit
 def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
           NS: tl.constexpr, G, H: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, FS: tl.constexpr,
-          ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False):
-    """Pull part ``part`` (BM // FS rows) of row tile i into its ring slot."""
+          ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False, SAVE: tl.constexpr = False, w_ptrs=None,
+          row_w=None):
+    """Pull part ``part`` (BM // FS rows) of row tile i into its ring slot (SAVE: into row i*BM of
+    the full xs buffer, with the rows' router weights into row_w)."""
     s = i % NS
     g = i // NS
     _wait(cnt_ptr, C_READY + NS + s, G * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
-    dst = xs_ring + (s - i).to(tl.int64) * (BM * H)  # row i*BM of dst = row s*BM of the ring
     if (ABLATE & 1) == 0:
         # rows i*BM + part*BM/FS .. : "tile" i*FS + part of height BM // FS
-        comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM // FS, BH, False,
-                            (H % 8) == 0)
+        if SAVE:
+            comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, xs_ring, H, TK, k, w_ptrs, row_w, BM // FS, BH, True,
+                                (H % 8) == 0)
+        else:
+            dst = xs_ring + (s - i).to(tl.int64) * (BM * H)  # row i*BM of dst = row s*BM of the ring
+            comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM // FS, BH,
+                                False, (H % 8) == 0)
     if TMA:  # the gate/up tiles read these rows through TMA (the async proxy)
         sync.fence_proxy_async()
     sync.add_release(cnt_ptr + C_READY + s, 1, "gpu")
@@ -160,19 +169,29 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   NS: tl.constexpr, G, D, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                   BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
                   INTERPRET: tl.constexpr, FS: tl.constexpr, ABLATE: tl.constexpr = 0,
-                  TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None):
+                  TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None,
+                  SAVE: tl.constexpr = False, gu_save=None):
     s = i % NS
     g = i // NS
     shift = (s - i) * BM  # row i*BM of a shifted ring base (or TMA coordinate) is row s*BM of the ring
+    if SAVE:  # xs is the full routed-row buffer (row i*BM), not a ring
+        xs_shift = shift * 0
+    else:
+        xs_shift = shift
     if kind == 1:  # gate/up column tile n of row tile i
         _wait(cnt_ptr, C_READY + s, FS * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
         _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
-        xs = xs_ring + shift.to(tl.int64) * H
+        xs = xs_ring + xs_shift.to(tl.int64) * H
         hh = h_ring + shift.to(tl.int64) * I
         if (ABLATE & 2) == 0:
-            gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, hh, 0,
-                                     tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, False,
-                                     INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, shift)
+            if SAVE:
+                gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_save, 2 * I,
+                                         tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, True,
+                                         INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
+            else:
+                gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, hh, 0,
+                                         tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, False,
+                                         INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
         if TMA:  # the down tiles read h through TMA
             sync.fence_proxy_async()
         sync.add_release(cnt_ptr + C_READY + NS + s, 1, "gpu")
@@ -184,7 +203,9 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                                 hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
                                 H, I, 0, BM, BN_DN, BK_DN, True, False, I % BK_DN == 0, True, tl.bfloat16,
                                 TMA, INTERPRET, shift)
-        sync.add_release(cnt_ptr + C_READY + 2 * NS + s, 1, "gpu")
+        # dn_done only frees the h slot (its readers are done); the pushed rows need no ordering here
+        # (the DONE signal after the kernel publishes them), so do not wait for the NVLink stores
+        sync.add_reads_done(cnt_ptr + C_READY + 2 * NS + s, 1, "gpu")
 
 
 @triton.jit
@@ -216,17 +237,23 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down, wd_e, wd_n,
                        x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n, n_sh,
                        pre, lag, xs_desc, wg_desc, wu_desc, h_desc, wd_desc, x_desc, sg_desc, su_desc, hsh_desc,
-                       sd_desc, NS: tl.constexpr, FS: tl.constexpr, GM: tl.constexpr, COMM: tl.constexpr,
+                       sd_desc, w_ptrs, row_w, gu_save, NS: tl.constexpr, FS: tl.constexpr, GM: tl.constexpr, COMM: tl.constexpr,
                        HAS_SHARED: tl.constexpr,
                        H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr,
                        BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
                        BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
-                       INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False):
+                       INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False,
+                       SAVE: tl.constexpr = False):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
     instead of pointer tensors: ring rows cross from ordinary stores to TMA loads with a proxy
     fence on each side (``sync.fence_proxy_async``).
+
+    SAVE (a forward that a backward follows): the fills write the full routed-row buffer
+    ``xs_ring`` [R, H] (row i*BM, not a ring slot) and the rows' router weights ``row_w`` [R] fp32
+    (from every rank's ``w_ptrs`` table), the gate/up tiles also store g | u into ``gu_save``
+    [R, 2I]: what the sync-free forward keeps, so the backward need not recompute them.
 
     ABLATE (measurement only; the output is then wrong): bit 1 skips the row copies of the fills,
     bit 2 the GEMM math of the routed tiles; every wait and signal stays, so the time of a variant
@@ -253,7 +280,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
         f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
         while f < nt * FS:
             _fill(f // FS, f % FS, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
-                  NS, G, H, BM, BH, FS, ABLATE, TMA)
+                  NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w)
             f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
     else:
         t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
@@ -270,12 +297,13 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                 if i < nt:  # else past the last row tile: a partial last group, or fills beyond the end
                     if kind == 0:
                         _fill(i, n, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
-                              NS, G, H, BM, BH, FS, ABLATE, TMA)
+                              NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w)
                     else:
                         _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
                                       wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
                                       err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
-                                      INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc)
+                                      INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
+                                      SAVE, gu_save)
             t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
 
 
@@ -328,6 +356,12 @@ def default_programs(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def default_group_m(n_slots: int) -> int:
+    """Row tiles per ticket group when not configured: 4 (measured best or near it on kimi-k2,
+    qwen3.5-397b and qwen3-30b-a3b, EP2), or the largest of 2, 1 that leaves two ring groups."""
+    return next((g for g in (4, 2, 1) if n_slots % g == 0 and n_slots // g >= 2), 1)
+
+
 def check_order(n_slots: int, BM: int, group_m: int, prefetch: int | None, lag: int | None,
                 fill_split: int) -> int:
     """Validate the ticket-order knobs (None: the default, always valid); returns the ring groups.
@@ -355,7 +389,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           w_gate, w_up, w_down, x=None, shared=None, *, gu_cfg, dn_cfg, gus_cfg=None, dns_cfg=None,
                           programs: int, comm_programs: int = 0, prefetch: int | None = None, pull_cols: int = 512,
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
-                          fill_split: int = 4, group_m: int = 1, tma: bool = False):
+                          fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
+                          w_ptrs=None):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -370,6 +405,9 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     pulled as this many tickets of tile_m // fill_split rows (more programs pull at once).
     ``tma``: load the GEMM operands through tensor descriptors (where every operand allows it:
     16-byte aligned bases and row strides; otherwise pointer loads).
+    ``save``: None, or (xs [R, H], gu [R, 2I], row_w [R] fp32) with R = the schedule's rows, filled
+    as the sync-free forward fills them (for the backward); ``w_ptrs``: every rank's router-weight
+    table (w_pub), needed with ``save``.
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -378,6 +416,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     assert mb.xs_ring.shape == (mb.n_slots * BM, H) and mb.h_ring.shape == (mb.n_slots * BM, I)
     if not 0 <= comm_programs < programs:
         raise ValueError(f"fwd_comm_programs={comm_programs} must be in [0, programs={programs})")
+    if group_m is None:
+        group_m = default_group_m(mb.n_slots)
     n_groups = check_order(mb.n_slots, BM, group_m, prefetch, lag, fill_split)
     if prefetch is None:
         prefetch = n_groups // 2
@@ -410,11 +450,19 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     h_sh = mb.h_sh if has_sh else mb.h_ring
     extra = mb.extra if has_sh else mb.h_ring
     BH = min(pull_cols, triton.next_power_of_2(H))
-    use_tma = tma and gemm._tma_ok(mb.xs_ring, mb.h_ring, w_gate, w_up, w_down, *((x, sg, su, sd) if has_sh else ()))
+    xs_buf = mb.xs_ring
+    if save is not None:
+        xs_buf, gu_save, row_w = save
+        R = sched.row_src.numel()
+        assert w_ptrs is not None and xs_buf.shape == (R, H) and gu_save.shape == (R, 2 * I) and row_w.shape == (R,)
+        assert xs_buf.is_contiguous() and gu_save.is_contiguous() and row_w.dtype == torch.float32
+    else:
+        gu_save = row_w = w_ptrs = None
+    use_tma = tma and gemm._tma_ok(xs_buf, mb.h_ring, w_gate, w_up, w_down, *((x, sg, su, sd) if has_sh else ()))
     descs = [None] * 10
     if use_tma:
         D = gemm._desc
-        descs[:5] = [D(mb.xs_ring, [BM, gu_cfg.BK]), D(w_gate, [1, gu_cfg.BN, gu_cfg.BK]),
+        descs[:5] = [D(xs_buf, [BM, gu_cfg.BK]), D(w_gate, [1, gu_cfg.BN, gu_cfg.BK]),
                      D(w_up, [1, gu_cfg.BN, gu_cfg.BK]), D(mb.h_ring, [BM, dn_cfg.BK]),
                      D(w_down, [1, dn_cfg.BN, dn_cfg.BK])]
         if has_sh:  # the shared expert is "expert 0" of [1, ...] weight views
@@ -424,11 +472,11 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     moe_fwd_megakernel[(programs,)](
         mb.counters, err, epoch, rank, wait_budget,
         sched.row_src, sched.tile_expert, sched.num_tiles, x_ptrs, y_ptrs, T * k, k,
-        mb.xs_ring, mb.h_ring, w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_down, w_down.stride(0),
+        xs_buf, mb.h_ring, w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_down, w_down.stride(0),
         w_down.stride(1),
-        x, T, sg, su, sd, h_sh, extra, mb.sh_tiles, mb.sh_n, mb.n_sh, prefetch, lag, *descs,
+        x, T, sg, su, sd, h_sh, extra, mb.sh_tiles, mb.sh_n, mb.n_sh, prefetch, lag, *descs, w_ptrs, row_w, gu_save,
         NS=mb.n_slots, FS=fill_split, GM=group_m, COMM=comm_programs, HAS_SHARED=has_sh,
         H=H, I=I, IS=I_s, BM=BM, BH=BH,
         BN_GU=gu_cfg.BN, BK_GU=gu_cfg.BK, BN_DN=dn_cfg.BN, BK_DN=dn_cfg.BK,
         BN_GUS=gus_cfg.BN, BK_GUS=gus_cfg.BK, BN_DNS=dns_cfg.BN, BK_DNS=dns_cfg.BK,
-        INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
+        INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)

@@ -62,6 +62,19 @@ def add_release(ptr, value, SCOPE: tl.constexpr):
 
 
 @triton.jit
+def add_reads_done(ptr, value, SCOPE: tl.constexpr):
+    """Add to a counter that only says "this program has finished READING a buffer" (relaxed).
+
+    For write-after-read signals (a ring slot may be overwritten): every read of the program has
+    returned its value by the barrier (the values were consumed), so a later overwrite cannot
+    change them, and no fence is needed. Unlike ``add_release`` this does not wait for the
+    program's own stores (e.g. rows pushed over NVLink) to complete first.
+    """
+    tl.debug_barrier()
+    tl.atomic_add(ptr, value, sem="relaxed", scope=SCOPE)
+
+
+@triton.jit
 def fence_proxy_async():
     """Order this thread's generic-proxy memory accesses with its async-proxy ones (TMA).
 
