@@ -46,6 +46,8 @@ class MoEConfig:
     fwd_tma:         the megakernel loads its GEMM operands through tensor descriptors (TMA) instead
                      of pointer tensors, which frees the registers the pointers hold (falls back to
                      pointer loads when a tensor is not 16-byte aligned).
+    fwd_num_stages:  software-pipeline depth of the megakernel's GEMM K loops (None: the gate/up
+                     config's, 3); 4 fits in shared memory with the default tiles.
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -73,6 +75,7 @@ class MoEConfig:
     fwd_ablate: int = 0
     fwd_tma: bool = True
     fwd_save_for_backward: bool = True
+    fwd_num_stages: int | None = None
 
     def wait_budget(self) -> int:
         """The budget argument of the kernels' bounded waits (``ops.sync.wait_geq``)."""

@@ -126,6 +126,8 @@ def _mega_cfgs(cfg: MoEConfig, H, I):
         gu = gu.with_(BN=cfg.fwd_gate_up_bn)
     if cfg.fwd_down_bn is not None:
         dn = dn.with_(BN=cfg.fwd_down_bn)
+    if cfg.fwd_num_stages is not None:  # the kernel launches with the gate/up config's stages
+        gu = gu.with_(num_stages=cfg.fwd_num_stages)
     return gu, dn
 
 
