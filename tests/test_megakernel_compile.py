@@ -40,8 +40,9 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
         const.update({n: None for n in DESCS})
     # strides multiples of 16, as the JIT specializes them at these shapes (the loads then pipeline)
     k = compile_for_sm90(mk.moe_fwd_megakernel, const, ptrs, divisible=("wg_e", "wg_n", "wd_e", "wd_n", "TK"),
-                         num_warps=8, num_stages=3)
+                         num_warps=8, num_stages=4)  # MoEConfig.fwd_num_stages
     assert "ptx" in k.asm and k.asm.get("cubin")
+    assert k.metadata.shared <= 232448, f"{k.metadata.shared} bytes of shared memory: more than an H100/H200 SM has"
     ttgir = k.asm["ttgir"]
     # every GEMM K loop is software-pipelined: async copies (cp.async or TMA) into shared memory
     n_async = ttgir.count("async_tma_copy_global_to_local" if tma else "async_copy_global_to_local")

@@ -78,6 +78,19 @@ def test_megakernel_y_bitwise_equals_sync_free_path(route, down_bn, gu_bn, tma, 
     assert torch.equal(y0, y1)
 
 
+def test_megakernel_tma_falls_back_to_pointer_loads_on_unaligned_rows(monkeypatch):
+    # H = 36: a 72-byte row stride is no multiple of 16, which TMA needs; the launcher then uses
+    # pointer loads (same result as without TMA, bitwise)
+    _small_tiles(monkeypatch)
+    W, T, H, I, E_local, k = 2, 10, 36, 24, 2, 2
+    assert not gemm._tma_ok(torch.empty(4, H, dtype=torch.bfloat16))
+    prob = make_problem(W, T, H, I, E_local, k, seed=8, route="random")
+    y0 = _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_tma=False))
+    y1 = _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_tma=True))
+    assert torch.equal(y0, y1)
+    assert rel_err(y1, _run_y(W, T, prob, CFG)) == 0
+
+
 def test_megakernel_tma_with_shared_expert_matches_reference(monkeypatch):
     # the shared expert through descriptors too: x rows past T read as zeros (x has 9 rows, one 16-row tile)
     _small_tiles(monkeypatch)

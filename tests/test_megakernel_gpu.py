@@ -1,8 +1,9 @@
 """The forward megakernel (MoEConfig(megakernel=True)) on the GPU. Skips without a GPU.
 
 Run on 2 x H200 in session 2 (bench/results/mega-tests-*.log); the kernels themselves are also
-tested under the interpreter in test_megakernel_cpu.py. Per config (merged tickets; split mode
-with communication programs; a small ring that wraps): values and gradients against the reference,
+tested under the interpreter in test_megakernel_cpu.py. Per config (the defaults; split mode with
+1, 16 and half the grid's communication programs; a small ring that wraps; pointer loads with a
+recomputing backward): values and gradients against the reference,
 y bitwise equal to the sync-free path's, bitwise determinism, no host sync, CUDA-graph replay, and
 the forward time of both paths (printed, not asserted).
 """
@@ -25,12 +26,19 @@ if os.environ.get("TABBY_MEGA_CASES"):  # a subset, for a short device run
     MEGA_CASES = os.environ["TABBY_MEGA_CASES"].split(",")
 
 
+def _sm_count():
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
 def _configs():
     from tabby.functional.config import MoEConfig
 
     return {
         "merged": MoEConfig(megakernel=True),  # the defaults: TMA loads, groups of 4 row tiles, saved rows
         "split16": MoEConfig(megakernel=True, fwd_comm_programs=16),
+        # one communication program, and half the grid
+        "split1": MoEConfig(megakernel=True, fwd_comm_programs=1),
+        "split-half": MoEConfig(megakernel=True, fwd_comm_programs=_sm_count() // 2),
         "small-ring": MoEConfig(megakernel=True, ring_rows=256, fwd_prefetch=1),
         # pointer loads, and a backward that replays dispatch and gate/up
         "recompute": MoEConfig(megakernel=True, fwd_tma=False, fwd_save_for_backward=False),

@@ -47,7 +47,8 @@ class MoEConfig:
                      of pointer tensors, which frees the registers the pointers hold (falls back to
                      pointer loads when a tensor is not 16-byte aligned).
     fwd_num_stages:  software-pipeline depth of the megakernel's GEMM K loops (None: the gate/up
-                     config's, 3); 4 fits in shared memory with the default tiles.
+                     config's, 3). 4 (192 KB of shared memory with the default tiles) measured 3-8%
+                     faster than 3 on kimi-k2 and qwen3.5-397b (docs/perf-notes.md).
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -75,7 +76,7 @@ class MoEConfig:
     fwd_ablate: int = 0
     fwd_tma: bool = True
     fwd_save_for_backward: bool = True
-    fwd_num_stages: int | None = None
+    fwd_num_stages: int = 4
 
     def wait_budget(self) -> int:
         """The budget argument of the kernels' bounded waits (``ops.sync.wait_geq``)."""
