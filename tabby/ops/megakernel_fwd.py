@@ -26,7 +26,7 @@ Counters (int32, one array per rank, zeroed by a memset before each launch; layo
 Work order: one global ticket sequence in which every producer precedes its consumers. Shared
 expert first (no dispatch needed; it covers the wait for the first pulled rows): for x row tile
 j = 0..n_sh: [gate/up(j, *)] [down(j-1, *)]. Then the routed tiles in groups of GM consecutive
-row tiles (``group_m``; 1 by default): a prologue of fills for groups 0..P-1, then for group
+row tiles (``group_m``; 4 by default): a prologue of fills for groups 0..P-1, then for group
 q = 0..: [fills of group q+P] [gate/up(q, *)] [down(q-L, *)], each of the last two column-major
 (column tile outer, the GM row tiles inner, so that the row tiles of one expert read a weight
 block at the same time, once from HBM; the GROUP_M of the standalone GEMMs). Each fill is FS
