@@ -444,3 +444,16 @@ def test_megakernel_backward_recomputes_only_without_saved_rows(save, monkeypatc
     _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
     assert "fwd:megakernel" in stages
     assert ("bwd:recompute" in stages) == (not save)
+
+
+def test_tma_by_default_only_for_large_forwards():
+    # fwd_tma=None: TMA from TMA_MIN_FLOP routed forward FLOPs per rank (host time of the descriptors)
+    from tabby.functional.config import TMA_MIN_FLOP
+
+    cfg = MoEConfig()
+    assert cfg.fwd_tma is None
+    assert not cfg.use_tma(4096, 8, 2048, 768)  # qwen3-30b-a3b, 4096 tokens: 0.31 TFLOP
+    assert cfg.use_tma(16384, 8, 2048, 768)  # 1.24 TFLOP
+    assert cfg.use_tma(4096, 8, 7168, 2048)  # kimi-k2
+    assert 6 * 4096 * 8 * 2048 * 768 < TMA_MIN_FLOP <= 6 * 4096 * 4 * 2880 * 2880  # gpt-oss-120b on
+    assert MoEConfig(fwd_tma=True).use_tma(1, 1, 8, 8) and not MoEConfig(fwd_tma=False).use_tma(10**6, 8, 8192, 8192)

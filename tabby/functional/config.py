@@ -4,6 +4,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+# The megakernel's TMA loads pay off above this many routed forward FLOPs per rank (6*T*k*H*I):
+# below it the host time of the ten descriptors shows. Between the measured points qwen3-30b-a3b
+# 4096 tokens (0.31 TFLOP: 1.05 ms without TMA, 1.25 with) and gpt-oss-120b 4096 (0.82 TFLOP:
+# megakernel with TMA 1.93 ms, faster than the sync-free path's 2.12); docs/perf-notes.md.
+TMA_MIN_FLOP = 5e11
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -46,7 +52,10 @@ class MoEConfig:
                      row copies, 2 its routed GEMM math (waits and signals stay).
     fwd_tma:         the megakernel loads its GEMM operands through tensor descriptors (TMA) instead
                      of pointer tensors, which frees the registers the pointers hold (falls back to
-                     pointer loads when a tensor is not 16-byte aligned).
+                     pointer loads when a tensor is not 16-byte aligned). None: TMA when the rank's
+                     routed forward is at least TMA_MIN_FLOP (``use_tma``): the ten descriptors cost
+                     host time per call (measured: qwen3-30b-a3b, EP2, 4096 tokens, 1.25 ms with TMA
+                     against 1.05 without; kimi-k2 7.98 against 8.24).
     fwd_num_stages:  software-pipeline depth of the megakernel's GEMM K loops (None: the gate/up
                      config's, 3). 4 (192 KB of shared memory with the default tiles) measured 3-8%
                      faster than 3 on kimi-k2 and qwen3.5-397b (docs/perf-notes.md).
@@ -75,9 +84,15 @@ class MoEConfig:
     fwd_down_bn: int | None = None
     fwd_gate_up_bn: int | None = None
     fwd_ablate: int = 0
-    fwd_tma: bool = True
+    fwd_tma: bool | None = None
     fwd_save_for_backward: bool = True
     fwd_num_stages: int = 4
+
+    def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
+        """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""
+        if self.fwd_tma is not None:
+            return bool(self.fwd_tma)
+        return 6 * T * k * H * I >= TMA_MIN_FLOP
 
     def wait_budget(self) -> int:
         """The budget argument of the kernels' bounded waits (``ops.sync.wait_geq``)."""
