@@ -183,15 +183,14 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
         xs = xs_ring + xs_shift.to(tl.int64) * H
         hh = h_ring + shift.to(tl.int64) * I
+        if SAVE:  # g | u for the backward, at row i*BM of the full buffer
+            gu_out = gu_save
+        else:
+            gu_out = hh  # unused
         if (ABLATE & 2) == 0:
-            if SAVE:
-                gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_save, 2 * I,
-                                         tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, True,
-                                         INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
-            else:
-                gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, hh, 0,
-                                         tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, False,
-                                         INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
+            gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
+                                     tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, SAVE,
+                                     INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
         if TMA:  # the down tiles read h through TMA
             sync.fence_proxy_async()
         sync.add_release(cnt_ptr + C_READY + NS + s, 1, "gpu")
