@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched call on the GPU machine (the device tool): GPU tests, then `tabby bench`.
 # Usage: scripts/device_run.sh STAGE [bench or tune args...]; STAGE is tests, mega, profile, tune, mega-pick,
-# mega-bench, bench or all.
+# mega-bench, mega-tune, bench or all.
 # Knobs (env): MEGA_TIMEOUT, WITH_PROFILE=1 (profile after another stage), PROFILE_{SHAPES,TOKENS,EP,TIMEOUT},
 # TUNE_TIMEOUT, TUNE_SHAPES, TUNE_TOKENS, BENCH_TIMEOUT.
 # Writes logs and results under $OUT (the device tool brings that folder back).
@@ -42,6 +42,11 @@ if [ "$stage" = mega-bench ]; then  # the megakernel's GPU tests (fast-failing w
     "tests/test_megakernel_gpu.py::test_megakernel_gpu[2]" 2>&1 | tee "$OUT/mega-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|assert" | tail -20
   timeout ${BENCH_TIMEOUT:-360} python3 -m tabby bench --out "$OUT/res" --tag ep2 --ep 2 \
     --impls floor,torch-a2a,tabby,tabby-sync-free --iters 10 --warmup 3 "$@" 2>&1 | tee "$OUT/bench.log" | grep -E "^\|" | tail -60
+fi
+if [ "$stage" = mega-tune ]; then  # the megakernel's EP2 GPU tests, then `tabby tune` with the given args
+  TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${MEGA_TIMEOUT:-200} python3 -m pytest -q -rA -p no:cacheprovider --timeout ${MEGA_TIMEOUT:-200} -s \
+    "tests/test_megakernel_gpu.py::test_megakernel_gpu[2]" 2>&1 | tee "$OUT/mega-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|assert" | tail -20
+  timeout ${TUNE_TIMEOUT:-400} python3 -m tabby tune --out "$OUT/res/tune.json" "$@" 2>&1 | tee "$OUT/tune.log" | grep -v Warning | tail -60
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 -m tabby bench --out "$OUT/res" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80

@@ -63,18 +63,21 @@ def _run_y(W, T, prob, cfg):
     return torch.cat(run_ranks(W, rank_fn))
 
 
-@pytest.mark.parametrize("route,down_bn,gu_bn,tma", [("random", None, None, False), ("one_expert", None, None, False),
-                                                     ("random", 8, 8, False), ("one_expert", None, None, True),
-                                                     ("random", 8, 8, True)])
-def test_megakernel_y_bitwise_equals_sync_free_path(route, down_bn, gu_bn, tma, monkeypatch):
+@pytest.mark.parametrize("route,down_bn,gu_bn,tma,cols", [("random", None, None, False, None),
+                                                          ("one_expert", None, None, False, 16),
+                                                          ("random", 8, 8, False, None), ("one_expert", None, None, True, None),
+                                                          ("random", 8, 8, True, 256)])
+def test_megakernel_y_bitwise_equals_sync_free_path(route, down_bn, gu_bn, tma, cols, monkeypatch):
     # 2 slots; one_expert: 2*24*2 = 96 rows -> 6 tiles into expert 0 of rank 0 (the ring wraps 3 times);
     # down_bn / gu_bn: narrower tiles in the megakernel only (each output still sums K in the same order);
-    # tma: operands through tensor descriptors (ring slots as TMA coordinates)
+    # tma: operands through tensor descriptors (ring slots as TMA coordinates); cols: columns per
+    # fill step (16: three steps per row; 256: one step, wider than H)
     _small_tiles(monkeypatch)
     W, T, H, I, E_local, k = 2, 24, 48, 40, 2, 2
     prob = make_problem(W, T, H, I, E_local, k, seed=11, route=route)
     y0 = _run_y(W, T, prob, CFG)
-    y1 = _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_down_bn=down_bn, fwd_gate_up_bn=gu_bn, fwd_tma=tma))
+    y1 = _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_down_bn=down_bn, fwd_gate_up_bn=gu_bn, fwd_tma=tma,
+                                                         fwd_pull_cols=cols))
     assert torch.equal(y0, y1)
 
 
@@ -149,6 +152,8 @@ def test_megakernel_needs_two_slots_and_a_valid_prefetch():
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_fill_split=3))
     with pytest.raises(tabby.MoEInputError, match="fwd_group_m"):
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_group_m=2))  # 2 slots: one group
+    with pytest.raises(tabby.MoEInputError, match="fwd_pull_cols"):
+        tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_pull_cols=48))
 
 
 # ------------------------------------------------------------------------------------------------

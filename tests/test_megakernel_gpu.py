@@ -34,12 +34,14 @@ def _configs():
     from tabby.functional.config import MoEConfig
 
     return {
-        "merged": MoEConfig(megakernel=True),  # the defaults: TMA loads, groups of 4 row tiles, saved rows
-        "split16": MoEConfig(megakernel=True, fwd_comm_programs=16),
+        # the defaults: groups of 4 row tiles, saved rows (pointer loads at these sizes: fwd_tma=None)
+        "merged": MoEConfig(megakernel=True),
+        "merged-tma": MoEConfig(megakernel=True, fwd_tma=True, fwd_pull_cols=2048),
+        "split16": MoEConfig(megakernel=True, fwd_comm_programs=16, fwd_tma=True),
         # one communication program, and half the grid
         "split1": MoEConfig(megakernel=True, fwd_comm_programs=1),
         "split-half": MoEConfig(megakernel=True, fwd_comm_programs=_sm_count() // 2),
-        "small-ring": MoEConfig(megakernel=True, ring_rows=256, fwd_prefetch=1),
+        "small-ring": MoEConfig(megakernel=True, ring_rows=256, fwd_prefetch=1, fwd_tma=True),
         # pointer loads, and a backward that replays dispatch and gate/up
         "recompute": MoEConfig(megakernel=True, fwd_tma=False, fwd_save_for_backward=False),
     }

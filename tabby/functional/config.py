@@ -59,6 +59,9 @@ class MoEConfig:
     fwd_num_stages:  software-pipeline depth of the megakernel's GEMM K loops (None: the gate/up
                      config's, 3). 4 (192 KB of shared memory with the default tiles) measured 3-8%
                      faster than 3 on kimi-k2 and qwen3.5-397b (docs/perf-notes.md).
+    fwd_pull_cols:   columns one fill of the megakernel copies per step (None: pull_cols). A fill is
+                     latency-bound (a step's loads, then its stores), so wider steps keep more bytes
+                     in flight per program.
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -87,6 +90,7 @@ class MoEConfig:
     fwd_tma: bool | None = None
     fwd_save_for_backward: bool = True
     fwd_num_stages: int = 4
+    fwd_pull_cols: int | None = None
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""

@@ -232,7 +232,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         gus_cfg=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I_s, H) if I_s else None,
         dns_cfg=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I_s) if I_s else None,
         programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
-        pull_cols=cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
+        pull_cols=cfg.fwd_pull_cols or cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
         group_m=cfg.fwd_group_m, tma=cfg.use_tma(T, topk_idx.shape[1], H, I), save=kept, w_ptrs=ws.ptrs["w_pub"])
     _stage("fwd:megakernel")
     y = _finish_forward(ws, cfg, x, topk_weights, mb.extra[:T] if I_s else None)
@@ -378,7 +378,8 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
         try:
             n_slots = cfg.ring_rows // cfg.tile_m
             megakernel_fwd.check_order(n_slots, cfg.tile_m, cfg.fwd_group_m or megakernel_fwd.default_group_m(n_slots),
-                                       cfg.fwd_prefetch, cfg.fwd_down_lag, cfg.fwd_fill_split)
+                                       cfg.fwd_prefetch, cfg.fwd_down_lag, cfg.fwd_fill_split,
+                                       cfg.fwd_pull_cols or cfg.pull_cols)
         except ValueError as e:
             raise MoEInputError(f"MoEConfig(megakernel=True): {e}") from None
     ws = get_workspace(key, rank, group=pg, thread_group=tg)

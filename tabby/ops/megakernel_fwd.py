@@ -362,7 +362,7 @@ def default_group_m(n_slots: int) -> int:
 
 
 def check_order(n_slots: int, BM: int, group_m: int, prefetch: int | None, lag: int | None,
-                fill_split: int) -> int:
+                fill_split: int, pull_cols: int = 512) -> int:
     """Validate the ticket-order knobs (None: the default, always valid); returns the ring groups.
 
     Raises ValueError naming the MoEConfig field at fault.
@@ -381,6 +381,8 @@ def check_order(n_slots: int, BM: int, group_m: int, prefetch: int | None, lag: 
     rows = BM // max(fill_split, 1)
     if fill_split < 1 or BM % fill_split or rows & (rows - 1):
         raise ValueError(f"fwd_fill_split={fill_split} must divide tile_m={BM} into a power-of-two number of rows")
+    if pull_cols < 8 or pull_cols & (pull_cols - 1):
+        raise ValueError(f"fwd_pull_cols={pull_cols} must be a power of two >= 8")
     return n_groups
 
 
@@ -417,7 +419,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         raise ValueError(f"fwd_comm_programs={comm_programs} must be in [0, programs={programs})")
     if group_m is None:
         group_m = default_group_m(mb.n_slots)
-    n_groups = check_order(mb.n_slots, BM, group_m, prefetch, lag, fill_split)
+    n_groups = check_order(mb.n_slots, BM, group_m, prefetch, lag, fill_split, pull_cols)
     if prefetch is None:
         prefetch = n_groups // 2
     if lag is None:  # down tiles handed out after the groups in flight have had their gate/ups taken
