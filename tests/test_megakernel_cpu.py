@@ -462,3 +462,20 @@ def test_tma_by_default_only_for_large_forwards():
     assert cfg.use_tma(4096, 8, 7168, 2048)  # kimi-k2
     assert 6 * 4096 * 8 * 2048 * 768 < TMA_MIN_FLOP <= 6 * 4096 * 4 * 2880 * 2880  # gpt-oss-120b on
     assert MoEConfig(fwd_tma=True).use_tma(1, 1, 8, 8) and not MoEConfig(fwd_tma=False).use_tma(10**6, 8, 8192, 8192)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_half_tiles_equal_full_tiles_and_match_the_reference(tma, monkeypatch):
+    # fwd_half_tiles: an expert's last tile with at most tile_m/2 rows is computed as a half-height
+    # tile; y is bitwise the same as with full tiles, and the saved g | u (padding rows stored as
+    # zeros) gives the reference's gradients
+    _small_tiles(monkeypatch)
+    W, T, H, I, E_local, k = 2, 19, 32, 24, 2, 2
+    prob = make_problem(W, T, H, I, E_local, k, seed=0, route="random")  # expert rows 25, 12, 17, 22
+    counts = torch.bincount(prob[1].flatten(), minlength=W * E_local).tolist()
+    tails = [c % CFG.tile_m for c in counts]
+    assert any(0 < r <= CFG.tile_m // 2 for r in tails) and any(r > CFG.tile_m // 2 for r in tails), counts
+    full = dataclasses.replace(MEGA, fwd_half_tiles=False, fwd_tma=tma)
+    half = dataclasses.replace(MEGA, fwd_half_tiles=True, fwd_tma=tma)
+    assert torch.equal(_run_y(W, T, prob, full), _run_y(W, T, prob, half))
+    _check(_run_tabby(W, T, prob, cfg=half), _run_reference(prob))

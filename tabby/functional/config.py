@@ -62,6 +62,10 @@ class MoEConfig:
     fwd_pull_cols:   columns one fill of the megakernel copies per step (None: pull_cols). A fill is
                      latency-bound (a step's loads, then its stores), so wider steps keep more bytes
                      in flight per program.
+    fwd_half_tiles:  the megakernel computes a row tile whose real rows fit in tile_m/2 (an expert's
+                     last tile, often) as a half-height tile: half the MMA work on padding rows,
+                     where experts get few rows (qwen3.5-397b at 4096 tokens: ~160 rows per expert,
+                     128 + 64 rows of MMA instead of 2 x 128).
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -91,6 +95,7 @@ class MoEConfig:
     fwd_save_for_backward: bool = True
     fwd_num_stages: int = 4
     fwd_pull_cols: int | None = None
+    fwd_half_tiles: bool = True
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""

@@ -300,7 +300,8 @@ def gate_up_swiglu_tile(pid_m, pid_n,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
                         n_rows=0, MASK_ROWS: tl.constexpr = False,
-                        USE_TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, a_row_shift=0):
+                        USE_TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, a_row_shift=0,
+                        TILE_M: tl.constexpr = 0):
     """One (row tile, I-column tile): g = xs @ Wg[e]^T, u = xs @ Wu[e]^T, h = silu(g) * u.
 
     xs [R, H] (row stride stride_xm); Wg, Wu [E, I, H] (strides stride_we, stride_wn, 1);
@@ -311,12 +312,17 @@ def gate_up_swiglu_tile(pid_m, pid_n,
     USE_TMA: the operands come through tensor descriptors instead (``_gate_up_mainloop_tma``):
     xs_desc over xs [R', H] (the tile's rows start at row ``pid_m * BM + a_row_shift``; rows past
     R' read as zeros, which is MASK_ROWS for free), wg_desc / wu_desc over Wg / Wu [E, I, H].
+    TILE_M (a half tile; 0: BM): the schedule's tiles are TILE_M rows high and this one computes
+    only the first BM rows of tile pid_m (the megakernel's tiles whose real rows fit in half).
     """
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
     if e >= 0:
-        row0 = pid_m.to(tl.int64) * BM
+        blk = pid_m  # first row = blk * BM
+        if TILE_M > 0:
+            blk = pid_m * (TILE_M // BM)
+        row0 = blk.to(tl.int64) * BM
         if USE_TMA:
-            acc_g, acc_u = _gate_up_mainloop_tma(pid_m * BM + a_row_shift, pid_n * BN, e, xs_desc, wg_desc, wu_desc,
+            acc_g, acc_u = _gate_up_mainloop_tma(blk * BM + a_row_shift, pid_n * BN, e, xs_desc, wg_desc, wu_desc,
                                                  H, BM, BN, BK, INTERPRET)
         else:
             acc_g, acc_u = _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_wn,
@@ -483,7 +489,7 @@ def rows_gemm_tile(pid_m, pid_n,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    B_NK: tl.constexpr, TWO_PHASE: tl.constexpr, EVEN_K: tl.constexpr,
                    PUSH: tl.constexpr, DST_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
-                   a_row_shift=0):
+                   a_row_shift=0, TILE_M: tl.constexpr = 0):
     """One (row tile, N-column tile) of A @ op(B[e]) (see ``_rows_mainloop``).
 
     USE_TMA (one phase only): load through the tensor descriptors a_desc / b_desc (see
@@ -491,19 +497,23 @@ def rows_gemm_tile(pid_m, pid_n,
 
     PUSH: rows with row_src >= 0 go to their origin (see ``_push_rows``); otherwise the tile is
     stored into C [R, N]. Unused tiles store nothing.
+    TILE_M (a half tile; 0: BM): the schedule's tiles are TILE_M rows high and this one computes
+    only the first BM rows of tile pid_m.
     """
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
     if e >= 0:
+        blk = pid_m  # first row = blk * BM
+        if TILE_M > 0:
+            blk = pid_m * (TILE_M // BM)
         if USE_TMA:
-            acc = _rows_mainloop_tma(pid_m, pid_n, e, a_desc, b_desc, K, BM, BN, BK, B_NK, INTERPRET,
-                                         a_row_shift)
+            acc = _rows_mainloop_tma(blk, pid_n, e, a_desc, b_desc, K, BM, BN, BK, B_NK, INTERPRET, a_row_shift)
         else:
-            acc = _rows_mainloop(pid_m, pid_n, e, a_ptr, a2_ptr, stride_am, b_ptr, b2_ptr, stride_be, stride_be2,
+            acc = _rows_mainloop(blk, pid_n, e, a_ptr, a2_ptr, stride_am, b_ptr, b2_ptr, stride_be, stride_be2,
                                  stride_bo, N, K, K2, BM, BN, BK, B_NK, TWO_PHASE, EVEN_K, INTERPRET)
         if PUSH:
-            _push_rows(acc, pid_m, pid_n, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, N, BM, BN, DST_DTYPE)
+            _push_rows(acc, blk, pid_n, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, N, BM, BN, DST_DTYPE)
         else:
-            _store_rows(acc, pid_m, pid_n, c_ptr, stride_cm, N, BM, BN)
+            _store_rows(acc, blk, pid_n, c_ptr, stride_cm, N, BM, BN)
 
 
 @triton.jit

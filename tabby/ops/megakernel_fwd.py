@@ -164,13 +164,25 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
 
 
 @triton.jit
+def _zero_rows(ptr, row0, col0, stride, N, BR: tl.constexpr, BC: tl.constexpr):
+    """Zero rows row0 .. row0+BR of two column blocks, [col0, col0+BC) and the same + N, masked to N."""
+    rows = row0.to(tl.int64) + tl.arange(0, BR)
+    cols = col0 + tl.arange(0, BC)
+    p = ptr + rows[:, None] * stride + cols[None, :]
+    z = tl.zeros((BR, BC), dtype=ptr.dtype.element_ty)
+    tl.store(p, z, mask=(cols < N)[None, :])
+    tl.store(p + N, z, mask=(cols < N)[None, :])
+
+
+@triton.jit
 def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n, w_down, sd_e, sd_n,
                   row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget, err_ptr, rank, epoch,
                   NS: tl.constexpr, G, D, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                   BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
                   INTERPRET: tl.constexpr, FS: tl.constexpr, ABLATE: tl.constexpr = 0,
                   TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None,
-                  SAVE: tl.constexpr = False, gu_save=None):
+                  SAVE: tl.constexpr = False, gu_save=None, HALF: tl.constexpr = False, xs_half_desc=None,
+                  h_half_desc=None):
     s = i % NS
     g = i // NS
     shift = (s - i) * BM  # row i*BM of a shifted ring base (or TMA coordinate) is row s*BM of the ring
@@ -178,6 +190,9 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         xs_shift = shift * 0
     else:
         xs_shift = shift
+    half = False
+    if HALF:  # the tile's real rows (a prefix) fit in its first BM/2: compute only those
+        half = tl.load(row_src + i * BM + BM // 2) < 0
     if kind == 1:  # gate/up column tile n of row tile i
         _wait(cnt_ptr, C_READY + s, FS * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
         _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
@@ -188,9 +203,16 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         else:
             gu_out = hh  # unused
         if (ABLATE & 2) == 0:
-            gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
-                                     tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, SAVE,
-                                     INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
+            if half:
+                gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
+                                         tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU, H % BK_GU == 0, SAVE,
+                                         INTERPRET, 0, False, TMA, xs_half_desc, wg_desc, wu_desc, xs_shift, BM)
+                if SAVE:  # the padding rows of g | u, as the full tile would have computed them (zero rows)
+                    _zero_rows(gu_save, i * BM + BM // 2, n * BN_GU, 2 * I, I, BM // 2, BN_GU)
+            else:
+                gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
+                                         tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, SAVE,
+                                         INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
         if TMA:  # the down tiles read h through TMA
             sync.fence_proxy_async()
         sync.add_release(cnt_ptr + C_READY + NS + s, 1, "gpu")
@@ -198,10 +220,16 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
         hh = h_ring + shift.to(tl.int64) * I
         if (ABLATE & 2) == 0:
-            gemm.rows_gemm_tile(i, n, h_desc, wd_desc, hh, hh, I, w_down, w_down, sd_e, sd_e, sd_n,
-                                hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
-                                H, I, 0, BM, BN_DN, BK_DN, True, False, I % BK_DN == 0, True, tl.bfloat16,
-                                TMA, INTERPRET, shift)
+            if half:
+                gemm.rows_gemm_tile(i, n, h_half_desc, wd_desc, hh, hh, I, w_down, w_down, sd_e, sd_e, sd_n,
+                                    hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
+                                    H, I, 0, BM // 2, BN_DN, BK_DN, True, False, I % BK_DN == 0, True, tl.bfloat16,
+                                    TMA, INTERPRET, shift, BM)
+            else:
+                gemm.rows_gemm_tile(i, n, h_desc, wd_desc, hh, hh, I, w_down, w_down, sd_e, sd_e, sd_n,
+                                    hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
+                                    H, I, 0, BM, BN_DN, BK_DN, True, False, I % BK_DN == 0, True, tl.bfloat16,
+                                    TMA, INTERPRET, shift)
         # dn_done only frees the h slot (its readers are done); the pushed rows need no ordering here
         # (the DONE signal after the kernel publishes them), so do not wait for the NVLink stores
         sync.add_reads_done(cnt_ptr + C_READY + 2 * NS + s, 1, "gpu")
@@ -236,13 +264,13 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down, wd_e, wd_n,
                        x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n, n_sh,
                        pre, lag, xs_desc, wg_desc, wu_desc, h_desc, wd_desc, x_desc, sg_desc, su_desc, hsh_desc,
-                       sd_desc, w_ptrs, row_w, gu_save, NS: tl.constexpr, FS: tl.constexpr, GM: tl.constexpr, COMM: tl.constexpr,
+                       sd_desc, xs_half_desc, h_half_desc, w_ptrs, row_w, gu_save, NS: tl.constexpr, FS: tl.constexpr, GM: tl.constexpr, COMM: tl.constexpr,
                        HAS_SHARED: tl.constexpr,
                        H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr,
                        BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
                        BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
                        INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False,
-                       SAVE: tl.constexpr = False):
+                       SAVE: tl.constexpr = False, HALF: tl.constexpr = False):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -253,6 +281,11 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     ``xs_ring`` [R, H] (row i*BM, not a ring slot) and the rows' router weights ``row_w`` [R] fp32
     (from every rank's ``w_ptrs`` table), the gate/up tiles also store g | u into ``gu_save``
     [R, 2I]: what the sync-free forward keeps, so the backward need not recompute them.
+
+    HALF: a routed row tile whose real rows fit in its first BM/2 (``row_src[i*BM + BM/2] < 0``; an
+    expert's last tile) is computed as a BM/2-row tile: its gate/up and down tickets do half the
+    MMA work (through ``xs_half_desc`` / ``h_half_desc`` with TMA). With SAVE the skipped g | u
+    rows are stored as zeros, which is what the full tile computes for padding rows.
 
     ABLATE (measurement only; the output is then wrong): bit 1 skips the row copies of the fills,
     bit 2 the GEMM math of the routed tiles; every wait and signal stays, so the time of a variant
@@ -302,7 +335,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                                       wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
                                       err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
                                       INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
-                                      SAVE, gu_save)
+                                      SAVE, gu_save, HALF, xs_half_desc, h_half_desc)
             t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
 
 
@@ -391,7 +424,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           programs: int, comm_programs: int = 0, prefetch: int | None = None, pull_cols: int = 512,
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
-                          w_ptrs=None):
+                          w_ptrs=None, half_tiles: bool = False):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -408,7 +441,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     16-byte aligned bases and row strides; otherwise pointer loads).
     ``save``: None, or (xs [R, H], gu [R, 2I], row_w [R] fp32) with R = the schedule's rows, filled
     as the sync-free forward fills them (for the backward); ``w_ptrs``: every rank's router-weight
-    table (w_pub), needed with ``save``.
+    table (w_pub), needed with ``save``. ``half_tiles``: compute tiles whose rows fit in tile_m/2 as
+    half-height tiles (kernel HALF; needs tile_m >= 32 on the GPU, where a dot has at least 16 rows).
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -460,7 +494,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     else:
         gu_save = row_w = w_ptrs = None
     use_tma = tma and gemm._tma_ok(xs_buf, mb.h_ring, w_gate, w_up, w_down, *((x, sg, su, sd) if has_sh else ()))
-    descs = [None] * 10
+    half = half_tiles and (BM >= 32 or INTERPRET) and BM % 2 == 0
+    descs = [None] * 12
     if use_tma:
         D = gemm._desc
         descs[:5] = [D(xs_buf, [BM, gu_cfg.BK]), D(w_gate, [1, gu_cfg.BN, gu_cfg.BK]),
@@ -470,6 +505,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
             descs[5:] = [D(x, [BM, gus_cfg.BK]), D(sg.unsqueeze(0), [1, gus_cfg.BN, gus_cfg.BK]),
                          D(su.unsqueeze(0), [1, gus_cfg.BN, gus_cfg.BK]), D(mb.h_sh, [BM, dns_cfg.BK]),
                          D(sd.unsqueeze(0), [1, dns_cfg.BN, dns_cfg.BK])]
+        if half:
+            descs[10:] = [D(xs_buf, [BM // 2, gu_cfg.BK]), D(mb.h_ring, [BM // 2, dn_cfg.BK])]
     moe_fwd_megakernel[(programs,)](
         mb.counters, err, epoch, rank, wait_budget,
         sched.row_src, sched.tile_expert, sched.num_tiles, x_ptrs, y_ptrs, T * k, k,
@@ -480,4 +517,4 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         H=H, I=I, IS=I_s, BM=BM, BH=BH,
         BN_GU=gu_cfg.BN, BK_GU=gu_cfg.BK, BN_DN=dn_cfg.BN, BK_DN=dn_cfg.BK,
         BN_GUS=gus_cfg.BN, BK_GUS=gus_cfg.BK, BN_DNS=dns_cfg.BN, BK_DNS=dns_cfg.BK,
-        INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
+        INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, HALF=half, num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
