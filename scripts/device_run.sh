@@ -47,6 +47,9 @@ if [ "$stage" = mega-tune ]; then  # the megakernel's EP2 GPU tests, then `tabby
   TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${MEGA_TIMEOUT:-200} python3 -m pytest -q -rA -p no:cacheprovider --timeout ${MEGA_TIMEOUT:-200} -s \
     "tests/test_megakernel_gpu.py::test_megakernel_gpu[2]" 2>&1 | tee "$OUT/mega-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|assert" | tail -20
   timeout ${TUNE_TIMEOUT:-400} python3 -m tabby tune --out "$OUT/res/tune.json" "$@" 2>&1 | tee "$OUT/tune.log" | grep -v Warning | tail -60
+  if [ -n "${TUNE2_ARGS:-}" ]; then  # a second sweep (other shapes or variants)
+    timeout ${TUNE2_TIMEOUT:-300} python3 -m tabby tune --out "$OUT/res/tune2.json" $TUNE2_ARGS 2>&1 | tee "$OUT/tune2.log" | grep -E "^\|" | tail -30
+  fi
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 -m tabby bench --out "$OUT/res" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80

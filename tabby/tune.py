@@ -154,7 +154,7 @@ def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None, best_o
                                        best_mega_variant=best_mega_variant(results)), f, indent=1)
     best = best_mega_variant(results)
     print(f"best mega variant over {len(results)} run(s), by geometric mean vs sync-free: "
-          f"{'mega:' + best if best is not None else 'none'}", flush=True)
+          f"{('mega:' + best if best else 'mega (the defaults)') if best is not None else 'none'}", flush=True)
     if best_out and best is not None:
         with open(best_out, "w") as f:
             f.write(best + "\n")
