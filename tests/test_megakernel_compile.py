@@ -37,6 +37,10 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
         blocks = [[BM, 64], [1, 128, 64], [1, 128, 64], [BM, 64], [1, bn_dn, 64],
                   [BM, 64], [1, 128, 64], [1, 128, 64], [BM, 64], [1, 256, 64], [BM // 2, 64], [BM // 2, 64]]
         ptrs.update({n: "tensordesc<bf16[%s]>" % ",".join(map(str, b)) for n, b in zip(DESCS, blocks)})
+        if not half:  # as the launcher passes them: no half-tile descriptors
+            for n in DESCS[10:]:
+                del ptrs[n]
+                const[n] = None
     else:
         const.update({n: None for n in DESCS})
     # strides multiples of 16, as the JIT specializes them at these shapes (the loads then pipeline)

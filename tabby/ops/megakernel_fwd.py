@@ -150,14 +150,18 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
     g = i // NS
     _wait(cnt_ptr, C_READY + NS + s, G * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
     if (ABLATE & 1) == 0:
-        # rows i*BM + part*BM/FS .. : "tile" i*FS + part of height BM // FS
-        if SAVE:
-            comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, xs_ring, H, TK, k, w_ptrs, row_w, BM // FS, BH, True,
-                                (H % 8) == 0)
-        else:
-            dst = xs_ring + (s - i).to(tl.int64) * (BM * H)  # row i*BM of dst = row s*BM of the ring
-            comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM // FS, BH,
-                                False, (H % 8) == 0)
+        # rows i*BM + part*BM/FS .. : "tile" i*FS + part of height BM // FS. A part of padding rows
+        # only (real rows are a prefix of the tile) is not written at all: whatever its rows hold
+        # reaches only padding rows of h, g | u and y, which nothing reads (the GEMMs are row-wise,
+        # the pushes and the backward's weight gradients take real rows only).
+        if tl.load(row_src + (i * FS + part) * (BM // FS)) >= 0:
+            if SAVE:
+                comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, xs_ring, H, TK, k, w_ptrs, row_w, BM // FS, BH,
+                                    True, (H % 8) == 0)
+            else:
+                dst = xs_ring + (s - i).to(tl.int64) * (BM * H)  # row i*BM of dst = row s*BM of the ring
+                comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM // FS, BH,
+                                    False, (H % 8) == 0)
     if TMA:  # the gate/up tiles read these rows through TMA (the async proxy)
         sync.fence_proxy_async()
     sync.add_release(cnt_ptr + C_READY + s, 1, "gpu")
@@ -190,9 +194,6 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         xs_shift = shift * 0
     else:
         xs_shift = shift
-    half = False
-    if HALF:  # the tile's real rows (a prefix) fit in its first BM/2: compute only those
-        half = tl.load(row_src + i * BM + BM // 2) < 0
     if kind == 1:  # gate/up column tile n of row tile i
         _wait(cnt_ptr, C_READY + s, FS * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
         _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
@@ -203,13 +204,19 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         else:
             gu_out = hh  # unused
         if (ABLATE & 2) == 0:
-            if half:
-                gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
-                                         tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU, H % BK_GU == 0, SAVE,
-                                         INTERPRET, 0, False, TMA, xs_half_desc, wg_desc, wu_desc, xs_shift, BM)
-                if SAVE:  # the padding rows of g | u, as the full tile would have computed them (zero rows)
-                    _zero_rows(gu_save, i * BM + BM // 2, n * BN_GU, 2 * I, I, BM // 2, BN_GU)
-            else:
+            # HALF: a tile whose real rows (a prefix) fit in its first BM/2 computes only those.
+            # (Two nested ifs, not a flag: without HALF the half-tile code is not compiled at all.)
+            full = True
+            if HALF:
+                if tl.load(row_src + i * BM + BM // 2) < 0:
+                    full = False
+                    gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
+                                             tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU, H % BK_GU == 0,
+                                             SAVE, INTERPRET, 0, False, TMA, xs_half_desc, wg_desc, wu_desc,
+                                             xs_shift, BM)
+                    if SAVE:  # the padding rows of g | u, as the full tile computes them (zero rows)
+                        _zero_rows(gu_save, i * BM + BM // 2, n * BN_GU, 2 * I, I, BM // 2, BN_GU)
+            if full:
                 gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
                                          tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, SAVE,
                                          INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
@@ -220,12 +227,15 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
         hh = h_ring + shift.to(tl.int64) * I
         if (ABLATE & 2) == 0:
-            if half:
-                gemm.rows_gemm_tile(i, n, h_half_desc, wd_desc, hh, hh, I, w_down, w_down, sd_e, sd_e, sd_n,
-                                    hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
-                                    H, I, 0, BM // 2, BN_DN, BK_DN, True, False, I % BK_DN == 0, True, tl.bfloat16,
-                                    TMA, INTERPRET, shift, BM)
-            else:
+            full = True
+            if HALF:
+                if tl.load(row_src + i * BM + BM // 2) < 0:
+                    full = False
+                    gemm.rows_gemm_tile(i, n, h_half_desc, wd_desc, hh, hh, I, w_down, w_down, sd_e, sd_e, sd_n,
+                                        hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
+                                        H, I, 0, BM // 2, BN_DN, BK_DN, True, False, I % BK_DN == 0, True,
+                                        tl.bfloat16, TMA, INTERPRET, shift, BM)
+            if full:
                 gemm.rows_gemm_tile(i, n, h_desc, wd_desc, hh, hh, I, w_down, w_down, sd_e, sd_e, sd_n,
                                     hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
                                     H, I, 0, BM, BN_DN, BK_DN, True, False, I % BK_DN == 0, True, tl.bfloat16,
