@@ -57,6 +57,12 @@ signal after the kernel publishes those). With ``fwd_tma`` the GEMM operands com
 (``fence.proxy.async``) before its release and the reader after its acquire. Compiled at the
 kimi-k2 shape, the kernel uses 255 registers with pointer loads and 200 with TMA, no spills.
 
+Half tiles (``HALF``, ``MoEConfig.fwd_half_tiles``): a row tile whose real rows (a prefix) fit in
+BM/2 is computed as a BM/2-row tile by both its gate/up and its down tickets (same columns and K
+order, so bitwise the same outputs, half the MMA work); and a fill part that holds only padding
+rows is not copied. Padding rows of the ring (or saved xs) then hold stale data, which reaches
+only padding rows of h, g | u and y: the GEMMs are row-wise and nothing reads those rows.
+
 Row-tile index vs ring row: the tile functions of gemm.py / comm.py address rows as
 ``tile * BM`` and use ``tile`` for the schedule tables (tile_expert, row_src). Here the tables
 are indexed by ``i`` and the data by slot ``s``: the ring bases passed down are shifted by
@@ -214,7 +220,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                                              tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU, H % BK_GU == 0,
                                              SAVE, INTERPRET, 0, False, TMA, xs_half_desc, wg_desc, wu_desc,
                                              xs_shift, BM)
-                    if SAVE:  # the padding rows of g | u, as the full tile computes them (zero rows)
+                    if SAVE:  # zeros in the g | u rows this tile skips (padding: never read; kept defined)
                         _zero_rows(gu_save, i * BM + BM // 2, n * BN_GU, 2 * I, I, BM // 2, BN_GU)
             if full:
                 gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
