@@ -15,7 +15,7 @@ def test_parse_variant():
         parse_variant(v)
 
 
-@pytest.mark.parametrize("bad", ["mega:Q=1", "mega:C=x", "fast", "floor:C=1", "floor:Y=64",
+@pytest.mark.parametrize("bad", ["mega:X=1", "mega:C=x", "fast", "floor:C=1", "floor:Y=64",
                                  "sync-free:M=2"])
 def test_bad_variants_are_rejected(bad):
     with pytest.raises(ValueError):
@@ -24,7 +24,7 @@ def test_bad_variants_are_rejected(bad):
 
 def test_cli_rejects_bad_variant(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["tune", "--variants", "mega:Q=1"])
+        cli.main(["tune", "--variants", "mega:X=1"])
     assert "bad knob" in capsys.readouterr().err
 
 
@@ -64,7 +64,7 @@ def test_bench_mega_variant_from_the_environment(monkeypatch):
     cfg = bench.IMPLS["tabby"].fn.keywords["config"]
     assert cfg.megakernel and cfg.fwd_group_m == 2 and cfg.fwd_down_bn == 128
     assert not bench.IMPLS["tabby-sync-free"].fn.keywords["config"].megakernel
-    monkeypatch.setenv("TABBY_MEGA_VARIANT", "Q=1")
+    monkeypatch.setenv("TABBY_MEGA_VARIANT", "X=1")
     bench.register_tabby()
     with pytest.raises(RuntimeError, match="TABBY_MEGA_VARIANT"):
         bench.IMPLS["tabby"].prepare(None, None)
