@@ -15,6 +15,10 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv > 
 nvidia-smi topo -m >> "$OUT/machine.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" >> "$OUT/machine.txt"
 echo "commit ${TABBY_GIT_COMMIT:-unknown} (pass TABBY_GIT_COMMIT=$(git rev-parse HEAD): the device tree has no .git)" >> "$OUT/machine.txt"
+mega_tests_ep2() {  # the megakernel's EP2 GPU tests, with fast-failing waits (TABBY_MEGA_CASES picks cases)
+  TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${MEGA_TIMEOUT:-200} python3 -m pytest -q -rA -p no:cacheprovider --timeout ${MEGA_TIMEOUT:-200} -s \
+    "tests/test_megakernel_gpu.py::test_megakernel_gpu[2]" 2>&1 | tee "$OUT/mega-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|assert" | tail -20
+}
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
   timeout 300 python3 -m pytest -q -rA -p no:cacheprovider --timeout 280 -s tests/test_moe_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|error|assert" | tail -40
 fi
@@ -38,14 +42,12 @@ if [ "$stage" = mega-pick ]; then  # sweep megakernel variants, then bench the b
     --impls floor,torch-a2a,tabby,tabby-sync-free --iters 10 --warmup 3 "$@" 2>&1 | tee "$OUT/bench.log" | grep -E "^\|" | tail -60
 fi
 if [ "$stage" = mega-bench ]; then  # the megakernel's GPU tests (fast-failing waits), then the EP2 bench of both paths
-  TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${MEGA_TIMEOUT:-200} python3 -m pytest -q -rA -p no:cacheprovider --timeout ${MEGA_TIMEOUT:-200} -s \
-    "tests/test_megakernel_gpu.py::test_megakernel_gpu[2]" 2>&1 | tee "$OUT/mega-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|assert" | tail -20
+  mega_tests_ep2
   timeout ${BENCH_TIMEOUT:-360} python3 -m tabby bench --out "$OUT/res" --tag ep2 --ep 2 \
     --impls floor,torch-a2a,tabby,tabby-sync-free --iters 10 --warmup 3 "$@" 2>&1 | tee "$OUT/bench.log" | grep -E "^\|" | tail -60
 fi
 if [ "$stage" = mega-tune ]; then  # the megakernel's EP2 GPU tests, then `tabby tune` with the given args
-  TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${MEGA_TIMEOUT:-200} python3 -m pytest -q -rA -p no:cacheprovider --timeout ${MEGA_TIMEOUT:-200} -s \
-    "tests/test_megakernel_gpu.py::test_megakernel_gpu[2]" 2>&1 | tee "$OUT/mega-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|assert" | tail -20
+  mega_tests_ep2
   timeout ${TUNE_TIMEOUT:-400} python3 -m tabby tune --out "$OUT/res/tune.json" "$@" 2>&1 | tee "$OUT/tune.log" | grep -v Warning | tail -60
   if [ -n "${TUNE2_ARGS:-}" ]; then  # a second sweep (other shapes or variants)
     timeout ${TUNE2_TIMEOUT:-300} python3 -m tabby tune --out "$OUT/res/tune2.json" $TUNE2_ARGS 2>&1 | tee "$OUT/tune2.log" | grep -E "^\|" | tail -30

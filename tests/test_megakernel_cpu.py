@@ -467,8 +467,8 @@ def test_tma_by_default_only_for_large_forwards():
 @pytest.mark.parametrize("tma", [False, True])
 def test_half_tiles_equal_full_tiles_and_match_the_reference(tma, monkeypatch):
     # fwd_half_tiles: an expert's last tile with at most tile_m/2 rows is computed as a half-height
-    # tile; y is bitwise the same as with full tiles, and the saved g | u (padding rows stored as
-    # zeros) gives the reference's gradients
+    # tile; y is bitwise the same as with full tiles, and the saved rows (padding rows left
+    # unwritten) give the reference's gradients
     _small_tiles(monkeypatch)
     W, T, H, I, E_local, k = 2, 19, 32, 24, 2, 2
     prob = make_problem(W, T, H, I, E_local, k, seed=0, route="random")  # expert rows 25, 12, 17, 22

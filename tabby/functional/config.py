@@ -59,9 +59,9 @@ class MoEConfig:
     fwd_num_stages:  software-pipeline depth of the megakernel's GEMM K loops (None: the gate/up
                      config's, 3). 4 (192 KB of shared memory with the default tiles) measured 3-8%
                      faster than 3 on kimi-k2 and qwen3.5-397b (docs/perf-notes.md).
-    fwd_pull_cols:   columns one fill of the megakernel copies per step (None: pull_cols). A fill is
-                     latency-bound (a step's loads, then its stores), so wider steps keep more bytes
-                     in flight per program.
+    fwd_pull_cols:   columns one fill of the megakernel copies per step (None: pull_cols). Wider steps
+                     keep more bytes in flight per program, but measured no faster (1024) or slower
+                     (2048) at qwen3-30b-a3b and qwen3.5-397b (docs/perf-notes.md, session 4).
     fwd_half_tiles:  the megakernel computes a row tile whose real rows fit in tile_m/2 (an expert's
                      last tile, often) as a half-height tile: half the MMA work on padding rows,
                      where experts get few rows (qwen3.5-397b at 4096 tokens: ~160 rows per expert,

@@ -174,17 +174,6 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
 
 
 @triton.jit
-def _zero_rows(ptr, row0, col0, stride, N, BR: tl.constexpr, BC: tl.constexpr):
-    """Zero rows row0 .. row0+BR of two column blocks, [col0, col0+BC) and the same + N, masked to N."""
-    rows = row0.to(tl.int64) + tl.arange(0, BR)
-    cols = col0 + tl.arange(0, BC)
-    p = ptr + rows[:, None] * stride + cols[None, :]
-    z = tl.zeros((BR, BC), dtype=ptr.dtype.element_ty)
-    tl.store(p, z, mask=(cols < N)[None, :])
-    tl.store(p + N, z, mask=(cols < N)[None, :])
-
-
-@triton.jit
 def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n, w_down, sd_e, sd_n,
                   row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget, err_ptr, rank, epoch,
                   NS: tl.constexpr, G, D, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
@@ -220,8 +209,6 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                                              tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU, H % BK_GU == 0,
                                              SAVE, INTERPRET, 0, False, TMA, xs_half_desc, wg_desc, wu_desc,
                                              xs_shift, BM)
-                    if SAVE:  # zeros in the g | u rows this tile skips (padding: never read; kept defined)
-                        _zero_rows(gu_save, i * BM + BM // 2, n * BN_GU, 2 * I, I, BM // 2, BN_GU)
             if full:
                 gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
                                          tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, SAVE,
@@ -300,8 +287,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
 
     HALF: a routed row tile whose real rows fit in its first BM/2 (``row_src[i*BM + BM/2] < 0``; an
     expert's last tile) is computed as a BM/2-row tile: its gate/up and down tickets do half the
-    MMA work (through ``xs_half_desc`` / ``h_half_desc`` with TMA). With SAVE the skipped g | u
-    rows are stored as zeros, which is what the full tile computes for padding rows.
+    MMA work (through ``xs_half_desc`` / ``h_half_desc`` with TMA). The skipped rows (h, and g | u
+    with SAVE) are padding rows, left as they are: nothing reads them (module docstring).
 
     ABLATE (measurement only; the output is then wrong): bit 1 skips the row copies of the fills,
     bit 2 the GEMM math of the routed tiles; every wait and signal stays, so the time of a variant
