@@ -66,6 +66,11 @@ class MoEConfig:
                      last tile, often) as a half-height tile: half the MMA work on padding rows,
                      where experts get few rows (qwen3.5-397b at 4096 tokens: ~160 rows per expert,
                      128 + 64 rows of MMA instead of 2 x 128).
+    fwd_fill_in_gemm: the megakernel's gate/up tiles pull the rows of a later row tile inside their K
+                     loops (the load/store units copy while the tensor cores multiply) instead of
+                     fill tickets that take a program's whole SM (merged mode; the first ``fwd_prefetch``
+                     groups are still fill tickets). None: with TMA loads only, where the K loop has
+                     the registers to spare (with pointer loads it already uses all 255).
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -96,12 +101,17 @@ class MoEConfig:
     fwd_num_stages: int = 4
     fwd_pull_cols: int | None = None
     fwd_half_tiles: bool = True
+    fwd_fill_in_gemm: bool | None = None
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""
         if self.fwd_tma is not None:
             return bool(self.fwd_tma)
         return 6 * T * k * H * I >= TMA_MIN_FLOP
+
+    def fill_in_gemm(self, tma: bool) -> bool:
+        """Whether the megakernel's gate/up tiles do the fills (``fwd_fill_in_gemm``), given its TMA choice."""
+        return tma if self.fwd_fill_in_gemm is None else bool(self.fwd_fill_in_gemm)
 
     def wait_budget(self) -> int:
         """The budget argument of the kernels' bounded waits (``ops.sync.wait_geq``)."""

@@ -221,6 +221,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     mb = _mega_buffers(ws, cfg, T, H, I, I_s, x.dtype, x.device)
     programs = cfg.fwd_programs or megakernel_fwd.default_programs(x.device)
     gu_cfg, dn_cfg = _mega_cfgs(cfg, H, I)
+    tma = cfg.use_tma(T, topk_idx.shape[1], H, I)
     kept = None
     if save:
         kept = (x.new_empty((sched.R_max, H)), x.new_empty((sched.R_max, 2 * I)),
@@ -233,8 +234,8 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         dns_cfg=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I_s) if I_s else None,
         programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
         pull_cols=cfg.fwd_pull_cols or cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
-        group_m=cfg.fwd_group_m, tma=cfg.use_tma(T, topk_idx.shape[1], H, I), save=kept, w_ptrs=ws.ptrs["w_pub"],
-        half_tiles=cfg.fwd_half_tiles)
+        group_m=cfg.fwd_group_m, tma=tma, save=kept, w_ptrs=ws.ptrs["w_pub"],
+        half_tiles=cfg.fwd_half_tiles, fill_in_gemm=cfg.fill_in_gemm(tma))
     _stage("fwd:megakernel")
     y = _finish_forward(ws, cfg, x, topk_weights, mb.extra[:T] if I_s else None)
     if save:
