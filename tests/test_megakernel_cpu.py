@@ -171,6 +171,8 @@ def test_megakernel_needs_two_slots_and_a_valid_prefetch():
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_group_m=2))  # 2 slots: one group
     with pytest.raises(tabby.MoEInputError, match="fwd_pull_cols"):
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_pull_cols=48))
+    with pytest.raises(tabby.MoEInputError, match="fwd_num_warps"):
+        tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_num_warps=2))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -36,15 +36,18 @@ def _configs():
     return {
         # the defaults: groups of 4 row tiles, saved rows (pointer loads at these sizes: fwd_tma=None)
         "merged": MoEConfig(megakernel=True),
-        # TMA: the gate/up tiles do the fills (fwd_fill_in_gemm=None); the prologue's fill tickets 2048 wide
         "merged-tma": MoEConfig(megakernel=True, fwd_tma=True, fwd_pull_cols=2048),
-        "tma-fill-tickets": MoEConfig(megakernel=True, fwd_tma=True, fwd_fill_in_gemm=False),
+        # the gate/up tiles do the fills (the prologue's fill tickets 2048 columns wide), TMA and pointer loads
+        "tma-fill-in-gemm": MoEConfig(megakernel=True, fwd_tma=True, fwd_fill_in_gemm=True, fwd_pull_cols=2048),
         "ptr-fill-in-gemm": MoEConfig(megakernel=True, fwd_tma=False, fwd_fill_in_gemm=True),
+        # two 4-warp programs per SM, narrower tiles
+        "4warps": MoEConfig(megakernel=True, fwd_tma=True, fwd_num_warps=4, fwd_gate_up_bn=64, fwd_down_bn=128,
+                            fwd_num_stages=3, fwd_programs=2 * _sm_count()),
         "split16": MoEConfig(megakernel=True, fwd_comm_programs=16, fwd_tma=True),
         # one communication program, and half the grid
         "split1": MoEConfig(megakernel=True, fwd_comm_programs=1),
         "split-half": MoEConfig(megakernel=True, fwd_comm_programs=_sm_count() // 2),
-        "small-ring": MoEConfig(megakernel=True, ring_rows=256, fwd_prefetch=1, fwd_tma=True),  # fills in gate/up
+        "small-ring": MoEConfig(megakernel=True, ring_rows=256, fwd_prefetch=1, fwd_tma=True, fwd_fill_in_gemm=True),
         # pointer loads, and a backward that replays dispatch and gate/up
         "recompute": MoEConfig(megakernel=True, fwd_tma=False, fwd_save_for_backward=False),
     }

@@ -69,8 +69,13 @@ class MoEConfig:
     fwd_fill_in_gemm: the megakernel's gate/up tiles pull the rows of a later row tile inside their K
                      loops (the load/store units copy while the tensor cores multiply) instead of
                      fill tickets that take a program's whole SM (merged mode; the first ``fwd_prefetch``
-                     groups are still fill tickets). None: with TMA loads only, where the K loop has
-                     the registers to spare (with pointer loads it already uses all 255).
+                     groups are still fill tickets). Off by default: with one 8-warp program per SM it
+                     measured much slower (qwen3-30b-a3b 16384, EP2: 4.15 ms against 2.84), the loads
+                     of a peer's rows stall the warps that issue the MMAs (docs/perf-notes.md).
+    fwd_num_warps:   warps per program of the megakernel (None: 8). 4, with tiles whose accumulators
+                     fit in 128 threads (``fwd_gate_up_bn`` 64 and ``fwd_down_bn`` 128, or tile_m 64)
+                     and ``fwd_programs`` twice the SMs, puts two programs on each SM: one's waits,
+                     epilogues and copies overlap the other's MMA.
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -101,17 +106,14 @@ class MoEConfig:
     fwd_num_stages: int = 4
     fwd_pull_cols: int | None = None
     fwd_half_tiles: bool = True
-    fwd_fill_in_gemm: bool | None = None
+    fwd_fill_in_gemm: bool = False
+    fwd_num_warps: int | None = None
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""
         if self.fwd_tma is not None:
             return bool(self.fwd_tma)
         return 6 * T * k * H * I >= TMA_MIN_FLOP
-
-    def fill_in_gemm(self, tma: bool) -> bool:
-        """Whether the megakernel's gate/up tiles do the fills (``fwd_fill_in_gemm``), given its TMA choice."""
-        return tma if self.fwd_fill_in_gemm is None else bool(self.fwd_fill_in_gemm)
 
     def wait_budget(self) -> int:
         """The budget argument of the kernels' bounded waits (``ops.sync.wait_geq``)."""

@@ -126,9 +126,18 @@ def _mega_cfgs(cfg: MoEConfig, H, I):
         gu = gu.with_(BN=cfg.fwd_gate_up_bn)
     if cfg.fwd_down_bn is not None:
         dn = dn.with_(BN=cfg.fwd_down_bn)
-    if cfg.fwd_num_stages is not None:  # the kernel launches with the gate/up config's stages
+    if cfg.fwd_num_stages is not None:  # the kernel launches with the gate/up config's stages and warps
         gu = gu.with_(num_stages=cfg.fwd_num_stages)
+    if cfg.fwd_num_warps is not None:
+        gu = gu.with_(num_warps=cfg.fwd_num_warps)
     return gu, dn
+
+
+def _shared_cfg(cfg: MoEConfig, kind, N, K, BN):
+    """The megakernel's shared-expert tile config: the standalone one, ``BN`` columns when set
+    (the routed tiles' ``fwd_gate_up_bn`` / ``fwd_down_bn``: the same accumulator limit applies)."""
+    c = _gemm_cfg(cfg, kind, N, K)
+    return c.with_(BN=BN) if BN is not None else c
 
 
 def _debug_check(ws, cfg: MoEConfig, t):
@@ -230,12 +239,12 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         mb, sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], ws.rank, cfg.wait_budget(),
         w_gate, w_up, w_down, x=x, shared=shared,
         gu_cfg=gu_cfg, dn_cfg=dn_cfg,
-        gus_cfg=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I_s, H) if I_s else None,
-        dns_cfg=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I_s) if I_s else None,
+        gus_cfg=_shared_cfg(cfg, gemm.KIND_GATE_UP, I_s, H, cfg.fwd_gate_up_bn) if I_s else None,
+        dns_cfg=_shared_cfg(cfg, gemm.KIND_DOWN, H, I_s, cfg.fwd_down_bn) if I_s else None,
         programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
         pull_cols=cfg.fwd_pull_cols or cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
         group_m=cfg.fwd_group_m, tma=tma, save=kept, w_ptrs=ws.ptrs["w_pub"],
-        half_tiles=cfg.fwd_half_tiles, fill_in_gemm=cfg.fill_in_gemm(tma))
+        half_tiles=cfg.fwd_half_tiles, fill_in_gemm=cfg.fwd_fill_in_gemm)
     _stage("fwd:megakernel")
     y = _finish_forward(ws, cfg, x, topk_weights, mb.extra[:T] if I_s else None)
     if save:
@@ -382,6 +391,8 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
             megakernel_fwd.check_order(n_slots, cfg.tile_m, cfg.fwd_group_m or megakernel_fwd.default_group_m(n_slots),
                                        cfg.fwd_prefetch, cfg.fwd_down_lag, cfg.fwd_fill_split,
                                        cfg.fwd_pull_cols or cfg.pull_cols)
+            if cfg.fwd_num_warps not in (None, 4, 8):
+                raise ValueError(f"fwd_num_warps={cfg.fwd_num_warps} must be 4 or 8 (one or two warpgroups)")
         except ValueError as e:
             raise MoEInputError(f"MoEConfig(megakernel=True): {e}") from None
     ws = get_workspace(key, rank, group=pg, thread_group=tg)

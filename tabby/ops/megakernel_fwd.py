@@ -63,6 +63,15 @@ order, so bitwise the same outputs, half the MMA work); and a fill part that hol
 rows is not copied. Padding rows of the ring (or saved xs) then hold stale data, which reaches
 only padding rows of h, g | u and y: the GEMMs are row-wise and nothing reads those rows.
 
+Fills inside the gate/up tiles (``GU_FILL``, ``MoEConfig.fwd_fill_in_gemm``; on with TMA): a fill
+ticket is a latency-bound copy that holds its SM's tensor cores idle. With GU_FILL the stages
+carry no fill tickets; instead gate/up ticket (i, n) with n < FS also pulls fill part n of row
+tile i + P*GM (the tile whose fills stood in the same stage) inside its K loop, BK columns per K
+step, each step's loads issued one step before their stores (``gemm.gate_up_swiglu_tile``'s side
+copy). It waits for that tile's ring slot like a fill ticket and signals its ``ready`` after its
+own ``gu_done``. Only the prologue (groups 0..P-1) keeps fill tickets. The producer-before-consumer
+order is the same as before (each fill sits where its fill tickets stood).
+
 Row-tile index vs ring row: the tile functions of gemm.py / comm.py address rows as
 ``tile * BM`` and use ``tile`` for the schedule tables (tile_expert, row_src). Here the tables
 are indexed by ``i`` and the data by slot ``s``: the ring bases passed down are shifted by
