@@ -46,8 +46,8 @@ if [ "$stage" = mega-bench ]; then  # the megakernel's GPU tests (fast-failing w
   timeout ${BENCH_TIMEOUT:-360} python3 -m tabby bench --out "$OUT/res" --tag ep2 --ep 2 \
     --impls floor,torch-a2a,tabby,tabby-sync-free --iters 10 --warmup 3 "$@" 2>&1 | tee "$OUT/bench.log" | grep -E "^\|" | tail -60
 fi
-if [ "$stage" = mega-tune ]; then  # the megakernel's EP2 GPU tests, then `tabby tune` with the given args
-  mega_tests_ep2
+if [ "$stage" = mega-tune ]; then  # the megakernel's EP2 GPU tests (not with SKIP_MEGA_TESTS=1), then `tabby tune`
+  [ "${SKIP_MEGA_TESTS:-0}" = 1 ] || mega_tests_ep2
   timeout ${TUNE_TIMEOUT:-400} python3 -m tabby tune --out "$OUT/res/tune.json" "$@" 2>&1 | tee "$OUT/tune.log" | grep -v Warning | tail -60
   if [ -n "${TUNE2_ARGS:-}" ]; then  # a second sweep (other shapes or variants)
     timeout ${TUNE2_TIMEOUT:-300} python3 -m tabby tune --out "$OUT/res/tune2.json" $TUNE2_ARGS 2>&1 | tee "$OUT/tune2.log" | grep -E "^\|" | tail -30
