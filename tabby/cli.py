@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="semicolon list, e.g. 'sync-free;mega;mega:C=16,R=4096' (default: a sweep)")
     tu.add_argument("--best-out", default=None,
                     help="write the best mega variant's knobs (for TABBY_MEGA_VARIANT) to this file")
+    tu.add_argument("--trace", type=int, default=0, metavar="N",
+                    help="after timing each mega variant, run it once recording up to N tickets per program "
+                         "and print where the programs spent their time (default 0: off)")
     return p
 
 
@@ -112,7 +115,8 @@ def main(argv=None) -> int:
                 tune.parse_variant(v)
         except ValueError as e:
             parser.error(str(e))
-        tune.run(args.shapes, args.tokens, args.ep, args.variants, args.warmup, args.iters, args.out, args.best_out)
+        tune.run(args.shapes, args.tokens, args.ep, args.variants, args.warmup, args.iters, args.out, args.best_out,
+                 args.trace)
         return 0
     if args.command != "bench":
         parser.print_help()

@@ -51,7 +51,19 @@ def _median_ms(run, warmup, iters):
     return statistics.median(max_over_ranks(time_iterations(run, warmup, iters)))
 
 
-def tune_rank(rank, world, shape_name, T, variants, warmup, iters):
+def _trace_variant(run_cfg, cfg, events):
+    """Run ``cfg`` once more with a trace of ``events`` tickets per program; its summary (this rank)."""
+    import dataclasses
+
+    from .ops import megakernel_fwd
+
+    megakernel_fwd.LAST_TRACE = None
+    run_cfg(dataclasses.replace(cfg, fwd_trace_events=events))
+    torch.cuda.synchronize()
+    return megakernel_fwd.summarize_trace(megakernel_fwd.LAST_TRACE)
+
+
+def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=0):
     """[{variant, ms, check}] for one (shape, T, EP) on this rank (ms already max over ranks)."""
     import torch.distributed as dist
 
@@ -91,12 +103,18 @@ def tune_rank(rank, world, shape_name, T, variants, warmup, iters):
             ms = _median_ms(run, warmup, iters)
             tabby.check_errors()
             rows.append(dict(variant=spec, ms=ms, check=check))
+            if trace_events and kind == "mega":
+                rows[-1]["trace"] = _trace_variant(lambda c: run(c), cfg, trace_events)
         except Exception as e:  # noqa: BLE001 -- one bad variant must not lose the others
             rows.append(dict(variant=spec, ms=None, check=None, error=f"{type(e).__name__}: {e}"[:300]))
         if rank == 0:
             r = rows[-1]
             print(f"  {shape_name} T={T} EP{world} {spec:22s} "
                   + (f"{r['ms']:8.3f} ms  check={r['check']}" if r["ms"] is not None else r["error"]), flush=True)
+            if r.get("trace"):
+                from .ops.megakernel_fwd import format_trace
+
+                print(format_trace(r["trace"]), flush=True)
     return rows
 
 
@@ -125,7 +143,7 @@ def best_mega_variant(results: list) -> str | None:
     return min(good, key=good.get).partition(":")[2]
 
 
-def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None, best_out=None) -> list:
+def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None, best_out=None, trace=0) -> list:
     variants = variants or DEFAULT_VARIANTS
     for v in variants:
         parse_variant(v)  # fail before starting any process
@@ -135,8 +153,8 @@ def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None, best_o
     for shape in shapes:
         for T in tokens:
             for ep in eps:
-                rows = (launch(tune_rank, shape, T, variants, warmup, iters, nprocs=ep) if ep > 1
-                        else tune_rank(0, 1, shape, T, variants, warmup, iters))
+                rows = (launch(tune_rank, shape, T, variants, warmup, iters, trace, nprocs=ep) if ep > 1
+                        else tune_rank(0, 1, shape, T, variants, warmup, iters, trace))
                 results.append(dict(shape=shape, tokens_per_gpu=T, ep=ep, rows=rows))
                 ref = {r["variant"]: r["ms"] for r in rows}
                 print(f"\n| {shape} T={T} EP{ep} | ms | x floor | x sync-free | check |\n|---|---|---|---|---|")

@@ -18,12 +18,12 @@ DESCS = ["xs_desc", "wg_desc", "wu_desc", "h_desc", "wd_desc", "x_desc", "sg_des
 
 
 def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, save: bool = False, half: bool = True,
-             gu_fill: bool = False):
+             gu_fill: bool = False, trace: bool = False):
     from tabby.ops import megakernel_fwd as mk
 
     const = dict(NS=32, FS=4, GM=2, ABLATE=0, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
                  BN_GU=128, BK_GU=64, BN_DN=bn_dn, BK_DN=64, BN_GUS=128, BK_GUS=64, BN_DNS=256, BK_DNS=64,
-                 INTERPRET=False, TMA=tma, SAVE=save, HALF=half, GU_FILL=gu_fill)
+                 INTERPRET=False, TMA=tma, SAVE=save, HALF=half, GU_FILL=gu_fill, TRACE_EV=64 if trace else 0)
     ptrs = {n: "*i32" for n in ["cnt_ptr", "err_ptr", "epoch_ptr", "row_src", "tile_expert", "num_tiles",
                                 "sh_tiles", "sh_n"]}
     ptrs.update({n: "*i64" for n in ["x_ptrs", "y_ptrs"]})
@@ -32,6 +32,10 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
     else:
         const.update(w_ptrs=None, row_w=None, gu_save=None)
     ptrs["wait_budget"] = "i64"  # nanoseconds: 60 s does not fit an i32
+    if trace:  # fwd_trace_events: the ticket trace (clock64 and globaltimer reads)
+        ptrs["trace"] = "*i64"
+    else:
+        const["trace"] = None
     ptrs.update({n: "*bf16" for n in ["xs_ring", "h_ring", "w_gate", "w_up", "w_down", "x", "s_gate", "s_up",
                                       "s_down", "h_sh", "extra"]})
     if tma:  # host tensor descriptors: element type and block shape are part of the signature
@@ -54,18 +58,19 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
     n_async = ttgir.count("async_tma_copy_global_to_local" if tma else "async_copy_global_to_local")
     assert n_async > 0, "no pipelined loads"
     print(f"ok shared={has_shared} comm={comm} bn_dn={bn_dn} tma={tma} save={save} half={half} gu_fill={gu_fill} "
+          f"trace={trace} "
           f"smem={k.metadata.shared} async={n_async}")
 
 
-@pytest.mark.parametrize("has_shared,comm,bn_dn,tma,save,half,gu_fill", [
-    (False, 0, 256, False, False, True, False), (True, 0, 256, False, True, True, False),
-    (True, 16, 256, False, False, False, False), (False, 0, 128, False, False, True, False),
-    (True, 0, 256, True, True, True, True), (False, 0, 256, True, False, False, True),
-    (False, 0, 256, False, True, True, True)])
-def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn, tma, save, half, gu_fill):
-    args = (has_shared, comm, bn_dn, tma, save, half, gu_fill)
+@pytest.mark.parametrize("has_shared,comm,bn_dn,tma,save,half,gu_fill,trace", [
+    (False, 0, 256, False, False, True, False, False), (True, 0, 256, False, True, True, False, True),
+    (True, 16, 256, False, False, False, False, True), (False, 0, 128, False, False, True, False, False),
+    (True, 0, 256, True, True, True, True, False), (False, 0, 256, True, False, False, True, False),
+    (False, 0, 256, False, True, True, True, False)])
+def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn, tma, save, half, gu_fill, trace):
+    args = (has_shared, comm, bn_dn, tma, save, half, gu_fill, trace)
     assert "ok" in run_compiled_check(__file__, *(str(int(v)) for v in args))
 
 
 if __name__ == "__main__":
-    _compile(*(bool(int(a)) if i != 1 and i != 2 else int(a) for i, a in enumerate(sys.argv[1:8])))
+    _compile(*(bool(int(a)) if i != 1 and i != 2 else int(a) for i, a in enumerate(sys.argv[1:9])))

@@ -76,6 +76,9 @@ class MoEConfig:
                      fit in 128 threads (``fwd_gate_up_bn`` 64 and ``fwd_down_bn`` 128, or tile_m 64)
                      and ``fwd_programs`` twice the SMs, puts two programs on each SM: one's waits,
                      epilogues and copies overlap the other's MMA.
+    fwd_trace_events: measurement only (``tabby tune --trace``): the megakernel records up to this many
+                     tickets per program (kind, when taken, after its waits, at its end) into a
+                     trace that ``ops.megakernel_fwd.LAST_TRACE`` holds after the call. 0: off.
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -108,6 +111,7 @@ class MoEConfig:
     fwd_half_tiles: bool = True
     fwd_fill_in_gemm: bool = False
     fwd_num_warps: int | None = None
+    fwd_trace_events: int = 0
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""

@@ -231,6 +231,10 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     programs = cfg.fwd_programs or megakernel_fwd.default_programs(x.device)
     gu_cfg, dn_cfg = _mega_cfgs(cfg, H, I)
     tma = cfg.use_tma(T, topk_idx.shape[1], H, I)
+    trace = None
+    if cfg.fwd_trace_events > 0:
+        trace = torch.zeros(programs, megakernel_fwd.TRACE_HEAD.value + 4 * cfg.fwd_trace_events, dtype=torch.int64,
+                            device=x.device)
     kept = None
     if save:
         kept = (x.new_empty((sched.R_max, H)), x.new_empty((sched.R_max, 2 * I)),
@@ -244,7 +248,9 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
         pull_cols=cfg.fwd_pull_cols or cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
         group_m=cfg.fwd_group_m, tma=tma, save=kept, w_ptrs=ws.ptrs["w_pub"],
-        half_tiles=cfg.fwd_half_tiles, fill_in_gemm=cfg.fwd_fill_in_gemm)
+        half_tiles=cfg.fwd_half_tiles, fill_in_gemm=cfg.fwd_fill_in_gemm, trace=trace)
+    if trace is not None:
+        megakernel_fwd.LAST_TRACE = trace
     _stage("fwd:megakernel")
     y = _finish_forward(ws, cfg, x, topk_weights, mb.extra[:T] if I_s else None)
     if save:

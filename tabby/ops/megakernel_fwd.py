@@ -86,6 +86,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRET, comm, gemm, sync
+from .sync import globaltimer
 
 _ERR_WAIT_TILE = tl.constexpr(sync.ERR_WAIT_TILE)
 _ERR_WAIT_RING_SLOT = tl.constexpr(sync.ERR_WAIT_RING_SLOT)
@@ -98,6 +99,38 @@ def counter_layout(n_slots: int, n_sh: int) -> dict:
     NS, r = n_slots, C_READY.value
     return dict(ticket=C_TICKET.value, fill_ticket=C_FILL_TICKET.value, ready=r, gu_done=r + NS,
                 dn_done=r + 2 * NS, sh_gu=r + 3 * NS, total=r + 3 * NS + max(n_sh, 1))
+
+
+# Trace (measurement only, ``MoEConfig.fwd_trace_events``): int64 [programs, TRACE_HEAD + 4 * events].
+# Header per program: [tickets taken, globaltimer ns at start, at end, clock64 at start, at end];
+# then per ticket [kind code, clock at take, clock after its waits, clock at its end].
+TRACE_HEAD = tl.constexpr(8)
+TR_FILL, TR_GU, TR_DN, TR_SH_GU, TR_SH_DN, TR_EMPTY = (tl.constexpr(v) for v in range(6))
+TRACE_KINDS = ("fill", "gate/up", "down", "shared gate/up", "shared down", "empty")
+LAST_TRACE = None  # the trace of the last traced launch (set by functional.moe; measurement only)
+
+
+@triton.jit
+def _clock(INTERPRET: tl.constexpr):
+    """The SM's cycle counter (0 under the interpreter, which has no clock)."""
+    if INTERPRET:
+        return tl.zeros((), tl.int64)
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _gtime(INTERPRET: tl.constexpr):
+    """%globaltimer in ns (0 under the interpreter)."""
+    if INTERPRET:
+        return tl.zeros((), tl.int64)
+    return globaltimer()
+
+
+@triton.jit
+def _trace_ready(rec, TRACE_EV: tl.constexpr, INTERPRET: tl.constexpr):
+    """Stamp the end of a ticket's waits (``rec``: its trace record, when tracing)."""
+    if TRACE_EV > 0:
+        tl.store(rec + 2, _clock(INTERPRET))
 
 
 @triton.jit
@@ -161,12 +194,13 @@ def _wait(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch, TMA: tl
 def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
           NS: tl.constexpr, G, H: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, FS: tl.constexpr,
           ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False, SAVE: tl.constexpr = False, w_ptrs=None,
-          row_w=None):
+          row_w=None, rec=None, TRACE_EV: tl.constexpr = 0, INTERPRET: tl.constexpr = False):
     """Pull part ``part`` (BM // FS rows) of row tile i into its ring slot (SAVE: into row i*BM of
     the full xs buffer, with the rows' router weights into row_w)."""
     s = i % NS
     g = i // NS
     _wait(cnt_ptr, C_READY + NS + s, G * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
+    _trace_ready(rec, TRACE_EV, INTERPRET)
     if (ABLATE & 1) == 0:
         # rows i*BM + part*BM/FS .. : "tile" i*FS + part of height BM // FS. A part of padding rows
         # only (real rows are a prefix of the tile) is not written at all: whatever its rows hold
@@ -194,7 +228,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None,
                   SAVE: tl.constexpr = False, gu_save=None, HALF: tl.constexpr = False, xs_half_desc=None,
                   h_half_desc=None, GU_FILL: tl.constexpr = False, nt=0, pre_tiles=0, x_ptrs=None, k=1,
-                  w_ptrs=None, row_w=None):
+                  w_ptrs=None, row_w=None, rec=None, TRACE_EV: tl.constexpr = 0):
     """A gate/up (kind 1) or down (kind 2) ticket of routed row tile i, column tile n.
 
     GU_FILL: gate/up ticket (i, n < FS) also pulls fill part n of row tile j = i + pre_tiles into its
@@ -234,6 +268,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         CP: tl.constexpr = CR if GU_FILL and (ABLATE & 2) == 0 else 0
         _wait(cnt_ptr, C_READY + s, FS * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
         _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
+        _trace_ready(rec, TRACE_EV, INTERPRET)
         xs = xs_ring + xs_shift.to(tl.int64) * H
         hh = h_ring + shift.to(tl.int64) * I
         if SAVE:  # g | u for the backward, at row i*BM of the full buffer
@@ -267,6 +302,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                 sync.add_release(cnt_ptr + C_READY + sj, 1, "gpu")
     else:  # down column tile n of row tile i, rows pushed to their origins
         _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
+        _trace_ready(rec, TRACE_EV, INTERPRET)
         hh = h_ring + shift.to(tl.int64) * I
         if (ABLATE & 2) == 0:
             full = True
@@ -293,7 +329,7 @@ def _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, s
                  H: tl.constexpr, IS: tl.constexpr, BM: tl.constexpr,
                  BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
                  INTERPRET: tl.constexpr, TMA: tl.constexpr = False, x_desc=None, sg_desc=None, su_desc=None,
-                 hsh_desc=None, sd_desc=None):
+                 hsh_desc=None, sd_desc=None, rec=None, TRACE_EV: tl.constexpr = 0):
     """Shared expert over x row tile j: gate/up (kind 1) into h_sh, down (kind 2) into extra (local)."""
     if kind == 1:
         gemm.gate_up_swiglu_tile(j, n, x, H, s_gate, s_up, 0, H, h_sh, IS, h_sh, 0, sh_tiles, sh_n,
@@ -304,6 +340,7 @@ def _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, s
         sync.add_release(cnt_ptr + SH_IDX + j, 1, "gpu")
     else:
         _wait(cnt_ptr, SH_IDX + j, GS, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
+        _trace_ready(rec, TRACE_EV, INTERPRET)
         gemm.rows_gemm_tile(j, n, hsh_desc, sd_desc, h_sh, h_sh, IS, s_down, s_down, 0, 0, IS,
                             extra, H, sh_tiles, sh_tiles, 1, 0, sh_tiles, sh_n,
                             H, IS, 0, BM, BN_DNS, BK_DNS, True, False, IS % BK_DNS == 0, False, tl.bfloat16,
@@ -322,7 +359,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
                        BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
                        INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False,
-                       SAVE: tl.constexpr = False, HALF: tl.constexpr = False, GU_FILL: tl.constexpr = False):
+                       SAVE: tl.constexpr = False, HALF: tl.constexpr = False, GU_FILL: tl.constexpr = False,
+                       trace=None, TRACE_EV: tl.constexpr = 0):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -347,6 +385,10 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     ticket (i, n < FS) pulls fill part n of row tile i + pre*GM inside its K loop (``_compute_task``),
     where the fill tickets of that tile used to be in the order (the stage of group q carried the
     fills of group q + pre), so the order's producer-before-consumer argument is unchanged.
+
+    TRACE_EV > 0 (measurement only): each program records its first TRACE_EV tickets into
+    ``trace`` (layout at ``TRACE_HEAD``): kind, and the cycle counter when taken, after its waits
+    and at its end.
     """
     pid = tl.program_id(0)
     epoch = tl.load(epoch_ptr)
@@ -366,36 +408,66 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
         pre = 0
     ng = (nt + GM - 1) // GM  # groups of GM row tiles
     total = sh_total + pre * GM * FP + ng * GM * (F + G + D)
+    ev = 0  # tickets taken (TRACE_EV)
+    rec = trace
+    if TRACE_EV > 0:
+        head = trace + pid.to(tl.int64) * (TRACE_HEAD + 4 * TRACE_EV)
+        tl.store(head + 1, _gtime(INTERPRET))
+        tl.store(head + 3, _clock(INTERPRET))
     if pid < COMM:  # communication program: fills only, in tile order
         f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
         while f < nt * FS:
+            if TRACE_EV > 0:
+                rec = head + TRACE_HEAD + 4 * tl.minimum(ev, TRACE_EV - 1)
+                tl.store(rec, TR_FILL)
+                tl.store(rec + 1, _clock(INTERPRET))
             _fill(f // FS, f % FS, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
-                  NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w)
+                  NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET)
+            if TRACE_EV > 0:
+                tl.store(rec + 3, _clock(INTERPRET))
+                ev += 1
             f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
     else:
         t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
         while t < total:
+            if TRACE_EV > 0:  # kind TR_EMPTY unless a task overwrites it; "ready" = taken unless it waits
+                rec = head + TRACE_HEAD + 4 * tl.minimum(ev, TRACE_EV - 1)
+                c0 = _clock(INTERPRET)
+                tl.store(rec, TR_EMPTY)
+                tl.store(rec + 1, c0)
+                tl.store(rec + 2, c0)
             if t < sh_total:
                 if HAS_SHARED:
                     kind, j, n = _decode(t, n_sh, 0, GS, DS, 1)
+                    if TRACE_EV > 0:
+                        tl.store(rec, TR_SH_GU + kind - 1)
                     _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n,
                                  wait_budget, err_ptr, rank, epoch, SH_IDX, GS, H, IS, BM,
                                  BN_GUS, BK_GUS, BN_DNS, BK_DNS, INTERPRET, TMA, x_desc, sg_desc, su_desc,
-                                 hsh_desc, sd_desc)
+                                 hsh_desc, sd_desc, rec, TRACE_EV)
             else:
                 kind, i, n = _routed_task(t - sh_total, nt, pre, lag, F, FP, G, D, GM)
                 if i < nt:  # else past the last row tile: a partial last group, or fills beyond the end
+                    if TRACE_EV > 0:
+                        tl.store(rec, kind)  # TR_FILL, TR_GU, TR_DN
                     if kind == 0:
                         _fill(i, n, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
-                              NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w)
+                              NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET)
                     else:
                         _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
                                       wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
                                       err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
                                       INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
                                       SAVE, gu_save, HALF, xs_half_desc, h_half_desc, GU_FILL, nt, pre * GM,
-                                      x_ptrs, k, w_ptrs, row_w)
+                                      x_ptrs, k, w_ptrs, row_w, rec, TRACE_EV)
+            if TRACE_EV > 0:
+                tl.store(rec + 3, _clock(INTERPRET))
+                ev += 1
             t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
+    if TRACE_EV > 0:
+        tl.store(head, ev)
+        tl.store(head + 2, _gtime(INTERPRET))
+        tl.store(head + 4, _clock(INTERPRET))
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,7 +555,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           programs: int, comm_programs: int = 0, prefetch: int | None = None, pull_cols: int = 512,
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
-                          w_ptrs=None, half_tiles: bool = False, fill_in_gemm: bool = False):
+                          w_ptrs=None, half_tiles: bool = False, fill_in_gemm: bool = False, trace=None):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -505,6 +577,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     ``fill_in_gemm``: after the prologue, the gate/up tiles pull the fill parts inside their K loops
     (kernel GU_FILL) instead of fill tickets; applies in merged mode with prefetch >= 1 and at least
     as many gate/up column tiles as fill parts per row tile (otherwise fill tickets, as before).
+    ``trace``: None, or an int64 [programs, TRACE_HEAD + 4 * events] tensor the kernel records its
+    tickets into (measurement only; ``summarize_trace``).
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -531,6 +605,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         raise ValueError(f"under the interpreter, fwd_comm_programs > 0 needs a ring that holds every tile "
                          f"({int(sched.num_tiles)} tiles, {mb.n_slots} slots): programs run one after another, "
                          f"so the comm program would wait forever for a slot")
+    if trace is not None:
+        assert trace.dtype == torch.int64 and trace.shape[0] == programs and trace.shape[1] > TRACE_HEAD
     if zero_counters:
         mb.counters.zero_()
     T, k = sched.T, sched.k
@@ -581,4 +657,63 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         BN_GU=gu_cfg.BN, BK_GU=gu_cfg.BK, BN_DN=dn_cfg.BN, BK_DN=dn_cfg.BK,
         BN_GUS=gus_cfg.BN, BK_GUS=gus_cfg.BK, BN_DNS=dns_cfg.BN, BK_DNS=dns_cfg.BK,
         INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, HALF=half, GU_FILL=gu_fill,
+        trace=trace, TRACE_EV=0 if trace is None else (trace.shape[1] - TRACE_HEAD) // 4,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
+
+
+def summarize_trace(trace: torch.Tensor) -> dict:
+    """Where the megakernel's programs spent their time, from a ``trace`` of one launch.
+
+    Returns {"span_us", "clock_ghz", "programs", "tickets", "overflow", "kinds": {name: {"n", "wait_us",
+    "work_us", "share"}}, "between_us"}: per ticket kind the mean time from taking a ticket to the end
+    of its waits and from there to its end, and the share of all programs' time spent in its work;
+    ``between_us`` is the mean gap from one ticket's end to the next one's take (the ticket atomic
+    and the loop). Cycle counts are converted with each program's own clock rate (its cycles over
+    its globaltimer span).
+    """
+    t = trace.detach().cpu().double()
+    P = t.shape[0]
+    E = (t.shape[1] - TRACE_HEAD.value) // 4
+    n = t[:, 0].long().clamp(max=E)
+    span_ns = (t[:, 2] - t[:, 1]).clamp(min=1)
+    ghz = (t[:, 4] - t[:, 3]) / span_ns  # cycles per ns
+    ev = t[:, TRACE_HEAD.value:].reshape(P, E, 4)
+    kinds = {}
+    wait_all, work_all = {}, {}
+    gaps = []
+    for p in range(P):
+        m = int(n[p])
+        if m == 0:
+            continue
+        e = ev[p, :m]
+        rate = float(ghz[p]) if ghz[p] > 0 else 1.0
+        for code, c_take, c_ready, c_end in e.tolist():
+            name = TRACE_KINDS[int(code)] if 0 <= int(code) < len(TRACE_KINDS) else f"code {int(code)}"
+            wait_all.setdefault(name, []).append((c_ready - c_take) / rate / 1e3)
+            work_all.setdefault(name, []).append((c_end - c_ready) / rate / 1e3)
+        gaps += ((e[1:, 1] - e[:-1, 3]) / rate / 1e3).tolist()
+    total_us = float(span_ns.sum()) / 1e3  # program-microseconds
+    for name in wait_all:
+        w, k = wait_all[name], work_all[name]
+        kinds[name] = dict(n=len(w), wait_us=sum(w) / len(w), work_us=sum(k) / len(k),
+                           share=(sum(w) + sum(k)) / total_us if total_us else 0.0,
+                           work_share=sum(k) / total_us if total_us else 0.0)
+    start, end = t[:, 1][n > 0], t[:, 2][n > 0]
+    return dict(span_us=float(end.max() - start.min()) / 1e3 if len(start) else 0.0,
+                clock_ghz=float(ghz[n > 0].mean()) if (n > 0).any() else 0.0, programs=P,
+                tickets=int(t[:, 0].sum()), overflow=int((t[:, 0] > E).sum()), kinds=kinds,
+                between_us=sum(gaps) / len(gaps) if gaps else 0.0)
+
+
+def format_trace(summary: dict) -> str:
+    """A small table of ``summarize_trace``'s result."""
+    s = summary
+    lines = [f"megakernel trace: {s['programs']} programs, {s['tickets']} tickets, span {s['span_us']:.1f} us, "
+             f"clock {s['clock_ghz']:.2f} GHz, {s['between_us']:.2f} us between tickets"
+             + (f", {s['overflow']} programs overflowed the trace" if s["overflow"] else ""),
+             "| ticket | n | wait us | work us | share of program time (wait+work) | work share |",
+             "|---|---|---|---|---|---|"]
+    for name, k in sorted(s["kinds"].items(), key=lambda kv: -kv[1]["share"]):
+        lines.append(f"| {name} | {k['n']} | {k['wait_us']:.2f} | {k['work_us']:.2f} | {k['share']:.3f} | "
+                     f"{k['work_share']:.3f} |")
+    return "\n".join(lines)
