@@ -10,6 +10,15 @@ from dataclasses import dataclass
 # megakernel with TMA 1.93 ms, faster than the sync-free path's 2.12); docs/perf-notes.md.
 TMA_MIN_FLOP = 5e11
 
+# With TMA loads and expert width I at most this, the megakernel runs two 4-warp programs per SM by
+# default (``MoEConfig.mega_warps``). The down tile's K is I: at I = 768 a 128x256 tile has 12 K steps,
+# so its pipeline fill and push epilogue weigh as much as its MMA (ticket trace: 12.1 us per tile
+# against 6.9 us of MMA at peak), and a second program per SM covers them. Measured (EP2, forward,
+# no autograd, docs/perf-notes.md session 5): qwen3-30b-a3b (I 768) 16384 tokens 2.65-2.68 ms with
+# 4 warps against 2.85; qwen3.5-397b (I 1024) 4096 3.23-3.25 against 3.14-3.17, kimi-k2 (I 2048)
+# 7.50 against 7.31, gpt-oss-120b (I 2880) 1.89 against 1.78: slower from I = 1024 on.
+FOUR_WARPS_MAX_I = 768
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -56,9 +65,9 @@ class MoEConfig:
                      routed forward is at least TMA_MIN_FLOP (``use_tma``): the ten descriptors cost
                      host time per call (measured: qwen3-30b-a3b, EP2, 4096 tokens, 1.25 ms with TMA
                      against 1.05 without; kimi-k2 7.98 against 8.24).
-    fwd_num_stages:  software-pipeline depth of the megakernel's GEMM K loops (None: the gate/up
-                     config's, 3). 4 (192 KB of shared memory with the default tiles) measured 3-8%
-                     faster than 3 on kimi-k2 and qwen3.5-397b (docs/perf-notes.md).
+    fwd_num_stages:  software-pipeline depth of the megakernel's GEMM K loops (None: 4 with 8 warps,
+                     192 KB of shared memory with the default tiles, measured 3-8% faster than 3 on
+                     kimi-k2 and qwen3.5-397b; 3 with 4 warps, so that two programs fit an SM).
     fwd_pull_cols:   columns one fill of the megakernel copies per step (None: pull_cols). Wider steps
                      keep more bytes in flight per program, but measured no faster (1024) or slower
                      (2048) at qwen3-30b-a3b and qwen3.5-397b (docs/perf-notes.md, session 4).
@@ -72,10 +81,11 @@ class MoEConfig:
                      groups are still fill tickets). Off by default: with one 8-warp program per SM it
                      measured much slower (qwen3-30b-a3b 16384, EP2: 4.15 ms against 2.84), the loads
                      of a peer's rows stall the warps that issue the MMAs (docs/perf-notes.md).
-    fwd_num_warps:   warps per program of the megakernel (None: 8). 4, with tiles whose accumulators
-                     fit in 128 threads (``fwd_gate_up_bn`` 64 and ``fwd_down_bn`` 128, or tile_m 64)
-                     and ``fwd_programs`` twice the SMs, puts two programs on each SM: one's waits,
-                     epilogues and copies overlap the other's MMA.
+    fwd_num_warps:   warps per program of the megakernel (None: ``mega_warps``, 4 with TMA loads and
+                     I <= FOUR_WARPS_MAX_I, else 8). With 4 the defaults of the tile widths (gate/up 64,
+                     down 128: accumulators that fit 128 threads), stages (3) and programs (twice the
+                     SMs) put two programs on each SM: one's waits, epilogues and fills overlap the
+                     other's MMA.
     fwd_trace_events: measurement only (``tabby tune --trace``): the megakernel records up to this many
                      tickets per program (kind, when taken, after its waits, at its end) into a
                      trace that ``ops.megakernel_fwd.LAST_TRACE`` holds after the call. 0: off.
@@ -106,7 +116,7 @@ class MoEConfig:
     fwd_ablate: int = 0
     fwd_tma: bool | None = None
     fwd_save_for_backward: bool = True
-    fwd_num_stages: int = 4
+    fwd_num_stages: int | None = None
     fwd_pull_cols: int | None = None
     fwd_half_tiles: bool = True
     fwd_fill_in_gemm: bool = False
@@ -118,6 +128,12 @@ class MoEConfig:
         if self.fwd_tma is not None:
             return bool(self.fwd_tma)
         return 6 * T * k * H * I >= TMA_MIN_FLOP
+
+    def mega_warps(self, T: int, k: int, H: int, I: int) -> int:
+        """Warps per megakernel program (``fwd_num_warps``, or by FOUR_WARPS_MAX_I) for these sizes."""
+        if self.fwd_num_warps is not None:
+            return self.fwd_num_warps
+        return 4 if self.use_tma(T, k, H, I) and I <= FOUR_WARPS_MAX_I else 8
 
     def wait_budget(self) -> int:
         """The budget argument of the kernels' bounded waits (``ops.sync.wait_geq``)."""
