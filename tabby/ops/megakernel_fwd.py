@@ -55,7 +55,8 @@ tile has finished reading its h slot, so it is a relaxed add after the barrier
 signal after the kernel publishes those). With ``fwd_tma`` the GEMM operands come through TMA
 (the async proxy) while the ring is written with ordinary stores: the writer fences
 (``fence.proxy.async``) before its release and the reader after its acquire. Compiled at the
-kimi-k2 shape, the kernel uses 255 registers with pointer loads and 200 with TMA, no spills.
+kimi-k2 shape, the kernel uses 255 registers with pointer loads and 200 with TMA, no spills; with
+half tiles and saved rows (session 5, ``ptxas -v`` at qwen3-30b-a3b) 255 with either, no spills.
 
 Half tiles (``HALF``, ``MoEConfig.fwd_half_tiles``): a row tile whose real rows (a prefix) fit in
 BM/2 is computed as a BM/2-row tile by both its gate/up and its down tickets (same columns and K
