@@ -81,23 +81,6 @@ def test_megakernel_y_bitwise_equals_sync_free_path(route, down_bn, gu_bn, tma, 
     assert torch.equal(y0, y1)
 
 
-@pytest.mark.parametrize("route,tma,split,save", [("random", False, 4, False), ("one_expert", True, 4, False),
-                                                  ("one_expert", False, 2, True), ("random", True, 4, True)])
-def test_fills_inside_gate_up_loops_bitwise_equal_and_match_the_reference(route, tma, split, save, monkeypatch):
-    # fwd_fill_in_gemm: after the prologue, gate/up tiles (8-column, so 5 per row tile >= the fill
-    # parts) pull the rows of the tile one group ahead inside their K loops. 4 slots in groups of 1,
-    # prefetch 2; one_expert: 96 rows = 6 tiles, the ring wraps. y bitwise equal to the sync-free
-    # path; with save, the kept rows give the reference's gradients (pointer and TMA loads).
-    _small_tiles(monkeypatch, BN=8, BK=16)
-    W, T, H, I, E_local, k = 2, 24, 48, 40, 2, 2
-    prob = make_problem(W, T, H, I, E_local, k, seed=21, route=route)
-    cfg = dataclasses.replace(MEGA, fwd_fill_in_gemm=True, fwd_tma=tma, fwd_fill_split=split, ring_rows=4 * CFG.tile_m,
-                              fwd_group_m=1, fwd_prefetch=2, fwd_save_for_backward=save)
-    assert torch.equal(_run_y(W, T, prob, CFG), _run_y(W, T, prob, cfg))
-    if save:
-        _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
-
-
 def test_megakernel_tma_falls_back_to_pointer_loads_on_unaligned_rows(monkeypatch):
     # H = 36: a 72-byte row stride is no multiple of 16, which TMA needs; the launcher then uses
     # pointer loads (same result as without TMA, bitwise)
@@ -282,15 +265,12 @@ def test_decode_mirror_matches_the_kernel():
                                       + [(2, i, c) for i in range(n) for c in range(D)])
 
 
-def _routed_task_py(tr, nt, pre, L, F, G, D, GM, FP=None):
-    """Python mirror of megakernel_fwd._routed_task: (kind, row tile, column or part).
-
-    FP: fill tickets per row tile of the prologue (default F; F = 0 < FP: the gate/up tiles fill)."""
-    FP = F if FP is None else FP
-    if tr < pre * GM * FP:
-        return 0, tr // FP, tr % FP
+def _routed_task_py(tr, nt, pre, L, F, G, D, GM):
+    """Python mirror of megakernel_fwd._routed_task: (kind, row tile, column or part)."""
+    if tr < pre * GM * F:
+        return 0, tr // F, tr % F
     ng = -(-nt // GM)
-    kind, q, c = _decode_py(tr - pre * GM * FP, ng, GM * F, GM * G, GM * D, L)
+    kind, q, c = _decode_py(tr - pre * GM * F, ng, GM * F, GM * G, GM * D, L)
     if kind == 0:
         return 0, (q + pre) * GM + c // F, c % F
     return kind, q * GM + c % GM, c // GM
@@ -302,44 +282,37 @@ def test_routed_task_mirror_matches_the_kernel_and_covers_every_task(GM):
     import triton.language as tl
 
     @triton.jit
-    def k(out, nt, pre, L, F: tl.constexpr, FP: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-          GM: tl.constexpr, BLOCK: tl.constexpr):
+    def k(out, nt, pre, L, F: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GM: tl.constexpr,
+          BLOCK: tl.constexpr):
         t = tl.arange(0, BLOCK)
-        kind, i, n = megakernel_fwd._routed_task(t, nt, pre, L, F, FP, G, D, GM)
+        kind, i, n = megakernel_fwd._routed_task(t, nt, pre, L, F, G, D, GM)
         tl.store(out + t * 3, kind)
         tl.store(out + t * 3 + 1, i)
         tl.store(out + t * 3 + 2, n)
 
-    # (F, FP) = (0, 2) and (0, 3): the gate/up tiles fill, only the prologue has fill tickets
-    for nt, pre, L, F, FP, G, D in [(5, 1, 1, 1, 1, 2, 3), (7, 2, 2, 2, 2, 1, 2), (4, 0, 3, 0, 0, 2, 2),
-                                    (1, 1, 1, 4, 4, 1, 1), (7, 1, 2, 0, 2, 3, 2), (9, 2, 1, 0, 3, 3, 1)]:
+    for nt, pre, L, F, G, D in [(5, 1, 1, 1, 2, 3), (7, 2, 2, 2, 1, 2), (4, 0, 3, 0, 2, 2), (1, 1, 1, 4, 1, 1)]:
         ng = -(-nt // GM)
-        total = pre * GM * FP + ng * GM * (F + G + D)
+        total = pre * GM * F + ng * GM * (F + G + D)
         out = torch.zeros(256, 3, dtype=torch.int32)
-        k[(1,)](out, nt, pre, L, F, FP, G, D, GM, BLOCK=256)
-        want = [_routed_task_py(t, nt, pre, L, F, G, D, GM, FP) for t in range(total)]
+        k[(1,)](out, nt, pre, L, F, G, D, GM, BLOCK=256)
+        want = [_routed_task_py(t, nt, pre, L, F, G, D, GM) for t in range(total)]
         assert [tuple(r) for r in out[:total].tolist()] == want
         real = sorted(w for w in want if w[1] < nt)  # every task of every row tile exactly once
-        fills = [(0, i, p) for i in range(nt) for p in range(F)] if F else \
-            [(0, i, p) for i in range(min(nt, pre * GM)) for p in range(FP)]  # the rest: in gate/up tiles
-        assert real == sorted(fills + [(1, i, c) for i in range(nt) for c in range(G)]
+        assert real == sorted([(0, i, p) for i in range(nt) for p in range(F)]
+                              + [(1, i, c) for i in range(nt) for c in range(G)]
                               + [(2, i, c) for i in range(nt) for c in range(D)])
 
 
-def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1, GM=1, gu_fill=False):
+def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1, GM=1):
     """Run the megakernel's routed protocol with a random interleaving of `programs` programs.
 
     A task is: wait (its counter conditions), then work (an interval other programs may overlap),
     then signal. Checks that no task starts its work while the data it reads is not yet written or
     is being overwritten, and that the run never deadlocks. Returns the number of steps.
-    gu_fill (GU_FILL): gate/up (i, n < FS) also does fill part n of row tile i + pre*GM (its waits,
-    its work and its signal, with the gate/up's).
     """
-    FP = 0 if comm else FS
-    pre = pre if FP else 0
-    gu_fill = gu_fill and FP > 0 and pre >= 1 and FS <= G
-    F = 0 if gu_fill else FP
-    total = pre * GM * FP + -(-nt // GM) * GM * (F + G + D)
+    F = 0 if comm else FS
+    pre = pre if F else 0
+    total = pre * GM * F + -(-nt // GM) * GM * (F + G + D)
     cnt = dict(ticket=0, fill_ticket=0, ready=[0] * NS, gu=[0] * NS, dn=[0] * NS)
     done = set()  # finished tasks
     working = set()  # tasks between their wait and their signal
@@ -354,21 +327,12 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1, GM=1, gu_fill=F
         cnt["ticket"] += 1
         if t >= total:
             return None
-        kind, i, c = _routed_task_py(t, nt, pre, L, F, G, D, GM, FP)
+        kind, i, c = _routed_task_py(t, nt, pre, L, F, G, D, GM)
         if i >= nt:
             return ("nop", 0, 0)
-        if kind == 1 and gu_fill and c < FS and i + pre * GM < nt:
-            return ("gu+fill", i, c)
         return (("fill", "gu", "dn")[kind], i, c)
 
-    def parts(task):  # a gate/up that fills is both tasks
-        kind, i, c = task
-        return [("gu", i, c), ("fill", i + pre * GM, c)] if kind == "gu+fill" else [task]
-
     def ready(task):
-        return all(_ready(t) for t in parts(task))
-
-    def _ready(task):
         kind, i, _ = task
         s, g = i % NS, i // NS
         if kind == "fill":
@@ -380,10 +344,6 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1, GM=1, gu_fill=F
         return True
 
     def check_start(task):
-        for t in parts(task):
-            _check_start(t)
-
-    def _check_start(task):
         kind, i, _ = task
         busy = done | working
         if kind == "fill":  # xs slot: every reader of the previous generation finished
@@ -397,9 +357,10 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1, GM=1, gu_fill=F
             assert not any(("gu", i + NS, c) in busy for c in range(G)), task
 
     def signal(task):
-        for kind, i, _ in parts(task):
-            if kind in ("fill", "gu", "dn"):
-                cnt[{"fill": "ready", "gu": "gu", "dn": "dn"}[kind]][i % NS] += 1
+        kind, i, _ = task
+        s = i % NS
+        if kind in ("fill", "gu", "dn"):
+            cnt[{"fill": "ready", "gu": "gu", "dn": "dn"}[kind]][s] += 1
 
     steps = 0
     while any(st != "exit" for st in state):
@@ -413,11 +374,11 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1, GM=1, gu_fill=F
             state[p] = "exit" if task is None else ("wait", task)
         elif st[0] == "wait":
             check_start(st[1])
-            working.update(parts(st[1]))
+            working.add(st[1])
             state[p] = ("work", st[1])
         else:
-            working.difference_update(parts(st[1]))
-            done.update(parts(st[1]))
+            working.discard(st[1])
+            done.add(st[1])
             signal(st[1])
             state[p] = None
         steps += 1
@@ -429,16 +390,15 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1, GM=1, gu_fill=F
     (2, 0, 0, 1, 1, 1), (2, 1, 0, 1, 1, 1), (3, 2, 0, 1, 1, 1), (4, 1, 0, 1, 1, 1), (2, 0, 1, 1, 1, 1),
     (3, 0, 2, 1, 1, 1), (4, 2, 0, 3, 2, 1), (5, 4, 0, 4, 4, 1), (3, 1, 0, 2, 2, 1), (4, 0, 2, 3, 4, 1),
     (4, 1, 0, 1, 2, 2), (6, 1, 0, 2, 1, 2), (6, 0, 0, 1, 2, 3), (8, 1, 0, 1, 2, 4), (6, 0, 2, 2, 1, 2)])
-@pytest.mark.parametrize("gu_fill", [False, True])
-def test_protocol_model_random_interleavings(NS, pre, comm, L, FS, GM, gu_fill):
+def test_protocol_model_random_interleavings(NS, pre, comm, L, FS, GM):
     import random
 
-    rng = random.Random(NS * 100 + pre * 10 + comm + 1000 * L + 10000 * FS + 100000 * GM + gu_fill)
+    rng = random.Random(NS * 100 + pre * 10 + comm + 1000 * L + 10000 * FS + 100000 * GM)
     for trial in range(60):
         nt = rng.randint(0, 12)
-        G, D = rng.randint(1, 4), rng.randint(1, 3)
+        G, D = rng.randint(1, 3), rng.randint(1, 3)
         programs = comm + rng.randint(1, 6)
-        _simulate(nt, NS, G, D, pre, programs, comm, rng, L=L, FS=FS, GM=GM, gu_fill=gu_fill)
+        _simulate(nt, NS, G, D, pre, programs, comm, rng, L=L, FS=FS, GM=GM)
 
 
 def test_protocol_model_catches_a_lag_as_long_as_the_ring():

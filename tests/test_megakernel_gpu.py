@@ -37,16 +37,13 @@ def _configs():
         # the defaults: groups of 4 row tiles, saved rows (pointer loads at these sizes: fwd_tma=None)
         "merged": MoEConfig(megakernel=True),
         "merged-tma": MoEConfig(megakernel=True, fwd_tma=True, fwd_pull_cols=2048),  # 4 warps at I <= 768
-        # the gate/up tiles do the fills (the prologue's fill tickets 2048 columns wide), TMA and pointer loads
-        "tma-fill-in-gemm": MoEConfig(megakernel=True, fwd_tma=True, fwd_fill_in_gemm=True, fwd_pull_cols=2048),
-        "ptr-fill-in-gemm": MoEConfig(megakernel=True, fwd_tma=False, fwd_fill_in_gemm=True),
         # with TMA and I <= 768 the defaults run two 4-warp programs per SM; one 8-warp program per SM
         "tma-8warps": MoEConfig(megakernel=True, fwd_tma=True, fwd_num_warps=8),
         "split16": MoEConfig(megakernel=True, fwd_comm_programs=16, fwd_tma=True),
         # one communication program, and half the grid
         "split1": MoEConfig(megakernel=True, fwd_comm_programs=1),
         "split-half": MoEConfig(megakernel=True, fwd_comm_programs=_sm_count() // 2),
-        "small-ring": MoEConfig(megakernel=True, ring_rows=256, fwd_prefetch=1, fwd_tma=True, fwd_fill_in_gemm=True),
+        "small-ring": MoEConfig(megakernel=True, ring_rows=256, fwd_prefetch=1, fwd_tma=True),
         # pointer loads, and a backward that replays dispatch and gate/up
         "recompute": MoEConfig(megakernel=True, fwd_tma=False, fwd_save_for_backward=False),
     }

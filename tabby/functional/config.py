@@ -75,12 +75,6 @@ class MoEConfig:
                      last tile, often) as a half-height tile: half the MMA work on padding rows,
                      where experts get few rows (qwen3.5-397b at 4096 tokens: ~160 rows per expert,
                      128 + 64 rows of MMA instead of 2 x 128).
-    fwd_fill_in_gemm: the megakernel's gate/up tiles pull the rows of a later row tile inside their K
-                     loops (the load/store units copy while the tensor cores multiply) instead of
-                     fill tickets that take a program's whole SM (merged mode; the first ``fwd_prefetch``
-                     groups are still fill tickets). Off by default: with one 8-warp program per SM it
-                     measured much slower (qwen3-30b-a3b 16384, EP2: 4.15 ms against 2.84), the loads
-                     of a peer's rows stall the warps that issue the MMAs (docs/perf-notes.md).
     fwd_num_warps:   warps per program of the megakernel (None: ``mega_warps``, 4 with TMA loads and
                      I <= FOUR_WARPS_MAX_I, else 8). With 4 the defaults of the tile widths (gate/up 64,
                      down 128: accumulators that fit 128 threads), stages (3) and programs (twice the
@@ -119,7 +113,6 @@ class MoEConfig:
     fwd_num_stages: int | None = None
     fwd_pull_cols: int | None = None
     fwd_half_tiles: bool = True
-    fwd_fill_in_gemm: bool = False
     fwd_num_warps: int | None = None
     fwd_trace_events: int = 0
 

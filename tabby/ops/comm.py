@@ -50,39 +50,6 @@ def count_ready_kernel(my_flags, epoch_ptr, slot, W, out):
 
 
 @triton.jit
-def row_sources(rs, src_ptrs, TK, k, H, DT: tl.constexpr, ROWS_16B: tl.constexpr):
-    """Where the routed rows with flat source ids ``rs`` [BR] (-1: padding) are read from.
-
-    Returns (src_row [BR] ``DT`` pointers to each row's first element in its rank's [T, H] buffer,
-    valid [BR], src [BR] source rank, tk [BR] = t*k + kk). ``src_ptrs[src]`` is the address of rank
-    src's buffer; ROWS_16B: every row starts 16-byte aligned (H * itemsize % 16 == 0).
-    """
-    valid = rs >= 0
-    src = tl.where(valid, rs // TK, 0)
-    tk = tl.where(valid, rs % TK, 0)
-    tok = tk // k
-    # Address each source row as an element offset from a pointer argument (the table itself,
-    # cast): a pointer made by an int-to-pointer cast loses its alignment in the compiler's
-    # analysis and the loads fall back to one element at a time (seen in the sm_90 PTX); this
-    # way, with ROWS_16B, rows are read with 16-byte vectors.
-    ESIZE: tl.constexpr = DT.primitive_bitwidth // 8
-    base = tl.load(src_ptrs + src)
-    ref = src_ptrs.to(tl.pointer_type(DT), bitcast=True)
-    row_off = (base - src_ptrs.to(tl.int64, bitcast=True)) // ESIZE + tok.to(tl.int64) * H
-    if ROWS_16B:
-        row_off = tl.multiple_of(row_off, 16 // ESIZE)
-    return ref + row_off, valid, src, tk
-
-
-@triton.jit
-def pull_weights(rows, valid, src, tk, w_ptrs, ws_out):
-    """``ws_out[rows] = weights_of(src)[tk]`` (fp32, 0 for padding): the routed rows' router weights."""
-    wbase = tl.load(w_ptrs + src).to(tl.pointer_type(tl.float32))
-    wv = tl.load(wbase + tk, mask=valid, other=0.0)
-    tl.store(ws_out + rows, wv)
-
-
-@triton.jit
 def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
                    BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr):
     """Copy rows ``tile*BR ..`` of the routed buffer from their source ranks.
@@ -94,7 +61,22 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     """
     rows = tile * BR + tl.arange(0, BR)
     rs = tl.load(row_src + rows)
-    src_row, valid, src, tk = row_sources(rs, src_ptrs, TK, k, H, dst.dtype.element_ty, ROWS_16B)
+    valid = rs >= 0
+    src = tl.where(valid, rs // TK, 0)
+    tk = tl.where(valid, rs % TK, 0)
+    tok = tk // k
+    # Address each source row as an element offset from a pointer argument (the table itself,
+    # cast): a pointer made by an int-to-pointer cast loses its alignment in the compiler's
+    # analysis and the loads fall back to one element at a time (seen in the sm_90 PTX); this
+    # way, with ROWS_16B, rows are read with 16-byte vectors.
+    DT: tl.constexpr = dst.dtype.element_ty
+    ESIZE: tl.constexpr = DT.primitive_bitwidth // 8
+    base = tl.load(src_ptrs + src)
+    ref = src_ptrs.to(tl.pointer_type(DT), bitcast=True)
+    row_off = (base - src_ptrs.to(tl.int64, bitcast=True)) // ESIZE + tok.to(tl.int64) * H
+    if ROWS_16B:
+        row_off = tl.multiple_of(row_off, 16 // ESIZE)
+    src_row = ref + row_off
     dst_row = dst + rows.to(tl.int64) * H
     for h0 in range(0, H, BH):
         cols = h0 + tl.arange(0, BH)
@@ -102,7 +84,9 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
         v = tl.load(src_row[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
         tl.store(dst_row[:, None] + cols[None, :], v, mask=cmask[None, :])
     if WITH_WEIGHTS:
-        pull_weights(rows, valid, src, tk, w_ptrs, ws_out)
+        wbase = tl.load(w_ptrs + src).to(tl.pointer_type(tl.float32))
+        wv = tl.load(wbase + tk, mask=valid, other=0.0)
+        tl.store(ws_out + rows, wv)
 
 
 @triton.jit

@@ -301,7 +301,7 @@ def gate_up_swiglu_tile(pid_m, pid_n,
                         EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
                         n_rows=0, MASK_ROWS: tl.constexpr = False,
                         USE_TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, a_row_shift=0,
-                        TILE_M: tl.constexpr = 0, CP_ROWS: tl.constexpr = 0, cp_src=None, cp_dst=None, cp_mask=None):
+                        TILE_M: tl.constexpr = 0):
     """One (row tile, I-column tile): g = xs @ Wg[e]^T, u = xs @ Wu[e]^T, h = silu(g) * u.
 
     xs [R, H] (row stride stride_xm); Wg, Wu [E, I, H] (strides stride_we, stride_wn, 1);
@@ -314,15 +314,8 @@ def gate_up_swiglu_tile(pid_m, pid_n,
     R' read as zeros, which is MASK_ROWS for free), wg_desc / wu_desc over Wg / Wu [E, I, H].
     TILE_M (a half tile; 0: BM): the schedule's tiles are TILE_M rows high and this one computes
     only the first BM rows of tile pid_m (the megakernel's tiles whose real rows fit in half).
-    CP_ROWS > 0: the K loop also copies CP_ROWS rows of H elements, ``cp_dst[r][:H] = cp_src[r][:H]``
-    where ``cp_mask[r]`` (pointer tensors [CP_ROWS]), BK columns per K step (``_side_copy_*``): the
-    megakernel's fills, moved by the load/store units while the tensor cores run this tile. The
-    copy is done even when the tile itself is unused.
     """
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
-    if CP_ROWS > 0:
-        if e < 0:  # nothing to compute, but the rows must still be copied
-            side_copy(cp_src, cp_dst, cp_mask, H, BK)
     if e >= 0:
         blk = pid_m  # first row = blk * BM
         if TILE_M > 0:
@@ -330,11 +323,10 @@ def gate_up_swiglu_tile(pid_m, pid_n,
         row0 = blk.to(tl.int64) * BM
         if USE_TMA:
             acc_g, acc_u = _gate_up_mainloop_tma(blk * BM + a_row_shift, pid_n * BN, e, xs_desc, wg_desc, wu_desc,
-                                                 H, BM, BN, BK, INTERPRET, CP_ROWS, cp_src, cp_dst, cp_mask)
+                                                 H, BM, BN, BK, INTERPRET)
         else:
             acc_g, acc_u = _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_wn,
-                                             H, I, BM, BN, BK, EVEN_K, INTERPRET, n_rows, MASK_ROWS,
-                                             CP_ROWS, cp_src, cp_dst, cp_mask)
+                                             H, I, BM, BN, BK, EVEN_K, INTERPRET, n_rows, MASK_ROWS)
         offs_m = tl.arange(0, BM)
         rows = row0 + offs_m
         cols = pid_n * BN + tl.arange(0, BN)
@@ -349,19 +341,15 @@ def gate_up_swiglu_tile(pid_m, pid_n,
 
 @triton.jit
 def _gate_up_mainloop_tma(a_row0, n0, e, xs_desc, wg_desc, wu_desc, H: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
-                          CP_ROWS: tl.constexpr = 0, cp_src=None, cp_dst=None, cp_mask=None):
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 ([BM, BN], [BM, BN]) = xs[a_row0 :, :] @ (Wg[e], Wu[e])[n0 :, :]^T through TMA loads.
 
     No pointer tensors: the loop holds only the two accumulators, so the tile fits in registers
-    inside a persistent kernel (with pointer loads it spills at BN=128). CP_ROWS: the side copy
-    of ``gate_up_swiglu_tile``.
+    inside a persistent kernel (with pointer loads it spills at BN=128).
     """
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     NK: tl.constexpr = (H + BK - 1) // BK
-    if CP_ROWS > 0:
-        c0 = _side_copy_load(cp_src, cp_mask, 0, H, BK)
     for kt in range(0, NK):
         k0 = kt * BK
         a = xs_desc.load([a_row0, k0])
@@ -369,44 +357,13 @@ def _gate_up_mainloop_tma(a_row0, n0, e, xs_desc, wg_desc, wu_desc, H: tl.conste
         bu = wu_desc.load([e, n0, k0]).reshape(BN, BK)
         acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)
         acc_u = _dot(a, tl.trans(bu), acc_u, INTERPRET)
-        if CP_ROWS > 0:
-            c1 = _side_copy_load(cp_src, cp_mask, kt + 1, H, BK)
-            _side_copy_store(cp_dst, cp_mask, c0, kt, H, BK)
-            c0 = c1
     return acc_g, acc_u
-
-
-# The side copy of the gate/up K loops: step kt copies columns [kt*BK, (kt+1)*BK) of CP_ROWS rows.
-# Its loads run one step ahead of its stores (the values wait in registers), so a load's latency
-# (a peer's row over NVLink) is covered by the MMA of about two steps: the store that waits for it
-# comes after this step's dots are issued, which keep the tensor cores busy meanwhile. Two steps
-# ahead would cover more, but a K loop that carries loaded values across two iterations is not
-# software-pipelined by Triton 3.6 (seen in the TTGIR: every dot then waits for the one before).
-
-@triton.jit
-def _side_copy_load(cp_src, cp_mask, kt, H: tl.constexpr, BK: tl.constexpr):
-    cols = kt * BK + tl.arange(0, BK)
-    return tl.load(cp_src[:, None] + cols[None, :], mask=cp_mask[:, None] & (cols < H)[None, :])
-
-
-@triton.jit
-def _side_copy_store(cp_dst, cp_mask, v, kt, H: tl.constexpr, BK: tl.constexpr):
-    cols = kt * BK + tl.arange(0, BK)
-    tl.store(cp_dst[:, None] + cols[None, :], v, mask=cp_mask[:, None] & (cols < H)[None, :])
-
-
-@triton.jit
-def side_copy(cp_src, cp_dst, cp_mask, H: tl.constexpr, BK: tl.constexpr):
-    """The side copy without a K loop to ride on (an unused tile, or the GEMM math ablated)."""
-    for kt in range(0, (H + BK - 1) // BK):
-        _side_copy_store(cp_dst, cp_mask, _side_copy_load(cp_src, cp_mask, kt, H, BK), kt, H, BK)
 
 
 @triton.jit
 def _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_wn,
                       H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, n_rows, MASK_ROWS: tl.constexpr,
-                      CP_ROWS: tl.constexpr = 0, cp_src=None, cp_dst=None, cp_mask=None):
+                      EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, n_rows, MASK_ROWS: tl.constexpr):
     """The pointer-load K loop of ``gate_up_swiglu_tile``: fp32 (acc_g, acc_u) [BM, BN] each."""
     offs_m = tl.arange(0, BM)
     offs_n = (pid_n * BN + tl.arange(0, BN)) % I
@@ -418,8 +375,6 @@ def _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_
     bu_ptrs = wu_ptr + w_off + b_off
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    if CP_ROWS > 0:
-        c0 = _side_copy_load(cp_src, cp_mask, 0, H, BK)
     for kt in range(0, (H + BK - 1) // BK):
         if EVEN_K:
             if MASK_ROWS:
@@ -438,10 +393,6 @@ def _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_
             bu = tl.load(bu_ptrs, mask=kmask[None, :], other=0.0)
         acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)
         acc_u = _dot(a, tl.trans(bu), acc_u, INTERPRET)
-        if CP_ROWS > 0:
-            c1 = _side_copy_load(cp_src, cp_mask, kt + 1, H, BK)
-            _side_copy_store(cp_dst, cp_mask, c0, kt, H, BK)
-            c0 = c1
         a_ptrs += BK
         bg_ptrs += BK
         bu_ptrs += BK

@@ -64,15 +64,6 @@ order, so bitwise the same outputs, half the MMA work); and a fill part that hol
 rows is not copied. Padding rows of the ring (or saved xs) then hold stale data, which reaches
 only padding rows of h, g | u and y: the GEMMs are row-wise and nothing reads those rows.
 
-Fills inside the gate/up tiles (``GU_FILL``, ``MoEConfig.fwd_fill_in_gemm``; on with TMA): a fill
-ticket is a latency-bound copy that holds its SM's tensor cores idle. With GU_FILL the stages
-carry no fill tickets; instead gate/up ticket (i, n) with n < FS also pulls fill part n of row
-tile i + P*GM (the tile whose fills stood in the same stage) inside its K loop, BK columns per K
-step, each step's loads issued one step before their stores (``gemm.gate_up_swiglu_tile``'s side
-copy). It waits for that tile's ring slot like a fill ticket and signals its ``ready`` after its
-own ``gu_done``. Only the prologue (groups 0..P-1) keeps fill tickets. The producer-before-consumer
-order is the same as before (each fill sits where its fill tickets stood).
-
 Row-tile index vs ring row: the tile functions of gemm.py / comm.py address rows as
 ``tile * BM`` and use ``tile`` for the schedule tables (tile_expert, row_src). Here the tables
 are indexed by ``i`` and the data by slot ``s``: the ring bases passed down are shifted by
@@ -161,25 +152,22 @@ def _decode(t, n, F, G, D, L):
 
 
 @triton.jit
-def _routed_task(tr, nt, pre, L, F: tl.constexpr, FP: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                 GM: tl.constexpr):
+def _routed_task(tr, nt, pre, L, F: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GM: tl.constexpr):
     """Routed ticket tr -> (kind, row tile, column or fill part); row tile >= nt: an empty ticket.
 
-    A prologue of the fills of groups 0..pre-1 (FP tickets per row tile), then ``_decode``'s
-    stages over groups of GM row tiles: [fills of group q+pre (F per row tile)] [gate/up of group q]
-    [down of group q-L], the last two column-major (column tile outer, row tile of the group
-    inner). F = 0: no fill tickets in the stages (split mode, or the gate/up tiles do the fills).
+    A prologue of the fills of groups 0..pre-1, then ``_decode``'s stages over groups of GM row
+    tiles: [fills of group q+pre] [gate/up of group q] [down of group q-L], the last two
+    column-major (column tile outer, row tile of the group inner).
     """
-    F1: tl.constexpr = F if F > 0 else 1
-    FP1: tl.constexpr = FP if FP > 0 else 1
+    F1: tl.constexpr = F if F > 0 else 1  # F = 0 (split mode): no fill tickets at all
     ng = (nt + GM - 1) // GM
-    kind, q, c = _decode(tl.maximum(tr - pre * GM * FP, 0), ng, GM * F, GM * G, GM * D, L)
+    kind, q, c = _decode(tl.maximum(tr - pre * GM * F, 0), ng, GM * F, GM * G, GM * D, L)
     i = tl.where(kind == 0, (q + pre) * GM + c // F1, q * GM + c % GM)
     n = tl.where(kind == 0, c % F1, c // GM)
-    pro = tr < pre * GM * FP  # prologue
+    pro = tr < pre * GM * F  # prologue
     kind = tl.where(pro, 0, kind)
-    i = tl.where(pro, tr // FP1, i)
-    n = tl.where(pro, tr % FP1, n)
+    i = tl.where(pro, tr // F1, i)
+    n = tl.where(pro, tr % F1, n)
     return kind, i, n
 
 
@@ -228,14 +216,9 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   INTERPRET: tl.constexpr, FS: tl.constexpr, ABLATE: tl.constexpr = 0,
                   TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None,
                   SAVE: tl.constexpr = False, gu_save=None, HALF: tl.constexpr = False, xs_half_desc=None,
-                  h_half_desc=None, GU_FILL: tl.constexpr = False, nt=0, pre_tiles=0, x_ptrs=None, k=1,
-                  w_ptrs=None, row_w=None, rec=None, TRACE_EV: tl.constexpr = 0):
-    """A gate/up (kind 1) or down (kind 2) ticket of routed row tile i, column tile n.
-
-    GU_FILL: gate/up ticket (i, n < FS) also pulls fill part n of row tile j = i + pre_tiles into its
-    ring slot (SAVE: the full xs buffer and row_w), inside its K loop (``gemm.gate_up_swiglu_tile``'s
-    side copy); it waits for that slot like a fill ticket and signals ``ready`` of it at the end.
-    """
+                  h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0):
+    """A gate/up (kind 1) or down (kind 2) ticket of routed row tile i, column tile n (``rec``: its
+    trace record when TRACE_EV > 0)."""
     s = i % NS
     g = i // NS
     shift = (s - i) * BM  # row i*BM of a shifted ring base (or TMA coordinate) is row s*BM of the ring
@@ -244,29 +227,6 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
     else:
         xs_shift = shift
     if kind == 1:  # gate/up column tile n of row tile i
-        CR: tl.constexpr = BM // FS  # rows of one fill part
-        if GU_FILL:  # fill part n of row tile j (its slot must be free first, as for a fill ticket)
-            j = i + pre_tiles
-            do_fill = (n < FS) & (j < nt)
-            sj = j % NS
-            if do_fill:
-                _wait(cnt_ptr, C_READY + NS + sj, G * (j // NS), wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
-            fill_rows = (j * FS + n) * CR + tl.arange(0, CR)
-            rs = tl.load(row_src + fill_rows, mask=do_fill, other=-1)
-            cp_src, cp_mask, cp_rank, cp_tk = comm.row_sources(rs, x_ptrs, TK, k, H, xs_ring.dtype.element_ty,
-                                                               (H % 8) == 0)
-            if SAVE:
-                cp_dst = xs_ring + fill_rows.to(tl.int64) * H
-                if do_fill:
-                    comm.pull_weights(fill_rows, cp_mask, cp_rank, cp_tk, w_ptrs, row_w)
-            else:
-                cp_dst = xs_ring + (sj * BM + n * CR + tl.arange(0, CR)).to(tl.int64) * H
-            cp_mask = cp_mask & ((ABLATE & 1) == 0)
-        else:
-            cp_src = None
-            cp_dst = None
-            cp_mask = None
-        CP: tl.constexpr = CR if GU_FILL and (ABLATE & 2) == 0 else 0
         _wait(cnt_ptr, C_READY + s, FS * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
         _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
         _trace_ready(rec, TRACE_EV, INTERPRET)
@@ -286,21 +246,14 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                     gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
                                              tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU, H % BK_GU == 0,
                                              SAVE, INTERPRET, 0, False, TMA, xs_half_desc, wg_desc, wu_desc,
-                                             xs_shift, BM, CP, cp_src, cp_dst, cp_mask)
+                                             xs_shift, BM)
             if full:
                 gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
                                          tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, SAVE,
-                                         INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift, 0,
-                                         CP, cp_src, cp_dst, cp_mask)
-        else:
-            if GU_FILL:  # no K loop to ride on: copy the fill part on its own
-                gemm.side_copy(cp_src, cp_dst, cp_mask, H, BK_GU, INTERPRET)
-        if TMA:  # the down tiles read h (and the next gate/ups the filled rows) through TMA
+                                         INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
+        if TMA:  # the down tiles read h through TMA
             sync.fence_proxy_async()
         sync.add_release(cnt_ptr + C_READY + NS + s, 1, "gpu")
-        if GU_FILL:
-            if do_fill:
-                sync.add_release(cnt_ptr + C_READY + sj, 1, "gpu")
     else:  # down column tile n of row tile i, rows pushed to their origins
         _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
         _trace_ready(rec, TRACE_EV, INTERPRET)
@@ -360,8 +313,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DN: tl.constexpr, BK_DN: tl.constexpr,
                        BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
                        INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False,
-                       SAVE: tl.constexpr = False, HALF: tl.constexpr = False, GU_FILL: tl.constexpr = False,
-                       trace=None, TRACE_EV: tl.constexpr = 0):
+                       SAVE: tl.constexpr = False, HALF: tl.constexpr = False, trace=None,
+                       TRACE_EV: tl.constexpr = 0):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -382,11 +335,6 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     bit 2 the GEMM math of the routed tiles; every wait and signal stays, so the time of a variant
     shows what the remaining stages cost under the same schedule.
 
-    GU_FILL (merged mode, pre >= 1, FS <= G): after the prologue there are no fill tickets; gate/up
-    ticket (i, n < FS) pulls fill part n of row tile i + pre*GM inside its K loop (``_compute_task``),
-    where the fill tickets of that tile used to be in the order (the stage of group q carried the
-    fills of group q + pre), so the order's producer-before-consumer argument is unchanged.
-
     TRACE_EV > 0 (measurement only): each program records its first TRACE_EV tickets into
     ``trace`` (layout at ``TRACE_HEAD``): kind, and the cycle counter when taken, after its waits
     and at its end.
@@ -398,8 +346,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     D: tl.constexpr = (H + BN_DN - 1) // BN_DN
     GS: tl.constexpr = (IS + BN_GUS - 1) // BN_GUS
     DS: tl.constexpr = (H + BN_DNS - 1) // BN_DNS
-    F: tl.constexpr = 0 if COMM > 0 or GU_FILL else FS  # fill sub-tickets per stage
-    FP: tl.constexpr = 0 if COMM > 0 else FS  # ... per row tile of the prologue
+    F: tl.constexpr = 0 if COMM > 0 else FS  # fill sub-tickets per stage
     SH_IDX: tl.constexpr = C_READY + 3 * NS
     if HAS_SHARED:
         sh_total = n_sh * (GS + DS)
@@ -408,7 +355,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     if COMM > 0:
         pre = 0
     ng = (nt + GM - 1) // GM  # groups of GM row tiles
-    total = sh_total + pre * GM * FP + ng * GM * (F + G + D)
+    total = sh_total + pre * GM * F + ng * GM * (F + G + D)
     ev = 0  # tickets taken (TRACE_EV)
     rec = trace
     if TRACE_EV > 0:
@@ -447,7 +394,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                                  BN_GUS, BK_GUS, BN_DNS, BK_DNS, INTERPRET, TMA, x_desc, sg_desc, su_desc,
                                  hsh_desc, sd_desc, rec, TRACE_EV)
             else:
-                kind, i, n = _routed_task(t - sh_total, nt, pre, lag, F, FP, G, D, GM)
+                kind, i, n = _routed_task(t - sh_total, nt, pre, lag, F, G, D, GM)
                 if i < nt:  # else past the last row tile: a partial last group, or fills beyond the end
                     if TRACE_EV > 0:
                         tl.store(rec, kind)  # TR_FILL, TR_GU, TR_DN
@@ -459,8 +406,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                                       wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
                                       err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
                                       INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
-                                      SAVE, gu_save, HALF, xs_half_desc, h_half_desc, GU_FILL, nt, pre * GM,
-                                      x_ptrs, k, w_ptrs, row_w, rec, TRACE_EV)
+                                      SAVE, gu_save, HALF, xs_half_desc, h_half_desc, rec, TRACE_EV)
             if TRACE_EV > 0:
                 tl.store(rec + 3, _clock(INTERPRET))
                 ev += 1
@@ -556,7 +502,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           programs: int, comm_programs: int = 0, prefetch: int | None = None, pull_cols: int = 512,
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
-                          w_ptrs=None, half_tiles: bool = False, fill_in_gemm: bool = False, trace=None):
+                          w_ptrs=None, half_tiles: bool = False, trace=None):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -575,9 +521,6 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     as the sync-free forward fills them (for the backward); ``w_ptrs``: every rank's router-weight
     table (w_pub), needed with ``save``. ``half_tiles``: compute tiles whose rows fit in tile_m/2 as
     half-height tiles (kernel HALF; needs tile_m >= 32 on the GPU, where a dot has at least 16 rows).
-    ``fill_in_gemm``: after the prologue, the gate/up tiles pull the fill parts inside their K loops
-    (kernel GU_FILL) instead of fill tickets; applies in merged mode with prefetch >= 1 and at least
-    as many gate/up column tiles as fill parts per row tile (otherwise fill tickets, as before).
     ``trace``: None, or an int64 [programs, TRACE_HEAD + 4 * events] tensor the kernel records its
     tickets into (measurement only; ``summarize_trace``).
     """
@@ -593,10 +536,9 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     n_groups = check_order(mb.n_slots, BM, group_m, prefetch, lag, fill_split, pull_cols)
     if prefetch is None:
         prefetch = n_groups // 2
-    G, D = triton.cdiv(I, gu_cfg.BN), triton.cdiv(H, dn_cfg.BN)
-    gu_fill = fill_in_gemm and comm_programs == 0 and prefetch >= 1 and fill_split <= G
     if lag is None:  # down tiles handed out after the groups in flight have had their gate/ups taken
-        F = 0 if comm_programs or gu_fill else fill_split
+        F = 0 if comm_programs else fill_split
+        G, D = triton.cdiv(I, gu_cfg.BN), triton.cdiv(H, dn_cfg.BN)
         lag = min(n_groups - 1, triton.cdiv(programs - comm_programs, group_m * (F + G + D)) + 1)
     # Split mode needs every program resident (compute programs wait on comm programs): ask for a
     # cooperative launch, which fails instead of hanging when the grid does not fit. The merged
@@ -657,7 +599,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         H=H, I=I, IS=I_s, BM=BM, BH=BH,
         BN_GU=gu_cfg.BN, BK_GU=gu_cfg.BK, BN_DN=dn_cfg.BN, BK_DN=dn_cfg.BK,
         BN_GUS=gus_cfg.BN, BK_GUS=gus_cfg.BK, BN_DNS=dns_cfg.BN, BK_DNS=dns_cfg.BK,
-        INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, HALF=half, GU_FILL=gu_fill,
+        INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, HALF=half,
         trace=trace, TRACE_EV=0 if trace is None else (trace.shape[1] - TRACE_HEAD) // 4,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
 
