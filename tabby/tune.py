@@ -51,19 +51,23 @@ def _median_ms(run, warmup, iters):
     return statistics.median(max_over_ranks(time_iterations(run, warmup, iters)))
 
 
-def _trace_variant(run_cfg, cfg, events):
-    """Run ``cfg`` once more with a trace of ``events`` tickets per program; its summary (this rank)."""
+def _trace_variant(run_cfg, cfg, events, plot_path=None, title=""):
+    """Run ``cfg`` once more with a trace of ``events`` tickets per program; its summary (this rank),
+    and its timeline drawn to ``plot_path`` when given."""
     import dataclasses
 
+    from . import profile
     from .ops import megakernel_fwd
 
     megakernel_fwd.LAST_TRACE = None
     run_cfg(dataclasses.replace(cfg, fwd_trace_events=events))
     torch.cuda.synchronize()
-    return megakernel_fwd.summarize_trace(megakernel_fwd.LAST_TRACE)
+    if plot_path:
+        profile.plot_trace(megakernel_fwd.LAST_TRACE, plot_path, title)
+    return profile.summarize_trace(megakernel_fwd.LAST_TRACE)
 
 
-def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=0):
+def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=0, plot_dir=None):
     """[{variant, ms, check}] for one (shape, T, EP) on this rank (ms already max over ranks)."""
     import torch.distributed as dist
 
@@ -104,7 +108,12 @@ def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=
             tabby.check_errors()
             rows.append(dict(variant=spec, ms=ms, check=check))
             if trace_events and kind == "mega":
-                rows[-1]["trace"] = _trace_variant(lambda c: run(c), cfg, trace_events)
+                plot = None
+                if plot_dir and rank == 0:
+                    tag = "".join(ch if ch.isalnum() or ch in "=-" else "_" for ch in spec)
+                    plot = os.path.join(plot_dir, f"trace-{shape_name}-{T}-ep{world}-{tag}.png")
+                rows[-1]["trace"] = _trace_variant(lambda c: run(c), cfg, trace_events, plot,
+                                                   f"{shape_name} T={T} EP{world} {spec}: rank 0")
         except Exception as e:  # noqa: BLE001 -- one bad variant must not lose the others
             rows.append(dict(variant=spec, ms=None, check=None, error=f"{type(e).__name__}: {e}"[:300]))
         if rank == 0:
@@ -112,7 +121,7 @@ def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=
             print(f"  {shape_name} T={T} EP{world} {spec:22s} "
                   + (f"{r['ms']:8.3f} ms  check={r['check']}" if r["ms"] is not None else r["error"]), flush=True)
             if r.get("trace"):
-                from .ops.megakernel_fwd import format_trace
+                from .profile import format_trace
 
                 print(format_trace(r["trace"]), flush=True)
     return rows
@@ -153,8 +162,11 @@ def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None, best_o
     for shape in shapes:
         for T in tokens:
             for ep in eps:
-                rows = (launch(tune_rank, shape, T, variants, warmup, iters, trace, nprocs=ep) if ep > 1
-                        else tune_rank(0, 1, shape, T, variants, warmup, iters, trace))
+                plot_dir = (os.path.dirname(out) or ".") if out and trace else None  # timelines beside the JSON
+                if plot_dir:
+                    os.makedirs(plot_dir, exist_ok=True)
+                rows = (launch(tune_rank, shape, T, variants, warmup, iters, trace, plot_dir, nprocs=ep) if ep > 1
+                        else tune_rank(0, 1, shape, T, variants, warmup, iters, trace, plot_dir))
                 results.append(dict(shape=shape, tokens_per_gpu=T, ep=ep, rows=rows))
                 ref = {r["variant"]: r["ms"] for r in rows}
                 print(f"\n| {shape} T={T} EP{ep} | ms | x floor | x sync-free | check |\n|---|---|---|---|---|")

@@ -507,24 +507,3 @@ def test_trace_records_every_ticket_once(monkeypatch):
     assert (count["fill"], count["gate/up"], count["down"]) == (nt * cfg.fwd_fill_split, nt * G, nt * D)
     assert (count["shared gate/up"], count["shared down"]) == (n_sh * G, n_sh * D)
     assert sum(count.values()) == n
-
-
-def test_summarize_trace_reads_times_per_kind():
-    H0 = megakernel_fwd.TRACE_HEAD.value
-    tr = torch.zeros(2, H0 + 4 * 3, dtype=torch.int64)
-    # program 0: 1000 ns, 2000 cycles (2 GHz); a gate/up (wait 200 cycles, work 800) and a down
-    tr[0, :5] = torch.tensor([2, 0, 1000, 0, 2000])
-    tr[0, H0:H0 + 8] = torch.tensor([1, 100, 300, 1100, 2, 1300, 1300, 1700])
-    # program 1: one fill, 1 GHz
-    tr[1, :5] = torch.tensor([1, 0, 1000, 5000, 6000])
-    tr[1, H0:H0 + 4] = torch.tensor([0, 5000, 5100, 5500])
-    s = megakernel_fwd.summarize_trace(tr)
-    assert s["tickets"] == 3 and s["overflow"] == 0 and abs(s["span_us"] - 1.0) < 1e-9
-    gu, dn, fill = s["kinds"]["gate/up"], s["kinds"]["down"], s["kinds"]["fill"]
-    assert (gu["n"], dn["n"], fill["n"]) == (1, 1, 1)
-    assert abs(gu["wait_us"] - 0.1) < 1e-9 and abs(gu["work_us"] - 0.4) < 1e-9
-    assert abs(dn["wait_us"]) < 1e-9 and abs(dn["work_us"] - 0.2) < 1e-9
-    assert abs(fill["wait_us"] - 0.1) < 1e-9 and abs(fill["work_us"] - 0.4) < 1e-9
-    assert abs(s["between_us"] - 0.1) < 1e-9  # program 0: down taken 200 cycles after the gate/up ended
-    assert abs(gu["share"] - 0.5 / 2.0) < 1e-9  # 0.5 us of 2 program-us
-    assert "gate/up" in megakernel_fwd.format_trace(s)

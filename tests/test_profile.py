@@ -16,3 +16,52 @@ def test_profile_tiny_cpu(tmp_path, capsys):
     assert set(stages) == want
     assert all(v > 0 for v in stages.values())
     assert "tiny T=8 EP1" in capsys.readouterr().out
+
+
+def _synthetic_trace():
+    """Two programs: program 0 at 2 GHz with a gate/up (wait 200 cycles, work 800) and a down;
+    program 1 at 1 GHz, starting 500 ns later, with one fill."""
+    import torch
+
+    from tabby.ops.megakernel_fwd import TRACE_HEAD
+
+    H0 = TRACE_HEAD.value
+    tr = torch.zeros(2, H0 + 4 * 3, dtype=torch.int64)
+    tr[0, :5] = torch.tensor([2, 1000, 2000, 0, 2000])
+    tr[0, H0:H0 + 8] = torch.tensor([1, 100, 300, 1100, 2, 1300, 1300, 1700])
+    tr[1, :5] = torch.tensor([1, 1500, 2500, 5000, 6000])
+    tr[1, H0:H0 + 4] = torch.tensor([0, 5000, 5100, 5500])
+    return tr
+
+
+def test_trace_events_convert_cycles_per_program():
+    from tabby.profile import trace_events
+
+    (span0, ev0), (span1, ev1) = trace_events(_synthetic_trace())
+    assert span0[:3] == (0.0, 1.0, 2.0) and span1[:3] == (0.5, 1.5, 1.0)
+    assert [e[0] for e in ev0] == ["gate/up", "down"] and ev1[0][0] == "fill"
+    assert all(abs(a - b) < 1e-9 for a, b in zip(ev0[0][1:], (0.05, 0.15, 0.55)))
+    assert all(abs(a - b) < 1e-9 for a, b in zip(ev1[0][1:], (0.5, 0.6, 1.0)))  # its own clock, its own start
+
+
+def test_summarize_trace_reads_times_per_kind():
+    from tabby.profile import format_trace, summarize_trace
+
+    s = summarize_trace(_synthetic_trace())
+    assert s["tickets"] == 3 and s["overflow"] == 0 and abs(s["span_us"] - 1.5) < 1e-9
+    gu, dn, fill = s["kinds"]["gate/up"], s["kinds"]["down"], s["kinds"]["fill"]
+    assert (gu["n"], dn["n"], fill["n"]) == (1, 1, 1)
+    assert abs(gu["wait_us"] - 0.1) < 1e-9 and abs(gu["work_us"] - 0.4) < 1e-9
+    assert abs(dn["wait_us"]) < 1e-9 and abs(dn["work_us"] - 0.2) < 1e-9
+    assert abs(fill["wait_us"] - 0.1) < 1e-9 and abs(fill["work_us"] - 0.4) < 1e-9
+    assert abs(s["between_us"] - 0.1) < 1e-9  # program 0: down taken 200 cycles after the gate/up ended
+    assert abs(gu["share"] - 0.5 / 2.0) < 1e-9  # 0.5 us of 2 program-us
+    assert "gate/up" in format_trace(s)
+
+
+def test_plot_trace_draws_a_timeline(tmp_path):
+    from tabby.profile import plot_trace
+
+    out = tmp_path / "trace.png"
+    plot_trace(_synthetic_trace(), str(out), "synthetic")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000

@@ -522,7 +522,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     table (w_pub), needed with ``save``. ``half_tiles``: compute tiles whose rows fit in tile_m/2 as
     half-height tiles (kernel HALF; needs tile_m >= 32 on the GPU, where a dot has at least 16 rows).
     ``trace``: None, or an int64 [programs, TRACE_HEAD + 4 * events] tensor the kernel records its
-    tickets into (measurement only; ``summarize_trace``).
+    tickets into (measurement only; ``tabby.profile.summarize_trace``).
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -603,60 +603,3 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         trace=trace, TRACE_EV=0 if trace is None else (trace.shape[1] - TRACE_HEAD) // 4,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
 
-
-def summarize_trace(trace: torch.Tensor) -> dict:
-    """Where the megakernel's programs spent their time, from a ``trace`` of one launch.
-
-    Returns {"span_us", "clock_ghz", "programs", "tickets", "overflow", "kinds": {name: {"n", "wait_us",
-    "work_us", "share"}}, "between_us"}: per ticket kind the mean time from taking a ticket to the end
-    of its waits and from there to its end, and the share of all programs' time spent in its work;
-    ``between_us`` is the mean gap from one ticket's end to the next one's take (the ticket atomic
-    and the loop). Cycle counts are converted with each program's own clock rate (its cycles over
-    its globaltimer span).
-    """
-    t = trace.detach().cpu().double()
-    P = t.shape[0]
-    E = (t.shape[1] - TRACE_HEAD.value) // 4
-    n = t[:, 0].long().clamp(max=E)
-    span_ns = (t[:, 2] - t[:, 1]).clamp(min=1)
-    ghz = (t[:, 4] - t[:, 3]) / span_ns  # cycles per ns
-    ev = t[:, TRACE_HEAD.value:].reshape(P, E, 4)
-    kinds = {}
-    wait_all, work_all = {}, {}
-    gaps = []
-    for p in range(P):
-        m = int(n[p])
-        if m == 0:
-            continue
-        e = ev[p, :m]
-        rate = float(ghz[p]) if ghz[p] > 0 else 1.0
-        for code, c_take, c_ready, c_end in e.tolist():
-            name = TRACE_KINDS[int(code)] if 0 <= int(code) < len(TRACE_KINDS) else f"code {int(code)}"
-            wait_all.setdefault(name, []).append((c_ready - c_take) / rate / 1e3)
-            work_all.setdefault(name, []).append((c_end - c_ready) / rate / 1e3)
-        gaps += ((e[1:, 1] - e[:-1, 3]) / rate / 1e3).tolist()
-    total_us = float(span_ns.sum()) / 1e3  # program-microseconds
-    for name in wait_all:
-        w, k = wait_all[name], work_all[name]
-        kinds[name] = dict(n=len(w), wait_us=sum(w) / len(w), work_us=sum(k) / len(k),
-                           share=(sum(w) + sum(k)) / total_us if total_us else 0.0,
-                           work_share=sum(k) / total_us if total_us else 0.0)
-    start, end = t[:, 1][n > 0], t[:, 2][n > 0]
-    return dict(span_us=float(end.max() - start.min()) / 1e3 if len(start) else 0.0,
-                clock_ghz=float(ghz[n > 0].mean()) if (n > 0).any() else 0.0, programs=P,
-                tickets=int(t[:, 0].sum()), overflow=int((t[:, 0] > E).sum()), kinds=kinds,
-                between_us=sum(gaps) / len(gaps) if gaps else 0.0)
-
-
-def format_trace(summary: dict) -> str:
-    """A small table of ``summarize_trace``'s result."""
-    s = summary
-    lines = [f"megakernel trace: {s['programs']} programs, {s['tickets']} tickets, span {s['span_us']:.1f} us, "
-             f"clock {s['clock_ghz']:.2f} GHz, {s['between_us']:.2f} us between tickets"
-             + (f", {s['overflow']} programs overflowed the trace" if s["overflow"] else ""),
-             "| ticket | n | wait us | work us | share of program time (wait+work) | work share |",
-             "|---|---|---|---|---|---|"]
-    for name, k in sorted(s["kinds"].items(), key=lambda kv: -kv[1]["share"]):
-        lines.append(f"| {name} | {k['n']} | {k['wait_us']:.2f} | {k['work_us']:.2f} | {k['share']:.3f} | "
-                     f"{k['work_share']:.3f} |")
-    return "\n".join(lines)
