@@ -74,3 +74,32 @@ def test_bench_mega_variant_from_the_environment(monkeypatch):
 
     # no knobs: tabby.moe with its default config, which is the megakernel
     assert not getattr(bench.IMPLS["tabby"].fn, "keywords", None) and MoEConfig().megakernel
+
+
+def test_trace_variant_summarizes_and_draws_a_real_trace(tmp_path, monkeypatch):
+    # --trace's helper on a CPU run of the megakernel (interpreted: clocks read 0, so only the
+    # ticket counts mean anything): summary and timeline from the trace the launch left
+    import torch
+
+    import tabby
+    from tabby import tune
+    from tabby.functional.config import MoEConfig
+    from tabby.shapes import TINY, make_routing, make_weights
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    g = torch.Generator().manual_seed(0)
+    T = 12
+    x = torch.randn(T, TINY.H, generator=g).bfloat16()
+    idx, wts = make_routing(T, TINY.E, TINY.k, generator=g)
+    ws, sh = make_weights(TINY, TINY.E, generator=g)
+    cfg = MoEConfig(tile_m=16, megakernel=True, fwd_programs=2, ring_rows=64)
+
+    def run(c):
+        with torch.no_grad():
+            return tabby.moe(x, idx, wts, *ws, shared=sh, config=c)
+
+    plot = tmp_path / "trace.png"
+    s = tune._trace_variant(run, cfg, 64, str(plot), "tiny")
+    assert s["programs"] == 2 and s["tickets"] > 0 and s["kinds"]["gate/up"]["n"] > 0
+    assert s["kinds"]["shared gate/up"]["n"] > 0
+    assert plot.read_bytes()[:4] == b"\x89PNG"
