@@ -112,7 +112,7 @@ def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=
                 if plot_dir and rank == 0:
                     tag = "".join(ch if ch.isalnum() or ch in "=-" else "_" for ch in spec)
                     plot = os.path.join(plot_dir, f"trace-{shape_name}-{T}-ep{world}-{tag}.png")
-                rows[-1]["trace"] = _trace_variant(lambda c: run(c), cfg, trace_events, plot,
+                rows[-1]["trace"] = _trace_variant(run, cfg, trace_events, plot,
                                                    f"{shape_name} T={T} EP{world} {spec}: rank 0")
         except Exception as e:  # noqa: BLE001 -- one bad variant must not lose the others
             rows.append(dict(variant=spec, ms=None, check=None, error=f"{type(e).__name__}: {e}"[:300]))
@@ -159,12 +159,12 @@ def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None, best_o
     if not torch.cuda.is_available():
         raise SystemExit("tabby tune times GPU kernels: it needs a GPU")
     results = []
+    plot_dir = (os.path.dirname(out) or ".") if out and trace else None  # timelines beside the JSON
+    if plot_dir:
+        os.makedirs(plot_dir, exist_ok=True)
     for shape in shapes:
         for T in tokens:
             for ep in eps:
-                plot_dir = (os.path.dirname(out) or ".") if out and trace else None  # timelines beside the JSON
-                if plot_dir:
-                    os.makedirs(plot_dir, exist_ok=True)
                 rows = (launch(tune_rank, shape, T, variants, warmup, iters, trace, plot_dir, nprocs=ep) if ep > 1
                         else tune_rank(0, 1, shape, T, variants, warmup, iters, trace, plot_dir))
                 results.append(dict(shape=shape, tokens_per_gpu=T, ep=ep, rows=rows))

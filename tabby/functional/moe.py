@@ -117,29 +117,28 @@ def _gemm_cfg(cfg: MoEConfig, kind, N, K):
     return gemm.default_config(kind, N, K, BM=cfg.tile_m)
 
 
-def _mega_cfgs(cfg: MoEConfig, H, I, warps: int = 8):
-    """The megakernel's routed gate/up and down tile configs for programs of ``warps`` warps: the
-    standalone ones (8 warps) or 64 / 128 columns (4 warps: accumulators that fit 128 threads), or
-    ``cfg.fwd_gate_up_bn`` / ``cfg.fwd_down_bn`` columns (narrower tiles shrink the accumulators,
-    the fused kernel's register pressure, at the cost of more tiles). The kernel launches with the
-    gate/up config's stages and warps."""
+def _mega_cfgs(cfg: MoEConfig, H, I, I_s, warps: int = 8):
+    """The megakernel's tile configs for programs of ``warps`` warps: (routed gate/up, routed down,
+    shared gate/up, shared down), the shared ones None without a shared expert (I_s = 0).
+
+    The standalone configs (8 warps) or 64 / 128 columns (4 warps: accumulators that fit 128
+    threads), or ``cfg.fwd_gate_up_bn`` / ``cfg.fwd_down_bn`` columns (narrower tiles shrink the
+    accumulators, the fused kernel's register pressure, at the cost of more tiles). The shared
+    expert's tiles are narrowed to the same widths (the same accumulator limit applies). The kernel
+    launches with the routed gate/up config's stages and warps."""
     gu, dn = _gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H), _gemm_cfg(cfg, gemm.KIND_DOWN, H, I)
     four = warps == 4
     gu_bn = cfg.fwd_gate_up_bn or (min(gu.BN, 64) if four else None)
     dn_bn = cfg.fwd_down_bn or (min(dn.BN, 128) if four else None)
-    if gu_bn is not None:
-        gu = gu.with_(BN=gu_bn)
-    if dn_bn is not None:
-        dn = dn.with_(BN=dn_bn)
+
+    def narrowed(c, BN):
+        return c if BN is None else c.with_(BN=BN)
+
     stages = cfg.fwd_num_stages or (3 if four else 4)
-    return gu.with_(num_stages=stages, num_warps=warps), dn
-
-
-def _shared_cfg(cfg: MoEConfig, kind, N, K, BN):
-    """The megakernel's shared-expert tile config: the standalone one, ``BN`` columns when set
-    (the routed tiles' widths when they are narrowed: the same accumulator limit applies)."""
-    c = _gemm_cfg(cfg, kind, N, K)
-    return c.with_(BN=BN) if BN is not None else c
+    gu = narrowed(gu, gu_bn).with_(num_stages=stages, num_warps=warps)
+    gus = narrowed(_gemm_cfg(cfg, gemm.KIND_GATE_UP, I_s, H), gu_bn) if I_s else None
+    dns = narrowed(_gemm_cfg(cfg, gemm.KIND_DOWN, H, I_s), dn_bn) if I_s else None
+    return gu, narrowed(dn, dn_bn), gus, dns
 
 
 def _debug_check(ws, cfg: MoEConfig, t):
@@ -233,7 +232,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     tma = cfg.use_tma(T, topk_idx.shape[1], H, I)
     warps = cfg.mega_warps(T, topk_idx.shape[1], H, I)
     programs = cfg.fwd_programs or megakernel_fwd.default_programs(x.device) * (8 // warps)
-    gu_cfg, dn_cfg = _mega_cfgs(cfg, H, I, warps)
+    gu_cfg, dn_cfg, gus_cfg, dns_cfg = _mega_cfgs(cfg, H, I, I_s, warps)
     trace = None
     if cfg.fwd_trace_events > 0:
         trace = torch.zeros(programs, megakernel_fwd.TRACE_HEAD.value + 4 * cfg.fwd_trace_events, dtype=torch.int64,
@@ -245,11 +244,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     megakernel_fwd.launch_fwd_megakernel(
         mb, sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], ws.rank, cfg.wait_budget(),
         w_gate, w_up, w_down, x=x, shared=shared,
-        gu_cfg=gu_cfg, dn_cfg=dn_cfg,
-        gus_cfg=_shared_cfg(cfg, gemm.KIND_GATE_UP, I_s, H, gu_cfg.BN if warps == 4 else cfg.fwd_gate_up_bn)
-        if I_s else None,
-        dns_cfg=_shared_cfg(cfg, gemm.KIND_DOWN, H, I_s, dn_cfg.BN if warps == 4 else cfg.fwd_down_bn)
-        if I_s else None,
+        gu_cfg=gu_cfg, dn_cfg=dn_cfg, gus_cfg=gus_cfg, dns_cfg=dns_cfg,
         programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
         pull_cols=cfg.fwd_pull_cols or cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
         group_m=cfg.fwd_group_m, tma=tma, save=kept, w_ptrs=ws.ptrs["w_pub"],
