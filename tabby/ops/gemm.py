@@ -259,15 +259,10 @@ def _store_rows(acc, pid_m, pid_n, c_ptr, stride_cm, N, BM: tl.constexpr, BN: tl
 
 
 @triton.jit
-def _push_rows(acc, pid_m, pid_n, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, N,
-               BM: tl.constexpr, BN: tl.constexpr, DST_DTYPE: tl.constexpr):
-    """Store each row r of the tile (row_src[r] >= 0) at its origin.
-
-    Destination of row r: ``dst_ptrs[row_src[r] // TK]`` (a base address, int64) as a
-    ``DST_DTYPE`` pointer, row ``row_src[r] % TK`` (row stride ``stride_dm``), columns as here.
-    """
+def _push_rows_prep(pid_m, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, BM: tl.constexpr, DST_DTYPE: tl.constexpr):
+    """Where the rows of tile pid_m go (see ``_push_rows``): (ref, row_off [BM], valid [BM]), row r's
+    destination row starting at ``ref + row_off[r]``; a tile of several column tiles computes it once."""
     rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
     rs = tl.load(row_src_ptr + rows)
     valid = rs >= 0
     rs = tl.where(valid, rs, 0)
@@ -282,8 +277,54 @@ def _push_rows(acc, pid_m, pid_n, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, N,
     ref = dst_ptrs_ptr.to(tl.pointer_type(DST_DTYPE), bitcast=True)
     ref_addr = dst_ptrs_ptr.to(tl.int64, bitcast=True)
     row_off = tl.multiple_of((base - ref_addr) // ESIZE + drow * stride_dm, 16 // ESIZE)
+    return ref, row_off, valid
+
+
+@triton.jit
+def _push_rows_store(acc, ref, row_off, valid, pid_n, N, BN: tl.constexpr, DST_DTYPE: tl.constexpr):
+    """Store column tile pid_n of a tile at the rows that ``_push_rows_prep`` found."""
+    cols = pid_n * BN + tl.arange(0, BN)
     ptrs = ref + row_off[:, None] + cols[None, :]
     tl.store(ptrs, acc.to(DST_DTYPE), mask=valid[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _push_rows(acc, pid_m, pid_n, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, N,
+               BM: tl.constexpr, BN: tl.constexpr, DST_DTYPE: tl.constexpr):
+    """Store each row r of the tile (row_src[r] >= 0) at its origin.
+
+    Destination of row r: ``dst_ptrs[row_src[r] // TK]`` (a base address, int64) as a
+    ``DST_DTYPE`` pointer, row ``row_src[r] % TK`` (row stride ``stride_dm``), columns as here.
+    """
+    ref, row_off, valid = _push_rows_prep(pid_m, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, BM, DST_DTYPE)
+    _push_rows_store(acc, ref, row_off, valid, pid_n, N, BN, DST_DTYPE)
+
+
+@triton.jit
+def push_col_tiles_tma(blk, c0, e, a_desc, b_desc, row_src_ptr, dst_ptrs_ptr, TK, stride_dm,
+                       N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       NC: tl.constexpr, DST_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, a_row_shift=0):
+    """Column tiles c0 .. c0+NC-1 of row block ``blk`` (rows blk*BM ..) of A @ B[e]^T, each pushed to its
+    rows' origins (``_push_rows``), in ONE K loop of NC * cdiv(K, BK) steps through TMA loads.
+
+    One loop, not NC tiles one after another: Triton's software pipeline issues the loads of column
+    c+1's first K steps before column c's epilogue, so the pipeline fills once per NC columns (the
+    megakernel's down tickets, ``MoEConfig.fwd_down_cols``). a_desc: A [R, K], block [BM, BK], rows from
+    ``blk * BM + a_row_shift``; b_desc: B [E, N, K], block [1, BN, BK].
+    """
+    row0 = blk * BM + a_row_shift
+    NK: tl.constexpr = (K + BK - 1) // BK
+    ref, row_off, valid = _push_rows_prep(blk, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, BM, DST_DTYPE)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kk in range(0, NC * NK):
+        c = kk // NK
+        kt = kk - c * NK
+        a = a_desc.load([row0, kt * BK])
+        b = b_desc.load([e, (c0 + c) * BN, kt * BK]).reshape(BN, BK)
+        acc = _dot(a, tl.trans(b), acc, INTERPRET)
+        if kt == NK - 1:
+            _push_rows_store(acc, ref, row_off, valid, c0 + c, N, BN, DST_DTYPE)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
 
 
 # --------------------------------------------------------------------------------------------

@@ -209,6 +209,28 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
 
 
 @triton.jit
+def _down_cols(blk, c0, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_tiles, y_ptrs, TK,
+               H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               NC: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr, h_desc, wd_desc, shift,
+               TILE_M: tl.constexpr = 0):
+    """Down column tiles c0 .. c0+NC-1 of row block blk (BM rows; a half tile: blk = 2i, TILE_M = 2BM),
+    pushed to their origins. With TMA one K loop runs over all NC columns (``gemm.push_col_tiles_tma``);
+    pointer loads run the column tiles one after another."""
+    if TMA:
+        gemm.push_col_tiles_tma(blk, c0, e, h_desc, wd_desc, row_src, y_ptrs, TK, H, H, I, BM, BN, BK, NC,
+                                tl.bfloat16, INTERPRET, shift)
+    else:
+        pid_m = blk
+        if TILE_M > 0:
+            pid_m = blk // (TILE_M // BM)
+        for c in range(0, NC):
+            gemm.rows_gemm_tile(pid_m, c0 + c, h_desc, wd_desc, hh, hh, I, w_down, w_down, sd_e, sd_e, sd_n,
+                                hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
+                                H, I, 0, BM, BN, BK, True, False, I % BK == 0, True, tl.bfloat16,
+                                False, INTERPRET, shift, TILE_M)
+
+
+@triton.jit
 def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n, w_down, sd_e, sd_n,
                   row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget, err_ptr, rank, epoch,
                   NS: tl.constexpr, G, D, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
@@ -216,11 +238,16 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   INTERPRET: tl.constexpr, FS: tl.constexpr, ABLATE: tl.constexpr = 0,
                   TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None,
                   SAVE: tl.constexpr = False, gu_save=None, HALF: tl.constexpr = False, xs_half_desc=None,
-                  h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0):
-    """A gate/up (kind 1) or down (kind 2) ticket of routed row tile i, column tile n (``rec``: its
-    trace record when TRACE_EV > 0)."""
+                  h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1):
+    """A gate/up (kind 1) ticket of routed row tile i, column tile n, or a down (kind 2) ticket of row
+    tile i, column tiles n*DN_COLS .. n*DN_COLS+DN_COLS-1 (``rec``: its trace record when TRACE_EV > 0).
+
+    What the schedule says of the tile (its expert, whether it is a half tile) is read before the
+    waits: the schedule was written before the launch, and its loads then overlap the polls."""
     s = i % NS
     g = i // NS
+    if HALF:
+        half_row = tl.load(row_src + i * BM + BM // 2)  # < 0: the real rows fit in the first BM/2
     shift = (s - i) * BM  # row i*BM of a shifted ring base (or TMA coordinate) is row s*BM of the ring
     if SAVE:  # xs is the full routed-row buffer (row i*BM), not a ring
         xs_shift = shift * 0
@@ -241,7 +268,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
             # (Two nested ifs, not a flag: without HALF the half-tile code is not compiled at all.)
             full = True
             if HALF:
-                if tl.load(row_src + i * BM + BM // 2) < 0:
+                if half_row < 0:
                     full = False
                     gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
                                              tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU, H % BK_GU == 0,
@@ -254,24 +281,22 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         if TMA:  # the down tiles read h through TMA
             sync.fence_proxy_async()
         sync.add_release(cnt_ptr + C_READY + NS + s, 1, "gpu")
-    else:  # down column tile n of row tile i, rows pushed to their origins
+    else:  # down column tiles of row tile i, rows pushed to their origins
+        e = tl.load(tile_expert + i)  # i < num_tiles: a used tile
         _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
         _trace_ready(rec, TRACE_EV, INTERPRET)
         hh = h_ring + shift.to(tl.int64) * I
         if (ABLATE & 2) == 0:
             full = True
             if HALF:
-                if tl.load(row_src + i * BM + BM // 2) < 0:
+                if half_row < 0:
                     full = False
-                    gemm.rows_gemm_tile(i, n, h_half_desc, wd_desc, hh, hh, I, w_down, w_down, sd_e, sd_e, sd_n,
-                                        hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
-                                        H, I, 0, BM // 2, BN_DN, BK_DN, True, False, I % BK_DN == 0, True,
-                                        tl.bfloat16, TMA, INTERPRET, shift, BM)
+                    _down_cols(i * 2, n * DN_COLS, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_tiles,
+                               y_ptrs, TK, H, I, BM // 2, BN_DN, BK_DN, DN_COLS, TMA, INTERPRET, h_half_desc,
+                               wd_desc, shift, BM)
             if full:
-                gemm.rows_gemm_tile(i, n, h_desc, wd_desc, hh, hh, I, w_down, w_down, sd_e, sd_e, sd_n,
-                                    hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
-                                    H, I, 0, BM, BN_DN, BK_DN, True, False, I % BK_DN == 0, True, tl.bfloat16,
-                                    TMA, INTERPRET, shift)
+                _down_cols(i, n * DN_COLS, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_tiles,
+                           y_ptrs, TK, H, I, BM, BN_DN, BK_DN, DN_COLS, TMA, INTERPRET, h_desc, wd_desc, shift)
         # dn_done only frees the h slot (its readers are done); the pushed rows need no ordering here
         # (the DONE signal after the kernel publishes them), so do not wait for the NVLink stores
         sync.add_reads_done(cnt_ptr + C_READY + 2 * NS + s, 1, "gpu")
@@ -314,7 +339,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
                        INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False,
                        SAVE: tl.constexpr = False, HALF: tl.constexpr = False, trace=None,
-                       TRACE_EV: tl.constexpr = 0):
+                       TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, EARLY_TICKET: tl.constexpr = True):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -343,7 +368,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     epoch = tl.load(epoch_ptr)
     nt = tl.load(num_tiles)
     G: tl.constexpr = (I + BN_GU - 1) // BN_GU
-    D: tl.constexpr = (H + BN_DN - 1) // BN_DN
+    D: tl.constexpr = (H + BN_DN - 1) // BN_DN // DN_COLS  # down tickets per row tile (DN_COLS divides)
     GS: tl.constexpr = (IS + BN_GUS - 1) // BN_GUS
     DS: tl.constexpr = (H + BN_DNS - 1) // BN_DNS
     F: tl.constexpr = 0 if COMM > 0 else FS  # fill sub-tickets per stage
@@ -378,6 +403,9 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     else:
         t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
         while t < total:
+            t_next = t
+            if EARLY_TICKET:  # take the next ticket now: its atomic's latency hides under this ticket
+                t_next = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
             if TRACE_EV > 0:  # kind TR_EMPTY unless a task overwrites it; "ready" = taken unless it waits
                 rec = head + TRACE_HEAD + 4 * tl.minimum(ev, TRACE_EV - 1)
                 c0 = _clock(INTERPRET)
@@ -406,11 +434,14 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                                       wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
                                       err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
                                       INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
-                                      SAVE, gu_save, HALF, xs_half_desc, h_half_desc, rec, TRACE_EV)
+                                      SAVE, gu_save, HALF, xs_half_desc, h_half_desc, rec, TRACE_EV, DN_COLS)
             if TRACE_EV > 0:
                 tl.store(rec + 3, _clock(INTERPRET))
                 ev += 1
-            t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
+            if EARLY_TICKET:
+                t = t_next
+            else:
+                t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
     if TRACE_EV > 0:
         tl.store(head, ev)
         tl.store(head + 2, _gtime(INTERPRET))
@@ -472,6 +503,14 @@ def default_group_m(n_slots: int) -> int:
     return next((g for g in (4, 2, 1) if n_slots % g == 0 and n_slots // g >= 2), 1)
 
 
+def down_col_tiles(n_cols: int, down_cols: int) -> int:
+    """Column tiles per down ticket: the largest count <= ``down_cols`` that divides the ``n_cols``
+    down column tiles of a row tile (so every ticket has the same, compile-time, number)."""
+    if down_cols < 1:
+        raise ValueError(f"fwd_down_cols={down_cols} must be >= 1")
+    return max(c for c in range(1, min(down_cols, n_cols) + 1) if n_cols % c == 0)
+
+
 def check_order(n_slots: int, BM: int, group_m: int, prefetch: int | None, lag: int | None,
                 fill_split: int, pull_cols: int = 512) -> int:
     """Validate the ticket-order knobs (None: the default, always valid); returns the ring groups.
@@ -502,7 +541,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           programs: int, comm_programs: int = 0, prefetch: int | None = None, pull_cols: int = 512,
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
-                          w_ptrs=None, half_tiles: bool = False, trace=None):
+                          w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1,
+                          early_ticket: bool = True):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -523,6 +563,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     half-height tiles (kernel HALF; needs tile_m >= 32 on the GPU, where a dot has at least 16 rows).
     ``trace``: None, or an int64 [programs, TRACE_HEAD + 4 * events] tensor the kernel records its
     tickets into (measurement only; ``tabby.profile.summarize_trace``).
+    ``down_cols``: column tiles per down ticket (at most; the largest count up to it that divides the
+    down column tiles). ``early_ticket``: a program takes its next ticket when it starts a ticket.
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -536,9 +578,10 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     n_groups = check_order(mb.n_slots, BM, group_m, prefetch, lag, fill_split, pull_cols)
     if prefetch is None:
         prefetch = n_groups // 2
+    dn_cols = down_col_tiles(triton.cdiv(H, dn_cfg.BN), down_cols)
     if lag is None:  # down tiles handed out after the groups in flight have had their gate/ups taken
         F = 0 if comm_programs else fill_split
-        G, D = triton.cdiv(I, gu_cfg.BN), triton.cdiv(H, dn_cfg.BN)
+        G, D = triton.cdiv(I, gu_cfg.BN), triton.cdiv(H, dn_cfg.BN) // dn_cols
         lag = min(n_groups - 1, triton.cdiv(programs - comm_programs, group_m * (F + G + D)) + 1)
     # Split mode needs every program resident (compute programs wait on comm programs): ask for a
     # cooperative launch, which fails instead of hanging when the grid does not fit. The merged
@@ -601,5 +644,6 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         BN_GUS=gus_cfg.BN, BK_GUS=gus_cfg.BK, BN_DNS=dns_cfg.BN, BK_DNS=dns_cfg.BK,
         INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, HALF=half,
         trace=trace, TRACE_EV=0 if trace is None else (trace.shape[1] - TRACE_HEAD) // 4,
+        DN_COLS=dn_cols, EARLY_TICKET=early_ticket,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
 
