@@ -81,17 +81,15 @@ def test_megakernel_y_bitwise_equals_sync_free_path(route, down_bn, gu_bn, tma, 
     assert torch.equal(y0, y1)
 
 
-@pytest.mark.parametrize("H,down_cols,tma,early", [(64, 2, False, True), (64, 4, True, True), (48, 3, True, False),
-                                                    (64, 4, False, False)])
-def test_down_tickets_of_several_columns_bitwise_equal_sync_free_path(H, down_cols, tma, early, monkeypatch):
+@pytest.mark.parametrize("H,down_cols,tma", [(64, 2, False), (64, 4, True), (48, 3, True)])
+def test_down_tickets_of_several_columns_bitwise_equal_sync_free_path(H, down_cols, tma, monkeypatch):
     # fwd_down_cols: one down ticket runs several column tiles (with TMA in one K loop whose
-    # epilogue pushes each column tile); H / 16 = 4 or 3 column tiles per row tile; half tiles on;
-    # fwd_early_ticket off or on. Same K order per output element: y is bitwise the sync-free one.
+    # epilogue pushes each column tile); H / 16 = 4 or 3 column tiles per row tile; half tiles on.
+    # Same K order per output element: y is bitwise the sync-free one.
     _small_tiles(monkeypatch)
     W, T, I, E_local, k = 2, 21, 40, 2, 2
     prob = make_problem(W, T, H, I, E_local, k, seed=17, route="random")
-    cfg = dataclasses.replace(MEGA, fwd_down_cols=down_cols, fwd_tma=tma, fwd_early_ticket=early,
-                              ring_rows=4 * CFG.tile_m)
+    cfg = dataclasses.replace(MEGA, fwd_down_cols=down_cols, fwd_tma=tma, ring_rows=4 * CFG.tile_m)
     assert megakernel_fwd.down_col_tiles(H // 16, down_cols) == down_cols
     assert torch.equal(_run_y(W, T, prob, CFG), _run_y(W, T, prob, cfg))
 

@@ -45,9 +45,9 @@ def _configs():
         "split-half": MoEConfig(megakernel=True, fwd_comm_programs=_sm_count() // 2),
         "small-ring": MoEConfig(megakernel=True, ring_rows=256, fwd_prefetch=1, fwd_tma=True),
         # down tickets of 4 column tiles (one K loop over them with TMA; one after another with
-        # pointer loads), and the next ticket taken at the end of a ticket
+        # pointer loads)
         "down-cols4": MoEConfig(megakernel=True, fwd_tma=True, fwd_num_warps=8, fwd_down_cols=4),
-        "down-cols2-ptr": MoEConfig(megakernel=True, fwd_tma=False, fwd_down_cols=2, fwd_early_ticket=False),
+        "down-cols2-ptr": MoEConfig(megakernel=True, fwd_tma=False, fwd_down_cols=2),
         # pointer loads, and a backward that replays dispatch and gate/up
         "recompute": MoEConfig(megakernel=True, fwd_tma=False, fwd_save_for_backward=False),
     }

@@ -85,8 +85,6 @@ class MoEConfig:
                      the ticket's atomic, its wait and the pipeline fill are paid once per ticket: at
                      K = I of 768-1024 a down tile has 12-16 K steps, and those costs weighed a third of
                      its MMA (ticket trace, session 5). None: 1.
-    fwd_early_ticket: a megakernel program takes its next ticket when it starts one (the atomic's round
-                     trip then overlaps the ticket's work); False: when it finishes.
     fwd_trace_events: measurement only (``tabby tune --trace``): the megakernel records up to this many
                      tickets per program (kind, when taken, after its waits, at its end) into a
                      trace that ``ops.megakernel_fwd.LAST_TRACE`` holds after the call. 0: off.
@@ -123,7 +121,6 @@ class MoEConfig:
     fwd_num_warps: int | None = None
     fwd_trace_events: int = 0
     fwd_down_cols: int | None = None
-    fwd_early_ticket: bool = True
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""

@@ -339,7 +339,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
                        INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False,
                        SAVE: tl.constexpr = False, HALF: tl.constexpr = False, trace=None,
-                       TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, EARLY_TICKET: tl.constexpr = True):
+                       TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -403,9 +403,6 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     else:
         t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
         while t < total:
-            t_next = t
-            if EARLY_TICKET:  # take the next ticket now: its atomic's latency hides under this ticket
-                t_next = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
             if TRACE_EV > 0:  # kind TR_EMPTY unless a task overwrites it; "ready" = taken unless it waits
                 rec = head + TRACE_HEAD + 4 * tl.minimum(ev, TRACE_EV - 1)
                 c0 = _clock(INTERPRET)
@@ -438,10 +435,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
             if TRACE_EV > 0:
                 tl.store(rec + 3, _clock(INTERPRET))
                 ev += 1
-            if EARLY_TICKET:
-                t = t_next
-            else:
-                t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
+            t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
     if TRACE_EV > 0:
         tl.store(head, ev)
         tl.store(head + 2, _gtime(INTERPRET))
@@ -541,8 +535,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           programs: int, comm_programs: int = 0, prefetch: int | None = None, pull_cols: int = 512,
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
-                          w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1,
-                          early_ticket: bool = True):
+                          w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -564,7 +557,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     ``trace``: None, or an int64 [programs, TRACE_HEAD + 4 * events] tensor the kernel records its
     tickets into (measurement only; ``tabby.profile.summarize_trace``).
     ``down_cols``: column tiles per down ticket (at most; the largest count up to it that divides the
-    down column tiles). ``early_ticket``: a program takes its next ticket when it starts a ticket.
+    down column tiles).
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -644,6 +637,6 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         BN_GUS=gus_cfg.BN, BK_GUS=gus_cfg.BK, BN_DNS=dns_cfg.BN, BK_DNS=dns_cfg.BK,
         INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, HALF=half,
         trace=trace, TRACE_EV=0 if trace is None else (trace.shape[1] - TRACE_HEAD) // 4,
-        DN_COLS=dn_cols, EARLY_TICKET=early_ticket,
+        DN_COLS=dn_cols,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
 

@@ -197,6 +197,36 @@ def schedule_fill_program(fid, expert_count_ptr, expert_start_ptr, num_tiles_ptr
     tl.store(row_src_ptr + rows, tl.full([TPP, BM], -1, tl.int32), mask=pad & tmask[:, None])
 
 
+@triton.jit
+def stage_key_program(pid, idx_ptrs, key_ptr, rank, T, W, E_local, k, n_tb,
+                      BT: tl.constexpr, KP: tl.constexpr):
+    """Staging keys of ``BT`` tokens of one source rank (``pid = src * n_tb + block``).
+
+    ``key[src, t]`` = global id of this rank's expert ``e_min`` (the smallest local expert that token
+    t of rank src goes to) for a remote token routed here at all; otherwise an id of the next rank,
+    which the count/place programs then route nowhere. Sorting the keys with those programs (k = 1,
+    BM = 1) lists the remote tokens in the order of their first routed row here.
+    """
+    src = pid // n_tb
+    tb = pid - src * n_tb
+    base = tl.load(idx_ptrs + src).to(tl.pointer_type(tl.int32))
+    t = tb * BT + tl.arange(0, BT)
+    kk = tl.arange(0, KP)
+    m = (t < T)[:, None] & (kk < k)[None, :]
+    g = tl.load(base + t[:, None] * k + kk[None, :], mask=m, other=-1)
+    e = g - rank * E_local
+    local = m & (g >= 0) & (e >= 0) & (e < E_local)
+    e_min = tl.min(tl.where(local, e, E_local), axis=1)
+    need = (e_min < E_local) & (src != rank)
+    key = tl.where(need, rank * E_local + e_min, ((rank + 1) % W) * E_local)
+    tl.store(key_ptr + src * T + t, key, mask=t < T)
+
+
+@triton.jit
+def _stage_key_kernel(idx_ptrs, key_ptr, rank, T, W, E_local, k, n_tb, BT: tl.constexpr, KP: tl.constexpr):
+    stage_key_program(tl.program_id(0), idx_ptrs, key_ptr, rank, T, W, E_local, k, n_tb, BT, KP)
+
+
 # ----------------------------------------------------------------------------------------------
 # Standalone kernels
 # ----------------------------------------------------------------------------------------------
@@ -367,6 +397,55 @@ def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Te
         bufs.tile_expert, bufs.row_src, inv, rank, N, W, E_local, bufs.n_chunks, n_place,
         bufs.n_tiles_max, BM=bufs.BM, CHUNK=bufs.CHUNK, TPP=bufs.TPP, E_PAD=E_PAD,
         HAS_INV=bufs.row_of_src is not None, ALIGNED=aligned, num_warps=num_warps_place)
+
+
+@dataclass
+class StageBuffers:
+    """The staging order of one rank (remote tokens pulled once each; ``MoEConfig.fwd_stage_remote``).
+
+    ``sched``: a schedule with k = 1 and BM = 1 over the keys of :func:`stage_key_program`; its
+      ``row_src`` [W*T] lists staged tokens as ``src * T + t`` (then -1), ``row_of_src`` [W*T] gives
+      each token's staging row (or -1) and ``expert_start`` [E_local + 1] the staging rows taken
+      by the tokens whose first local expert is below e (so expert e's routed rows need staging
+      rows < ``expert_start[e + 1]``).
+    ``key`` [W, T] int32 and ``key_ptrs`` [W] int64 (its row addresses): scratch, allocated once.
+    """
+
+    sched: ScheduleBuffers
+    key: torch.Tensor
+    key_ptrs: torch.Tensor
+
+
+def alloc_stage(W: int, T: int, E_local: int, device) -> StageBuffers:
+    key = torch.empty(W, T, dtype=torch.int32, device=device)
+    key_ptrs = key.data_ptr() + torch.arange(W, dtype=torch.int64, device=device) * (T * key.element_size())
+    return StageBuffers(alloc_schedule(W, T, 1, E_local, 1, device, inverse=True), key, key_ptrs)
+
+
+def launch_stage_schedule(stage: StageBuffers, idx_ptrs: torch.Tensor, err: torch.Tensor, rank: int, k: int,
+                          BT: int = 128) -> None:
+    """The staging order (no host sync): keys, then the count / scan / place launches over them."""
+    sb = stage.sched
+    W, T, E_local = sb.W, sb.T, sb.E_local
+    n_tb = _cdiv(T, BT)
+    _stage_key_kernel[(W * n_tb,)](idx_ptrs, stage.key, rank, T, W, E_local, k, n_tb, BT=BT,
+                                   KP=max(2, _next_pow2(k)), num_warps=4)
+    launch_schedule(sb, stage.key_ptrs, err, rank)
+
+
+def stage_reference(all_idx: torch.Tensor, rank: int, E_local: int) -> dict:
+    """The staging order in plain PyTorch: {"row_src": [W*T], "row_of_src": [W*T], "expert_start":
+    [E_local + 1]} as :class:`StageBuffers` has them (int32, CPU)."""
+    W, T, k = all_idx.shape
+    g = all_idx.to(torch.int64).cpu()
+    e = g - rank * E_local
+    local = (e >= 0) & (e < E_local)
+    e_min = torch.where(local, e, torch.full_like(e, E_local)).min(dim=2).values  # [W, T]
+    need = e_min < E_local
+    need[rank] = False
+    keys = torch.where(need, rank * E_local + e_min, ((rank + 1) % W) * E_local)
+    return {n: v for n, v in schedule_reference(keys.unsqueeze(-1), rank, E_local, 1).items()
+            if n in ("row_src", "row_of_src", "expert_start")}
 
 
 # ----------------------------------------------------------------------------------------------
