@@ -285,12 +285,14 @@ def test_stage_order_matches_reference(W, T, k, E_local, rank):
     all_idx = _random_idx(W, T, k, W * E_local, gen)
     all_idx[0, :3] = rank * E_local  # some tokens with one local expert only ...
     idx_list = [all_idx[s].contiguous().clone().to(DEVICE) for s in range(W)]
-    st = alloc_stage(W, T, E_local, DEVICE)
+    st = alloc_stage(W, T, E_local, DEVICE, block=16)  # row_src readable in blocks of 16 past its end
     err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=DEVICE)
     launch_stage_schedule(st, _ptrs(idx_list, DEVICE), err, rank, k)
     ref = stage_reference(all_idx, rank, E_local)
     for name, want in ref.items():
-        assert torch.equal(getattr(st.sched, name).cpu(), want), name
+        got = getattr(st.sched, name).cpu()
+        assert torch.equal(got[:want.numel()], want), name
+        assert (got[want.numel():] == -1).all() and got.numel() == want.numel() + (16 if name == "row_src" else 0)
     assert int(err[0]) == 0
     # each needed remote token exactly once; none of this rank's own tokens
     n = int(ref["expert_start"][-1])

@@ -327,11 +327,12 @@ class ScheduleBuffers:
 
 
 def alloc_schedule(W: int, T: int, k: int, E_local: int, BM: int, device, chunk: Optional[int] = None,
-                   fill_rows: int = 2048, inverse: bool = False) -> ScheduleBuffers:
+                   fill_rows: int = 2048, inverse: bool = False, tail: int = 0) -> ScheduleBuffers:
     """Allocate the schedule's outputs and scratch for one rank (see :class:`ScheduleBuffers`).
 
     ``chunk``: entries per count/place program (power of two, default :func:`default_chunk`);
-    ``fill_rows``: rows per fill program; ``inverse``: also produce ``row_of_src``.
+    ``fill_rows``: rows per fill program; ``inverse``: also produce ``row_of_src``; ``tail``: that
+    many more ``row_src`` entries past R_max, -1 for good (for readers of whole blocks past the end).
     """
     assert W >= 1 and T >= 1 and k >= 1 and E_local >= 1
     assert BM >= 1 and BM & (BM - 1) == 0, "BM must be a power of two"
@@ -348,7 +349,8 @@ def alloc_schedule(W: int, T: int, k: int, E_local: int, BM: int, device, chunk:
     return ScheduleBuffers(
         W=W, T=T, k=k, E_local=E_local, BM=BM, CHUNK=CHUNK, TPP=TPP, n_chunks=n_chunks,
         R_max=R_max,
-        row_src=torch.empty(R_max, **i32),
+        row_src=torch.cat([torch.empty(R_max, **i32), torch.full((tail,), -1, **i32)]) if tail else
+        torch.empty(R_max, **i32),
         tile_expert=torch.empty(R_max // BM, **i32),
         expert_start=torch.empty(E_local + 1, **i32),
         expert_count=torch.empty(E_local, **i32),
@@ -416,10 +418,11 @@ class StageBuffers:
     key_ptrs: torch.Tensor
 
 
-def alloc_stage(W: int, T: int, E_local: int, device) -> StageBuffers:
+def alloc_stage(W: int, T: int, E_local: int, device, block: int = 1) -> StageBuffers:
+    """Buffers of the staging order; ``row_src`` may be read in whole blocks of ``block`` rows."""
     key = torch.empty(W, T, dtype=torch.int32, device=device)
     key_ptrs = key.data_ptr() + torch.arange(W, dtype=torch.int64, device=device) * (T * key.element_size())
-    return StageBuffers(alloc_schedule(W, T, 1, E_local, 1, device, inverse=True), key, key_ptrs)
+    return StageBuffers(alloc_schedule(W, T, 1, E_local, 1, device, inverse=True, tail=block), key, key_ptrs)
 
 
 def launch_stage_schedule(stage: StageBuffers, idx_ptrs: torch.Tensor, err: torch.Tensor, rank: int, k: int,
