@@ -18,7 +18,7 @@ DESCS = ["xs_desc", "wg_desc", "wu_desc", "h_desc", "wd_desc", "x_desc", "sg_des
 
 
 def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, save: bool = False, half: bool = True,
-             trace: bool = False, warps: int = 8, dn_cols: int = 1, stage: bool = False):
+             trace: bool = False, warps: int = 8, dn_cols: int = 1):
     from tabby.ops import megakernel_fwd as mk
 
     # 4 warps (MoEConfig.mega_warps): two programs per SM, 64-column gate/up tiles, 3 stages
@@ -34,11 +34,6 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
     else:
         const.update(w_ptrs=None, row_w=None, gu_save=None)
     ptrs["wait_budget"] = "i64"  # nanoseconds: 60 s does not fit an i32
-    if stage:  # fwd_stage_remote: the staging order and rows, 16 stager programs
-        ptrs.update(st_src="*i32", st_of="*i32", st_start="*i32", staged="*bf16")
-        const.update(STAGE=True, NSTG=16, SCH=32)
-    else:
-        const.update(st_src=None, st_of=None, st_start=None, staged=None, STAGE=False, NSTG=0, SCH=32)
     if trace:  # fwd_trace_events: the ticket trace (clock64 and globaltimer reads)
         ptrs["trace"] = "*i64"
     else:
@@ -67,20 +62,20 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
     n_async = ttgir.count("async_tma_copy_global_to_local" if tma else "async_copy_global_to_local")
     assert n_async > 0, "no pipelined loads"
     print(f"ok shared={has_shared} comm={comm} bn_dn={bn_dn} tma={tma} save={save} half={half} "
-          f"trace={trace} warps={warps} dn_cols={dn_cols} stage={stage} "
+          f"trace={trace} warps={warps} dn_cols={dn_cols} "
           f"smem={k.metadata.shared} async={n_async}")
 
 
-@pytest.mark.parametrize("has_shared,comm,bn_dn,tma,save,half,trace,warps,dn_cols,stage", [
-    (False, 0, 256, False, False, True, False, 8, 1, False), (True, 0, 256, False, True, True, True, 8, 1, True),
-    (True, 16, 256, False, False, False, True, 8, 1, False), (False, 0, 128, False, False, True, False, 8, 2, False),
-    (True, 0, 256, True, True, True, False, 8, 1, True), (False, 0, 256, True, False, False, False, 8, 1, False),
-    (True, 0, 128, True, True, True, False, 4, 1, True), (True, 16, 128, True, False, True, False, 4, 1, False),
-    (True, 0, 256, True, True, True, False, 8, 4, False), (False, 0, 128, True, True, True, False, 4, 4, True)])
-def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols, stage):
-    args = (has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols, stage)
+@pytest.mark.parametrize("has_shared,comm,bn_dn,tma,save,half,trace,warps,dn_cols", [
+    (False, 0, 256, False, False, True, False, 8, 1), (True, 0, 256, False, True, True, True, 8, 1),
+    (True, 16, 256, False, False, False, True, 8, 1), (False, 0, 128, False, False, True, False, 8, 2),
+    (True, 0, 256, True, True, True, False, 8, 1), (False, 0, 256, True, False, False, False, 8, 1),
+    (True, 0, 128, True, True, True, False, 4, 1), (True, 16, 128, True, False, True, False, 4, 1),
+    (True, 0, 256, True, True, True, False, 8, 4), (False, 0, 128, True, True, True, False, 4, 4)])
+def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols):
+    args = (has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols)
     assert "ok" in run_compiled_check(__file__, *(str(int(v)) for v in args))
 
 
 if __name__ == "__main__":
-    _compile(*(int(a) if i in (1, 2, 7, 8) else bool(int(a)) for i, a in enumerate(sys.argv[1:11])))
+    _compile(*(int(a) if i in (1, 2, 7, 8) else bool(int(a)) for i, a in enumerate(sys.argv[1:10])))

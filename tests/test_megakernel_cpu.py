@@ -94,21 +94,6 @@ def test_down_tickets_of_several_columns_bitwise_equal_sync_free_path(H, down_co
     assert torch.equal(_run_y(W, T, prob, CFG), _run_y(W, T, prob, cfg))
 
 
-@pytest.mark.parametrize("W,route,tma,save,rows", [(2, "random", False, True, 16), (2, "one_expert", True, False, 16),
-                                                  (3, "random", True, True, 32), (4, "one_rank", False, False, 16)])
-def test_staged_remote_tokens_bitwise_equal_sync_free_path(W, route, tma, save, rows, monkeypatch):
-    # fwd_stage_remote: remote tokens pulled once into the staging rows, fills copy from there;
-    # y bitwise the sync-free one, gradients match the reference (save: from the rows the fills
-    # kept), over a 2-slot ring that wraps; EP2-4, all tokens to one expert, one rank's experts only
-    _small_tiles(monkeypatch)
-    T, H, I, E_local, k = 13, 32, 24, 2, 3
-    prob = make_problem(W, T, H, I, E_local, k, seed=W + 31, route=route)
-    cfg = dataclasses.replace(MEGA, fwd_stage_remote=True, fwd_stage_rows=rows, fwd_tma=tma,
-                              fwd_save_for_backward=save)
-    assert torch.equal(_run_y(W, T, prob, CFG), _run_y(W, T, prob, cfg))
-    _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
-
-
 def test_down_col_tiles_divides_the_column_tiles():
     assert [megakernel_fwd.down_col_tiles(16, c) for c in (1, 2, 3, 4, 5, 8, 100)] == [1, 2, 2, 4, 4, 8, 16]
     assert [megakernel_fwd.down_col_tiles(12, c) for c in (4, 5, 8)] == [4, 4, 6]

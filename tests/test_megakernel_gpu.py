@@ -48,11 +48,6 @@ def _configs():
         # pointer loads)
         "down-cols4": MoEConfig(megakernel=True, fwd_tma=True, fwd_num_warps=8, fwd_down_cols=4),
         "down-cols2-ptr": MoEConfig(megakernel=True, fwd_tma=False, fwd_down_cols=2),
-        # remote tokens staged once (fwd_stage_remote): default stagers, and 2 stagers of 64-row
-        # chunks over a 2-slot ring
-        "staged": MoEConfig(megakernel=True, fwd_tma=True, fwd_stage_remote=True),
-        "staged-small-ring": MoEConfig(megakernel=True, ring_rows=256, fwd_prefetch=1, fwd_stage_remote=True,
-                                       fwd_stagers=2, fwd_stage_rows=64),
         # pointer loads, and a backward that replays dispatch and gate/up
         "recompute": MoEConfig(megakernel=True, fwd_tma=False, fwd_save_for_backward=False),
     }

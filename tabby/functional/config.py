@@ -85,14 +85,6 @@ class MoEConfig:
                      the ticket's atomic, its wait and the pipeline fill are paid once per ticket: at
                      K = I of 768-1024 a down tile has 12-16 K steps, and those costs weighed a third of
                      its MMA (ticket trace, session 5). None: 1.
-    fwd_stage_remote: the megakernel pulls each remote token routed to this rank ONCE into a local
-                     staging buffer ([(W-1)*T, H]), in the order of its first routed row here, and the
-                     fills copy remote rows from there: at EP2 a token's k experts put ~k/2 rows on each
-                     rank, so the NVLink bytes of dispatch drop that many times (DESIGN.md, "The budget").
-                     The first ``fwd_stagers`` programs stage (then compute); a fill waits for the staging
-                     rows its expert needs. None: off. Merged mode (fwd_comm_programs = 0) only.
-    fwd_stagers:     programs that stage (None: those of 8 SMs, ``megakernel_fwd.default_stagers``).
-    fwd_stage_rows:  tokens per staging chunk (a power of two).
     fwd_trace_events: measurement only (``tabby tune --trace``): the megakernel records up to this many
                      tickets per program (kind, when taken, after its waits, at its end) into a
                      trace that ``ops.megakernel_fwd.LAST_TRACE`` holds after the call. 0: off.
@@ -129,9 +121,6 @@ class MoEConfig:
     fwd_num_warps: int | None = None
     fwd_trace_events: int = 0
     fwd_down_cols: int | None = None
-    fwd_stage_remote: bool | None = None
-    fwd_stagers: int | None = None
-    fwd_stage_rows: int = 32
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""
@@ -144,10 +133,6 @@ class MoEConfig:
         if self.fwd_num_warps is not None:
             return self.fwd_num_warps
         return 4 if self.use_tma(T, k, H, I) and I <= FOUR_WARPS_MAX_I else 8
-
-    def stages_remote(self, world_size: int) -> bool:
-        """Whether the megakernel stages remote tokens (``fwd_stage_remote``) at this EP size."""
-        return bool(self.fwd_stage_remote) and world_size > 1 and self.fwd_comm_programs == 0
 
     def wait_budget(self) -> int:
         """The budget argument of the kernels' bounded waits (``ops.sync.wait_geq``)."""

@@ -43,7 +43,7 @@ import triton
 
 from ..ops import INTERPRET, comm, gemm, megakernel_fwd, sync
 from ..ops.combine import combine_k
-from ..ops.schedule import alloc_schedule, alloc_stage, launch_schedule, launch_stage_schedule
+from ..ops.schedule import alloc_schedule, launch_schedule
 from ..validate import MoEInputError, check_inputs
 from .config import MoEConfig
 from .workspace import (BWD, BWD_DONE, BWD_READY, FWD, FWD_DONE, FWD_READY, ThreadGroup, WorkspaceKey,
@@ -203,29 +203,15 @@ class MegaSaved:
     topk_weights: torch.Tensor
 
 
-def _mega_buffers(ws, cfg: MoEConfig, T, H, I, I_s, dtype, device, stage_rows=0):
-    """The megakernel's per-rank ring, counters, shared-expert and staging buffers, cached with the workspace."""
+def _mega_buffers(ws, cfg: MoEConfig, T, H, I, I_s, dtype, device):
+    """The megakernel's per-rank ring, counters and shared-expert buffers, cached with the workspace."""
     cache = ws.__dict__.setdefault("_mega", {})
-    key = (cfg.tile_m, cfg.ring_rows, I_s, stage_rows)
+    key = (cfg.tile_m, cfg.ring_rows, I_s)
     mb = cache.get(key)
     if mb is None:
-        mb = megakernel_fwd.alloc_mega(T, H, I, I_s, cfg.tile_m, cfg.ring_rows, dtype, device, ws.world_size,
-                                       stage_rows)
+        mb = megakernel_fwd.alloc_mega(T, H, I, I_s, cfg.tile_m, cfg.ring_rows, dtype, device)
         cache[key] = mb
     return mb
-
-
-def _stage_order(ws, cfg: MoEConfig, T, k, E_local, device):
-    """The staging order of this forward (``cfg.fwd_stage_remote``), or None: launched, no host sync."""
-    if not cfg.stages_remote(ws.world_size):
-        return None
-    cache = ws.__dict__.setdefault("_stage", {})
-    st = cache.get(cfg.fwd_stage_rows)
-    if st is None:
-        st = cache[cfg.fwd_stage_rows] = alloc_stage(ws.world_size, T, E_local, device, block=cfg.fwd_stage_rows)
-    launch_stage_schedule(st, ws.ptrs["idx_pub"], ws.err, ws.rank, k)
-    _stage("fwd:stage-order")
-    return st
 
 
 def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
@@ -242,8 +228,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     I = w_gate.shape[1]
     I_s = shared[0].shape[0] if shared is not None else 0
     sched = _publish_and_schedule(ws, cfg, x, topk_idx, topk_weights, w_gate.shape[0])
-    stage = _stage_order(ws, cfg, T, topk_idx.shape[1], w_gate.shape[0], x.device)
-    mb = _mega_buffers(ws, cfg, T, H, I, I_s, x.dtype, x.device, cfg.fwd_stage_rows if stage is not None else 0)
+    mb = _mega_buffers(ws, cfg, T, H, I, I_s, x.dtype, x.device)
     tma = cfg.use_tma(T, topk_idx.shape[1], H, I)
     warps = cfg.mega_warps(T, topk_idx.shape[1], H, I)
     programs = cfg.fwd_programs or megakernel_fwd.default_programs(x.device) * (8 // warps)
@@ -263,8 +248,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
         pull_cols=cfg.fwd_pull_cols or cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
         group_m=cfg.fwd_group_m, tma=tma, save=kept, w_ptrs=ws.ptrs["w_pub"],
-        half_tiles=cfg.fwd_half_tiles, trace=trace, down_cols=cfg.fwd_down_cols or 1,
-        stage=stage, stagers=cfg.fwd_stagers or megakernel_fwd.default_stagers(warps), stage_rows=cfg.fwd_stage_rows)
+        half_tiles=cfg.fwd_half_tiles, trace=trace, down_cols=cfg.fwd_down_cols or 1)
     if trace is not None:
         megakernel_fwd.LAST_TRACE = trace
     _stage("fwd:megakernel")
@@ -415,10 +399,6 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
                                        cfg.fwd_pull_cols or cfg.pull_cols)
             if cfg.fwd_down_cols is not None and cfg.fwd_down_cols < 1:
                 raise ValueError(f"fwd_down_cols={cfg.fwd_down_cols} must be >= 1")
-            if cfg.fwd_stagers is not None and cfg.fwd_stagers < 1:
-                raise ValueError(f"fwd_stagers={cfg.fwd_stagers} must be >= 1")
-            if cfg.fwd_stage_rows < 1 or cfg.fwd_stage_rows & (cfg.fwd_stage_rows - 1):
-                raise ValueError(f"fwd_stage_rows={cfg.fwd_stage_rows} must be a power of two")
             if cfg.fwd_num_warps not in (None, 4, 8):
                 raise ValueError(f"fwd_num_warps={cfg.fwd_num_warps} must be 4 or 8 (one or two warpgroups)")
         except ValueError as e:

@@ -51,16 +51,13 @@ def count_ready_kernel(my_flags, epoch_ptr, slot, W, out):
 
 @triton.jit
 def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
-                   BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr,
-                   STAGED: tl.constexpr = False, rank=0, staged=None, stage_row=None, T=0):
+                   BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr):
     """Copy rows ``tile*BR ..`` of the routed buffer from their source ranks.
 
     Row r serves flat source id ``row_src[r] = src*TK + t*k + kk`` (-1: padding, written as zeros):
     ``dst[r] = rows_of(src)[t]`` where ``src_ptrs[src]`` is the address of rank src's [T, H]
     buffer. With WITH_WEIGHTS also ``ws_out[r] = weights_of(src)[t*k + kk]`` (fp32, 0 for padding).
     ROWS_16B: every source row starts 16-byte aligned (H * itemsize % 16 == 0; the buffers are).
-    STAGED: rows of other ranks come from the local copy ``staged`` [S, H] instead, row
-    ``stage_row[src*T + t]`` (the megakernel's staging; the caller waits for those rows).
     """
     rows = tile * BR + tl.arange(0, BR)
     rs = tl.load(row_src + rows)
@@ -77,11 +74,6 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     base = tl.load(src_ptrs + src)
     ref = src_ptrs.to(tl.pointer_type(DT), bitcast=True)
     row_off = (base - src_ptrs.to(tl.int64, bitcast=True)) // ESIZE + tok.to(tl.int64) * H
-    if STAGED:
-        remote = valid & (src != rank)
-        srow = tl.load(stage_row + src * T + tok, mask=remote, other=0)
-        st_off = (staged.to(tl.int64, bitcast=True) - src_ptrs.to(tl.int64, bitcast=True)) // ESIZE
-        row_off = tl.where(remote, st_off + srow.to(tl.int64) * H, row_off)
     if ROWS_16B:
         row_off = tl.multiple_of(row_off, 16 // ESIZE)
     src_row = ref + row_off

@@ -84,14 +84,12 @@ _ERR_WAIT_TILE = tl.constexpr(sync.ERR_WAIT_TILE)
 _ERR_WAIT_RING_SLOT = tl.constexpr(sync.ERR_WAIT_RING_SLOT)
 
 # Counter layout (int32 indices): tickets, then per-slot counters, then per-x-row-tile counters.
-C_TICKET, C_FILL_TICKET, C_STAGE_TICKET, C_STAGED = (tl.constexpr(v) for v in range(4))
-C_READY = tl.constexpr(4)
+C_TICKET, C_FILL_TICKET, C_READY = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 def counter_layout(n_slots: int, n_sh: int) -> dict:
     NS, r = n_slots, C_READY.value
-    return dict(ticket=C_TICKET.value, fill_ticket=C_FILL_TICKET.value, stage_ticket=C_STAGE_TICKET.value,
-                staged=C_STAGED.value, ready=r, gu_done=r + NS,
+    return dict(ticket=C_TICKET.value, fill_ticket=C_FILL_TICKET.value, ready=r, gu_done=r + NS,
                 dn_done=r + 2 * NS, sh_gu=r + 3 * NS, total=r + 3 * NS + max(n_sh, 1))
 
 
@@ -182,43 +180,15 @@ def _wait(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch, TMA: tl
 
 
 @triton.jit
-def _stage_chunks(cnt_ptr, st_src, x_ptrs, staged, H: tl.constexpr, T, n_staged, wait_budget, err_ptr, rank,
-                  epoch, SCH: tl.constexpr, BH: tl.constexpr):
-    """Stager: pull chunks of SCH remote tokens (staging order ``st_src``: ``src * T + t``) into
-    ``staged``, chunks taken in order from a counter. ``C_STAGED`` counts the chunks done as a
-    prefix: a chunk waits for the one before it (taken earlier by a running stager) to be counted."""
-    n_ch = (n_staged + SCH - 1) // SCH
-    c = tl.atomic_add(cnt_ptr + C_STAGE_TICKET, 1, sem="relaxed", scope="gpu")
-    while c < n_ch:
-        comm.pull_rows_tile(c, st_src, x_ptrs, staged, H, T, 1, x_ptrs, staged, SCH, BH, False, (H % 8) == 0)
-        _wait(cnt_ptr, C_STAGED, c, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch)
-        sync.add_release(cnt_ptr + C_STAGED, 1, "gpu")
-        c = tl.atomic_add(cnt_ptr + C_STAGE_TICKET, 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
           NS: tl.constexpr, G, H: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, FS: tl.constexpr,
           ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False, SAVE: tl.constexpr = False, w_ptrs=None,
-          row_w=None, rec=None, TRACE_EV: tl.constexpr = 0, INTERPRET: tl.constexpr = False,
-          STAGE: tl.constexpr = False, SCH: tl.constexpr = 32, tile_expert=None, st_of=None, st_start=None,
-          staged=None, T=0):
+          row_w=None, rec=None, TRACE_EV: tl.constexpr = 0, INTERPRET: tl.constexpr = False):
     """Pull part ``part`` (BM // FS rows) of row tile i into its ring slot (SAVE: into row i*BM of
-    the full xs buffer, with the rows' router weights into row_w).
-
-    STAGE: rows of other ranks are copied from the local ``staged`` rows instead (``_stage_chunks``);
-    a part with such rows first waits until the staging rows its expert needs
-    (``st_start[expert + 1]``) are counted in ``C_STAGED``."""
+    the full xs buffer, with the rows' router weights into row_w)."""
     s = i % NS
     g = i // NS
     _wait(cnt_ptr, C_READY + NS + s, G * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
-    if STAGE:
-        BR: tl.constexpr = BM // FS
-        rs = tl.load(row_src + (i * FS + part) * BR + tl.arange(0, BR))
-        n_remote = tl.sum(((rs >= 0) & (rs // TK != rank)).to(tl.int32), axis=0)
-        if n_remote > 0:
-            need = tl.load(st_start + tl.load(tile_expert + i) + 1)
-            _wait(cnt_ptr, C_STAGED, (need + SCH - 1) // SCH, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch)
     _trace_ready(rec, TRACE_EV, INTERPRET)
     if (ABLATE & 1) == 0:
         # rows i*BM + part*BM/FS .. : "tile" i*FS + part of height BM // FS. A part of padding rows
@@ -228,11 +198,11 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
         if tl.load(row_src + (i * FS + part) * (BM // FS)) >= 0:
             if SAVE:
                 comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, xs_ring, H, TK, k, w_ptrs, row_w, BM // FS, BH,
-                                    True, (H % 8) == 0, STAGE, rank, staged, st_of, T)
+                                    True, (H % 8) == 0)
             else:
                 dst = xs_ring + (s - i).to(tl.int64) * (BM * H)  # row i*BM of dst = row s*BM of the ring
                 comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM // FS, BH,
-                                    False, (H % 8) == 0, STAGE, rank, staged, st_of, T)
+                                    False, (H % 8) == 0)
     if TMA:  # the gate/up tiles read these rows through TMA (the async proxy)
         sync.fence_proxy_async()
     sync.add_release(cnt_ptr + C_READY + s, 1, "gpu")
@@ -369,9 +339,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
                        INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False,
                        SAVE: tl.constexpr = False, HALF: tl.constexpr = False, trace=None,
-                       TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, st_src=None, st_of=None,
-                       st_start=None, staged=None, E_local=0, STAGE: tl.constexpr = False, NSTG: tl.constexpr = 0,
-                       SCH: tl.constexpr = 32):
+                       TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -433,10 +401,6 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                 ev += 1
             f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
     else:
-        if STAGE:
-            if pid < NSTG:  # a stager first: pull each remote token routed here once, then compute
-                _stage_chunks(cnt_ptr, st_src, x_ptrs, staged, H, T, tl.load(st_start + E_local), wait_budget,
-                              err_ptr, rank, epoch, SCH, BH)
         t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
         while t < total:
             if TRACE_EV > 0:  # kind TR_EMPTY unless a task overwrites it; "ready" = taken unless it waits
@@ -461,8 +425,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                         tl.store(rec, kind)  # TR_FILL, TR_GU, TR_DN
                     if kind == 0:
                         _fill(i, n, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
-                              NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET,
-                              STAGE, SCH, tile_expert, st_of, st_start, staged, T)
+                              NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET)
                     else:
                         _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
                                       wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
@@ -496,16 +459,13 @@ class MegaBuffers:
     extra: torch.Tensor | None  # [n_sh * BM, H]: shared expert output (rows >= T unused)
     sh_tiles: torch.Tensor  # int32 [max(n_sh, 1)] zeros: the shared expert is "expert 0" of every x row tile
     sh_n: torch.Tensor  # int32 [1] = n_sh
-    staged: torch.Tensor | None = None  # [cdiv((W-1)*T, stage_rows) * stage_rows, H]: remote tokens, once each
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.counters, self.xs_ring, self.h_ring, self.h_sh,
-                                                          self.extra, self.sh_tiles, self.sh_n, self.staged)
-                   if t is not None)
+                                                          self.extra, self.sh_tiles, self.sh_n) if t is not None)
 
 
-def alloc_mega(T, H, I, I_s, BM, ring_rows, dtype, device, W: int = 1, stage_rows: int = 0) -> MegaBuffers:
-    """The megakernel's buffers; ``stage_rows`` > 0 (with W > 1): also the staging rows."""
+def alloc_mega(T, H, I, I_s, BM, ring_rows, dtype, device) -> MegaBuffers:
     n_slots = ring_rows // BM
     if n_slots < 2:
         raise ValueError(f"the forward megakernel needs at least two ring slots: ring_rows={ring_rows} "
@@ -522,8 +482,6 @@ def alloc_mega(T, H, I, I_s, BM, ring_rows, dtype, device, W: int = 1, stage_row
         extra=torch.empty(n_sh * BM, H, dtype=dtype, device=device) if I_s else None,
         sh_tiles=torch.zeros(max(n_sh, 1), **i32),
         sh_n=torch.full((1,), n_sh, **i32),
-        staged=torch.empty(triton.cdiv((W - 1) * T, stage_rows) * stage_rows, H, dtype=dtype, device=device)
-        if stage_rows and W > 1 else None,
     )
 
 
@@ -531,11 +489,6 @@ def default_programs(device) -> int:
     if INTERPRET or device.type != "cuda":
         return 3
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def default_stagers(warps: int) -> int:
-    """Stager programs when not configured: those of 8 SMs."""
-    return 8 * (8 // warps)
 
 
 def default_group_m(n_slots: int) -> int:
@@ -582,8 +535,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           programs: int, comm_programs: int = 0, prefetch: int | None = None, pull_cols: int = 512,
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
-                          w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1,
-                          stage=None, stagers: int = 0, stage_rows: int = 32):
+                          w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -605,9 +557,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     ``trace``: None, or an int64 [programs, TRACE_HEAD + 4 * events] tensor the kernel records its
     tickets into (measurement only; ``tabby.profile.summarize_trace``).
     ``down_cols``: column tiles per down ticket (at most; the largest count up to it that divides the
-    down column tiles). ``stage``: None, or the staging order (``schedule.StageBuffers``): then the
-    first ``stagers`` programs pull every remote token routed here once, ``stage_rows`` per chunk,
-    into ``mb.staged`` before they compute, and the fills copy remote rows from there (merged mode).
+    down column tiles).
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -629,13 +579,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     # Split mode needs every program resident (compute programs wait on comm programs): ask for a
     # cooperative launch, which fails instead of hanging when the grid does not fit. The merged
     # ticket order needs no co-residency: a program waits only on tickets already taken.
-    use_stage = stage is not None and comm_programs == 0 and stagers > 0
-    if use_stage:
-        assert mb.staged is not None and mb.staged.shape[0] % stage_rows == 0 and stage_rows & (stage_rows - 1) == 0
-        assert stage.sched.row_src.numel() >= stage.sched.R_max + stage_rows
-        stagers = min(stagers, programs - 1)
-    # (and with staging: the fills wait for the stagers)
-    launch_kw = dict(launch_cooperative_grid=True) if (comm_programs > 0 or use_stage) and not INTERPRET else {}
+    launch_kw = dict(launch_cooperative_grid=True) if comm_programs > 0 and not INTERPRET else {}
     if INTERPRET and comm_programs > 0 and int(sched.num_tiles) > mb.n_slots:  # CPU tensors: no device sync
         raise ValueError(f"under the interpreter, fwd_comm_programs > 0 needs a ring that holds every tile "
                          f"({int(sched.num_tiles)} tiles, {mb.n_slots} slots): programs run one after another, "
@@ -694,7 +638,5 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, HALF=half,
         trace=trace, TRACE_EV=0 if trace is None else (trace.shape[1] - TRACE_HEAD) // 4,
         DN_COLS=dn_cols,
-        **(dict(st_src=stage.sched.row_src, st_of=stage.sched.row_of_src, st_start=stage.sched.expert_start,
-                staged=mb.staged, E_local=E, STAGE=True, NSTG=stagers, SCH=stage_rows) if use_stage else {}),
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
 

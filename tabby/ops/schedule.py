@@ -197,36 +197,6 @@ def schedule_fill_program(fid, expert_count_ptr, expert_start_ptr, num_tiles_ptr
     tl.store(row_src_ptr + rows, tl.full([TPP, BM], -1, tl.int32), mask=pad & tmask[:, None])
 
 
-@triton.jit
-def stage_key_program(pid, idx_ptrs, key_ptr, rank, T, W, E_local, k, n_tb,
-                      BT: tl.constexpr, KP: tl.constexpr):
-    """Staging keys of ``BT`` tokens of one source rank (``pid = src * n_tb + block``).
-
-    ``key[src, t]`` = global id of this rank's expert ``e_min`` (the smallest local expert that token
-    t of rank src goes to) for a remote token routed here at all; otherwise an id of the next rank,
-    which the count/place programs then route nowhere. Sorting the keys with those programs (k = 1,
-    BM = 1) lists the remote tokens in the order of their first routed row here.
-    """
-    src = pid // n_tb
-    tb = pid - src * n_tb
-    base = tl.load(idx_ptrs + src).to(tl.pointer_type(tl.int32))
-    t = tb * BT + tl.arange(0, BT)
-    kk = tl.arange(0, KP)
-    m = (t < T)[:, None] & (kk < k)[None, :]
-    g = tl.load(base + t[:, None] * k + kk[None, :], mask=m, other=-1)
-    e = g - rank * E_local
-    local = m & (g >= 0) & (e >= 0) & (e < E_local)
-    e_min = tl.min(tl.where(local, e, E_local), axis=1)
-    need = (e_min < E_local) & (src != rank)
-    key = tl.where(need, rank * E_local + e_min, ((rank + 1) % W) * E_local)
-    tl.store(key_ptr + src * T + t, key, mask=t < T)
-
-
-@triton.jit
-def _stage_key_kernel(idx_ptrs, key_ptr, rank, T, W, E_local, k, n_tb, BT: tl.constexpr, KP: tl.constexpr):
-    stage_key_program(tl.program_id(0), idx_ptrs, key_ptr, rank, T, W, E_local, k, n_tb, BT, KP)
-
-
 # ----------------------------------------------------------------------------------------------
 # Standalone kernels
 # ----------------------------------------------------------------------------------------------
@@ -327,12 +297,11 @@ class ScheduleBuffers:
 
 
 def alloc_schedule(W: int, T: int, k: int, E_local: int, BM: int, device, chunk: Optional[int] = None,
-                   fill_rows: int = 2048, inverse: bool = False, tail: int = 0) -> ScheduleBuffers:
+                   fill_rows: int = 2048, inverse: bool = False) -> ScheduleBuffers:
     """Allocate the schedule's outputs and scratch for one rank (see :class:`ScheduleBuffers`).
 
     ``chunk``: entries per count/place program (power of two, default :func:`default_chunk`);
-    ``fill_rows``: rows per fill program; ``inverse``: also produce ``row_of_src``; ``tail``: that
-    many more ``row_src`` entries past R_max, -1 for good (for readers of whole blocks past the end).
+    ``fill_rows``: rows per fill program; ``inverse``: also produce ``row_of_src``.
     """
     assert W >= 1 and T >= 1 and k >= 1 and E_local >= 1
     assert BM >= 1 and BM & (BM - 1) == 0, "BM must be a power of two"
@@ -349,8 +318,7 @@ def alloc_schedule(W: int, T: int, k: int, E_local: int, BM: int, device, chunk:
     return ScheduleBuffers(
         W=W, T=T, k=k, E_local=E_local, BM=BM, CHUNK=CHUNK, TPP=TPP, n_chunks=n_chunks,
         R_max=R_max,
-        row_src=torch.cat([torch.empty(R_max, **i32), torch.full((tail,), -1, **i32)]) if tail else
-        torch.empty(R_max, **i32),
+        row_src=torch.empty(R_max, **i32),
         tile_expert=torch.empty(R_max // BM, **i32),
         expert_start=torch.empty(E_local + 1, **i32),
         expert_count=torch.empty(E_local, **i32),
@@ -399,56 +367,6 @@ def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Te
         bufs.tile_expert, bufs.row_src, inv, rank, N, W, E_local, bufs.n_chunks, n_place,
         bufs.n_tiles_max, BM=bufs.BM, CHUNK=bufs.CHUNK, TPP=bufs.TPP, E_PAD=E_PAD,
         HAS_INV=bufs.row_of_src is not None, ALIGNED=aligned, num_warps=num_warps_place)
-
-
-@dataclass
-class StageBuffers:
-    """The staging order of one rank (remote tokens pulled once each; ``MoEConfig.fwd_stage_remote``).
-
-    ``sched``: a schedule with k = 1 and BM = 1 over the keys of :func:`stage_key_program`; its
-      ``row_src`` [W*T] lists staged tokens as ``src * T + t`` (then -1), ``row_of_src`` [W*T] gives
-      each token's staging row (or -1) and ``expert_start`` [E_local + 1] the staging rows taken
-      by the tokens whose first local expert is below e (so expert e's routed rows need staging
-      rows < ``expert_start[e + 1]``).
-    ``key`` [W, T] int32 and ``key_ptrs`` [W] int64 (its row addresses): scratch, allocated once.
-    """
-
-    sched: ScheduleBuffers
-    key: torch.Tensor
-    key_ptrs: torch.Tensor
-
-
-def alloc_stage(W: int, T: int, E_local: int, device, block: int = 1) -> StageBuffers:
-    """Buffers of the staging order; ``row_src`` may be read in whole blocks of ``block`` rows."""
-    key = torch.empty(W, T, dtype=torch.int32, device=device)
-    key_ptrs = key.data_ptr() + torch.arange(W, dtype=torch.int64, device=device) * (T * key.element_size())
-    return StageBuffers(alloc_schedule(W, T, 1, E_local, 1, device, inverse=True, tail=block), key, key_ptrs)
-
-
-def launch_stage_schedule(stage: StageBuffers, idx_ptrs: torch.Tensor, err: torch.Tensor, rank: int, k: int,
-                          BT: int = 128) -> None:
-    """The staging order (no host sync): keys, then the count / scan / place launches over them."""
-    sb = stage.sched
-    W, T, E_local = sb.W, sb.T, sb.E_local
-    n_tb = _cdiv(T, BT)
-    _stage_key_kernel[(W * n_tb,)](idx_ptrs, stage.key, rank, T, W, E_local, k, n_tb, BT=BT,
-                                   KP=max(2, _next_pow2(k)), num_warps=4)
-    launch_schedule(sb, stage.key_ptrs, err, rank)
-
-
-def stage_reference(all_idx: torch.Tensor, rank: int, E_local: int) -> dict:
-    """The staging order in plain PyTorch: {"row_src": [W*T], "row_of_src": [W*T], "expert_start":
-    [E_local + 1]} as :class:`StageBuffers` has them (int32, CPU)."""
-    W, T, k = all_idx.shape
-    g = all_idx.to(torch.int64).cpu()
-    e = g - rank * E_local
-    local = (e >= 0) & (e < E_local)
-    e_min = torch.where(local, e, torch.full_like(e, E_local)).min(dim=2).values  # [W, T]
-    need = e_min < E_local
-    need[rank] = False
-    keys = torch.where(need, rank * E_local + e_min, ((rank + 1) % W) * E_local)
-    return {n: v for n, v in schedule_reference(keys.unsqueeze(-1), rank, E_local, 1).items()
-            if n in ("row_src", "row_of_src", "expert_start")}
 
 
 # ----------------------------------------------------------------------------------------------
