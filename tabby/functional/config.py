@@ -58,7 +58,8 @@ class MoEConfig:
     fwd_gate_up_bn:  columns of its gate/up tiles (None: the standalone kernel's, 128); 64 halves the
                      two accumulators (measured 20-25% slower with fwd_down_bn=128).
     fwd_ablate:      measurement only (`tabby tune`), makes the output WRONG: 1 skips the megakernel's
-                     row copies, 2 its routed GEMM math (waits and signals stay).
+                     row copies, 2 its routed GEMM math, 4 pushes the down tiles' rows to this rank's own
+                     buffer instead of their origins (waits and signals stay).
     fwd_tma:         the megakernel loads its GEMM operands through tensor descriptors (TMA) instead
                      of pointer tensors, which frees the registers the pointers hold (falls back to
                      pointer loads when a tensor is not 16-byte aligned). None: TMA when the rank's

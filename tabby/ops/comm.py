@@ -78,14 +78,15 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
         row_off = tl.multiple_of(row_off, 16 // ESIZE)
     src_row = ref + row_off
     dst_row = dst + rows.to(tl.int64) * H
+    if WITH_WEIGHTS:  # loaded first, stored last: the weights' round trip overlaps the row copy
+        wbase = tl.load(w_ptrs + src).to(tl.pointer_type(tl.float32))
+        wv = tl.load(wbase + tk, mask=valid, other=0.0)
     for h0 in range(0, H, BH):
         cols = h0 + tl.arange(0, BH)
         cmask = cols < H
         v = tl.load(src_row[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
         tl.store(dst_row[:, None] + cols[None, :], v, mask=cmask[None, :])
     if WITH_WEIGHTS:
-        wbase = tl.load(w_ptrs + src).to(tl.pointer_type(tl.float32))
-        wv = tl.load(wbase + tk, mask=valid, other=0.0)
         tl.store(ws_out + rows, wv)
 
 

@@ -357,7 +357,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     with SAVE) are padding rows, left as they are: nothing reads them (module docstring).
 
     ABLATE (measurement only; the output is then wrong): bit 1 skips the row copies of the fills,
-    bit 2 the GEMM math of the routed tiles; every wait and signal stays, so the time of a variant
+    bit 2 the GEMM math of the routed tiles, bit 4 (host side: ``y_ptrs`` all this rank's) pushes
+    every row into the local buffer; every wait and signal stays, so the time of a variant
     shows what the remaining stages cost under the same schedule.
 
     TRACE_EV > 0 (measurement only): each program records its first TRACE_EV tickets into
@@ -588,6 +589,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         assert trace.dtype == torch.int64 and trace.shape[0] == programs and trace.shape[1] > TRACE_HEAD
     if zero_counters:
         mb.counters.zero_()
+    if ablate & 4:  # measurement only: every pushed row lands in this rank's own buffer (no NVLink)
+        y_ptrs = y_ptrs[rank].expand(y_ptrs.numel()).contiguous()
     T, k = sched.T, sched.k
     has_sh = shared is not None
     if has_sh:
