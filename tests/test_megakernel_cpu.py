@@ -94,6 +94,19 @@ def test_down_tickets_of_several_columns_bitwise_equal_sync_free_path(H, down_co
     assert torch.equal(_run_y(W, T, prob, CFG), _run_y(W, T, prob, cfg))
 
 
+@pytest.mark.parametrize("tma,save", [(False, True), (True, False)])
+def test_zero_padding_leaves_the_outputs_bitwise_unchanged(tma, save, monkeypatch):
+    # fwd_zero_padding: padding-only parts of computed tiles are zeroed instead of left stale;
+    # padding rows reach nothing, so y is bitwise the same and the gradients match the reference
+    _small_tiles(monkeypatch)
+    W, T, H, I, E_local, k = 2, 19, 32, 24, 2, 2
+    prob = make_problem(W, T, H, I, E_local, k, seed=0, route="random")  # expert rows 25, 12, 17, 22
+    cfg = dataclasses.replace(MEGA, fwd_tma=tma, fwd_save_for_backward=save)
+    zero = dataclasses.replace(cfg, fwd_zero_padding=True)
+    assert torch.equal(_run_y(W, T, prob, cfg), _run_y(W, T, prob, zero))
+    _check(_run_tabby(W, T, prob, cfg=zero), _run_reference(prob))
+
+
 def test_down_col_tiles_divides_the_column_tiles():
     assert [megakernel_fwd.down_col_tiles(16, c) for c in (1, 2, 3, 4, 5, 8, 100)] == [1, 2, 2, 4, 4, 8, 16]
     assert [megakernel_fwd.down_col_tiles(12, c) for c in (4, 5, 8)] == [4, 4, 6]

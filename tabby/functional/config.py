@@ -86,6 +86,8 @@ class MoEConfig:
                      the ticket's atomic, its wait and the pipeline fill are paid once per ticket: at
                      K = I of 768-1024 a down tile has 12-16 K steps, and those costs weighed a third of
                      its MMA (ticket trace, session 5). None: 1.
+    fwd_zero_padding: the megakernel writes zeros into the padding-only parts of the tiles it computes
+                     instead of leaving them as they are (measurement: MMAs over zeros draw less power).
     fwd_trace_events: measurement only (``tabby tune --trace``): the megakernel records up to this many
                      tickets per program (kind, when taken, after its waits, at its end) into a
                      trace that ``ops.megakernel_fwd.LAST_TRACE`` holds after the call. 0: off.
@@ -122,6 +124,7 @@ class MoEConfig:
     fwd_num_warps: int | None = None
     fwd_trace_events: int = 0
     fwd_down_cols: int | None = None
+    fwd_zero_padding: bool = False
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""

@@ -91,6 +91,15 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
 
 
 @triton.jit
+def zero_rows_tile(tile, dst, H, BR: tl.constexpr, BH: tl.constexpr):
+    """``dst`` rows ``tile*BR ..`` (BR of them, row stride H) = 0."""
+    dst_row = dst + (tile * BR + tl.arange(0, BR)).to(tl.int64) * H
+    for h0 in range(0, H, BH):
+        cols = h0 + tl.arange(0, BH)
+        tl.store(dst_row[:, None] + cols[None, :], tl.zeros((BR, BH), dst.dtype.element_ty), mask=(cols < H)[None, :])
+
+
+@triton.jit
 def pull_rows_kernel(row_src, num_tiles_ptr, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
                      BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr,
                      TILE_ROWS: tl.constexpr, ROWS_16B: tl.constexpr):
