@@ -107,6 +107,19 @@ def test_zero_padding_leaves_the_outputs_bitwise_unchanged(tma, save, monkeypatc
     _check(_run_tabby(W, T, prob, cfg=zero), _run_reference(prob))
 
 
+@pytest.mark.parametrize("cols,save", [(16, True), (32, False), (64, True)])
+def test_fill_two_steps_bitwise_equal_sync_free_path(cols, save, monkeypatch):
+    # fwd_fill_two_steps: a fill's next column block is loaded before the current one is stored;
+    # H = 48 in blocks of 16 (three), 32 (a partial second) or 64 (one block: no second step)
+    _small_tiles(monkeypatch)
+    W, T, H, I, E_local, k = 2, 19, 48, 24, 2, 2
+    prob = make_problem(W, T, H, I, E_local, k, seed=2, route="random")
+    cfg = dataclasses.replace(MEGA, fwd_fill_two_steps=True, fwd_pull_cols=cols, fwd_save_for_backward=save)
+    assert torch.equal(_run_y(W, T, prob, CFG), _run_y(W, T, prob, cfg))
+    if save:
+        _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
+
+
 def test_down_col_tiles_divides_the_column_tiles():
     assert [megakernel_fwd.down_col_tiles(16, c) for c in (1, 2, 3, 4, 5, 8, 100)] == [1, 2, 2, 4, 4, 8, 16]
     assert [megakernel_fwd.down_col_tiles(12, c) for c in (4, 5, 8)] == [4, 4, 6]

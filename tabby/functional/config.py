@@ -88,6 +88,8 @@ class MoEConfig:
                      its MMA (ticket trace, session 5). None: 1.
     fwd_zero_padding: the megakernel writes zeros into the padding-only parts of the tiles it computes
                      instead of leaving them as they are (measurement: MMAs over zeros draw less power).
+    fwd_fill_two_steps: a fill issues the loads of its next column block before the stores of the
+                     current one (two blocks of loads in flight instead of one).
     fwd_trace_events: measurement only (``tabby tune --trace``): the megakernel records up to this many
                      tickets per program (kind, when taken, after its waits, at its end) into a
                      trace that ``ops.megakernel_fwd.LAST_TRACE`` holds after the call. 0: off.
@@ -125,6 +127,7 @@ class MoEConfig:
     fwd_trace_events: int = 0
     fwd_down_cols: int | None = None
     fwd_zero_padding: bool = False
+    fwd_fill_two_steps: bool = False
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""
