@@ -26,7 +26,7 @@ _KNOBS = {"C": "fwd_comm_programs", "P": "fwd_prefetch", "R": "ring_rows", "N": 
           "S": "fwd_fill_split", "M": "fwd_group_m", "B": "fwd_down_bn",
           "U": "fwd_gate_up_bn", "A": "fwd_ablate", "T": "fwd_tma", "Y": "tile_m",
           "K": "fwd_num_stages", "Z": "fwd_save_for_backward", "W": "fwd_pull_cols", "Q": "fwd_half_tiles",
-          "V": "fwd_num_warps", "D": "fwd_down_cols", "O": "fwd_zero_padding", "F": "fwd_fill_two_steps"}
+          "V": "fwd_num_warps", "D": "fwd_down_cols"}
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:

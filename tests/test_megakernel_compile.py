@@ -23,7 +23,7 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
 
     # 4 warps (MoEConfig.mega_warps): two programs per SM, 64-column gate/up tiles, 3 stages
     bn_gu, bn_gus, bn_dns, stages = (64, 64, 128, 3) if warps == 4 else (128, 128, 256, 4)
-    const = dict(NS=32, FS=4, GM=2, ABLATE=0, ZERO_PAD=half, FILL_TWO_STEPS=not half, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
+    const = dict(NS=32, FS=4, GM=2, ABLATE=0, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
                  BN_GU=bn_gu, BK_GU=64, BN_DN=bn_dn, BK_DN=64, BN_GUS=bn_gus, BK_GUS=64, BN_DNS=bn_dns, BK_DNS=64,
                  INTERPRET=False, TMA=tma, SAVE=save, HALF=half, TRACE_EV=64 if trace else 0, DN_COLS=dn_cols)
     ptrs = {n: "*i32" for n in ["cnt_ptr", "err_ptr", "epoch_ptr", "row_src", "tile_expert", "num_tiles",

@@ -94,30 +94,11 @@ def test_down_tickets_of_several_columns_bitwise_equal_sync_free_path(H, down_co
     assert torch.equal(_run_y(W, T, prob, CFG), _run_y(W, T, prob, cfg))
 
 
-@pytest.mark.parametrize("tma,save", [(False, True), (True, False)])
-def test_zero_padding_leaves_the_outputs_bitwise_unchanged(tma, save, monkeypatch):
-    # fwd_zero_padding: padding-only parts of computed tiles are zeroed instead of left stale;
-    # padding rows reach nothing, so y is bitwise the same and the gradients match the reference
-    _small_tiles(monkeypatch)
-    W, T, H, I, E_local, k = 2, 19, 32, 24, 2, 2
-    prob = make_problem(W, T, H, I, E_local, k, seed=0, route="random")  # expert rows 25, 12, 17, 22
-    cfg = dataclasses.replace(MEGA, fwd_tma=tma, fwd_save_for_backward=save)
-    zero = dataclasses.replace(cfg, fwd_zero_padding=True)
-    assert torch.equal(_run_y(W, T, prob, cfg), _run_y(W, T, prob, zero))
-    _check(_run_tabby(W, T, prob, cfg=zero), _run_reference(prob))
+def test_two_down_cols_by_default_only_for_short_expert_widths():
+    from tabby.functional.config import TWO_DOWN_COLS_MAX_I
 
-
-@pytest.mark.parametrize("cols,save", [(16, True), (32, False), (64, True)])
-def test_fill_two_steps_bitwise_equal_sync_free_path(cols, save, monkeypatch):
-    # fwd_fill_two_steps: a fill's next column block is loaded before the current one is stored;
-    # H = 48 in blocks of 16 (three), 32 (a partial second) or 64 (one block: no second step)
-    _small_tiles(monkeypatch)
-    W, T, H, I, E_local, k = 2, 19, 48, 24, 2, 2
-    prob = make_problem(W, T, H, I, E_local, k, seed=2, route="random")
-    cfg = dataclasses.replace(MEGA, fwd_fill_two_steps=True, fwd_pull_cols=cols, fwd_save_for_backward=save)
-    assert torch.equal(_run_y(W, T, prob, CFG), _run_y(W, T, prob, cfg))
-    if save:
-        _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
+    assert [MoEConfig().down_cols(I) for I in (768, 1024, 2048, 2880)] == [2, 2, 1, 1]
+    assert TWO_DOWN_COLS_MAX_I == 1024 and MoEConfig(fwd_down_cols=4).down_cols(768) == 4
 
 
 def test_down_col_tiles_divides_the_column_tiles():

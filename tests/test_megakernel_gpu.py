@@ -44,10 +44,9 @@ def _configs():
         "split1": MoEConfig(megakernel=True, fwd_comm_programs=1),
         "split-half": MoEConfig(megakernel=True, fwd_comm_programs=_sm_count() // 2),
         "small-ring": MoEConfig(megakernel=True, ring_rows=256, fwd_prefetch=1, fwd_tma=True),
-        # down tickets of 4 column tiles (one K loop over them with TMA; one after another with
-        # pointer loads)
+        # down tickets of 4 column tiles in one K loop (TMA); the defaults run 2 at I <= 1024, so
+        # "merged" covers 2 with pointer loads (one column tile after another)
         "down-cols4": MoEConfig(megakernel=True, fwd_tma=True, fwd_num_warps=8, fwd_down_cols=4),
-        "down-cols2-ptr": MoEConfig(megakernel=True, fwd_tma=False, fwd_down_cols=2),
         # pointer loads, and a backward that replays dispatch and gate/up
         "recompute": MoEConfig(megakernel=True, fwd_tma=False, fwd_save_for_backward=False),
     }

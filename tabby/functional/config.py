@@ -19,6 +19,13 @@ TMA_MIN_FLOP = 5e11
 # 7.50 against 7.31, gpt-oss-120b (I 2880) 1.89 against 1.78: slower from I = 1024 on.
 FOUR_WARPS_MAX_I = 768
 
+# Down tickets of the megakernel cover two column tiles by default where I (the down GEMM's K) is at
+# most this: a short K loop (12-16 steps) pays the ticket, its waits and the pipeline fill once per
+# two tiles. Measured (EP2, session 6, docs/perf-notes.md): bench forward qwen3.5-397b (I 1024) 4096
+# 3.03 ms against 3.09, qwen3-30b-a3b (I 768) 16384 2.69 against 2.76; slower where K is long: kimi-k2
+# (I 2048) 7.46 against 7.17, gpt-oss-120b (I 2880) 1.86 against 1.82 (no autograd).
+TWO_DOWN_COLS_MAX_I = 1024
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -85,11 +92,7 @@ class MoEConfig:
                      that divides the down column tiles). One ticket runs its columns in one K loop, so
                      the ticket's atomic, its wait and the pipeline fill are paid once per ticket: at
                      K = I of 768-1024 a down tile has 12-16 K steps, and those costs weighed a third of
-                     its MMA (ticket trace, session 5). None: 1.
-    fwd_zero_padding: the megakernel writes zeros into the padding-only parts of the tiles it computes
-                     instead of leaving them as they are (measurement: MMAs over zeros draw less power).
-    fwd_fill_two_steps: a fill issues the loads of its next column block before the stores of the
-                     current one (two blocks of loads in flight instead of one).
+                     its MMA (ticket trace, session 5). None: 2 where I <= TWO_DOWN_COLS_MAX_I, else 1.
     fwd_trace_events: measurement only (``tabby tune --trace``): the megakernel records up to this many
                      tickets per program (kind, when taken, after its waits, at its end) into a
                      trace that ``ops.megakernel_fwd.LAST_TRACE`` holds after the call. 0: off.
@@ -126,8 +129,6 @@ class MoEConfig:
     fwd_num_warps: int | None = None
     fwd_trace_events: int = 0
     fwd_down_cols: int | None = None
-    fwd_zero_padding: bool = False
-    fwd_fill_two_steps: bool = False
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""
@@ -140,6 +141,12 @@ class MoEConfig:
         if self.fwd_num_warps is not None:
             return self.fwd_num_warps
         return 4 if self.use_tma(T, k, H, I) and I <= FOUR_WARPS_MAX_I else 8
+
+    def down_cols(self, I: int) -> int:
+        """Column tiles per megakernel down ticket (``fwd_down_cols``, or by TWO_DOWN_COLS_MAX_I)."""
+        if self.fwd_down_cols is not None:
+            return self.fwd_down_cols
+        return 2 if I <= TWO_DOWN_COLS_MAX_I else 1
 
     def wait_budget(self) -> int:
         """The budget argument of the kernels' bounded waits (``ops.sync.wait_geq``)."""

@@ -51,17 +51,13 @@ def count_ready_kernel(my_flags, epoch_ptr, slot, W, out):
 
 @triton.jit
 def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
-                   BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr,
-                   TWO_STEPS: tl.constexpr = False):
+                   BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr):
     """Copy rows ``tile*BR ..`` of the routed buffer from their source ranks.
 
     Row r serves flat source id ``row_src[r] = src*TK + t*k + kk`` (-1: padding, written as zeros):
     ``dst[r] = rows_of(src)[t]`` where ``src_ptrs[src]`` is the address of rank src's [T, H]
     buffer. With WITH_WEIGHTS also ``ws_out[r] = weights_of(src)[t*k + kk]`` (fp32, 0 for padding).
     ROWS_16B: every source row starts 16-byte aligned (H * itemsize % 16 == 0; the buffers are).
-    TWO_STEPS: the loads of column block j+1 are issued before the stores of block j, so two
-    blocks' loads are in flight (a store waits for its loads: one block at a time pays a whole
-    load latency per block).
     """
     rows = tile * BR + tl.arange(0, BR)
     rs = tl.load(row_src + rows)
@@ -85,33 +81,13 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     if WITH_WEIGHTS:  # loaded first, stored last: the weights' round trip overlaps the row copy
         wbase = tl.load(w_ptrs + src).to(tl.pointer_type(tl.float32))
         wv = tl.load(wbase + tk, mask=valid, other=0.0)
-    if TWO_STEPS:
-        cols = tl.arange(0, BH)
-        v = tl.load(src_row[:, None] + cols[None, :], mask=valid[:, None] & (cols < H)[None, :], other=0.0)
-        for h0 in range(BH, H, BH):
-            nxt = h0 + tl.arange(0, BH)
-            v_next = tl.load(src_row[:, None] + nxt[None, :], mask=valid[:, None] & (nxt < H)[None, :], other=0.0)
-            tl.store(dst_row[:, None] + cols[None, :], v, mask=(cols < H)[None, :])
-            v = v_next
-            cols = nxt
-        tl.store(dst_row[:, None] + cols[None, :], v, mask=(cols < H)[None, :])
-    else:
-        for h0 in range(0, H, BH):
-            cols = h0 + tl.arange(0, BH)
-            cmask = cols < H
-            v = tl.load(src_row[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
-            tl.store(dst_row[:, None] + cols[None, :], v, mask=cmask[None, :])
-    if WITH_WEIGHTS:
-        tl.store(ws_out + rows, wv)
-
-
-@triton.jit
-def zero_rows_tile(tile, dst, H, BR: tl.constexpr, BH: tl.constexpr):
-    """``dst`` rows ``tile*BR ..`` (BR of them, row stride H) = 0."""
-    dst_row = dst + (tile * BR + tl.arange(0, BR)).to(tl.int64) * H
     for h0 in range(0, H, BH):
         cols = h0 + tl.arange(0, BH)
-        tl.store(dst_row[:, None] + cols[None, :], tl.zeros((BR, BH), dst.dtype.element_ty), mask=(cols < H)[None, :])
+        cmask = cols < H
+        v = tl.load(src_row[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
+        tl.store(dst_row[:, None] + cols[None, :], v, mask=cmask[None, :])
+    if WITH_WEIGHTS:
+        tl.store(ws_out + rows, wv)
 
 
 @triton.jit

@@ -183,14 +183,9 @@ def _wait(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch, TMA: tl
 def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
           NS: tl.constexpr, G, H: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, FS: tl.constexpr,
           ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False, SAVE: tl.constexpr = False, w_ptrs=None,
-          row_w=None, rec=None, TRACE_EV: tl.constexpr = 0, INTERPRET: tl.constexpr = False,
-          ZERO_PAD: tl.constexpr = False, HALF: tl.constexpr = False, TWO_STEPS: tl.constexpr = False):
+          row_w=None, rec=None, TRACE_EV: tl.constexpr = 0, INTERPRET: tl.constexpr = False):
     """Pull part ``part`` (BM // FS rows) of row tile i into its ring slot (SAVE: into row i*BM of
-    the full xs buffer, with the rows' router weights into row_w).
-
-    ZERO_PAD: a part of padding rows only that the GEMMs compute (not the second half of a half
-    tile) is written with zeros instead of being left as it is: the MMAs of those rows then
-    multiply zeros (measurement: whether stale data in padding rows costs power)."""
+    the full xs buffer, with the rows' router weights into row_w)."""
     s = i % NS
     g = i // NS
     _wait(cnt_ptr, C_READY + NS + s, G * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
@@ -203,22 +198,11 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
         if tl.load(row_src + (i * FS + part) * (BM // FS)) >= 0:
             if SAVE:
                 comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, xs_ring, H, TK, k, w_ptrs, row_w, BM // FS, BH,
-                                    True, (H % 8) == 0, TWO_STEPS)
+                                    True, (H % 8) == 0)
             else:
                 dst = xs_ring + (s - i).to(tl.int64) * (BM * H)  # row i*BM of dst = row s*BM of the ring
                 comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM // FS, BH,
-                                    False, (H % 8) == 0, TWO_STEPS)
-        else:
-            if ZERO_PAD:
-                computed = True
-                if HALF:  # the second half of a half tile is not computed at all
-                    computed = (part < FS // 2) | (tl.load(row_src + i * BM + BM // 2) >= 0)
-                if computed:
-                    if SAVE:
-                        dst = xs_ring
-                    else:
-                        dst = xs_ring + (s - i).to(tl.int64) * (BM * H)
-                    comm.zero_rows_tile(i * FS + part, dst, H, BM // FS, BH)
+                                    False, (H % 8) == 0)
     if TMA:  # the gate/up tiles read these rows through TMA (the async proxy)
         sync.fence_proxy_async()
     sync.add_release(cnt_ptr + C_READY + s, 1, "gpu")
@@ -355,8 +339,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
                        INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False,
                        SAVE: tl.constexpr = False, HALF: tl.constexpr = False, trace=None,
-                       TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, ZERO_PAD: tl.constexpr = False,
-                       FILL_TWO_STEPS: tl.constexpr = False):
+                       TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -443,8 +426,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                         tl.store(rec, kind)  # TR_FILL, TR_GU, TR_DN
                     if kind == 0:
                         _fill(i, n, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
-                              NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET,
-                              ZERO_PAD, HALF, FILL_TWO_STEPS)
+                              NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET)
                     else:
                         _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
                                       wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
@@ -554,8 +536,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           programs: int, comm_programs: int = 0, prefetch: int | None = None, pull_cols: int = 512,
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
-                          w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1,
-                          zero_padding: bool = False, fill_two_steps: bool = False):
+                          w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -659,6 +640,6 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         BN_GUS=gus_cfg.BN, BK_GUS=gus_cfg.BK, BN_DNS=dns_cfg.BN, BK_DNS=dns_cfg.BK,
         INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, HALF=half,
         trace=trace, TRACE_EV=0 if trace is None else (trace.shape[1] - TRACE_HEAD) // 4,
-        DN_COLS=dn_cols, ZERO_PAD=zero_padding, FILL_TWO_STEPS=fill_two_steps,
+        DN_COLS=dn_cols,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
 
