@@ -528,9 +528,11 @@ def test_trace_records_every_ticket_once(monkeypatch):
     codes = tr[0, megakernel_fwd.TRACE_HEAD.value:].reshape(256, 4)[:n, 0].tolist()
     nt = sum(-(-c // CFG.tile_m) for c in torch.bincount(idx.flatten(), minlength=E).tolist())
     G, D = -(-I // 16), -(-H // 16)  # _small_tiles: 16-column tiles
+    D_routed = D // megakernel_fwd.down_col_tiles(D, cfg.down_cols(I))  # down tickets per row tile (2 tiles each)
+    assert D_routed == 1
     n_sh = -(-T // CFG.tile_m)
     kinds = megakernel_fwd.TRACE_KINDS
     count = {name: codes.count(c) for c, name in enumerate(kinds)}
-    assert (count["fill"], count["gate/up"], count["down"]) == (nt * cfg.fwd_fill_split, nt * G, nt * D)
+    assert (count["fill"], count["gate/up"], count["down"]) == (nt * cfg.fwd_fill_split, nt * G, nt * D_routed)
     assert (count["shared gate/up"], count["shared down"]) == (n_sh * G, n_sh * D)
     assert sum(count.values()) == n
