@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Per-stage times (CUDA events between launches), median over iterations, "
                                     "max over ranks. 'tiny' runs on the CPU under the Triton interpreter.")
     _one_shape_run_args(pr, "JSON file for the per-stage times")
+    pr.add_argument("--mega", action="store_true",
+                    help="profile the default layer (the forward megakernel) instead of the sync-free path")
     tu = sub.add_parser("tune", help="time the forward megakernel's variants (GPU)",
                         description="Forward time of megakernel variants (comm programs C, prefetch P, ring rows R, "
                                     "programs N, down lag L, fill split S, row-tile group M, ablations A) against "
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
         bad = [n for n in args.shapes if n not in PROFILE_SHAPES]
         if bad:
             parser.error(f"unknown shape(s) {', '.join(bad)}; known: {', '.join(PROFILE_SHAPES)}")
-        profile.run(args.shapes, args.tokens, args.ep, args.iters, args.warmup, args.out)
+        profile.run(args.shapes, args.tokens, args.ep, args.iters, args.warmup, args.out, mega=args.mega)
         return 0
     if args.command == "tune":
         from . import tune

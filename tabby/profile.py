@@ -1,9 +1,10 @@
 """``tabby profile``: time every stage of Tabby's forward and backward (CUDA events between launches),
 and read the megakernel's ticket trace.
 
-It profiles the sync-free path (``MoEConfig(megakernel=False)``), whose stages are separate launches;
-the megakernel's forward is one launch (``fwd:megakernel``), split by ``tabby tune``'s ablations and
-by its ticket trace (``MoEConfig.fwd_trace_events``; ``summarize_trace``, ``format_trace``,
+It profiles the sync-free path (``MoEConfig(megakernel=False)``), whose stages are separate launches,
+or with ``mega`` the default layer: the megakernel's forward is one launch (``fwd:megakernel``) between
+the publish / schedule and the signal / combine launches; inside, it is split by ``tabby tune``'s
+ablations and by its ticket trace (``MoEConfig.fwd_trace_events``; ``summarize_trace``, ``format_trace``,
 ``plot_trace`` below, used by ``tabby tune --trace``).
 
 Events are recorded at the stage boundaries marked in ``tabby/functional/moe.py``; a stage's time
@@ -59,8 +60,8 @@ class StageTimer:
         return out
 
 
-def profile_rank(rank, world, shape_name, T, iters, warmup):
-    """Per-stage medians on this rank: {stage: ms}."""
+def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False):
+    """Per-stage medians on this rank: {stage: ms} (``mega``: the default config, the megakernel)."""
     import torch.distributed as dist
 
     from . import bench
@@ -74,7 +75,7 @@ def profile_rank(rank, world, shape_name, T, iters, warmup):
     for it in range(warmup + iters):
         moe_mod.STAGE_TIMER = timer if it >= warmup else None
         y = moe_mod.moe(x, inp.topk_idx, inp.topk_weights, *weights, shared=inp.shared, group=group,
-                        config=MoEConfig(megakernel=False))
+                        config=MoEConfig(megakernel=mega))
         y.backward(inp.dy)
         moe_mod.STAGE_TIMER = None
         if it >= warmup:
@@ -87,16 +88,16 @@ def profile_rank(rank, world, shape_name, T, iters, warmup):
     return med
 
 
-def run(shapes, tokens, eps, iters=10, warmup=3, out=None) -> list:
+def run(shapes, tokens, eps, iters=10, warmup=3, out=None, mega=False) -> list:
     rows = []
     for shape in shapes:
         for T in tokens:
             for ep in eps:
                 if ep > 1:
-                    stages = launch(profile_rank, shape, T, iters, warmup, nprocs=ep)
+                    stages = launch(profile_rank, shape, T, iters, warmup, mega, nprocs=ep)
                 else:
-                    stages = profile_rank(0, 1, shape, T, iters, warmup)
-                rows.append(dict(shape=shape, tokens_per_gpu=T, ep=ep, stages_ms=stages))
+                    stages = profile_rank(0, 1, shape, T, iters, warmup, mega)
+                rows.append(dict(shape=shape, tokens_per_gpu=T, ep=ep, megakernel=mega, stages_ms=stages))
                 total = {p: sum(v for k, v in stages.items() if k.startswith(p)) for p in ("fwd", "bwd")}
                 print(f"{shape} T={T} EP{ep}: fwd {total['fwd']:.3f} ms, bwd {total['bwd']:.3f} ms", flush=True)
                 for k, v in stages.items():

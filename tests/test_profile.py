@@ -18,6 +18,17 @@ def test_profile_tiny_cpu(tmp_path, capsys):
     assert "tiny T=8 EP1" in capsys.readouterr().out
 
 
+def test_profile_mega_tiny_cpu(tmp_path):
+    # --mega: the default layer, whose forward is the megakernel between publish/schedule and combine
+    out = tmp_path / "stages.json"
+    assert main(["profile", "--mega", "--shapes", "tiny", "--tokens", "8", "--iters", "1", "--warmup", "0",
+                 "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    fwd = {k for k in row["stages_ms"] if k.startswith("fwd:")}
+    assert row["megakernel"] is True
+    assert fwd == {"fwd:publish+wait", "fwd:schedule", "fwd:megakernel", "fwd:signal+wait", "fwd:combine"}
+
+
 def _synthetic_trace():
     """Two programs: program 0 at 2 GHz with a gate/up (wait 200 cycles, work 800) and a down;
     program 1 at 1 GHz, starting 500 ns later, with one fill."""
