@@ -14,13 +14,14 @@ Counters (int32, one array per rank, zeroed by a memset before each launch; layo
 
     ready[s]     +1 after each fill part of slot s (FS per tile)   (fill   -> gate/up)
     gu_done[s]   +1 per finished gate/up column tile of the slot    (gate/up -> down, and slot free for fill)
-    dn_done[s]   +1 per finished down column tile of the slot       (down   -> h slot free for gate/up)
+    dn_done[s]   +1 per finished down ticket of the slot            (down   -> h slot free for gate/up)
     sh_gu[j]     +1 per finished shared gate/up column tile of x row tile j (shared gate/up -> shared down)
 
     fill(i, p)   waits gu_done[s] >= G*g        (every gate/up tile of tile i-NS has read xs slot s)
     gate/up(i,n) waits ready[s] >= FS*(g+1) and dn_done[s] >= D*g (every down tile of tile i-NS read h slot s)
     down(i,n)    waits gu_done[s] >= G*(g+1)
-    (G = cdiv(I, BN_gate_up), D = cdiv(H, BN_down).) Every wait is bounded (``sync.wait_geq``,
+    (G = cdiv(I, BN_gate_up); D = cdiv(H, BN_down) / DN_COLS down tickets per row tile, each DN_COLS
+    column tiles in one K loop, ``MoEConfig.fwd_down_cols``.) Every wait is bounded (``sync.wait_geq``,
     scope gpu): a lost signal becomes an error record (ERR_WAIT_TILE / ERR_WAIT_RING_SLOT), never a hang.
 
 Work order: one global ticket sequence in which every producer precedes its consumers. Shared
