@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     _one_shape_run_args(pr, "JSON file for the per-stage times")
     pr.add_argument("--mega", action="store_true",
                     help="profile the default layer (the forward megakernel) instead of the sync-free path")
+    pr.add_argument("--fwd-only", action="store_true",
+                    help="forward passes only (under autograd, as the bench's forward), no backward")
     tu = sub.add_parser("tune", help="time the forward megakernel's variants (GPU)",
                         description="Forward time of megakernel variants (comm programs C, prefetch P, ring rows R, "
                                     "programs N, down lag L, fill split S, row-tile group M, ablations A) against "
@@ -104,7 +106,8 @@ def main(argv=None) -> int:
         bad = [n for n in args.shapes if n not in PROFILE_SHAPES]
         if bad:
             parser.error(f"unknown shape(s) {', '.join(bad)}; known: {', '.join(PROFILE_SHAPES)}")
-        profile.run(args.shapes, args.tokens, args.ep, args.iters, args.warmup, args.out, mega=args.mega)
+        profile.run(args.shapes, args.tokens, args.ep, args.iters, args.warmup, args.out, mega=args.mega,
+                    fwd_only=args.fwd_only)
         return 0
     if args.command == "tune":
         from . import tune

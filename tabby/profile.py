@@ -9,8 +9,11 @@ ablations and by its ticket trace (``MoEConfig.fwd_trace_events``; ``summarize_t
 
 Events are recorded at the stage boundaries marked in ``tabby/functional/moe.py``; a stage's time
 is the gap between its mark and the previous one, median over iterations, maximum over ranks.
-Recording events between launches adds a little time, so the sum is slightly above the
-un-instrumented pass measured by ``tabby bench``.
+The iterations run back to back, as in ``tabby bench`` (the events are read after the last one):
+a stage's time is then the GPU's, and a gap the GPU spends waiting for the host shows in the stage
+whose launch came late. Recording events between launches adds a little time, so the sum is
+slightly above the un-instrumented pass. ``fwd_only``: forward passes only (under autograd, as the
+bench's forward), no backward in the loop.
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ class StageTimer:
     """Marks on the current stream: CUDA events on the GPU, wall clock on the CPU."""
 
     def __init__(self):
-        self.marks = []
+        self.marks = []  # this iteration's (name, event)
+        self.done = []  # closed iterations' marks
 
     def mark(self, name):
         if torch.cuda.is_available():
@@ -44,24 +48,36 @@ class StageTimer:
         else:
             self.marks.append((name, time.perf_counter()))
 
-    def stages(self) -> dict:
-        """{stage: ms}: time from the previous mark of the same pass to this mark."""
+    def next_iteration(self):
+        """Close this iteration's marks (read later by :meth:`iterations`, without a sync now)."""
+        self.done.append(self.marks)
+        self.marks = []
+
+    def iterations(self) -> list:
+        """[{stage: ms}] of every closed iteration (one device sync)."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        out = [self._stages(m) for m in self.done]
+        self.done = []
+        return out
+
+    @staticmethod
+    def _stages(marks) -> dict:
+        """{stage: ms}: time from the previous mark of the same pass to each mark."""
         out, prev = {}, None
-        for name, m in self.marks:
+        for name, m in marks:
             if name.endswith(":start"):
                 prev = m
                 continue
             ms = prev.elapsed_time(m) if torch.cuda.is_available() else (m - prev) * 1e3
             out[name] = out.get(name, 0.0) + ms
             prev = m
-        self.marks.clear()
         return out
 
 
-def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False):
-    """Per-stage medians on this rank: {stage: ms} (``mega``: the default config, the megakernel)."""
+def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only=False):
+    """Per-stage medians on this rank: {stage: ms} (``mega``: the default config, the megakernel;
+    ``fwd_only``: no backward)."""
     import torch.distributed as dist
 
     from . import bench
@@ -71,15 +87,19 @@ def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False):
     inp = bench.make_inputs(shape, T, world, rank, dev)
     group = dist.group.WORLD if world > 1 else None
     x, weights = inp.x, [inp.w_gate, inp.w_up, inp.w_down]
-    timer, samples = StageTimer(), []
+    timer = StageTimer()
     for it in range(warmup + iters):
+        if it == warmup and torch.cuda.is_available():
+            torch.cuda.synchronize()
         moe_mod.STAGE_TIMER = timer if it >= warmup else None
         y = moe_mod.moe(x, inp.topk_idx, inp.topk_weights, *weights, shared=inp.shared, group=group,
                         config=MoEConfig(megakernel=mega))
-        y.backward(inp.dy)
+        if not fwd_only:
+            y.backward(inp.dy)
         moe_mod.STAGE_TIMER = None
         if it >= warmup:
-            samples.append(timer.stages())
+            timer.next_iteration()
+    samples = timer.iterations()
     med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
     if world > 1:
         vals = torch.tensor(list(med.values()), dtype=torch.float64, device=dev)
@@ -88,16 +108,17 @@ def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False):
     return med
 
 
-def run(shapes, tokens, eps, iters=10, warmup=3, out=None, mega=False) -> list:
+def run(shapes, tokens, eps, iters=10, warmup=3, out=None, mega=False, fwd_only=False) -> list:
     rows = []
     for shape in shapes:
         for T in tokens:
             for ep in eps:
                 if ep > 1:
-                    stages = launch(profile_rank, shape, T, iters, warmup, mega, nprocs=ep)
+                    stages = launch(profile_rank, shape, T, iters, warmup, mega, fwd_only, nprocs=ep)
                 else:
-                    stages = profile_rank(0, 1, shape, T, iters, warmup, mega)
-                rows.append(dict(shape=shape, tokens_per_gpu=T, ep=ep, megakernel=mega, stages_ms=stages))
+                    stages = profile_rank(0, 1, shape, T, iters, warmup, mega, fwd_only)
+                rows.append(dict(shape=shape, tokens_per_gpu=T, ep=ep, megakernel=mega, fwd_only=fwd_only,
+                                 stages_ms=stages))
                 total = {p: sum(v for k, v in stages.items() if k.startswith(p)) for p in ("fwd", "bwd")}
                 print(f"{shape} T={T} EP{ep}: fwd {total['fwd']:.3f} ms, bwd {total['bwd']:.3f} ms", flush=True)
                 for k, v in stages.items():

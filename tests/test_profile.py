@@ -27,6 +27,11 @@ def test_profile_mega_tiny_cpu(tmp_path):
     fwd = {k for k in row["stages_ms"] if k.startswith("fwd:")}
     assert row["megakernel"] is True
     assert fwd == {"fwd:publish+wait", "fwd:schedule", "fwd:megakernel", "fwd:signal+wait", "fwd:combine"}
+    # --fwd-only: the same forward stages and no backward ones
+    assert main(["profile", "--mega", "--fwd-only", "--shapes", "tiny", "--tokens", "8", "--iters", "2",
+                 "--warmup", "0", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert set(row["stages_ms"]) == fwd and row["fwd_only"] is True and all(v > 0 for v in row["stages_ms"].values())
 
 
 def _synthetic_trace():
