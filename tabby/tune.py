@@ -4,16 +4,19 @@ A variant is ``floor``, ``sync-free`` or ``mega`` with knobs after a colon, comm
 ``C`` comm programs (``fwd_comm_programs``), ``P`` prefetch, ``R`` ring rows, ``N`` persistent
 programs, ``L`` down lag, ``S`` fill split, ``M`` group of row tiles, ``B`` down tile columns,
 ``U`` gate/up tile columns, ``T`` TMA operand loads (0 off), ``K`` pipeline stages, ``Z`` keep rows for the backward (0: recompute), ``W`` columns per fill step, ``Q`` half-height tiles (0 off), ``V`` warps per program, ``Y`` routed tile height (``tile_m``; also
-``sync-free:Y=64``), ``A`` ablation (1: no row copies, 2: no routed GEMM math; the output is then wrong and
-not checked). Example: ``mega:C=16,R=4096``. Every non-ablated variant's output is compared with
-the sync-free path's (bitwise without a shared expert). Forward times: CUDA events per
-iteration, maximum over ranks, median.
+``sync-free:Y=64``), ``D`` column tiles per down ticket, ``A`` ablation (1: no row copies, 2: no routed
+GEMM math, 4: pushes into the own buffer; the output is then wrong and not checked). Example:
+``mega:C=16,R=4096``. Every non-ablated variant's output is compared with the sync-free path's
+(bitwise without a shared expert). Forward times: CUDA events per iteration, maximum over ranks,
+median; "host ms": the host's time per call with calls enqueued back to back (a pass whose host
+time reaches its GPU time is bound by the host).
 """
 from __future__ import annotations
 
 import json
 import os
 import statistics
+import time
 
 import torch
 
@@ -49,6 +52,20 @@ def _median_ms(run, warmup, iters):
     from .bench import max_over_ranks, time_iterations
 
     return statistics.median(max_over_ranks(time_iterations(run, warmup, iters)))
+
+
+def _host_ms(run, iters):
+    """Host (Python + launch) milliseconds per call, max over ranks: ``iters`` calls enqueued back to
+    back with no sync between them. At or above the GPU time, the pass is bound by the host."""
+    from .bench import max_over_ranks
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run()
+    host = (time.perf_counter() - t0) * 1e3 / iters
+    torch.cuda.synchronize()
+    return max_over_ranks([host])[0]
 
 
 def _trace_variant(run_cfg, cfg, events, plot_path=None, title=""):
@@ -110,8 +127,9 @@ def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=
                     check = True if torch.equal(y, base) else float((y.float() - base.float()).norm()
                                                                     / base.float().norm())
             ms = _median_ms(run, warmup, iters)
+            host = _host_ms(run, iters)
             tabby.check_errors()
-            rows.append(dict(variant=spec, ms=ms, check=check))
+            rows.append(dict(variant=spec, ms=ms, host_ms=host, check=check))
             if trace_events and kind == "mega":
                 plot = None
                 if plot_dir and rank == 0:
@@ -174,14 +192,15 @@ def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None, best_o
                         else tune_rank(0, 1, shape, T, variants, warmup, iters, trace, plot_dir))
                 results.append(dict(shape=shape, tokens_per_gpu=T, ep=ep, rows=rows))
                 ref = {r["variant"]: r["ms"] for r in rows}
-                print(f"\n| {shape} T={T} EP{ep} | ms | x floor | x sync-free | check |\n|---|---|---|---|---|")
+                print(f"\n| {shape} T={T} EP{ep} | ms | host ms | x floor | x sync-free | check |\n"
+                      f"|---|---|---|---|---|---|")
                 for r in rows:
                     if r["ms"] is None:
-                        print(f"| {r['variant']} | error | | | {r['error']} |")
+                        print(f"| {r['variant']} | error | | | | {r['error']} |")
                         continue
                     xf = f"{r['ms'] / ref['floor']:.2f}" if ref.get("floor") else ""
                     xs = f"{r['ms'] / ref['sync-free']:.2f}" if ref.get("sync-free") else ""
-                    print(f"| {r['variant']} | {r['ms']:.3f} | {xf} | {xs} | {r['check']} |")
+                    print(f"| {r['variant']} | {r['ms']:.3f} | {r['host_ms']:.3f} | {xf} | {xs} | {r['check']} |")
                 print(flush=True)
                 if out:
                     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

@@ -103,3 +103,16 @@ def test_trace_variant_summarizes_and_draws_a_real_trace(tmp_path, monkeypatch):
     assert s["programs"] == 2 and s["tickets"] > 0 and s["kinds"]["gate/up"]["n"] > 0
     assert s["kinds"]["shared gate/up"]["n"] > 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_host_ms_is_the_host_time_per_call(monkeypatch):
+    # calls enqueued back to back: the wall time of the loop per call (here a 2 ms sleep)
+    import time
+
+    import torch
+
+    from tabby import tune
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    ms = tune._host_ms(lambda: time.sleep(2e-3), 5)
+    assert 1.9 <= ms < 20
