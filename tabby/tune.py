@@ -133,7 +133,8 @@ def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=
             if trace_events and kind == "mega":
                 plot = None
                 if plot_dir and rank == 0:
-                    tag = "".join(ch if ch.isalnum() or ch in "=-" else "_" for ch in spec)
+                    # no '=' in file names: the device tool's transfer refuses them ("mega:R=8192" -> "mega_R8192")
+                    tag = "".join(ch if ch.isalnum() or ch == "-" else "_" for ch in spec.replace("=", ""))
                     plot = os.path.join(plot_dir, f"trace-{shape_name}-{T}-ep{world}-{tag}.png")
                 rows[-1]["trace"] = _trace_variant(run, cfg, trace_events, plot,
                                                    f"{shape_name} T={T} EP{world} {spec}: rank 0")
