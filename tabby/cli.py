@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--best-out", default=None,
                     help="write the best mega variant's knobs (for TABBY_MEGA_VARIANT) to this file")
     tu.add_argument("--trace", type=int, default=0, metavar="N",
-                    help="after timing each mega variant, run it once recording up to N tickets per program "
-                         "and print where the programs spent their time; with --out, also draw each "
+                    help="after timing each mega variant, run it twice recording up to N tickets per program "
+                         "(the second run's trace: the first compiles the traced kernel) and print where the "
+                         "programs spent their time; with --out, also draw each "
                          "timeline (trace-*.png beside the JSON) (default 0: off)")
     return p
 

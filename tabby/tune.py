@@ -48,29 +48,32 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return kind, knobs
 
 
+def _host_timed(run, calls: list):
+    """``run`` wrapped to append each call's host (Python + launch) seconds to ``calls``."""
+    def timed():
+        t0 = time.perf_counter()
+        out = run()
+        calls.append(time.perf_counter() - t0)
+        return out
+
+    return timed
+
+
 def _median_ms(run, warmup, iters):
+    """(GPU ms: median over iterations of the max over ranks; host ms per call, max over ranks), from
+    the same back-to-back timed calls (no sync between them): a pass whose host time reaches its GPU
+    time is bound by the host."""
     from .bench import max_over_ranks, time_iterations
 
-    return statistics.median(max_over_ranks(time_iterations(run, warmup, iters)))
-
-
-def _host_ms(run, iters):
-    """Host (Python + launch) milliseconds per call, max over ranks: ``iters`` calls enqueued back to
-    back with no sync between them. At or above the GPU time, the pass is bound by the host."""
-    from .bench import max_over_ranks
-
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        run()
-    host = (time.perf_counter() - t0) * 1e3 / iters
-    torch.cuda.synchronize()
-    return max_over_ranks([host])[0]
+    calls = []
+    ms = statistics.median(max_over_ranks(time_iterations(_host_timed(run, calls), warmup, iters)))
+    host = sum(calls[warmup:]) * 1e3 / iters
+    return ms, max_over_ranks([host])[0]
 
 
 def _trace_variant(run_cfg, cfg, events, plot_path=None, title=""):
-    """Run ``cfg`` once more with a trace of ``events`` tickets per program; its summary (this rank),
-    and its timeline drawn to ``plot_path`` when given."""
+    """Run ``cfg`` twice more with a trace of ``events`` tickets per program; the second run's summary
+    (this rank), and its timeline drawn to ``plot_path`` when given."""
     import dataclasses
 
     from . import profile
@@ -126,8 +129,7 @@ def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=
                     # height may sum in another order)
                     check = True if torch.equal(y, base) else float((y.float() - base.float()).norm()
                                                                     / base.float().norm())
-            ms = _median_ms(run, warmup, iters)
-            host = _host_ms(run, iters)
+            ms, host = _median_ms(run, warmup, iters)
             tabby.check_errors()
             rows.append(dict(variant=spec, ms=ms, host_ms=host, check=check))
             if trace_events and kind == "mega":

@@ -397,8 +397,8 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
             megakernel_fwd.check_order(n_slots, cfg.tile_m, cfg.fwd_group_m or megakernel_fwd.default_group_m(n_slots),
                                        cfg.fwd_prefetch, cfg.fwd_down_lag, cfg.fwd_fill_split,
                                        cfg.fwd_pull_cols or cfg.pull_cols)
-            if cfg.fwd_down_cols is not None and cfg.fwd_down_cols < 1:
-                raise ValueError(f"fwd_down_cols={cfg.fwd_down_cols} must be >= 1")
+            if cfg.fwd_down_cols is not None:
+                megakernel_fwd.down_col_tiles(1, cfg.fwd_down_cols)  # raises on a bad value
             if cfg.fwd_num_warps not in (None, 4, 8):
                 raise ValueError(f"fwd_num_warps={cfg.fwd_num_warps} must be 4 or 8 (one or two warpgroups)")
         except ValueError as e:
