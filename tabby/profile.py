@@ -8,7 +8,9 @@ ablations and by its ticket trace (``MoEConfig.fwd_trace_events``; ``summarize_t
 ``plot_trace`` below, used by ``tabby tune --trace``).
 
 Events are recorded at the stage boundaries marked in ``tabby/functional/moe.py``; a stage's time
-is the gap between its mark and the previous one, median over iterations, maximum over ranks.
+is the gap between its mark and the previous one, median over iterations; ``stages_ms`` is the
+maximum over ranks, ``stages_ms_per_rank`` every rank's (a rank that waits for a slower peer shows
+it in its signal+wait stage).
 The iterations run back to back, as in ``tabby bench`` (the events are read after the last one):
 a stage's time is then the GPU's, and a gap the GPU spends waiting for the host shows in the stage
 whose launch came late. Recording events between launches adds a little time, so the sum is
@@ -101,11 +103,13 @@ def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only
             timer.next_iteration()
     samples = timer.iterations()
     med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-    if world > 1:
+    per_rank = [med]
+    if world > 1:  # every rank's medians: a stage slower on one rank (rank skew) shows as the peer's wait
         vals = torch.tensor(list(med.values()), dtype=torch.float64, device=dev)
-        dist.all_reduce(vals, op=dist.ReduceOp.MAX)
-        med = dict(zip(med, vals.tolist()))
-    return med
+        every = [torch.empty_like(vals) for _ in range(world)]
+        dist.all_gather(every, vals)
+        per_rank = [dict(zip(med, v.tolist())) for v in every]
+    return per_rank
 
 
 def run(shapes, tokens, eps, iters=10, warmup=3, out=None, mega=False, fwd_only=False) -> list:
@@ -114,15 +118,18 @@ def run(shapes, tokens, eps, iters=10, warmup=3, out=None, mega=False, fwd_only=
         for T in tokens:
             for ep in eps:
                 if ep > 1:
-                    stages = launch(profile_rank, shape, T, iters, warmup, mega, fwd_only, nprocs=ep)
+                    per_rank = launch(profile_rank, shape, T, iters, warmup, mega, fwd_only, nprocs=ep)
                 else:
-                    stages = profile_rank(0, 1, shape, T, iters, warmup, mega, fwd_only)
+                    per_rank = profile_rank(0, 1, shape, T, iters, warmup, mega, fwd_only)
+                stages = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
                 rows.append(dict(shape=shape, tokens_per_gpu=T, ep=ep, megakernel=mega, fwd_only=fwd_only,
-                                 stages_ms=stages))
+                                 stages_ms=stages, stages_ms_per_rank=per_rank))
                 total = {p: sum(v for k, v in stages.items() if k.startswith(p)) for p in ("fwd", "bwd")}
-                print(f"{shape} T={T} EP{ep}: fwd {total['fwd']:.3f} ms, bwd {total['bwd']:.3f} ms", flush=True)
+                print(f"{shape} T={T} EP{ep}: fwd {total['fwd']:.3f} ms, bwd {total['bwd']:.3f} ms "
+                      f"(sums of the slowest rank's stage times; per rank: the columns)", flush=True)
                 for k, v in stages.items():
-                    print(f"    {k:28s} {v:9.3f} ms", flush=True)
+                    ranks = " ".join(f"{r[k]:9.3f}" for r in per_rank) if len(per_rank) > 1 else ""
+                    print(f"    {k:28s} {v:9.3f} ms  {ranks}", flush=True)
     if out:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:
@@ -192,7 +199,13 @@ def summarize_trace(trace: torch.Tensor) -> dict:
                            share=(sum(w) + sum(k)) / total_us if total_us else 0.0,
                            work_share=sum(k) / total_us if total_us else 0.0)
     live = [(start, end, ghz) for (start, end, ghz, n), _ in progs if n > 0]
+    t = trace.detach().cpu()
+    started = t[:, 0] > 0
     return dict(span_us=max(e for _, e, _ in live) - min(s for s, _, _ in live) if live else 0.0,
+                # the GPU's globaltimer (ns) at the first program's start and the last one's end: compared
+                # across ranks only as far as the GPUs' timers agree
+                start_ns=int(t[started, 1].min()) if started.any() else 0,
+                end_ns=int(t[started, 2].max()) if started.any() else 0,
                 clock_ghz=sum(g for _, _, g in live) / len(live) if live else 0.0, programs=len(progs),
                 tickets=sum(n for (_, _, _, n), _ in progs), overflow=sum(1 for (_, _, _, n), _ in progs if n > E),
                 kinds=kinds, between_us=sum(gaps) / len(gaps) if gaps else 0.0)

@@ -134,12 +134,17 @@ def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=
             rows.append(dict(variant=spec, ms=ms, host_ms=host, check=check))
             if trace_events and kind == "mega":
                 plot = None
-                if plot_dir and rank == 0:
+                if plot_dir:
                     # no '=' in file names: the device tool's transfer refuses them ("mega:R=8192" -> "mega_R8192")
                     tag = "".join(ch if ch.isalnum() or ch == "-" else "_" for ch in spec.replace("=", ""))
-                    plot = os.path.join(plot_dir, f"trace-{shape_name}-{T}-ep{world}-{tag}.png")
-                rows[-1]["trace"] = _trace_variant(run, cfg, trace_events, plot,
-                                                   f"{shape_name} T={T} EP{world} {spec}: rank 0")
+                    plot = os.path.join(plot_dir, f"trace-{shape_name}-{T}-ep{world}-{tag}-rank{rank}.png")
+                summary = _trace_variant(run, cfg, trace_events, plot,
+                                         f"{shape_name} T={T} EP{world} {spec}: rank {rank}")
+                every = [summary]
+                if world > 1:  # every rank's: a rank whose kernel runs longer makes its peers wait
+                    every = [None] * world
+                    dist.all_gather_object(every, summary)
+                rows[-1]["trace"] = every
         except Exception as e:  # noqa: BLE001 -- one bad variant must not lose the others
             rows.append(dict(variant=spec, ms=None, check=None, error=f"{type(e).__name__}: {e}"[:300]))
         if rank == 0:
@@ -149,7 +154,10 @@ def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=
             if r.get("trace"):
                 from .profile import format_trace
 
-                print(format_trace(r["trace"]), flush=True)
+                t0 = min(tr["start_ns"] for tr in r["trace"])
+                for rk, tr in enumerate(r["trace"]):
+                    print(f"rank {rk}: starts {(tr['start_ns'] - t0) / 1e3:.1f} us after the first rank's "
+                          f"(globaltimer), ends {(tr['end_ns'] - t0) / 1e3:.1f} us; " + format_trace(tr), flush=True)
     return rows
 
 

@@ -15,6 +15,7 @@ def test_profile_tiny_cpu(tmp_path, capsys):
             "bwd:gate_up_dgrad+push", "bwd:router_grad", "bwd:wgrad", "bwd:signal+wait", "bwd:combine"}
     assert set(stages) == want
     assert all(v > 0 for v in stages.values())
+    assert rows[0]["stages_ms_per_rank"] == [stages]  # one rank: its own medians are the maximum
     assert "tiny T=8 EP1" in capsys.readouterr().out
 
 
@@ -71,6 +72,7 @@ def test_summarize_trace_reads_times_per_kind():
     assert abs(dn["wait_us"]) < 1e-9 and abs(dn["work_us"] - 0.2) < 1e-9
     assert abs(fill["wait_us"] - 0.1) < 1e-9 and abs(fill["work_us"] - 0.4) < 1e-9
     assert abs(s["between_us"] - 0.1) < 1e-9  # program 0: down taken 200 cycles after the gate/up ended
+    assert (s["start_ns"], s["end_ns"]) == (1000, 2500)  # raw globaltimer: first start, last end
     assert abs(gu["share"] - 0.5 / 2.0) < 1e-9  # 0.5 us of 2 program-us
     assert "gate/up" in format_trace(s)
 
