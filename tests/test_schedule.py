@@ -25,12 +25,12 @@ def _ptrs(idx_list, device):
     return torch.tensor([t.data_ptr() for t in idx_list], dtype=torch.int64, device=device)
 
 
-def _run(all_idx, rank, E_local, BM, bufs=None, chunk=None, inverse=True, err=None):
+def _run(all_idx, rank, E_local, BM, bufs=None, chunk=None, inverse=True, err=None, align=1):
     """Run the kernels on ``all_idx`` [W, T, k] (each rank's slice a separate contiguous buffer)."""
     W, T, k = all_idx.shape
     idx_list = [all_idx[s].contiguous().clone().to(DEVICE) for s in range(W)]
     if bufs is None:
-        bufs = alloc_schedule(W, T, k, E_local, BM, DEVICE, chunk=chunk, inverse=inverse)
+        bufs = alloc_schedule(W, T, k, E_local, BM, DEVICE, chunk=chunk, inverse=inverse, align=align)
     if err is None:
         err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=DEVICE)
     launch_schedule(bufs, _ptrs(idx_list, DEVICE), err, rank)
@@ -38,7 +38,7 @@ def _run(all_idx, rank, E_local, BM, bufs=None, chunk=None, inverse=True, err=No
 
 
 def _check(bufs, all_idx, rank, E_local, BM):
-    ref = schedule_reference(all_idx, rank, E_local, BM, R_max=bufs.R_max)
+    ref = schedule_reference(all_idx, rank, E_local, BM, R_max=bufs.R_max, align=bufs.ALIGN)
     out = bufs.outputs()
     names = OUTPUTS + (("row_of_src",) if bufs.row_of_src is not None else ())
     for name in names:
@@ -105,6 +105,35 @@ def test_random_routing(W, T, k, E_local, BM, chunk):
         bufs, err = _run(all_idx, rank, E_local, BM, chunk=chunk)
         _check(bufs, all_idx, rank, E_local, BM)
         assert (err.cpu() == 0).all()
+
+
+@pytest.mark.parametrize("align", [2, 3])
+def test_aligned_segments(align):
+    """align > 1: every expert's segment is a multiple of align tiles, its padding-only tiles are
+    marked unused (-1) like the tiles past the end, and the real rows are those of align = 1."""
+    gen = torch.Generator().manual_seed(11 + align)
+    W, T, k, E_local, BM, rank = 2, 45, 3, 7, 8, 1
+    all_idx = _random_idx(W, T, k, W * E_local, gen)
+    all_idx[0, :5, 0] = rank * E_local + 3  # one expert with more rows than the others
+    bufs, err = _run(all_idx, rank, E_local, BM, chunk=32, align=align)
+    ref = _check(bufs, all_idx, rank, E_local, BM)
+    assert (err.cpu() == 0).all()
+    plain = schedule_reference(all_idx, rank, E_local, BM)
+    start, count = ref["expert_start"].long(), ref["expert_count"].long()
+    assert torch.equal(count, plain["expert_count"])
+    assert bufs.R_max >= schedule_capacity(W, T, k, E_local, BM) + E_local * (align - 1) * BM
+    phantom = 0
+    for e in range(E_local):
+        seg = ref["row_src"][start[e]:start[e + 1]].long()
+        p0 = plain["expert_start"][e].long()
+        assert torch.equal(seg[:count[e]], plain["row_src"][p0:p0 + count[e]].long())
+        assert (seg[count[e]:] == -1).all() and (start[e + 1] - start[e]) % (align * BM) == 0
+        tiles = ref["tile_expert"][start[e] // BM:start[e + 1] // BM]
+        used = -(-int(count[e]) // BM)
+        assert (tiles[:used] == e).all() and (tiles[used:] == -1).all()
+        phantom += tiles.numel() - used
+    assert phantom > 0  # the case exercises padding tiles
+    assert ref["num_tiles"].item() == start[-1].item() // BM
 
 
 def test_empty_experts_and_remote_only():

@@ -247,6 +247,9 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
     waits: the schedule was written before the launch, and its loads then overlap the polls."""
     s = i % NS
     g = i // NS
+    # < 0: a padding tile (the schedule pads experts to a multiple of its ``align`` tiles): no MMA,
+    # only its waits and signals, which the ring protocol counts
+    first_row = tl.load(row_src + i * BM)
     if HALF:
         half_row = tl.load(row_src + i * BM + BM // 2)  # < 0: the real rows fit in the first BM/2
     shift = (s - i) * BM  # row i*BM of a shifted ring base (or TMA coordinate) is row s*BM of the ring
@@ -267,9 +270,9 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         if (ABLATE & 2) == 0:
             # HALF: a tile whose real rows (a prefix) fit in its first BM/2 computes only those.
             # (Two nested ifs, not a flag: without HALF the half-tile code is not compiled at all.)
-            full = True
+            full = first_row >= 0
             if HALF:
-                if half_row < 0:
+                if (half_row < 0) & (first_row >= 0):
                     full = False
                     gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
                                              tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU, H % BK_GU == 0,
@@ -288,9 +291,9 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         _trace_ready(rec, TRACE_EV, INTERPRET)
         hh = h_ring + shift.to(tl.int64) * I
         if (ABLATE & 2) == 0:
-            full = True
+            full = first_row >= 0
             if HALF:
-                if half_row < 0:
+                if (half_row < 0) & (first_row >= 0):
                     full = False
                     _down_cols(i * 2, n * DN_COLS, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_tiles,
                                y_ptrs, TK, H, I, BM // 2, BN_DN, BK_DN, DN_COLS, TMA, INTERPRET, h_half_desc,

@@ -3,7 +3,10 @@
 Each rank reads every peer's ``topk_idx`` (int32 ``[T, k]`` global expert ids, addressed through
 a pointer table) and lists, for its ``E_local`` local experts, the routed rows in a fixed order:
 by local expert, then source rank, then token, then k. Each expert's segment is padded with ``-1``
-rows up to a multiple of the tile height ``BM``.
+rows up to a multiple of the tile height ``BM`` (``align`` > 1: of ``align`` tiles, so that an
+expert's row tiles start at a multiple of ``align``: the forward megakernel hands out its row tiles
+in groups, and an expert's tiles that fall into two groups read its weights from HBM twice; the
+padding tiles, all ``-1``, are skipped).
 
 Flat source id of an entry: ``src * (T*k) + t*k + kk``.
 
@@ -18,7 +21,7 @@ Three launches, all with grids fixed by the shapes (CUDA-graph capturable):
    from ``expert_count`` (a cumsum of ``E_local`` values). Place programs ``(src, chunk)`` write
    the real rows: row = start[e] + within[src, chunk, e] + rank of the entry among same-expert
    entries earlier in the chunk (from a ``tl.sort`` of ``e * CHUNK + i``). Fill programs write
-   ``tile_expert``, ``-1`` to every padding row and every row past the end, and (program 0)
+   ``tile_expert`` (-1 for a tile of padding rows only), ``-1`` to every padding row and every row past the end, and (program 0)
    ``expert_start`` / ``num_tiles``. Real rows and padding rows are disjoint, so no ordering is
    needed inside the launch.
 
@@ -42,9 +45,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def schedule_capacity(W: int, T: int, k: int, E_local: int, BM: int) -> int:
-    """Worst-case routed rows on one rank: every (token, k) of every rank, plus BM-1 padding per expert."""
-    rows = W * T * k + E_local * (BM - 1)
+def schedule_capacity(W: int, T: int, k: int, E_local: int, BM: int, align: int = 1) -> int:
+    """Worst-case routed rows on one rank: every (token, k) of every rank, plus align*BM-1 padding per expert."""
+    rows = W * T * k + E_local * (align * BM - 1)
     return max(1, _cdiv(rows, BM)) * BM
 
 
@@ -117,11 +120,14 @@ def schedule_scan_program(pid, counts_ptr, within_ptr, expert_count_ptr, src_cou
 
 
 @triton.jit
-def schedule_expert_starts(expert_count_ptr, E_local, BM: tl.constexpr, E_PAD: tl.constexpr):
-    """(ev, count, padded start, padded end) per local expert, as ``[E_PAD]`` vectors (0 past E_local)."""
+def schedule_expert_starts(expert_count_ptr, E_local, BM: tl.constexpr, E_PAD: tl.constexpr,
+                           ALIGN: tl.constexpr = 1):
+    """(ev, count, padded start, padded end) per local expert, as ``[E_PAD]`` vectors (0 past E_local);
+    segments padded to a multiple of ALIGN tiles."""
+    SEG: tl.constexpr = BM * ALIGN
     ev = tl.arange(0, E_PAD)
     cnt = tl.load(expert_count_ptr + ev, mask=ev < E_local, other=0)
-    padded = (cnt + (BM - 1)) // BM * BM
+    padded = (cnt + (SEG - 1)) // SEG * SEG
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     return ev, cnt, starts, ends
@@ -131,7 +137,7 @@ def schedule_expert_starts(expert_count_ptr, E_local, BM: tl.constexpr, E_PAD: t
 def schedule_place_program(pid, idx_ptrs, counts_ptr, within_ptr, expert_count_ptr, row_src_ptr,
                            row_of_src_ptr, rank, N, W, E_local, n_chunks, BM: tl.constexpr,
                            CHUNK: tl.constexpr, E_PAD: tl.constexpr, HAS_INV: tl.constexpr,
-                           ALIGNED: tl.constexpr):
+                           ALIGNED: tl.constexpr, ALIGN: tl.constexpr = 1):
     """Write ``row_src`` for the real rows served by ``CHUNK`` entries of one source rank.
 
     ``pid = src * n_chunks + chunk``. Needs ``counts`` (count) and ``within`` / ``expert_count``
@@ -142,7 +148,7 @@ def schedule_place_program(pid, idx_ptrs, counts_ptr, within_ptr, expert_count_p
     """
     src = pid // n_chunks
     chunk = pid - src * n_chunks
-    ev, cnt, starts, ends = schedule_expert_starts(expert_count_ptr, E_local, BM, E_PAD)
+    ev, cnt, starts, ends = schedule_expert_starts(expert_count_ptr, E_local, BM, E_PAD, ALIGN)
     emask = ev < E_local
     in_chunk = tl.load(counts_ptr + pid * E_local + ev, mask=emask, other=0)
     before_chunk = tl.load(within_ptr + pid * E_local + ev, mask=emask, other=0)
@@ -171,12 +177,12 @@ def schedule_place_program(pid, idx_ptrs, counts_ptr, within_ptr, expert_count_p
 @triton.jit
 def schedule_fill_program(fid, expert_count_ptr, expert_start_ptr, num_tiles_ptr, tile_expert_ptr,
                           row_src_ptr, E_local, n_tiles_max, BM: tl.constexpr, TPP: tl.constexpr,
-                          E_PAD: tl.constexpr):
+                          E_PAD: tl.constexpr, ALIGN: tl.constexpr = 1):
     """Tiles ``[fid*TPP, fid*TPP+TPP)``: ``tile_expert`` and ``-1`` in their padding rows.
 
     Program 0 also writes ``expert_start`` (``[E_local + 1]``) and ``num_tiles``.
     """
-    ev, cnt, starts, ends = schedule_expert_starts(expert_count_ptr, E_local, BM, E_PAD)
+    ev, cnt, starts, ends = schedule_expert_starts(expert_count_ptr, E_local, BM, E_PAD, ALIGN)
     total = tl.sum(ends - starts, axis=0)
     if fid == 0:
         tl.store(expert_start_ptr + ev, starts, mask=ev < E_local)
@@ -189,9 +195,10 @@ def schedule_fill_program(fid, expert_count_ptr, expert_start_ptr, num_tiles_ptr
     # Expert of a tile: the number of segments that end at or before its first row.
     te = tl.sum((ends_m[None, :] <= r0[:, None]).to(tl.int32), axis=1)
     te = tl.where(r0 < total, te, -1)
-    tl.store(tile_expert_ptr + tid, te, mask=tmask)
     sel = ev[None, :] == te[:, None]
     real_end = tl.sum(tl.where(sel, (starts + cnt)[None, :], 0), axis=1)  # 0 for tiles past the end
+    # a tile of padding rows only (ALIGN > 1) is marked unused (-1), as the tiles past the end
+    tl.store(tile_expert_ptr + tid, tl.where(r0 < real_end, te, -1), mask=tmask)
     rows = r0[:, None] + tl.arange(0, BM)[None, :]
     pad = rows >= real_end[:, None]
     tl.store(row_src_ptr + rows, tl.full([TPP, BM], -1, tl.int32), mask=pad & tmask[:, None])
@@ -221,15 +228,15 @@ def _schedule_place_kernel(idx_ptrs, counts_ptr, within_ptr, expert_count_ptr, e
                            num_tiles_ptr, tile_expert_ptr, row_src_ptr, row_of_src_ptr, rank, N, W,
                            E_local, n_chunks, n_place, n_tiles_max, BM: tl.constexpr,
                            CHUNK: tl.constexpr, TPP: tl.constexpr, E_PAD: tl.constexpr,
-                           HAS_INV: tl.constexpr, ALIGNED: tl.constexpr):
+                           HAS_INV: tl.constexpr, ALIGNED: tl.constexpr, ALIGN: tl.constexpr):
     pid = tl.program_id(0)
     if pid < n_place:
         schedule_place_program(pid, idx_ptrs, counts_ptr, within_ptr, expert_count_ptr, row_src_ptr,
                                row_of_src_ptr, rank, N, W, E_local, n_chunks, BM, CHUNK, E_PAD,
-                               HAS_INV, ALIGNED)
+                               HAS_INV, ALIGNED, ALIGN)
     else:
         schedule_fill_program(pid - n_place, expert_count_ptr, expert_start_ptr, num_tiles_ptr,
-                              tile_expert_ptr, row_src_ptr, E_local, n_tiles_max, BM, TPP, E_PAD)
+                              tile_expert_ptr, row_src_ptr, E_local, n_tiles_max, BM, TPP, E_PAD, ALIGN)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,7 +259,9 @@ class ScheduleBuffers:
 
     Outputs (all int32, fully rewritten by every call):
       row_src      [R_max]          flat source id served by each routed row, -1 for padding/unused
-      tile_expert  [R_max // BM]    local expert of each BM-row tile, -1 past the end
+                                    (a tile's real rows are a prefix: row_src[i*BM] < 0 for a padding tile)
+      tile_expert  [R_max // BM]    local expert of each BM-row tile, -1 past the end and for a tile of
+                                    padding rows only (ALIGN > 1)
       expert_start [E_local + 1]    padded start row of each expert's segment; [E_local] = total rows
       expert_count [E_local]        real rows per local expert
       src_count    [E_local, W]     real rows of expert e from source rank s
@@ -266,6 +275,7 @@ class ScheduleBuffers:
     k: int
     E_local: int
     BM: int
+    ALIGN: int  # expert segments padded to a multiple of ALIGN tiles
     CHUNK: int
     TPP: int
     n_chunks: int
@@ -297,12 +307,14 @@ class ScheduleBuffers:
 
 
 def alloc_schedule(W: int, T: int, k: int, E_local: int, BM: int, device, chunk: Optional[int] = None,
-                   fill_rows: int = 2048, inverse: bool = False) -> ScheduleBuffers:
+                   fill_rows: int = 2048, inverse: bool = False, align: int = 1) -> ScheduleBuffers:
     """Allocate the schedule's outputs and scratch for one rank (see :class:`ScheduleBuffers`).
 
     ``chunk``: entries per count/place program (power of two, default :func:`default_chunk`);
-    ``fill_rows``: rows per fill program; ``inverse``: also produce ``row_of_src``.
+    ``fill_rows``: rows per fill program; ``inverse``: also produce ``row_of_src``; ``align``:
+    expert segments padded to a multiple of ``align`` tiles (module docstring).
     """
+    assert align >= 1, "align must be >= 1"
     assert W >= 1 and T >= 1 and k >= 1 and E_local >= 1
     assert BM >= 1 and BM & (BM - 1) == 0, "BM must be a power of two"
     CHUNK = default_chunk(T, k) if chunk is None else int(chunk)
@@ -313,10 +325,10 @@ def alloc_schedule(W: int, T: int, k: int, E_local: int, BM: int, device, chunk:
     TPP = max(1, min(_next_pow2(fill_rows) // BM, 2048 // E_PAD))
     N = T * k
     n_chunks = _cdiv(N, CHUNK)
-    R_max = schedule_capacity(W, T, k, E_local, BM)
+    R_max = schedule_capacity(W, T, k, E_local, BM, align)
     i32 = dict(dtype=torch.int32, device=device)
     return ScheduleBuffers(
-        W=W, T=T, k=k, E_local=E_local, BM=BM, CHUNK=CHUNK, TPP=TPP, n_chunks=n_chunks,
+        W=W, T=T, k=k, E_local=E_local, BM=BM, ALIGN=align, CHUNK=CHUNK, TPP=TPP, n_chunks=n_chunks,
         R_max=R_max,
         row_src=torch.empty(R_max, **i32),
         tile_expert=torch.empty(R_max // BM, **i32),
@@ -366,7 +378,7 @@ def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Te
         idx_ptrs, bufs.counts, bufs.within, bufs.expert_count, bufs.expert_start, bufs.num_tiles,
         bufs.tile_expert, bufs.row_src, inv, rank, N, W, E_local, bufs.n_chunks, n_place,
         bufs.n_tiles_max, BM=bufs.BM, CHUNK=bufs.CHUNK, TPP=bufs.TPP, E_PAD=E_PAD,
-        HAS_INV=bufs.row_of_src is not None, ALIGNED=aligned, num_warps=num_warps_place)
+        HAS_INV=bufs.row_of_src is not None, ALIGNED=aligned, ALIGN=bufs.ALIGN, num_warps=num_warps_place)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -375,7 +387,7 @@ def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Te
 
 
 def schedule_reference(all_idx: torch.Tensor, rank: int, E_local: int, BM: int,
-                       R_max: Optional[int] = None) -> dict:
+                       R_max: Optional[int] = None, align: int = 1) -> dict:
     """The schedule of ``rank`` in plain PyTorch (host sync fine). ``all_idx``: ``[W, T, k]`` ids.
 
     Ids outside ``[0, W*E_local)`` are routed nowhere. Returns int32 CPU tensors with the same
@@ -384,7 +396,7 @@ def schedule_reference(all_idx: torch.Tensor, rank: int, E_local: int, BM: int,
     W, T, k = all_idx.shape
     N = T * k
     if R_max is None:
-        R_max = schedule_capacity(W, T, k, E_local, BM)
+        R_max = schedule_capacity(W, T, k, E_local, BM, align)
     g = all_idx.reshape(W * N).to(torch.int64).cpu()
     e = g - rank * E_local
     local = (g >= 0) & (g < W * E_local) & (e >= 0) & (e < E_local)
@@ -394,7 +406,8 @@ def schedule_reference(all_idx: torch.Tensor, rank: int, E_local: int, BM: int,
     pos_s, e_s = pos[order], el[order]
     count = torch.bincount(el, minlength=E_local)
     src_count = torch.bincount(el * W + pos // N, minlength=E_local * W).reshape(E_local, W)
-    padded = (count + BM - 1) // BM * BM
+    seg = BM * align
+    padded = (count + seg - 1) // seg * seg
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
     total = int(ends[-1])
@@ -405,7 +418,8 @@ def schedule_reference(all_idx: torch.Tensor, rank: int, E_local: int, BM: int,
     n_tiles_max = R_max // BM
     r0 = torch.arange(n_tiles_max) * BM
     tile_expert = torch.searchsorted(ends, r0, right=True)
-    tile_expert = torch.where(r0 < total, tile_expert, torch.full_like(tile_expert, -1))
+    real_end = (starts + count)[tile_expert.clamp(max=E_local - 1)]
+    tile_expert = torch.where((r0 < total) & (r0 < real_end), tile_expert, torch.full_like(tile_expert, -1))
     row_of_src = torch.full((W * N,), -1, dtype=torch.int64)
     row_of_src[pos_s] = rows
     i32 = torch.int32
