@@ -537,3 +537,19 @@ def test_trace_records_every_ticket_once(monkeypatch):
     assert (count["fill"], count["gate/up"], count["down"]) == (nt * cfg.fwd_fill_split, nt * G, nt * D_routed)
     assert (count["shared gate/up"], count["shared down"]) == (n_sh * G, n_sh * D)
     assert sum(count.values()) == n
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_padding_tiles_of_aligned_experts_change_nothing(save, monkeypatch):
+    # fwd_align_tiles: each expert's row tiles padded to a multiple of 1, 2 or 3 (padding tiles are
+    # tickets that wait and signal but compute nothing); y is bitwise the same, and the backward
+    # (saved rows, or recomputed ones) skips the padding tiles and matches the reference
+    _small_tiles(monkeypatch)
+    W, T, H, I, E_local, k = 2, 19, 32, 24, 2, 2
+    prob = make_problem(W, T, H, I, E_local, k, seed=0, route="random")  # expert rows 25, 12, 17, 22
+    counts = torch.bincount(prob[1].flatten(), minlength=W * E_local).tolist()
+    assert any(-(-c // CFG.tile_m) % 2 for c in counts), counts  # align 2 pads some expert
+    ys = [_run_y(W, T, prob, dataclasses.replace(MEGA, fwd_align_tiles=a)) for a in (1, 2, 3)]
+    assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
+    cfg = dataclasses.replace(MEGA, fwd_align_tiles=3, fwd_save_for_backward=save)
+    _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))

@@ -65,6 +65,12 @@ order, so bitwise the same outputs, half the MMA work); and a fill part that hol
 rows is not copied. Padding rows of the ring (or saved xs) then hold stale data, which reaches
 only padding rows of h, g | u and y: the GEMMs are row-wise and nothing reads those rows.
 
+Padding tiles (``MoEConfig.fwd_align_tiles``): the schedule pads each expert to a multiple of
+``align`` row tiles, so that the row tiles of an expert stay inside one group of the ticket order
+(tiles of one expert in two groups read its weights from HBM twice). A padding tile
+(``tile_expert`` -1, ``row_src`` all -1) takes its tickets, waits and signals like any other, and
+computes nothing.
+
 Row-tile index vs ring row: the tile functions of gemm.py / comm.py address rows as
 ``tile * BM`` and use ``tile`` for the schedule tables (tile_expert, row_src). Here the tables
 are indexed by ``i`` and the data by slot ``s``: the ring bases passed down are shifted by
