@@ -10,13 +10,14 @@ import triton.language as tl
 
 
 @triton.jit
-def combine_k_kernel(rows, w, extra, out, T, H, k,
+def combine_k_kernel(rows, w, extra, out, T, H, k: tl.constexpr,
                      HAS_W: tl.constexpr, HAS_EXTRA: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     mask = (t < T)[:, None] & (cols < H)[None, :]
     acc = tl.zeros((BT, BH), dtype=tl.float32)
-    for kk in range(k):
+    # unrolled (k is a compile-time constant): the k row loads of a program are in flight together
+    for kk in tl.static_range(k):
         r = (t * k + kk).to(tl.int64)
         v = tl.load(rows + r[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_W:
