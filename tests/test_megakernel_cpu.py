@@ -101,6 +101,16 @@ def test_two_down_cols_by_default_only_for_short_expert_widths():
     assert TWO_DOWN_COLS_MAX_I == 1024 and MoEConfig(fwd_down_cols=4).down_cols(768) == 4
 
 
+def test_experts_aligned_to_two_tiles_by_default_only_where_row_tiles_are_grouped():
+    # 2 when the ticket order groups row tiles (4 per group from 8 ring slots up), 1 otherwise and
+    # on the sync-free path; an explicit fwd_align_tiles wins
+    assert MoEConfig().align_tiles() == 2  # 4096 / 128 = 32 slots: groups of 4
+    assert MoEConfig(ring_rows=256).align_tiles() == 1  # 2 slots: groups of 1
+    assert MoEConfig(fwd_group_m=1).align_tiles() == 1 and MoEConfig(fwd_group_m=2).align_tiles() == 2
+    assert MoEConfig(megakernel=False, fwd_align_tiles=3).align_tiles() == 1
+    assert MoEConfig(fwd_align_tiles=3).align_tiles() == 3
+
+
 def test_down_col_tiles_divides_the_column_tiles():
     assert [megakernel_fwd.down_col_tiles(16, c) for c in (1, 2, 3, 4, 5, 8, 100)] == [1, 2, 2, 4, 4, 8, 16]
     assert [megakernel_fwd.down_col_tiles(12, c) for c in (4, 5, 8)] == [4, 4, 6]

@@ -93,7 +93,8 @@ class MoEConfig:
                      groups of the ticket order without need: with groups of 4 and 2 tiles per expert
                      (qwen3.5-397b at 4096), one odd expert misaligned every later pair, whose two
                      row tiles then read the expert's weights from HBM apart (ticket trace: gate/up
-                     tiles 13% slower on the rank with an odd expert). None: 2 (1: no padding).
+                     tiles 13% slower on the rank with an odd expert). None: 2 when the ticket order
+                     groups row tiles (fwd_group_m >= 2, as by default), else 1 (no padding).
     fwd_down_cols:   column tiles per down ticket of the megakernel (at most: the largest count up to it
                      that divides the down column tiles). One ticket runs its columns in one K loop, so
                      the ticket's atomic, its wait and the pipeline fill are paid once per ticket: at
@@ -160,7 +161,12 @@ class MoEConfig:
         the sync-free path: 1)."""
         if not self.megakernel:
             return 1
-        return self.fwd_align_tiles if self.fwd_align_tiles is not None else 2
+        if self.fwd_align_tiles is not None:
+            return self.fwd_align_tiles
+        from ..ops.megakernel_fwd import default_group_m
+
+        group_m = self.fwd_group_m or default_group_m(self.ring_rows // self.tile_m)
+        return 2 if group_m >= 2 else 1
 
     def wait_budget(self) -> int:
         """The budget argument of the kernels' bounded waits (``ops.sync.wait_geq``)."""
