@@ -152,15 +152,16 @@ def test_empty_experts_and_remote_only():
     assert (bufs.tile_expert.cpu() == -1).all()
 
 
-@pytest.mark.parametrize("W,rank", [(1, 0), (2, 1), (4, 2)])
-def test_everything_to_one_expert(W, rank):
-    """Every (token, k) of every rank routed to one expert: the worst case fills the capacity."""
+@pytest.mark.parametrize("W,rank,align", [(1, 0, 1), (2, 1, 1), (4, 2, 1), (2, 1, 2), (4, 2, 3)])
+def test_everything_to_one_expert(W, rank, align):
+    """Every (token, k) of every rank routed to one expert: the worst case fills the capacity
+    (with align > 1 the expert's segment rounds up to align tiles and still fits)."""
     T, k, E_local, BM = 37, 4, 3, 16
     all_idx = torch.full((W, T, k), rank * E_local + 2, dtype=torch.int32)
-    bufs, _ = _run(all_idx, rank, E_local, BM, chunk=64)
+    bufs, _ = _run(all_idx, rank, E_local, BM, chunk=64, align=align)
     ref = _check(bufs, all_idx, rank, E_local, BM)
     assert ref["expert_count"][2].item() == W * T * k
-    assert ref["expert_start"][-1].item() == -(-W * T * k // BM) * BM
+    assert ref["expert_start"][-1].item() == -(-W * T * k // (BM * align)) * BM * align <= bufs.R_max
 
 
 def test_reuse_buffers_no_stale_rows():
