@@ -503,15 +503,21 @@ def test_tma_by_default_only_for_large_forwards():
     assert MoEConfig(fwd_tma=True).use_tma(1, 1, 8, 8) and not MoEConfig(fwd_tma=False).use_tma(10**6, 8, 8192, 8192)
 
 
+def _ragged_problem():
+    """EP2, two experts per rank with 25, 12, 17 and 22 rows: several tiles of 16 rows, tails of at
+    most half a tile and of more. Returns (W, T, problem, rows per global expert)."""
+    W, T, H, I, E_local, k = 2, 19, 32, 24, 2, 2
+    prob = make_problem(W, T, H, I, E_local, k, seed=0, route="random")
+    return W, T, prob, torch.bincount(prob[1].flatten(), minlength=W * E_local).tolist()
+
+
 @pytest.mark.parametrize("tma", [False, True])
 def test_half_tiles_equal_full_tiles_and_match_the_reference(tma, monkeypatch):
     # fwd_half_tiles: an expert's last tile with at most tile_m/2 rows is computed as a half-height
     # tile; y is bitwise the same as with full tiles, and the saved rows (padding rows left
     # unwritten) give the reference's gradients
     _small_tiles(monkeypatch)
-    W, T, H, I, E_local, k = 2, 19, 32, 24, 2, 2
-    prob = make_problem(W, T, H, I, E_local, k, seed=0, route="random")  # expert rows 25, 12, 17, 22
-    counts = torch.bincount(prob[1].flatten(), minlength=W * E_local).tolist()
+    W, T, prob, counts = _ragged_problem()
     tails = [c % CFG.tile_m for c in counts]
     assert any(0 < r <= CFG.tile_m // 2 for r in tails) and any(r > CFG.tile_m // 2 for r in tails), counts
     full = dataclasses.replace(MEGA, fwd_half_tiles=False, fwd_tma=tma)
@@ -555,9 +561,7 @@ def test_padding_tiles_of_aligned_experts_change_nothing(save, monkeypatch):
     # tickets that wait and signal but compute nothing); y is bitwise the same, and the backward
     # (saved rows, or recomputed ones) skips the padding tiles and matches the reference
     _small_tiles(monkeypatch)
-    W, T, H, I, E_local, k = 2, 19, 32, 24, 2, 2
-    prob = make_problem(W, T, H, I, E_local, k, seed=0, route="random")  # expert rows 25, 12, 17, 22
-    counts = torch.bincount(prob[1].flatten(), minlength=W * E_local).tolist()
+    W, T, prob, counts = _ragged_problem()
     assert any(-(-c // CFG.tile_m) % 2 for c in counts), counts  # align 2 pads some expert
     ys = [_run_y(W, T, prob, dataclasses.replace(MEGA, fwd_align_tiles=a)) for a in (1, 2, 3)]
     assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
