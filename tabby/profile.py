@@ -225,7 +225,7 @@ def format_trace(summary: dict) -> str:
     return "\n".join(lines)
 
 
-TRACE_COLORS = {"fill": "tab:orange", "gate/up": "tab:blue", "down": "tab:green", "shared gate/up": "tab:purple",
+TRACE_COLORS = {"fill": "tab:orange", "fill remote": "tab:red", "gate/up": "tab:blue", "down": "tab:green", "shared gate/up": "tab:purple",
                 "shared down": "tab:pink", "empty": "lightgrey"}
 
 

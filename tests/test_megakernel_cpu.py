@@ -552,7 +552,32 @@ def test_trace_records_every_ticket_once(monkeypatch):
     count = {name: codes.count(c) for c, name in enumerate(kinds)}
     assert (count["fill"], count["gate/up"], count["down"]) == (nt * cfg.fwd_fill_split, nt * G, nt * D_routed)
     assert (count["shared gate/up"], count["shared down"]) == (n_sh * G, n_sh * D)
+    assert count["fill remote"] == 0  # one rank: every row is local
     assert sum(count.values()) == n
+
+
+def test_trace_tells_fills_of_remote_rows_from_local_ones(monkeypatch):
+    # EP2: each rank's trace counts as "fill remote" exactly the fill parts that hold a row of the
+    # other rank (from the schedule's reference), the rest as "fill"
+    from tabby.ops.schedule import schedule_reference
+
+    _small_tiles(monkeypatch)
+    W, T, prob, _ = _ragged_problem()
+    E_local = prob[3][0].shape[0] // W
+    cfg = dataclasses.replace(MEGA, fwd_trace_events=256, fwd_group_m=1)
+    megakernel_fwd.LAST_TRACE_BY_RANK.clear()
+    _run_y(W, T, prob, cfg)
+    idx, BM, FS, k = prob[1], CFG.tile_m, cfg.fwd_fill_split, prob[1].shape[1]
+    kinds = megakernel_fwd.TRACE_KINDS
+    for r in range(W):
+        tr = megakernel_fwd.LAST_TRACE_BY_RANK[r]
+        codes = tr[0, megakernel_fwd.TRACE_HEAD.value:].reshape(256, 4)[:int(tr[0, 0]), 0].tolist()
+        sched = schedule_reference(idx.reshape(W, T, k), r, E_local, BM, align=cfg.align_tiles())
+        parts = sched["row_src"][:int(sched["num_tiles"]) * BM].long().reshape(-1, BM // FS)
+        remote = ((parts >= 0) & (parts // (T * k) != r)).any(dim=1)
+        assert 0 < int(remote.sum()) < len(parts), r  # the case has both kinds on each rank
+        assert codes.count(kinds.index("fill remote")) == int(remote.sum()), r
+        assert codes.count(kinds.index("fill")) == len(parts) - int(remote.sum()), r
 
 
 @pytest.mark.parametrize("save", [True, False])

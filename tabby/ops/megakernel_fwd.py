@@ -104,9 +104,12 @@ def counter_layout(n_slots: int, n_sh: int) -> dict:
 # Header per program: [tickets taken, globaltimer ns at start, at end, clock64 at start, at end];
 # then per ticket [kind code, clock at take, clock after its waits, clock at its end].
 TRACE_HEAD = tl.constexpr(8)
-TR_FILL, TR_GU, TR_DN, TR_SH_GU, TR_SH_DN, TR_EMPTY = (tl.constexpr(v) for v in range(6))
-TRACE_KINDS = ("fill", "gate/up", "down", "shared gate/up", "shared down", "empty")
+# A fill part with a row from another rank is "fill remote" (its loads cross NVLink); "fill": every
+# row local (or padding).
+TR_FILL, TR_GU, TR_DN, TR_SH_GU, TR_SH_DN, TR_EMPTY, TR_FILL_REMOTE = (tl.constexpr(v) for v in range(7))
+TRACE_KINDS = ("fill", "gate/up", "down", "shared gate/up", "shared down", "empty", "fill remote")
 LAST_TRACE = None  # the trace of the last traced launch (set by functional.moe; measurement only)
+LAST_TRACE_BY_RANK = {}  # ... of each rank (the CPU harness runs ranks as threads of one process)
 
 
 @triton.jit
@@ -197,6 +200,10 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
     g = i // NS
     _wait(cnt_ptr, C_READY + NS + s, G * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
     _trace_ready(rec, TRACE_EV, INTERPRET)
+    if TRACE_EV > 0:  # local or remote rows (measurement only: these loads exist only when tracing)
+        rs = tl.load(row_src + (i * FS + part) * (BM // FS) + tl.arange(0, BM // FS))
+        n_remote = tl.sum(((rs >= 0) & (rs // TK != rank)).to(tl.int32), axis=0)
+        tl.store(rec, tl.where(n_remote > 0, TR_FILL_REMOTE, TR_FILL).to(tl.int64))
     if (ABLATE & 1) == 0:
         # rows i*BM + part*BM/FS .. : "tile" i*FS + part of height BM // FS. A part of padding rows
         # only (real rows are a prefix of the tile) is not written at all: whatever its rows hold
