@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched call on the GPU machine (the device tool): GPU tests, then `tabby bench`.
 # Usage: scripts/device_run.sh STAGE [bench or tune args...]; STAGE is tests, mega, profile, tune, mega-pick,
-# mega-bench, mega-tune, bench or all.
+# mega-bench, mega-tune, diag, bench or all.
 # Knobs (env): MEGA_TIMEOUT, WITH_PROFILE=1 (profile after another stage), PROFILE_{SHAPES,TOKENS,EP,TIMEOUT},
 # TUNE_TIMEOUT, TUNE_SHAPES, TUNE_TOKENS, BENCH_TIMEOUT.
 # Writes logs and results under $OUT (the device tool brings that folder back).
@@ -52,6 +52,18 @@ if [ "$stage" = mega-tune ]; then  # the megakernel's EP2 GPU tests (not with SK
   if [ -n "${TUNE2_ARGS:-}" ]; then  # a second sweep (other shapes or variants)
     timeout ${TUNE2_TIMEOUT:-300} python3 -m tabby tune --out "$OUT/res/tune2.json" $TUNE2_ARGS 2>&1 | tee "$OUT/tune2.log" | grep -E "^\|" | tail -30
   fi
+fi
+if [ "$stage" = diag ]; then  # where the forward's time goes at the issue-4 targets (fits the tool's file limit)
+  for st in qwen3.5-397b:4096 qwen3-30b-a3b:16384; do
+    timeout ${PROFILE_TIMEOUT:-150} python3 -m tabby profile --mega --fwd-only --shapes ${st%%:*} --tokens ${st##*:} \
+      --ep 2 --iters 20 --out "$OUT/res/diag-profile-${st%%:*}-${st##*:}.json" 2>&1 | grep -v -e Warn -e "return func" >> "$OUT/diag.log"
+  done
+  # both ranks' ticket traces of the default and of two ablations (no row copies, pushes kept local)
+  timeout ${TUNE_TIMEOUT:-240} python3 -m tabby tune --shapes ${DIAG_SHAPE:-qwen3-30b-a3b} --tokens ${DIAG_TOKENS:-16384} \
+    --ep 2 --variants "floor;mega;mega:A=1;mega:A=4" --trace 2048 --out "$OUT/res/diag-tune.json" 2>&1 \
+    | grep -v -e Warn -e "return func" >> "$OUT/diag.log"
+  find "$OUT/res" -name 'trace-*.png' ! -name '*-mega-rank*.png' -delete  # timelines of the default only
+  grep -E "^\||fwd:|rank [01]:|EP2: fwd" "$OUT/diag.log" | tail -60
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 -m tabby bench --out "$OUT/res" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80
