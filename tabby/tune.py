@@ -3,7 +3,7 @@
 A variant is ``floor``, ``sync-free`` or ``mega`` with knobs after a colon, comma separated:
 ``C`` comm programs (``fwd_comm_programs``), ``P`` prefetch, ``R`` ring rows, ``N`` persistent
 programs, ``L`` down lag, ``S`` fill split, ``M`` group of row tiles, ``B`` down tile columns,
-``U`` gate/up tile columns, ``T`` TMA operand loads (0 off), ``K`` pipeline stages, ``Z`` keep rows for the backward (0: recompute), ``W`` columns per fill step, ``Q`` half-height tiles (0 off), ``V`` warps per program, ``E`` expert segments padded to a multiple of E row tiles (1: none), ``Y`` routed tile height (``tile_m``; also
+``U`` gate/up tile columns, ``T`` TMA operand loads (0 off), ``K`` pipeline stages, ``Z`` keep rows for the backward (0: recompute), ``W`` columns per fill step, ``Q`` half-height tiles (0 off), ``V`` warps per program, ``E`` expert segments padded to a multiple of E row tiles (1: none), ``J`` pipeline stages of a fill's column loop, ``Y`` routed tile height (``tile_m``; also
 ``sync-free:Y=64``), ``D`` column tiles per down ticket, ``A`` ablation (1: no row copies, 2: no routed
 GEMM math, 4: pushes into the own buffer; the output is then wrong and not checked). Example:
 ``mega:C=16,R=4096``. Every non-ablated variant's output is compared with the sync-free path's
@@ -29,7 +29,7 @@ _KNOBS = {"C": "fwd_comm_programs", "P": "fwd_prefetch", "R": "ring_rows", "N": 
           "S": "fwd_fill_split", "M": "fwd_group_m", "B": "fwd_down_bn",
           "U": "fwd_gate_up_bn", "A": "fwd_ablate", "T": "fwd_tma", "Y": "tile_m",
           "K": "fwd_num_stages", "Z": "fwd_save_for_backward", "W": "fwd_pull_cols", "Q": "fwd_half_tiles",
-          "V": "fwd_num_warps", "D": "fwd_down_cols", "E": "fwd_align_tiles"}
+          "V": "fwd_num_warps", "D": "fwd_down_cols", "E": "fwd_align_tiles", "J": "fwd_fill_stages"}
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:

@@ -18,14 +18,15 @@ DESCS = ["xs_desc", "wg_desc", "wu_desc", "h_desc", "wd_desc", "x_desc", "sg_des
 
 
 def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, save: bool = False, half: bool = True,
-             trace: bool = False, warps: int = 8, dn_cols: int = 1):
+             trace: bool = False, warps: int = 8, dn_cols: int = 1, fill_stages: int = 1):
     from tabby.ops import megakernel_fwd as mk
 
     # 4 warps (MoEConfig.mega_warps): two programs per SM, 64-column gate/up tiles, 3 stages
     bn_gu, bn_gus, bn_dns, stages = (64, 64, 128, 3) if warps == 4 else (128, 128, 256, 4)
     const = dict(NS=32, FS=4, GM=2, ABLATE=0, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
                  BN_GU=bn_gu, BK_GU=64, BN_DN=bn_dn, BK_DN=64, BN_GUS=bn_gus, BK_GUS=64, BN_DNS=bn_dns, BK_DNS=64,
-                 INTERPRET=False, TMA=tma, SAVE=save, HALF=half, TRACE_EV=64 if trace else 0, DN_COLS=dn_cols)
+                 INTERPRET=False, TMA=tma, SAVE=save, HALF=half, TRACE_EV=64 if trace else 0, DN_COLS=dn_cols,
+                 FILL_STAGES=fill_stages)
     ptrs = {n: "*i32" for n in ["cnt_ptr", "err_ptr", "epoch_ptr", "row_src", "tile_expert", "num_tiles",
                                 "sh_tiles", "sh_n"]}
     ptrs.update({n: "*i64" for n in ["x_ptrs", "y_ptrs"]})
@@ -61,22 +62,27 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
     # every GEMM K loop is software-pipelined: async copies (cp.async or TMA) into shared memory
     n_async = ttgir.count("async_tma_copy_global_to_local" if tma else "async_copy_global_to_local")
     assert n_async > 0, "no pipelined loads"
+    if tma:  # the GEMMs load through TMA: ordinary async copies are the fills', only when pipelined
+        n_fill_async = ttgir.count("async_copy_global_to_local")
+        assert (n_fill_async > 0) == (fill_stages > 1), f"fill_stages={fill_stages}: {n_fill_async} async copies"
     print(f"ok shared={has_shared} comm={comm} bn_dn={bn_dn} tma={tma} save={save} half={half} "
-          f"trace={trace} warps={warps} dn_cols={dn_cols} "
+          f"trace={trace} warps={warps} dn_cols={dn_cols} fill_stages={fill_stages} "
           f"smem={k.metadata.shared} async={n_async}")
 
 
-@pytest.mark.parametrize("has_shared,comm,bn_dn,tma,save,half,trace,warps,dn_cols", [
-    (False, 0, 256, False, False, True, False, 8, 1), (True, 0, 256, False, True, True, True, 8, 1),
-    (True, 16, 256, False, False, False, True, 8, 1), (False, 0, 128, False, False, True, False, 8, 2),
-    (True, 0, 256, True, True, True, False, 8, 1), (False, 0, 256, True, False, False, False, 8, 1),
-    (True, 0, 128, True, True, True, False, 4, 1), (True, 16, 128, True, False, True, False, 4, 1),
-    (True, 0, 256, True, True, True, False, 8, 4), (False, 0, 128, True, True, True, False, 4, 4),
-    (False, 0, 128, True, True, True, True, 4, 2)])  # traced, as `tabby tune --trace` runs the TMA defaults
-def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols):
-    args = (has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols)
+@pytest.mark.parametrize("has_shared,comm,bn_dn,tma,save,half,trace,warps,dn_cols,fill_stages", [
+    (False, 0, 256, False, False, True, False, 8, 1, 1), (True, 0, 256, False, True, True, True, 8, 1, 1),
+    (True, 16, 256, False, False, False, True, 8, 1, 1), (False, 0, 128, False, False, True, False, 8, 2, 1),
+    (True, 0, 256, True, True, True, False, 8, 1, 1), (False, 0, 256, True, False, False, False, 8, 1, 1),
+    (True, 0, 128, True, True, True, False, 4, 1, 1), (True, 16, 128, True, False, True, False, 4, 1, 1),
+    (True, 0, 256, True, True, True, False, 8, 4, 1), (False, 0, 128, True, True, True, False, 4, 4, 1),
+    (False, 0, 128, True, True, True, True, 4, 2, 1),  # traced, as `tabby tune --trace` runs the TMA defaults
+    # pipelined fills (fwd_fill_stages) at qwen3-30b-a3b's 4-warp and qwen3.5-397b's 8-warp configs
+    (False, 0, 128, True, True, True, False, 4, 2, 3), (True, 0, 256, True, True, True, False, 8, 2, 3)])
+def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols, fill_stages):
+    args = (has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols, fill_stages)
     assert "ok" in run_compiled_check(__file__, *(str(int(v)) for v in args))
 
 
 if __name__ == "__main__":
-    _compile(*(int(a) if i in (1, 2, 7, 8) else bool(int(a)) for i, a in enumerate(sys.argv[1:10])))
+    _compile(*(int(a) if i in (1, 2, 7, 8, 9) else bool(int(a)) for i, a in enumerate(sys.argv[1:11])))

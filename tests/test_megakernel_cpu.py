@@ -193,6 +193,10 @@ def test_megakernel_needs_two_slots_and_a_valid_prefetch():
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_pull_cols=48))
     with pytest.raises(tabby.MoEInputError, match="fwd_num_warps"):
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_num_warps=2))
+    with pytest.raises(tabby.MoEInputError, match="fwd_fill_stages"):
+        tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_fill_stages=0))
+    with pytest.raises(tabby.MoEInputError, match="fwd_align_tiles"):
+        tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_align_tiles=0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -592,3 +596,15 @@ def test_padding_tiles_of_aligned_experts_change_nothing(save, monkeypatch):
     assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
     cfg = dataclasses.replace(MEGA, fwd_align_tiles=3, fwd_save_for_backward=save)
     _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
+
+
+@pytest.mark.parametrize("cols", [None, 16])
+def test_pipelined_fill_loop_gives_the_same_rows(cols, monkeypatch):
+    # fwd_fill_stages: the fills' column loop as a pipelined tl.range (the interpreter runs it as a
+    # plain loop; tests/test_megakernel_compile.py checks that sm_90 gets async copies): y bitwise
+    # equal to the sync-free path, with one column step per row (None) or three (16 of 48 columns)
+    _small_tiles(monkeypatch)
+    W, T, H, I, E_local, k = 2, 24, 48, 40, 2, 2
+    prob = make_problem(W, T, H, I, E_local, k, seed=5, route="random")
+    y0 = _run_y(W, T, prob, CFG)
+    assert torch.equal(y0, _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_fill_stages=3, fwd_pull_cols=cols)))

@@ -95,6 +95,10 @@ class MoEConfig:
                      row tiles then read the expert's weights from HBM apart (ticket trace: gate/up
                      tiles 13% slower on the rank with an odd expert). None: 2 when the ticket order
                      groups row tiles (fwd_group_m >= 2, as by default), else 1 (no padding).
+    fwd_fill_stages: pipeline stages of a fill's column loop (1: one block of loads, then its stores;
+                     > 1: the next blocks' loads go to shared memory as async copies while a block
+                     is stored, so a fill keeps more bytes in flight than its registers hold). Not
+                     yet measured on the GPU; 1 until it is.
     fwd_down_cols:   column tiles per down ticket of the megakernel (at most: the largest count up to it
                      that divides the down column tiles). One ticket runs its columns in one K loop, so
                      the ticket's atomic, its wait and the pipeline fill are paid once per ticket: at
@@ -137,6 +141,7 @@ class MoEConfig:
     fwd_trace_events: int = 0
     fwd_down_cols: int | None = None
     fwd_align_tiles: int | None = None
+    fwd_fill_stages: int = 1
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""

@@ -50,14 +50,27 @@ def count_ready_kernel(my_flags, epoch_ptr, slot, W, out):
 
 
 @triton.jit
+def _copy_cols(src_row, dst_row, valid, h0, H, BH: tl.constexpr):
+    """Columns h0 .. h0+BH of a block of rows: dst_row[r] <- src_row[r] (0 where not valid)."""
+    cols = h0 + tl.arange(0, BH)
+    cmask = cols < H
+    v = tl.load(src_row[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
+    tl.store(dst_row[:, None] + cols[None, :], v, mask=cmask[None, :])
+
+
+@triton.jit
 def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
-                   BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr):
+                   BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr,
+                   STAGES: tl.constexpr = 1):
     """Copy rows ``tile*BR ..`` of the routed buffer from their source ranks.
 
     Row r serves flat source id ``row_src[r] = src*TK + t*k + kk`` (-1: padding, written as zeros):
     ``dst[r] = rows_of(src)[t]`` where ``src_ptrs[src]`` is the address of rank src's [T, H]
     buffer. With WITH_WEIGHTS also ``ws_out[r] = weights_of(src)[t*k + kk]`` (fp32, 0 for padding).
     ROWS_16B: every source row starts 16-byte aligned (H * itemsize % 16 == 0; the buffers are).
+    STAGES > 1: the column loop is software-pipelined (the loads of the next STAGES-1 column blocks
+    go to shared memory as async copies while a block is stored), so more bytes are in flight than
+    the registers of one block hold; 1: one block of loads, then its stores.
     """
     rows = tile * BR + tl.arange(0, BR)
     rs = tl.load(row_src + rows)
@@ -81,11 +94,12 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     if WITH_WEIGHTS:  # loaded first, stored last: the weights' round trip overlaps the row copy
         wbase = tl.load(w_ptrs + src).to(tl.pointer_type(tl.float32))
         wv = tl.load(wbase + tk, mask=valid, other=0.0)
-    for h0 in range(0, H, BH):
-        cols = h0 + tl.arange(0, BH)
-        cmask = cols < H
-        v = tl.load(src_row[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
-        tl.store(dst_row[:, None] + cols[None, :], v, mask=cmask[None, :])
+    if STAGES > 1:
+        for h0 in tl.range(0, H, BH, num_stages=STAGES):
+            _copy_cols(src_row, dst_row, valid, h0, H, BH)
+    else:
+        for h0 in range(0, H, BH):
+            _copy_cols(src_row, dst_row, valid, h0, H, BH)
     if WITH_WEIGHTS:
         tl.store(ws_out + rows, wv)
 
