@@ -103,12 +103,18 @@ def test_two_down_cols_by_default_only_for_short_expert_widths():
 
 def test_experts_aligned_to_two_tiles_by_default_only_where_row_tiles_are_grouped():
     # 2 when the ticket order groups row tiles (4 per group from 8 ring slots up), 1 otherwise and
-    # on the sync-free path; an explicit fwd_align_tiles wins
-    assert MoEConfig().align_tiles() == 2  # 4096 / 128 = 32 slots: groups of 4
-    assert MoEConfig(ring_rows=256).align_tiles() == 1  # 2 slots: groups of 1
-    assert MoEConfig(fwd_group_m=1).align_tiles() == 1 and MoEConfig(fwd_group_m=2).align_tiles() == 2
-    assert MoEConfig(megakernel=False, fwd_align_tiles=3).align_tiles() == 1
-    assert MoEConfig(fwd_align_tiles=3).align_tiles() == 3
+    # on the sync-free path; and only where experts average at most ALIGN_MAX_TILES row tiles (an
+    # explicit fwd_align_tiles wins)
+    from tabby.functional.config import ALIGN_MAX_TILES
+
+    q35, q30_16k = (4096, 10, 256), (16384, 8, 64)  # 160 and 2048 rows per local expert at EP2
+    assert MoEConfig().align_tiles(*q35) == 2  # 4096 / 128 = 32 slots: groups of 4
+    assert MoEConfig().align_tiles(*q30_16k) == 1 and ALIGN_MAX_TILES == 4
+    assert MoEConfig().align_tiles(64, 8, 1) == 2 and MoEConfig().align_tiles(65, 8, 1) == 1  # 512 rows: 4 tiles
+    assert MoEConfig(ring_rows=256).align_tiles(*q35) == 1  # 2 slots: groups of 1
+    assert MoEConfig(fwd_group_m=1).align_tiles(*q35) == 1 and MoEConfig(fwd_group_m=2).align_tiles(*q35) == 2
+    assert MoEConfig(megakernel=False, fwd_align_tiles=3).align_tiles(*q35) == 1
+    assert MoEConfig(fwd_align_tiles=3).align_tiles(*q30_16k) == 3
 
 
 def test_down_col_tiles_divides_the_column_tiles():
@@ -546,7 +552,7 @@ def test_trace_records_every_ticket_once(monkeypatch):
     n = int(tr[0, 0])
     assert tr[1:, 0].tolist() == [0, 0]  # programs 1, 2 found no ticket left
     codes = tr[0, megakernel_fwd.TRACE_HEAD.value:].reshape(256, 4)[:n, 0].tolist()
-    a = cfg.align_tiles()  # each expert's row tiles padded to a multiple of a (padding tiles are tickets too)
+    a = cfg.align_tiles(T, k, E)  # each expert's row tiles padded to a multiple of a (padding tiles are tickets too)
     nt = sum(-(-c // (CFG.tile_m * a)) * a for c in torch.bincount(idx.flatten(), minlength=E).tolist())
     G, D = -(-I // 16), -(-H // 16)  # _small_tiles: 16-column tiles
     D_routed = D // megakernel_fwd.down_col_tiles(D, cfg.down_cols(I))  # down tickets per row tile (2 tiles each)
@@ -576,7 +582,7 @@ def test_trace_tells_fills_of_remote_rows_from_local_ones(monkeypatch):
     for r in range(W):
         tr = megakernel_fwd.LAST_TRACE_BY_RANK[r]
         codes = tr[0, megakernel_fwd.TRACE_HEAD.value:].reshape(256, 4)[:int(tr[0, 0]), 0].tolist()
-        sched = schedule_reference(idx.reshape(W, T, k), r, E_local, BM, align=cfg.align_tiles())
+        sched = schedule_reference(idx.reshape(W, T, k), r, E_local, BM, align=cfg.align_tiles(T, k, E_local))
         parts = sched["row_src"][:int(sched["num_tiles"]) * BM].long().reshape(-1, BM // FS)
         remote = ((parts >= 0) & (parts // (T * k) != r)).any(dim=1)
         assert 0 < int(remote.sum()) < len(parts), r  # the case has both kinds on each rank

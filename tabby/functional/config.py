@@ -18,6 +18,11 @@ TMA_MIN_FLOP = 5e11
 # 4 warps against 2.85; qwen3.5-397b (I 1024) 4096 3.23-3.25 against 3.14-3.17, kimi-k2 (I 2048)
 # 7.50 against 7.31, gpt-oss-120b (I 2880) 1.89 against 1.78: slower from I = 1024 on.
 FOUR_WARPS_MAX_I = 768
+# fwd_align_tiles=None pads experts to 2 row tiles only where they average at most this many tiles:
+# the gain was measured at 1.25 (qwen3.5-397b 4096, 160 rows per expert), none at 16 (qwen3-30b-a3b
+# 16384), and the padding adds a tile per expert to the worst-case size of the rows kept for the
+# backward (+0.4 GB at qwen3.5-397b 4096, +0.55 at kimi-k2 4096).
+ALIGN_MAX_TILES = 4
 
 # Down tickets of the megakernel cover two column tiles by default where I (the down GEMM's K) is at
 # most this: a short K loop (12-16 steps) pays the ticket, its waits and the pipeline fill once per
@@ -94,7 +99,9 @@ class MoEConfig:
                      (qwen3.5-397b at 4096), one odd expert misaligned every later pair, whose two
                      row tiles then read the expert's weights from HBM apart (ticket trace: gate/up
                      tiles 13% slower on the rank with an odd expert). None: 2 when the ticket order
-                     groups row tiles (fwd_group_m >= 2, as by default), else 1 (no padding).
+                     groups row tiles (fwd_group_m >= 2, as by default) and experts average at most
+                     ALIGN_MAX_TILES row tiles (T * k / E_local rows), else 1 (no padding). Costs a tile
+                     per expert in the worst-case size of the rows kept for the backward.
     fwd_fill_stages: pipeline stages of a fill's column loop (1: one block of loads, then its stores;
                      > 1: the next blocks' loads go to shared memory as async copies while a block
                      is stored, so a fill keeps more bytes in flight than its registers hold). Not
@@ -161,9 +168,9 @@ class MoEConfig:
             return self.fwd_down_cols
         return 2 if I <= TWO_DOWN_COLS_MAX_I else 1
 
-    def align_tiles(self) -> int:
-        """Row tiles each expert's schedule segment is padded to a multiple of (``fwd_align_tiles``;
-        the sync-free path: 1)."""
+    def align_tiles(self, T: int, k: int, E_local: int) -> int:
+        """Row tiles each expert's schedule segment is padded to a multiple of (``fwd_align_tiles``,
+        or by ALIGN_MAX_TILES for T tokens, top-k and E_local experts per rank; the sync-free path: 1)."""
         if not self.megakernel:
             return 1
         if self.fwd_align_tiles is not None:
@@ -171,7 +178,8 @@ class MoEConfig:
         from ..ops.megakernel_fwd import default_group_m
 
         group_m = self.fwd_group_m or default_group_m(self.ring_rows // self.tile_m)
-        return 2 if group_m >= 2 else 1
+        few_tiles = T * k <= ALIGN_MAX_TILES * self.tile_m * E_local  # rows per local expert, on average
+        return 2 if group_m >= 2 and few_tiles else 1
 
     def wait_budget(self) -> int:
         """The budget argument of the kernels' bounded waits (``ops.sync.wait_geq``)."""

@@ -158,7 +158,7 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
     _signal(ws, FWD_READY, FWD, bump=True)
     _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
     _stage("fwd:publish+wait")
-    sched = alloc_schedule(ws.world_size, T, k, E_local, cfg.tile_m, x.device, align=cfg.align_tiles())
+    sched = alloc_schedule(ws.world_size, T, k, E_local, cfg.tile_m, x.device, align=cfg.align_tiles(T, k, E_local))
     launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, ws.rank)
     _stage("fwd:schedule")
     return sched
@@ -399,7 +399,7 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
                                        cfg.fwd_pull_cols or cfg.pull_cols)
             if cfg.fwd_fill_stages < 1:
                 raise ValueError(f"fwd_fill_stages={cfg.fwd_fill_stages} must be >= 1")
-            if cfg.align_tiles() < 1:
+            if cfg.fwd_align_tiles is not None and cfg.fwd_align_tiles < 1:
                 raise ValueError(f"fwd_align_tiles={cfg.fwd_align_tiles} must be >= 1")
             if cfg.fwd_down_cols is not None:
                 megakernel_fwd.down_col_tiles(1, cfg.fwd_down_cols)  # raises on a bad value
@@ -430,7 +430,8 @@ def memory_report(dims, cfg: MoEConfig) -> str:
     """Worst-case routed-buffer sizes (every (token, k) of every rank to this rank), known at setup."""
     from ..ops.schedule import schedule_capacity
 
-    R = schedule_capacity(dims.world_size, dims.T, dims.k, dims.E_local, cfg.tile_m, cfg.align_tiles())
+    R = schedule_capacity(dims.world_size, dims.T, dims.k, dims.E_local, cfg.tile_m,
+                          cfg.align_tiles(dims.T, dims.k, dims.E_local))
     H, I, MiB = dims.H, dims.I, 2 ** 20
     kept = R * (2 * H + 4 * I + 4 + 4)  # xs, g|u, row weight, row_src: kept per layer for the backward
     fwd = R * 2 * I  # h
