@@ -16,7 +16,7 @@ nvidia-smi topo -m >> "$OUT/machine.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" >> "$OUT/machine.txt"
 echo "commit ${TABBY_GIT_COMMIT:-unknown: pass TABBY_GIT_COMMIT (the device tree has no .git)}" >> "$OUT/machine.txt"
 mega_tests_ep2() {  # the megakernel's EP2 GPU tests, with fast-failing waits (TABBY_MEGA_CASES picks cases)
-  TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${MEGA_TIMEOUT:-200} python3 -m pytest -q -rA -p no:cacheprovider --timeout ${MEGA_TIMEOUT:-200} -s \
+  TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${MEGA_TIMEOUT:-330} python3 -m pytest -q -rA -p no:cacheprovider --timeout ${MEGA_TIMEOUT:-330} -s \
     "tests/test_megakernel_gpu.py::test_megakernel_gpu[2]" 2>&1 | tee "$OUT/mega-tests.log" | grep -E "passed|failed|PASSED|FAILED|Error|assert" | tail -20
 }
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
