@@ -3,9 +3,12 @@
 A variant is ``floor``, ``sync-free`` or ``mega`` with knobs after a colon, comma separated:
 ``C`` comm programs (``fwd_comm_programs``), ``P`` prefetch, ``R`` ring rows, ``N`` persistent
 programs, ``L`` down lag, ``S`` fill split, ``M`` group of row tiles, ``B`` down tile columns,
-``U`` gate/up tile columns, ``T`` TMA operand loads (0 off), ``K`` pipeline stages, ``Z`` keep rows for the backward (0: recompute), ``W`` columns per fill step, ``Q`` half-height tiles (0 off), ``V`` warps per program, ``E`` expert segments padded to a multiple of E row tiles (1: none), ``J`` pipeline stages of a fill's column loop, ``Y`` routed tile height (``tile_m``; also
-``sync-free:Y=64``), ``D`` column tiles per down ticket, ``A`` ablation (1: no row copies, 2: no routed
-GEMM math, 4: pushes into the own buffer; the output is then wrong and not checked). Example:
+``U`` gate/up tile columns, ``T`` TMA operand loads (0 off), ``K`` pipeline stages, ``Z`` keep rows
+for the backward (0: recompute), ``W`` columns per fill step, ``Q`` half-height tiles (0 off), ``V``
+warps per program, ``E`` experts padded to a multiple of E row tiles (1: none), ``J`` pipeline
+stages of a fill's column loop, ``Y`` routed tile height (``tile_m``; also ``sync-free:Y=64``),
+``D`` column tiles per down ticket, ``A`` ablation (1: no row copies, 2: no routed GEMM math, 4:
+pushes into the own buffer; the output is then wrong and not checked). Example:
 ``mega:C=16,R=4096``. Every non-ablated variant's output is compared with the sync-free path's
 (bitwise without a shared expert). Forward times: CUDA events per iteration, maximum over ranks,
 median; "host ms": the host's time per call with calls enqueued back to back (a pass whose host

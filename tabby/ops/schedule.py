@@ -21,9 +21,9 @@ Three launches, all with grids fixed by the shapes (CUDA-graph capturable):
    from ``expert_count`` (a cumsum of ``E_local`` values). Place programs ``(src, chunk)`` write
    the real rows: row = start[e] + within[src, chunk, e] + rank of the entry among same-expert
    entries earlier in the chunk (from a ``tl.sort`` of ``e * CHUNK + i``). Fill programs write
-   ``tile_expert`` (-1 for a tile of padding rows only), ``-1`` to every padding row and every row past the end, and (program 0)
-   ``expert_start`` / ``num_tiles``. Real rows and padding rows are disjoint, so no ordering is
-   needed inside the launch.
+   ``tile_expert`` (-1 for a tile of padding rows only), ``-1`` to every padding row and every row
+   past the end, and (program 0) ``expert_start`` / ``num_tiles``. Real rows and padding rows are
+   disjoint, so no ordering is needed inside the launch.
 
 Each role is a ``@triton.jit`` function taking its program id, so a persistent kernel can call
 it; the ``_kernel`` wrappers and :func:`launch_schedule` are the standalone path.
