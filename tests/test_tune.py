@@ -11,6 +11,7 @@ def test_parse_variant():
     assert parse_variant("mega:A=1") == ("mega", {"fwd_ablate": 1})
     assert parse_variant("mega:T=1,Y=64") == ("mega", {"fwd_tma": 1, "tile_m": 64})
     assert parse_variant("sync-free:Y=64") == ("sync-free", {"tile_m": 64})
+    assert parse_variant("mega:E=1,J=3") == ("mega", {"fwd_align_tiles": 1, "fwd_fill_stages": 3})
     for v in DEFAULT_VARIANTS:
         parse_variant(v)
 
