@@ -38,7 +38,7 @@ def _run(all_idx, rank, E_local, BM, bufs=None, chunk=None, inverse=True, err=No
 
 
 def _check(bufs, all_idx, rank, E_local, BM):
-    ref = schedule_reference(all_idx, rank, E_local, BM, R_max=bufs.R_max, align=bufs.ALIGN)
+    ref = schedule_reference(all_idx, rank, E_local, BM, R_max=bufs.R_max, align=bufs.ALIGN_TILES)
     out = bufs.outputs()
     names = OUTPUTS + (("row_of_src",) if bufs.row_of_src is not None else ())
     for name in names:

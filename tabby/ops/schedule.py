@@ -121,10 +121,10 @@ def schedule_scan_program(pid, counts_ptr, within_ptr, expert_count_ptr, src_cou
 
 @triton.jit
 def schedule_expert_starts(expert_count_ptr, E_local, BM: tl.constexpr, E_PAD: tl.constexpr,
-                           ALIGN: tl.constexpr = 1):
+                           ALIGN_TILES: tl.constexpr = 1):
     """(ev, count, padded start, padded end) per local expert, as ``[E_PAD]`` vectors (0 past E_local);
-    segments padded to a multiple of ALIGN tiles."""
-    SEG: tl.constexpr = BM * ALIGN
+    segments padded to a multiple of ALIGN_TILES row tiles."""
+    SEG: tl.constexpr = BM * ALIGN_TILES
     ev = tl.arange(0, E_PAD)
     cnt = tl.load(expert_count_ptr + ev, mask=ev < E_local, other=0)
     padded = (cnt + (SEG - 1)) // SEG * SEG
@@ -137,7 +137,7 @@ def schedule_expert_starts(expert_count_ptr, E_local, BM: tl.constexpr, E_PAD: t
 def schedule_place_program(pid, idx_ptrs, counts_ptr, within_ptr, expert_count_ptr, row_src_ptr,
                            row_of_src_ptr, rank, N, W, E_local, n_chunks, BM: tl.constexpr,
                            CHUNK: tl.constexpr, E_PAD: tl.constexpr, HAS_INV: tl.constexpr,
-                           ALIGNED: tl.constexpr, ALIGN: tl.constexpr = 1):
+                           ALIGNED: tl.constexpr, ALIGN_TILES: tl.constexpr = 1):
     """Write ``row_src`` for the real rows served by ``CHUNK`` entries of one source rank.
 
     ``pid = src * n_chunks + chunk``. Needs ``counts`` (count) and ``within`` / ``expert_count``
@@ -148,7 +148,7 @@ def schedule_place_program(pid, idx_ptrs, counts_ptr, within_ptr, expert_count_p
     """
     src = pid // n_chunks
     chunk = pid - src * n_chunks
-    ev, cnt, starts, ends = schedule_expert_starts(expert_count_ptr, E_local, BM, E_PAD, ALIGN)
+    ev, cnt, starts, ends = schedule_expert_starts(expert_count_ptr, E_local, BM, E_PAD, ALIGN_TILES)
     emask = ev < E_local
     in_chunk = tl.load(counts_ptr + pid * E_local + ev, mask=emask, other=0)
     before_chunk = tl.load(within_ptr + pid * E_local + ev, mask=emask, other=0)
@@ -177,12 +177,12 @@ def schedule_place_program(pid, idx_ptrs, counts_ptr, within_ptr, expert_count_p
 @triton.jit
 def schedule_fill_program(fid, expert_count_ptr, expert_start_ptr, num_tiles_ptr, tile_expert_ptr,
                           row_src_ptr, E_local, n_tiles_max, BM: tl.constexpr, TPP: tl.constexpr,
-                          E_PAD: tl.constexpr, ALIGN: tl.constexpr = 1):
+                          E_PAD: tl.constexpr, ALIGN_TILES: tl.constexpr = 1):
     """Tiles ``[fid*TPP, fid*TPP+TPP)``: ``tile_expert`` and ``-1`` in their padding rows.
 
     Program 0 also writes ``expert_start`` (``[E_local + 1]``) and ``num_tiles``.
     """
-    ev, cnt, starts, ends = schedule_expert_starts(expert_count_ptr, E_local, BM, E_PAD, ALIGN)
+    ev, cnt, starts, ends = schedule_expert_starts(expert_count_ptr, E_local, BM, E_PAD, ALIGN_TILES)
     total = tl.sum(ends - starts, axis=0)
     if fid == 0:
         tl.store(expert_start_ptr + ev, starts, mask=ev < E_local)
@@ -197,7 +197,7 @@ def schedule_fill_program(fid, expert_count_ptr, expert_start_ptr, num_tiles_ptr
     te = tl.where(r0 < total, te, -1)
     sel = ev[None, :] == te[:, None]
     real_end = tl.sum(tl.where(sel, (starts + cnt)[None, :], 0), axis=1)  # 0 for tiles past the end
-    # a tile of padding rows only (ALIGN > 1) is marked unused (-1), as the tiles past the end
+    # a tile of padding rows only (ALIGN_TILES > 1) is marked unused (-1), as the tiles past the end
     tl.store(tile_expert_ptr + tid, tl.where(r0 < real_end, te, -1), mask=tmask)
     rows = r0[:, None] + tl.arange(0, BM)[None, :]
     pad = rows >= real_end[:, None]
@@ -228,15 +228,15 @@ def _schedule_place_kernel(idx_ptrs, counts_ptr, within_ptr, expert_count_ptr, e
                            num_tiles_ptr, tile_expert_ptr, row_src_ptr, row_of_src_ptr, rank, N, W,
                            E_local, n_chunks, n_place, n_tiles_max, BM: tl.constexpr,
                            CHUNK: tl.constexpr, TPP: tl.constexpr, E_PAD: tl.constexpr,
-                           HAS_INV: tl.constexpr, ALIGNED: tl.constexpr, ALIGN: tl.constexpr):
+                           HAS_INV: tl.constexpr, ALIGNED: tl.constexpr, ALIGN_TILES: tl.constexpr):
     pid = tl.program_id(0)
     if pid < n_place:
         schedule_place_program(pid, idx_ptrs, counts_ptr, within_ptr, expert_count_ptr, row_src_ptr,
                                row_of_src_ptr, rank, N, W, E_local, n_chunks, BM, CHUNK, E_PAD,
-                               HAS_INV, ALIGNED, ALIGN)
+                               HAS_INV, ALIGNED, ALIGN_TILES)
     else:
         schedule_fill_program(pid - n_place, expert_count_ptr, expert_start_ptr, num_tiles_ptr,
-                              tile_expert_ptr, row_src_ptr, E_local, n_tiles_max, BM, TPP, E_PAD, ALIGN)
+                              tile_expert_ptr, row_src_ptr, E_local, n_tiles_max, BM, TPP, E_PAD, ALIGN_TILES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ class ScheduleBuffers:
       row_src      [R_max]          flat source id served by each routed row, -1 for padding/unused
                                     (a tile's real rows are a prefix: row_src[i*BM] < 0 for a padding tile)
       tile_expert  [R_max // BM]    local expert of each BM-row tile, -1 past the end and for a tile of
-                                    padding rows only (ALIGN > 1)
+                                    padding rows only (ALIGN_TILES > 1)
       expert_start [E_local + 1]    padded start row of each expert's segment; [E_local] = total rows
       expert_count [E_local]        real rows per local expert
       src_count    [E_local, W]     real rows of expert e from source rank s
@@ -275,7 +275,7 @@ class ScheduleBuffers:
     k: int
     E_local: int
     BM: int
-    ALIGN: int  # expert segments padded to a multiple of ALIGN tiles
+    ALIGN_TILES: int  # expert segments padded to a multiple of this many row tiles
     CHUNK: int
     TPP: int
     n_chunks: int
@@ -328,7 +328,8 @@ def alloc_schedule(W: int, T: int, k: int, E_local: int, BM: int, device, chunk:
     R_max = schedule_capacity(W, T, k, E_local, BM, align)
     i32 = dict(dtype=torch.int32, device=device)
     return ScheduleBuffers(
-        W=W, T=T, k=k, E_local=E_local, BM=BM, ALIGN=align, CHUNK=CHUNK, TPP=TPP, n_chunks=n_chunks,
+        W=W, T=T, k=k, E_local=E_local, BM=BM, ALIGN_TILES=align, CHUNK=CHUNK, TPP=TPP,
+        n_chunks=n_chunks,
         R_max=R_max,
         row_src=torch.empty(R_max, **i32),
         tile_expert=torch.empty(R_max // BM, **i32),
@@ -378,7 +379,8 @@ def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Te
         idx_ptrs, bufs.counts, bufs.within, bufs.expert_count, bufs.expert_start, bufs.num_tiles,
         bufs.tile_expert, bufs.row_src, inv, rank, N, W, E_local, bufs.n_chunks, n_place,
         bufs.n_tiles_max, BM=bufs.BM, CHUNK=bufs.CHUNK, TPP=bufs.TPP, E_PAD=E_PAD,
-        HAS_INV=bufs.row_of_src is not None, ALIGNED=aligned, ALIGN=bufs.ALIGN, num_warps=num_warps_place)
+        HAS_INV=bufs.row_of_src is not None, ALIGNED=aligned, ALIGN_TILES=bufs.ALIGN_TILES,
+        num_warps=num_warps_place)
 
 
 # ----------------------------------------------------------------------------------------------
