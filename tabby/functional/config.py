@@ -168,6 +168,13 @@ class MoEConfig:
             return self.fwd_down_cols
         return 2 if I <= TWO_DOWN_COLS_MAX_I else 1
 
+    def group_m(self) -> int:
+        """Row tiles per group of the megakernel's ticket order (``fwd_group_m``, or the launcher's
+        default for the ring's slots)."""
+        from ..ops.megakernel_fwd import default_group_m
+
+        return self.fwd_group_m or default_group_m(self.ring_rows // self.tile_m)
+
     def align_tiles(self, T: int, k: int, E_local: int) -> int:
         """Row tiles each expert's schedule segment is padded to a multiple of (``fwd_align_tiles``,
         or by ALIGN_MAX_TILES for T tokens, top-k and E_local experts per rank; the sync-free path: 1)."""
@@ -175,11 +182,8 @@ class MoEConfig:
             return 1
         if self.fwd_align_tiles is not None:
             return self.fwd_align_tiles
-        from ..ops.megakernel_fwd import default_group_m
-
-        group_m = self.fwd_group_m or default_group_m(self.ring_rows // self.tile_m)
         few_tiles = T * k <= ALIGN_MAX_TILES * self.tile_m * E_local  # rows per local expert, on average
-        return 2 if group_m >= 2 and few_tiles else 1
+        return 2 if self.group_m() >= 2 and few_tiles else 1
 
     def wait_budget(self) -> int:
         """The budget argument of the kernels' bounded waits (``ops.sync.wait_geq``)."""

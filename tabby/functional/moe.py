@@ -393,8 +393,7 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
     key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device))
     if cfg.megakernel:
         try:
-            n_slots = cfg.ring_rows // cfg.tile_m
-            megakernel_fwd.check_order(n_slots, cfg.tile_m, cfg.fwd_group_m or megakernel_fwd.default_group_m(n_slots),
+            megakernel_fwd.check_order(cfg.ring_rows // cfg.tile_m, cfg.tile_m, cfg.group_m(),
                                        cfg.fwd_prefetch, cfg.fwd_down_lag, cfg.fwd_fill_split,
                                        cfg.fwd_pull_cols or cfg.pull_cols)
             if cfg.fwd_fill_stages < 1:
