@@ -225,8 +225,8 @@ def format_trace(summary: dict) -> str:
     return "\n".join(lines)
 
 
-TRACE_COLORS = {"fill": "tab:orange", "fill remote": "tab:red", "gate/up": "tab:blue", "down": "tab:green", "shared gate/up": "tab:purple",
-                "shared down": "tab:pink", "empty": "lightgrey"}
+TRACE_COLORS = {"fill": "tab:orange", "fill remote": "tab:red", "gate/up": "tab:blue", "down": "tab:green",
+                "shared gate/up": "tab:purple", "shared down": "tab:pink", "empty": "lightgrey"}
 
 
 def plot_trace(trace: torch.Tensor, path: str, title: str = "") -> None:

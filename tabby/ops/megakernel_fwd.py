@@ -301,7 +301,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
             sync.fence_proxy_async()
         sync.add_release(cnt_ptr + C_READY + NS + s, 1, "gpu")
     else:  # down column tiles of row tile i, rows pushed to their origins
-        e = tl.load(tile_expert + i)  # i < num_tiles: a used tile
+        e = tl.load(tile_expert + i)  # -1 for a padding tile, which computes nothing below
         _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
         _trace_ready(rec, TRACE_EV, INTERPRET)
         hh = h_ring + shift.to(tl.int64) * I
