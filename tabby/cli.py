@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(the second run's trace: the first compiles the traced kernel) and print where the "
                          "programs spent their time; with --out, also draw each "
                          "timeline (trace-*.png beside the JSON) (default 0: off)")
+    tu.add_argument("--grad", action="store_true",
+                    help="time the forward under autograd with inputs that require grad, as the bench does "
+                         "(the megakernel then also keeps what the backward needs)")
     return p
 
 
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
         except ValueError as e:
             parser.error(str(e))
         tune.run(args.shapes, args.tokens, args.ep, args.variants, args.warmup, args.iters, args.out, args.best_out,
-                 args.trace)
+                 args.trace, args.grad)
         return 0
     if args.command != "bench":
         parser.print_help()

@@ -32,7 +32,8 @@ _KNOBS = {"C": "fwd_comm_programs", "P": "fwd_prefetch", "R": "ring_rows", "N": 
           "S": "fwd_fill_split", "M": "fwd_group_m", "B": "fwd_down_bn",
           "U": "fwd_gate_up_bn", "A": "fwd_ablate", "T": "fwd_tma", "Y": "tile_m",
           "K": "fwd_num_stages", "Z": "fwd_save_for_backward", "W": "fwd_pull_cols", "Q": "fwd_half_tiles",
-          "V": "fwd_num_warps", "D": "fwd_down_cols", "E": "fwd_align_tiles", "J": "fwd_fill_stages"}
+          "V": "fwd_num_warps", "D": "fwd_down_cols", "E": "fwd_align_tiles", "J": "fwd_fill_stages",
+          "X": "fwd_ticket_ahead"}
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -95,8 +96,11 @@ def _trace_variant(run_cfg, cfg, events, plot_path=None, title=""):
     return profile.summarize_trace(megakernel_fwd.LAST_TRACE)
 
 
-def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=0, plot_dir=None):
-    """[{variant, ms, check}] for one (shape, T, EP) on this rank (ms already max over ranks)."""
+def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=0, plot_dir=None, grad=False):
+    """[{variant, ms, check}] for one (shape, T, EP) on this rank (ms already max over ranks).
+
+    grad: time the tabby variants as the bench times its forward, under autograd with inputs that
+    require grad (the megakernel then also keeps what the backward needs); else without autograd."""
     import torch.distributed as dist
 
     import tabby
@@ -107,9 +111,9 @@ def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=
     dev = torch.device("cuda", torch.cuda.current_device())
     inp = bench.make_inputs(SHAPES[shape_name], T, world, rank, dev)
     group = dist.group.WORLD if world > 1 else None
-    args = (inp.x.detach(), inp.topk_idx, inp.topk_weights.detach(), inp.w_gate.detach(), inp.w_up.detach(),
-            inp.w_down.detach())
-    shared = tuple(t.detach() for t in inp.shared) if inp.shared else None
+    keep = (lambda t: t) if grad else (lambda t: t.detach())
+    args = (keep(inp.x), inp.topk_idx, keep(inp.topk_weights), keep(inp.w_gate), keep(inp.w_up), keep(inp.w_down))
+    shared = tuple(keep(t) for t in inp.shared) if inp.shared else None
     with torch.no_grad():
         base = tabby.moe(*args, shared=shared, group=group, config=MoEConfig(megakernel=False))
     rows = []
@@ -123,11 +127,11 @@ def tune_rank(rank, world, shape_name, T, variants, warmup, iters, trace_events=
                 cfg = MoEConfig(megakernel=kind == "mega", **knobs)
 
                 def run(cfg=cfg):
-                    with torch.no_grad():
+                    with torch.set_grad_enabled(grad):
                         return tabby.moe(*args, shared=shared, group=group, config=cfg)
 
                 if not knobs.get("fwd_ablate"):
-                    y = run()
+                    y = run().detach()
                     # bitwise equal (True) or the relative error (a shared expert or another tile
                     # height may sum in another order)
                     check = True if torch.equal(y, base) else float((y.float() - base.float()).norm()
@@ -189,7 +193,8 @@ def best_mega_variant(results: list) -> str | None:
     return min(good, key=good.get).partition(":")[2]
 
 
-def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None, best_out=None, trace=0) -> list:
+def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None, best_out=None, trace=0,
+        grad=False) -> list:
     variants = variants or DEFAULT_VARIANTS
     for v in variants:
         parse_variant(v)  # fail before starting any process
@@ -202,11 +207,11 @@ def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None, best_o
     for shape in shapes:
         for T in tokens:
             for ep in eps:
-                rows = (launch(tune_rank, shape, T, variants, warmup, iters, trace, plot_dir, nprocs=ep) if ep > 1
-                        else tune_rank(0, 1, shape, T, variants, warmup, iters, trace, plot_dir))
+                rows = (launch(tune_rank, shape, T, variants, warmup, iters, trace, plot_dir, grad, nprocs=ep)
+                        if ep > 1 else tune_rank(0, 1, shape, T, variants, warmup, iters, trace, plot_dir, grad))
                 results.append(dict(shape=shape, tokens_per_gpu=T, ep=ep, rows=rows))
                 ref = {r["variant"]: r["ms"] for r in rows}
-                print(f"\n| {shape} T={T} EP{ep} | ms | host ms | x floor | x sync-free | check |\n"
+                print(f"\n| {shape} T={T} EP{ep}{' (autograd)' if grad else ''} | ms | host ms | x floor | x sync-free | check |\n"
                       f"|---|---|---|---|---|---|")
                 for r in rows:
                     if r["ms"] is None:
@@ -219,7 +224,7 @@ def run(shapes, tokens, eps, variants=None, warmup=3, iters=10, out=None, best_o
                 if out:
                     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
                     with open(out, "w") as f:
-                        json.dump(dict(commit=os.environ.get("TABBY_GIT_COMMIT", "unknown"), results=results,
+                        json.dump(dict(commit=os.environ.get("TABBY_GIT_COMMIT", "unknown"), grad=grad, results=results,
                                        best_mega_variant=best_mega_variant(results)), f, indent=1)
     best = best_mega_variant(results)
     print(f"best mega variant over {len(results)} run(s), by geometric mean vs sync-free: "

@@ -18,7 +18,7 @@ DESCS = ["xs_desc", "wg_desc", "wu_desc", "h_desc", "wd_desc", "x_desc", "sg_des
 
 
 def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, save: bool = False, half: bool = True,
-             trace: bool = False, warps: int = 8, dn_cols: int = 1, fill_stages: int = 1):
+             trace: bool = False, warps: int = 8, dn_cols: int = 1, fill_stages: int = 1, ahead: bool = True):
     from tabby.ops import megakernel_fwd as mk
 
     # 4 warps (MoEConfig.mega_warps): two programs per SM, 64-column gate/up tiles, 3 stages
@@ -26,7 +26,7 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
     const = dict(NS=32, FS=4, GM=2, ABLATE=0, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
                  BN_GU=bn_gu, BK_GU=64, BN_DN=bn_dn, BK_DN=64, BN_GUS=bn_gus, BK_GUS=64, BN_DNS=bn_dns, BK_DNS=64,
                  INTERPRET=False, TMA=tma, SAVE=save, HALF=half, TRACE_EV=64 if trace else 0, DN_COLS=dn_cols,
-                 FILL_STAGES=fill_stages)
+                 FILL_STAGES=fill_stages, AHEAD=ahead, NW=warps)
     ptrs = {n: "*i32" for n in ["cnt_ptr", "err_ptr", "epoch_ptr", "row_src", "tile_expert", "num_tiles",
                                 "sh_tiles", "sh_n"]}
     ptrs.update({n: "*i64" for n in ["x_ptrs", "y_ptrs"]})

@@ -43,3 +43,29 @@ def test_earlier_error_aborts_a_wait_early(budget):
     seen, err = _run(0, 1, budget, err_preset=sync.ERR_WAIT_PEER_DONE)
     assert time.perf_counter() - t0 < 60
     assert seen == 0 and err[0] == sync.ERR_WAIT_PEER_DONE
+
+
+@triton.jit
+def _poll2_kernel(cnt, i1, t1, i2, t2, out, TAKE: tl.constexpr):
+    nxt, ok = sync.poll2_take(cnt, i1, t1, i2, t2, 0, TAKE, 4)
+    tl.store(out, nxt)
+    tl.store(out + 1, ok.to(tl.int32))
+
+
+@pytest.mark.parametrize("take", [True, False])
+@pytest.mark.parametrize("i1,t1,i2,t2,ok", [
+    (1, 5, 2, 3, 1),     # both counters reached
+    (1, 6, 2, 3, 0),     # the first short by one
+    (1, 5, 2, 4, 0),     # the second short by one
+    (1, 6, -1, 99, 0),   # second unused, first short
+    (-1, 99, 2, 3, 1),   # first unused
+    (-1, 99, -1, 99, 1),  # nothing to wait for
+])
+def test_poll2_take(take, i1, t1, i2, t2, ok):
+    cnt = torch.tensor([7, 5, 3], dtype=torch.int32)  # [0]: the ticket counter
+    out = torch.full((2,), -5, dtype=torch.int32)
+    _poll2_kernel[(1,)](cnt, i1, t1, i2, t2, out, TAKE=take)
+    assert out[1] == ok
+    # the next ticket is the counter's old value, taken once (the polls add nothing)
+    assert out[0] == (7 if take else -1)
+    assert cnt.tolist() == [8 if take else 7, 5, 3]

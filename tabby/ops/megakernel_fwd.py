@@ -182,8 +182,11 @@ def _routed_task(tr, nt, pre, L, F: tl.constexpr, G: tl.constexpr, D: tl.constex
 
 
 @triton.jit
-def _wait(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch, TMA: tl.constexpr = False):
-    sync.wait_geq(cnt_ptr + idx, target, wait_budget, err_ptr, code, rank, idx, epoch, "gpu")
+def _wait(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch, TMA: tl.constexpr = False, ready=0):
+    """Wait for ``cnt_ptr[idx] >= target`` unless ``ready`` (the ticket's first poll,
+    ``sync.poll2_take``, already saw every counter of the ticket there)."""
+    if ready == 0:
+        sync.wait_geq(cnt_ptr + idx, target, wait_budget, err_ptr, code, rank, idx, epoch, "gpu")
     tl.debug_barrier()  # the acquire of the polling thread orders the reads of every thread after it
     if TMA:  # ... and the TMA (async-proxy) reads of what the producer wrote with ordinary stores
         sync.fence_proxy_async()
@@ -194,13 +197,13 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
           NS: tl.constexpr, G, H: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, FS: tl.constexpr,
           ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False, SAVE: tl.constexpr = False, w_ptrs=None,
           row_w=None, rec=None, TRACE_EV: tl.constexpr = 0, INTERPRET: tl.constexpr = False,
-          STAGES: tl.constexpr = 1):
+          STAGES: tl.constexpr = 1, ready=0):
     """Pull part ``part`` (BM // FS rows) of row tile i into its ring slot (SAVE: into row i*BM of
     the full xs buffer, with the rows' router weights into row_w); STAGES: the column loop's
     pipeline stages (``comm.pull_rows_tile``)."""
     s = i % NS
     g = i // NS
-    _wait(cnt_ptr, C_READY + NS + s, G * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
+    _wait(cnt_ptr, C_READY + NS + s, G * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False, ready)
     _trace_ready(rec, TRACE_EV, INTERPRET)
     if TRACE_EV > 0:  # local or remote rows (measurement only: these loads exist only when tracing)
         rs = tl.load(row_src + (i * FS + part) * (BM // FS) + tl.arange(0, BM // FS))
@@ -254,7 +257,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   INTERPRET: tl.constexpr, FS: tl.constexpr, ABLATE: tl.constexpr = 0,
                   TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None,
                   SAVE: tl.constexpr = False, gu_save=None, HALF: tl.constexpr = False, xs_half_desc=None,
-                  h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1):
+                  h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, ready=0):
     """A gate/up (kind 1) ticket of routed row tile i, column tile n, or a down (kind 2) ticket of row
     tile i, column tiles n*DN_COLS .. n*DN_COLS+DN_COLS-1 (``rec``: its trace record when TRACE_EV > 0).
 
@@ -273,8 +276,9 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
     else:
         xs_shift = shift
     if kind == 1:  # gate/up column tile n of row tile i
-        _wait(cnt_ptr, C_READY + s, FS * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
-        _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch)
+        _wait(cnt_ptr, C_READY + s, FS * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
+        _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False,
+              ready)
         _trace_ready(rec, TRACE_EV, INTERPRET)
         xs = xs_ring + xs_shift.to(tl.int64) * H
         hh = h_ring + shift.to(tl.int64) * I
@@ -302,7 +306,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         sync.add_release(cnt_ptr + C_READY + NS + s, 1, "gpu")
     else:  # down column tiles of row tile i, rows pushed to their origins
         e = tl.load(tile_expert + i)  # -1 for a padding tile, which computes nothing below
-        _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
+        _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
         _trace_ready(rec, TRACE_EV, INTERPRET)
         hh = h_ring + shift.to(tl.int64) * I
         if (ABLATE & 2) == 0:
@@ -327,7 +331,7 @@ def _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, s
                  H: tl.constexpr, IS: tl.constexpr, BM: tl.constexpr,
                  BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
                  INTERPRET: tl.constexpr, TMA: tl.constexpr = False, x_desc=None, sg_desc=None, su_desc=None,
-                 hsh_desc=None, sd_desc=None, rec=None, TRACE_EV: tl.constexpr = 0):
+                 hsh_desc=None, sd_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, ready=0):
     """Shared expert over x row tile j: gate/up (kind 1) into h_sh, down (kind 2) into extra (local)."""
     if kind == 1:
         gemm.gate_up_swiglu_tile(j, n, x, H, s_gate, s_up, 0, H, h_sh, IS, h_sh, 0, sh_tiles, sh_n,
@@ -337,7 +341,7 @@ def _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, s
             sync.fence_proxy_async()
         sync.add_release(cnt_ptr + SH_IDX + j, 1, "gpu")
     else:
-        _wait(cnt_ptr, SH_IDX + j, GS, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA)
+        _wait(cnt_ptr, SH_IDX + j, GS, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
         _trace_ready(rec, TRACE_EV, INTERPRET)
         gemm.rows_gemm_tile(j, n, hsh_desc, sd_desc, h_sh, h_sh, IS, s_down, s_down, 0, 0, IS,
                             extra, H, sh_tiles, sh_tiles, 1, 0, sh_tiles, sh_n,
@@ -358,7 +362,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
                        INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False,
                        SAVE: tl.constexpr = False, HALF: tl.constexpr = False, trace=None,
-                       TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, FILL_STAGES: tl.constexpr = 1):
+                       TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, FILL_STAGES: tl.constexpr = 1,
+                       AHEAD: tl.constexpr = True, NW: tl.constexpr = 4):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -383,6 +388,12 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     TRACE_EV > 0 (measurement only): each program records its first TRACE_EV tickets into
     ``trace`` (layout at ``TRACE_HEAD``): kind, and the cycle counter when taken, after its waits
     and at its end.
+
+    AHEAD: a compute program takes its next ticket before it starts the current one, in the same
+    round trip as the current ticket's first polls (``sync.poll2_take``; NW: warps per program), so
+    neither the ticket atomic nor a second poll sits between two tiles. Still deadlock-free: a
+    program works on the tickets it holds in order, so the smallest unfinished ticket is always the
+    one its program is working on, and everything it waits for is smaller, hence finished.
     """
     pid = tl.program_id(0)
     epoch = tl.load(epoch_ptr)
@@ -429,34 +440,53 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                 tl.store(rec, TR_EMPTY)
                 tl.store(rec + 1, c0)
                 tl.store(rec + 2, c0)
-            if t < sh_total:
+            # What the ticket is, and the counters it waits for (index -1: none), polled together with
+            # the taking of the program's next ticket (AHEAD) in one round trip
+            is_sh = t < sh_total
+            if HAS_SHARED:
+                kind_s, j, n_s = _decode(t, n_sh, 0, GS, DS, 1)
+            else:
+                kind_s, j, n_s = 0, 0, 0
+            kind, i, n = _routed_task(t - sh_total, nt, pre, lag, F, G, D, GM)
+            s = i % NS
+            g = i // NS
+            w1 = tl.where(kind == 0, C_READY + NS + s, tl.where(kind == 1, C_READY + s, C_READY + NS + s))
+            t1 = tl.where(kind == 0, G * g, tl.where(kind == 1, FS * (g + 1), G * (g + 1)))
+            w2 = tl.where(kind == 1, C_READY + 2 * NS + s, -1)
+            w1 = tl.where(is_sh, tl.where(kind_s == 2, SH_IDX + j, -1), tl.where(i < nt, w1, -1))
+            t1 = tl.where(is_sh, GS, t1)
+            w2 = tl.where(is_sh | (i >= nt), -1, w2)
+            t_next, ready = sync.poll2_take(cnt_ptr, w1, t1, w2, D * g, C_TICKET, AHEAD, NW)
+            ready = ready.to(tl.int32)
+            if is_sh:
                 if HAS_SHARED:
-                    kind, j, n = _decode(t, n_sh, 0, GS, DS, 1)
                     if TRACE_EV > 0:
-                        tl.store(rec, TR_SH_GU + kind - 1)
-                    _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n,
+                        tl.store(rec, TR_SH_GU + kind_s - 1)
+                    _shared_task(kind_s, j, n_s, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n,
                                  wait_budget, err_ptr, rank, epoch, SH_IDX, GS, H, IS, BM,
                                  BN_GUS, BK_GUS, BN_DNS, BK_DNS, INTERPRET, TMA, x_desc, sg_desc, su_desc,
-                                 hsh_desc, sd_desc, rec, TRACE_EV)
+                                 hsh_desc, sd_desc, rec, TRACE_EV, ready)
             else:
-                kind, i, n = _routed_task(t - sh_total, nt, pre, lag, F, G, D, GM)
                 if i < nt:  # else past the last row tile: a partial last group, or fills beyond the end
                     if TRACE_EV > 0:
                         tl.store(rec, kind)  # TR_FILL, TR_GU, TR_DN
                     if kind == 0:
                         _fill(i, n, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
                               NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET,
-                              FILL_STAGES)
+                              FILL_STAGES, ready)
                     else:
                         _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
                                       wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
                                       err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
                                       INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
-                                      SAVE, gu_save, HALF, xs_half_desc, h_half_desc, rec, TRACE_EV, DN_COLS)
+                                      SAVE, gu_save, HALF, xs_half_desc, h_half_desc, rec, TRACE_EV, DN_COLS,
+                                      ready)
             if TRACE_EV > 0:
                 tl.store(rec + 3, _clock(INTERPRET))
                 ev += 1
-            t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
+            if not AHEAD:
+                t_next = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
+            t = t_next
     if TRACE_EV > 0:
         tl.store(head, ev)
         tl.store(head + 2, _gtime(INTERPRET))
@@ -557,7 +587,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
                           w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1,
-                          fill_stages: int = 1):
+                          fill_stages: int = 1, ticket_ahead: bool = True):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -580,12 +610,15 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     tickets into (measurement only; ``tabby.profile.summarize_trace``).
     ``down_cols``: column tiles per down ticket (at most; the largest count up to it that divides the
     down column tiles). ``fill_stages``: pipeline stages of a fill's column loop (1: none).
+    ``ticket_ahead``: take the next ticket with the current one's polls (kernel AHEAD).
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
     assert dn_cfg.BM == BM == sched.BM
     assert w_gate.stride() == w_up.stride() and w_gate.stride(-1) == 1 and w_down.stride(-1) == 1
     assert mb.xs_ring.shape == (mb.n_slots * BM, H) and mb.h_ring.shape == (mb.n_slots * BM, I)
+    if gu_cfg.num_warps < 3:  # sync.poll2_take issues its three atomics from three warps
+        raise ValueError(f"the forward megakernel needs at least 3 warps per program, got {gu_cfg.num_warps}")
     if not 0 <= comm_programs < programs:
         raise ValueError(f"fwd_comm_programs={comm_programs} must be in [0, programs={programs})")
     if group_m is None:
@@ -661,6 +694,6 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         BN_GUS=gus_cfg.BN, BK_GUS=gus_cfg.BK, BN_DNS=dns_cfg.BN, BK_DNS=dns_cfg.BK,
         INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, HALF=half,
         trace=trace, TRACE_EV=0 if trace is None else (trace.shape[1] - TRACE_HEAD) // 4,
-        DN_COLS=dn_cols, FILL_STAGES=fill_stages,
+        DN_COLS=dn_cols, FILL_STAGES=fill_stages, AHEAD=ticket_ahead, NW=gu_cfg.num_warps,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
 

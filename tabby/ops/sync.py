@@ -75,6 +75,37 @@ def add_reads_done(ptr, value, SCOPE: tl.constexpr):
 
 
 @triton.jit
+def poll2_take(cnt_ptr, idx1, target1, idx2, target2, ticket_idx, TAKE: tl.constexpr, NW: tl.constexpr):
+    """One round trip for what a ticket needs before it starts: acquire polls of up to two counters
+    ``cnt_ptr[idx] >= target`` (an index < 0: no counter) and, with TAKE, the program's next ticket
+    (a relaxed add of 1 to ``cnt_ptr[ticket_idx]``). Returns (next ticket or -1, ok): ok when both
+    counters have reached their targets; if not, the caller waits with ``wait_geq``.
+
+    Each of the three atomics is issued by lane 0 of its own warp (NW >= 3 warps), so their round
+    trips overlap instead of following one another (scalar atomics are issued by one thread and
+    broadcast, one round trip each). The reductions that broadcast the results end in a CTA
+    barrier, which orders every thread's later reads after both acquires (as in ``wait_geq`` plus
+    its caller's barrier).
+    """
+    lane = tl.arange(0, 32 * NW)
+    on1 = (lane == 0) & (idx1 >= 0)
+    on2 = (lane == 32) & (idx2 >= 0)
+    idx = tl.where(lane < 32, idx1, idx2)
+    seen = tl.atomic_add(cnt_ptr + tl.maximum(idx, 0), tl.zeros_like(lane), mask=on1 | on2, sem="acquire",
+                         scope="gpu")
+    if TAKE:  # issued before the reductions below, whose barrier waits for the polls' results
+        on_t = lane == 64
+        got = tl.atomic_add(cnt_ptr + ticket_idx + tl.zeros_like(lane), tl.full(lane.shape, 1, tl.int32),
+                            mask=on_t, sem="relaxed", scope="gpu")
+        nxt = tl.max(tl.where(on_t, got, -1), axis=0)
+    else:
+        nxt = -1
+    short = (on1 & (seen < target1)) | (on2 & (seen < target2))
+    ok = tl.max(short.to(tl.int32), axis=0) == 0
+    return nxt, ok
+
+
+@triton.jit
 def fence_proxy_async():
     """Order this thread's generic-proxy memory accesses with its async-proxy ones (TMA).
 
