@@ -46,13 +46,11 @@ def test_earlier_error_aborts_a_wait_early(budget):
 
 
 @triton.jit
-def _poll2_kernel(cnt, i1, t1, i2, t2, out, TAKE: tl.constexpr):
-    nxt, ok = sync.poll2_take(cnt, i1, t1, i2, t2, 0, TAKE, 4)
-    tl.store(out, nxt)
-    tl.store(out + 1, ok.to(tl.int32))
+def _poll2_kernel(cnt, i1, t1, i2, t2, out):
+    ok = sync.poll2(cnt, i1, t1, i2, t2, 4)
+    tl.store(out, ok.to(tl.int32))
 
 
-@pytest.mark.parametrize("take", [True, False])
 @pytest.mark.parametrize("i1,t1,i2,t2,ok", [
     (1, 5, 2, 3, 1),     # both counters reached
     (1, 6, 2, 3, 0),     # the first short by one
@@ -61,11 +59,26 @@ def _poll2_kernel(cnt, i1, t1, i2, t2, out, TAKE: tl.constexpr):
     (-1, 99, 2, 3, 1),   # first unused
     (-1, 99, -1, 99, 1),  # nothing to wait for
 ])
-def test_poll2_take(take, i1, t1, i2, t2, ok):
+def test_poll2(i1, t1, i2, t2, ok):
+    cnt = torch.tensor([7, 5, 3], dtype=torch.int32)
+    out = torch.full((1,), -5, dtype=torch.int32)
+    _poll2_kernel[(1,)](cnt, i1, t1, i2, t2, out)
+    assert out[0] == ok
+    assert cnt.tolist() == [7, 5, 3]  # polls add nothing
+
+
+@triton.jit
+def _signal_take_kernel(cnt, idx, release, out, AHEAD: tl.constexpr):
+    tl.store(out, sync.signal_take(cnt, idx, release, 0, AHEAD, 4))
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+@pytest.mark.parametrize("idx,release", [(1, 1), (2, 0), (-1, 1)])
+def test_signal_take(ahead, idx, release):
     cnt = torch.tensor([7, 5, 3], dtype=torch.int32)  # [0]: the ticket counter
-    out = torch.full((2,), -5, dtype=torch.int32)
-    _poll2_kernel[(1,)](cnt, i1, t1, i2, t2, out, TAKE=take)
-    assert out[1] == ok
-    # the next ticket is the counter's old value, taken once (the polls add nothing)
-    assert out[0] == (7 if take else -1)
-    assert cnt.tolist() == [8 if take else 7, 5, 3]
+    out = torch.full((1,), -5, dtype=torch.int32)
+    _signal_take_kernel[(1,)](cnt, idx, release, out, AHEAD=ahead)
+    want = [8, 5, 3]
+    if idx >= 0:
+        want[idx] += 1
+    assert out[0] == 7 and cnt.tolist() == want  # the old ticket value; each counter added to once

@@ -106,9 +106,8 @@ class MoEConfig:
                      > 1: the next blocks' loads go to shared memory as async copies while a block
                      is stored, so a fill keeps more bytes in flight than its registers hold). Not
                      yet measured on the GPU; 1 until it is.
-    fwd_ticket_ahead: a megakernel program takes its next ticket in the same round trip as the
-                     current ticket's first polls (one atomic per ticket off the critical path);
-                     False: after the current ticket, as before.
+    fwd_ticket_ahead: a megakernel program takes its next ticket while the current ticket's release
+                     fence drains (the ticket atomic off the critical path); False: after the release.
     fwd_down_cols:   column tiles per down ticket of the megakernel (at most: the largest count up to it
                      that divides the down column tiles). One ticket runs its columns in one K loop, so
                      the ticket's atomic, its wait and the pipeline fill are paid once per ticket: at

@@ -75,17 +75,15 @@ def add_reads_done(ptr, value, SCOPE: tl.constexpr):
 
 
 @triton.jit
-def poll2_take(cnt_ptr, idx1, target1, idx2, target2, ticket_idx, TAKE: tl.constexpr, NW: tl.constexpr):
-    """One round trip for what a ticket needs before it starts: acquire polls of up to two counters
-    ``cnt_ptr[idx] >= target`` (an index < 0: no counter) and, with TAKE, the program's next ticket
-    (a relaxed add of 1 to ``cnt_ptr[ticket_idx]``). Returns (next ticket or -1, ok): ok when both
-    counters have reached their targets; if not, the caller waits with ``wait_geq``.
+def poll2(cnt_ptr, idx1, target1, idx2, target2, NW: tl.constexpr):
+    """One round trip for a ticket's first polls: acquire reads of up to two counters, ok when
+    ``cnt_ptr[idx1] >= target1`` and ``cnt_ptr[idx2] >= target2`` (an index < 0: no counter).
+    If not ok the caller waits with ``wait_geq``.
 
-    Each of the three atomics is issued by lane 0 of its own warp (NW >= 3 warps), so their round
-    trips overlap instead of following one another (scalar atomics are issued by one thread and
-    broadcast, one round trip each). The reductions that broadcast the results end in a CTA
-    barrier, which orders every thread's later reads after both acquires (as in ``wait_geq`` plus
-    its caller's barrier).
+    The two atomics are issued by lane 0 of two different warps (NW >= 2), so their round trips
+    overlap (a scalar atomic is issued by one thread and broadcast: one round trip each). The
+    reduction that broadcasts the result ends in a CTA barrier, which orders every thread's later
+    reads after both acquires (as ``wait_geq`` plus its caller's barrier does).
     """
     lane = tl.arange(0, 32 * NW)
     on1 = (lane == 0) & (idx1 >= 0)
@@ -93,16 +91,37 @@ def poll2_take(cnt_ptr, idx1, target1, idx2, target2, ticket_idx, TAKE: tl.const
     idx = tl.where(lane < 32, idx1, idx2)
     seen = tl.atomic_add(cnt_ptr + tl.maximum(idx, 0), tl.zeros_like(lane), mask=on1 | on2, sem="acquire",
                          scope="gpu")
-    if TAKE:  # issued before the reductions below, whose barrier waits for the polls' results
+    short = (on1 & (seen < target1)) | (on2 & (seen < target2))
+    return tl.max(short.to(tl.int32), axis=0) == 0
+
+
+@triton.jit
+def signal_take(cnt_ptr, idx, release, ticket_idx, AHEAD: tl.constexpr, NW: tl.constexpr):
+    """End a ticket and take the program's next one: add 1 to ``cnt_ptr[idx]`` (idx < 0: no signal)
+    with release semantics (``release`` != 0, as ``add_release``) or relaxed (as ``add_reads_done``),
+    and return the old value of ``cnt_ptr[ticket_idx]`` + 1 (a relaxed add).
+
+    AHEAD: the ticket atomic goes out from another warp (lane 64; NW >= 3) right after the barrier,
+    so its round trip overlaps the release's fence instead of following it. The next ticket is then
+    taken before this one's signal lands, which delays it by that fence only: deadlock-free, since
+    the signal waits for nothing but this program's own stores.
+    """
+    tl.debug_barrier()  # every thread's stores issued (release) / reads returned (relaxed)
+    lane = tl.arange(0, 32 * NW)
+    if AHEAD:
         on_t = lane == 64
         got = tl.atomic_add(cnt_ptr + ticket_idx + tl.zeros_like(lane), tl.full(lane.shape, 1, tl.int32),
                             mask=on_t, sem="relaxed", scope="gpu")
+    if idx >= 0:
+        if release != 0:
+            tl.atomic_add(cnt_ptr + idx, 1, sem="release", scope="gpu")
+        else:
+            tl.atomic_add(cnt_ptr + idx, 1, sem="relaxed", scope="gpu")
+    if AHEAD:
         nxt = tl.max(tl.where(on_t, got, -1), axis=0)
     else:
-        nxt = -1
-    short = (on1 & (seen < target1)) | (on2 & (seen < target2))
-    ok = tl.max(short.to(tl.int32), axis=0) == 0
-    return nxt, ok
+        nxt = tl.atomic_add(cnt_ptr + ticket_idx, 1, sem="relaxed", scope="gpu")
+    return nxt
 
 
 @triton.jit
