@@ -333,3 +333,23 @@ def test_tabby_layer_is_registered_when_present(monkeypatch):
     inp = bench.make_inputs(TINY, 32, 1, 0, torch.device("cpu"))
     errs = impl.prepare(inp, None).check(with_grads=False)
     assert errs["y"] < 2e-2
+
+
+def test_bracket_floor_averages_first_and_last():
+    from tabby import bench
+
+    def rec(ms, peak, p="fwd"):
+        from tabby.shapes import SHAPES
+
+        r = bench.base_record("floor", SHAPES["qwen3-30b-a3b"], 16384, 2, p, "bf16")
+        r.update(ms=ms, ms_min=None if ms is None else ms - 0.1, peak_mem_gb=peak, tflops=1.0)
+        return r
+
+    first = [rec(2.0, 3.0), rec(6.0, 5.0, "fwd+bwd")]
+    last = [rec(2.4, 4.0), rec(None, None, "fwd+bwd")]
+    out = bench.bracket_floor(first, last)
+    assert out[0]["ms"] == pytest.approx(2.2) and out[0]["ms_first"] == 2.0 and out[0]["ms_last"] == 2.4
+    assert out[0]["ms_min"] == pytest.approx(1.9) and out[0]["peak_mem_gb"] == 4.0
+    assert out[0]["tflops"] == pytest.approx(out[0]["flops"] / 2.2e-3 / 1e12)
+    # a failed second timing leaves the first one as it was, and says so
+    assert out[1]["ms"] == 6.0 and out[1]["ms_last"] is None

@@ -613,4 +613,15 @@ def test_pipelined_fill_loop_gives_the_same_rows(cols, monkeypatch):
     W, T, H, I, E_local, k = 2, 24, 48, 40, 2, 2
     prob = make_problem(W, T, H, I, E_local, k, seed=5, route="random")
     y0 = _run_y(W, T, prob, CFG)
-    assert torch.equal(y0, _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_fill_stages=3, fwd_pull_cols=cols)))
+    for stages in (1, 3):
+        cfg = dataclasses.replace(MEGA, fwd_fill_stages=stages, fwd_pull_cols=cols)
+        assert torch.equal(y0, _run_y(W, T, prob, cfg)), stages
+
+
+def test_ticket_taken_after_the_release_gives_the_same_rows(monkeypatch):
+    # fwd_ticket_ahead=False: the next ticket is taken after the release (sync.signal_take without AHEAD)
+    _small_tiles(monkeypatch)
+    W, T, H, I, E_local, k = 2, 24, 48, 40, 2, 2
+    prob = make_problem(W, T, H, I, E_local, k, seed=6, route="random")
+    y0 = _run_y(W, T, prob, CFG)
+    assert torch.equal(y0, _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_ticket_ahead=False)))
