@@ -78,7 +78,8 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
     (True, 0, 256, True, True, True, False, 8, 4, 1), (False, 0, 128, True, True, True, False, 4, 4, 1),
     (False, 0, 128, True, True, True, True, 4, 2, 1),  # traced, as `tabby tune --trace` runs the TMA defaults
     # pipelined fills (fwd_fill_stages) at qwen3-30b-a3b's 4-warp and qwen3.5-397b's 8-warp configs
-    (False, 0, 128, True, True, True, False, 4, 2, 3), (True, 0, 256, True, True, True, False, 8, 2, 3)])
+    (False, 0, 128, True, True, True, False, 4, 2, 3), (True, 0, 256, True, True, True, False, 8, 2, 3),
+    (True, 16, 128, True, False, True, False, 4, 1, 3)])
 def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols, fill_stages):
     args = (has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols, fill_stages)
     assert "ok" in run_compiled_check(__file__, *(str(int(v)) for v in args))

@@ -104,9 +104,11 @@ class MoEConfig:
                      per expert in the worst-case size of the rows kept for the backward.
     fwd_fill_stages: pipeline stages of a fill's column loop (1: one block of loads, then its stores;
                      > 1: the next blocks' loads go to shared memory as async copies while a block
-                     is stored, so a fill keeps more bytes in flight than its registers hold). 3:
-                     fills 27% (remote) and 13% (local) shorter in the ticket trace at
-                     qwen3-30b-a3b 16384 EP2, the forward 1-3% faster (docs/perf-notes.md).
+                     is stored, so a fill keeps more bytes in flight than its registers hold). None:
+                     3 with 4-warp programs (fills 27% (remote) and 13% (local) shorter in the ticket
+                     trace at qwen3-30b-a3b 16384 EP2, the forward 1-3% faster), 1 with 8 warps, whose
+                     GEMMs leave no shared memory for the fill's stages at every shape (a test shape
+                     asked for 262144 bytes, over the SM's 232448).
     fwd_ticket_ahead: a megakernel program takes its next ticket while the current ticket's release
                      fence drains (the ticket atomic off the critical path); False: after the release.
     fwd_down_cols:   column tiles per down ticket of the megakernel (at most: the largest count up to it
@@ -151,7 +153,7 @@ class MoEConfig:
     fwd_trace_events: int = 0
     fwd_down_cols: int | None = None
     fwd_align_tiles: int | None = None
-    fwd_fill_stages: int = 3
+    fwd_fill_stages: int | None = None
     fwd_ticket_ahead: bool = True
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
@@ -165,6 +167,12 @@ class MoEConfig:
         if self.fwd_num_warps is not None:
             return self.fwd_num_warps
         return 4 if self.use_tma(T, k, H, I) and I <= FOUR_WARPS_MAX_I else 8
+
+    def fill_stages(self, warps: int) -> int:
+        """Pipeline stages of the megakernel's fills (``fwd_fill_stages``, or by the warps per program)."""
+        if self.fwd_fill_stages is not None:
+            return self.fwd_fill_stages
+        return 3 if warps == 4 else 1
 
     def down_cols(self, I: int) -> int:
         """Column tiles per megakernel down ticket (``fwd_down_cols``, or by TWO_DOWN_COLS_MAX_I)."""

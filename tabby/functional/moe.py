@@ -248,7 +248,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
         pull_cols=cfg.fwd_pull_cols or cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
         group_m=cfg.fwd_group_m, tma=tma, save=kept, w_ptrs=ws.ptrs["w_pub"],
-        half_tiles=cfg.fwd_half_tiles, trace=trace, down_cols=cfg.down_cols(I), fill_stages=cfg.fwd_fill_stages,
+        half_tiles=cfg.fwd_half_tiles, trace=trace, down_cols=cfg.down_cols(I), fill_stages=cfg.fill_stages(warps),
         ticket_ahead=cfg.fwd_ticket_ahead)
     if trace is not None:
         megakernel_fwd.LAST_TRACE = megakernel_fwd.LAST_TRACE_BY_RANK[ws.rank] = trace
@@ -397,7 +397,7 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
             megakernel_fwd.check_order(cfg.ring_rows // cfg.tile_m, cfg.tile_m, cfg.group_m(),
                                        cfg.fwd_prefetch, cfg.fwd_down_lag, cfg.fwd_fill_split,
                                        cfg.fwd_pull_cols or cfg.pull_cols)
-            if cfg.fwd_fill_stages < 1:
+            if cfg.fwd_fill_stages is not None and cfg.fwd_fill_stages < 1:
                 raise ValueError(f"fwd_fill_stages={cfg.fwd_fill_stages} must be >= 1")
             if cfg.fwd_align_tiles is not None and cfg.fwd_align_tiles < 1:
                 raise ValueError(f"fwd_align_tiles={cfg.fwd_align_tiles} must be >= 1")
