@@ -37,7 +37,10 @@ earlier) and L in [1, NSg) (gate/up of group q waits for the downs of group q-NS
 stage q-NSg+L < q). The lag L keeps down tiles from being handed out while their gate/ups still
 run. Programs take tickets with an atomic counter, so a program only ever waits on a ticket
 already taken by a running program: deadlock-free, even when not all programs of the grid are
-resident. Under the interpreter program 0 takes every ticket in order.
+resident. Under the interpreter program 0 takes every ticket in order. A compute program's
+ticket starts with its polls in one round trip (``sync.poll2``: up to two counters, from two
+warps) and ends with its signal, in whose fence's shadow the next ticket is taken
+(``sync.signal_take``, ``MoEConfig.fwd_ticket_ahead``).
 
 SM split (``COMM`` > 0 programs): programs ``pid < COMM`` take fill tickets from their own
 counter, in tile order, and never compute; the others take compute tickets (the order above
@@ -45,10 +48,10 @@ without fills). Under the interpreter programs run one after another, so the com
 finishes only if it never has to wait for a slot: num_tiles <= NS (the CPU tests use that).
 
 Memory ordering on the GPU (read off the sm_90 SASS that tests/test_megakernel_compile.py builds;
-the GPU tests pass on 2 x H200 with it, bench/results/mega-tests-*.log): a wait polls with
-``ld.global.gpu.acquire`` (SASS: LDG.E.STRONG.GPU then
-CCTL.IVALL, which invalidates the SM's L1, so ring rows left in L1 by an earlier generation are not
-read stale), then a CTA barrier so every thread's ordinary loads come after it. A signal is a CTA
+the GPU tests pass on 2 x H200 with it, bench/results/mega-tests-*.log): a wait polls with an
+acquire read (SASS: LDG.E.STRONG.GPU for ``wait_geq``'s poll, ATOMG.E.ADD.STRONG.GPU of 0 for
+``poll2``'s; then CCTL.IVALL, which invalidates the SM's L1, so ring rows left in L1 by an earlier
+generation are not read stale), then a CTA barrier so every thread's ordinary loads come after it. A signal is a CTA
 barrier after the tile's ordinary stores, then, on one thread, MEMBAR.ALL.GPU and the release add
 (the pattern of cooperative groups' grid sync). Exception: ``dn_done`` only says that a down
 tile has finished reading its h slot, so it is a relaxed add after the barrier
