@@ -625,3 +625,5 @@ def test_ticket_taken_after_the_release_gives_the_same_rows(monkeypatch):
     prob = make_problem(W, T, H, I, E_local, k, seed=6, route="random")
     y0 = _run_y(W, T, prob, CFG)
     assert torch.equal(y0, _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_ticket_ahead=False)))
+    # ... and with each wait polling on its own (fwd_poll_together=False)
+    assert torch.equal(y0, _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_poll_together=False)))

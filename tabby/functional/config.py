@@ -111,6 +111,10 @@ class MoEConfig:
                      asked for 262144 bytes, over the SM's 232448).
     fwd_ticket_ahead: a megakernel program takes its next ticket while the current ticket's release
                      fence drains (the ticket atomic off the critical path); False: after the release.
+    fwd_poll_together: a megakernel ticket's polls (a gate/up tile waits on two counters) go out in one
+                     round trip, from two warps; False: one after the other, as before session 8.
+                     Not A/B-measured on its own yet (the gate/up waits fell from 1.52 to 1.13-1.38 us
+                     in the trace with it and fwd_ticket_ahead).
     fwd_down_cols:   column tiles per down ticket of the megakernel (at most: the largest count up to it
                      that divides the down column tiles). One ticket runs its columns in one K loop, so
                      the ticket's atomic, its wait and the pipeline fill are paid once per ticket: at
@@ -155,6 +159,7 @@ class MoEConfig:
     fwd_align_tiles: int | None = None
     fwd_fill_stages: int | None = None
     fwd_ticket_ahead: bool = True
+    fwd_poll_together: bool = True
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""

@@ -372,7 +372,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False,
                        SAVE: tl.constexpr = False, HALF: tl.constexpr = False, trace=None,
                        TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, FILL_STAGES: tl.constexpr = 1,
-                       AHEAD: tl.constexpr = True, NW: tl.constexpr = 4):
+                       AHEAD: tl.constexpr = True, NW: tl.constexpr = 4, POLL2: tl.constexpr = True):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -398,7 +398,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     ``trace`` (layout at ``TRACE_HEAD``): kind, and the cycle counter when taken, after its waits
     and at its end.
 
-    A compute ticket's first polls go out together (``sync.poll2``; NW: warps per program). AHEAD:
+    POLL2: a compute ticket's first polls go out together (``sync.poll2``; NW: warps per program). AHEAD:
     a compute program takes its next ticket in the shadow of the current one's release fence
     (``sync.signal_take``) rather than after it. (Taking it before starting the current ticket was
     measured, and is much slower: the ticket then waits a whole tile for its program, and the
@@ -465,7 +465,10 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
             w1 = tl.where(is_sh, tl.where(kind_s == 2, SH_IDX + j, -1), tl.where(i < nt, w1, -1))
             t1 = tl.where(is_sh, GS, t1)
             w2 = tl.where(is_sh | (i >= nt), -1, w2)
-            ready = sync.poll2(cnt_ptr, w1, t1, w2, D * g, NW).to(tl.int32)
+            if POLL2:
+                ready = sync.poll2(cnt_ptr, w1, t1, w2, D * g, NW).to(tl.int32)
+            else:  # each wait polls on its own (one round trip after the other)
+                ready = tl.zeros((), tl.int32)
             sig = tl.where(kind == 0, C_READY + s, tl.where(kind == 1, C_READY + NS + s, C_READY + 2 * NS + s))
             sig = tl.where(is_sh, tl.where(kind_s == 1, SH_IDX + j, -1), tl.where(i < nt, sig, -1))
             release = (is_sh | (kind != 2)).to(tl.int32)  # a down tile's signal only frees its h slot
@@ -596,7 +599,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
                           w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1,
-                          fill_stages: int = 1, ticket_ahead: bool = True):
+                          fill_stages: int = 1, ticket_ahead: bool = True, poll_together: bool = True):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -620,6 +623,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     ``down_cols``: column tiles per down ticket (at most; the largest count up to it that divides the
     down column tiles). ``fill_stages``: pipeline stages of a fill's column loop (1: none).
     ``ticket_ahead``: take the next ticket in the shadow of the current one's release (kernel AHEAD).
+    ``poll_together``: a ticket's polls in one round trip (kernel POLL2); False: one after the other.
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -704,5 +708,6 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, HALF=half,
         trace=trace, TRACE_EV=0 if trace is None else (trace.shape[1] - TRACE_HEAD) // 4,
         DN_COLS=dn_cols, FILL_STAGES=fill_stages, AHEAD=ticket_ahead, NW=gu_cfg.num_warps,
+        POLL2=poll_together,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
 
