@@ -186,8 +186,8 @@ def _routed_task(tr, nt, pre, L, F: tl.constexpr, G: tl.constexpr, D: tl.constex
 
 @triton.jit
 def _wait(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch, TMA: tl.constexpr = False, ready=0):
-    """Wait for ``cnt_ptr[idx] >= target`` unless ``ready`` (the ticket's first poll,
-    ``sync.poll2_take``, already saw every counter of the ticket there)."""
+    """Wait for ``cnt_ptr[idx] >= target`` unless ``ready`` (the ticket's first polls,
+    ``sync.poll2``, already saw every counter of the ticket there)."""
     if ready == 0:
         sync.wait_geq(cnt_ptr + idx, target, wait_budget, err_ptr, code, rank, idx, epoch, "gpu")
     tl.debug_barrier()  # the acquire of the polling thread orders the reads of every thread after it
