@@ -113,8 +113,8 @@ class MoEConfig:
                      fence drains (the ticket atomic off the critical path); False: after the release.
     fwd_poll_together: a megakernel ticket's polls (a gate/up tile waits on two counters) go out in one
                      round trip, from two warps; False: one after the other, as before session 8.
-                     Not A/B-measured on its own yet (the gate/up waits fell from 1.52 to 1.13-1.38 us
-                     in the trace with it and fwd_ticket_ahead).
+                     Not A/B-measured on its own yet (with fwd_ticket_ahead the trace's gate/up waits
+                     fell from 1.52 to 1.13-1.38 us, the down waits rose from 0.92 to 1.34-1.44).
     fwd_down_cols:   column tiles per down ticket of the megakernel (at most: the largest count up to it
                      that divides the down column tiles). One ticket runs its columns in one K loop, so
                      the ticket's atomic, its wait and the pipeline fill are paid once per ticket: at
