@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One batched call on the GPU machine (the device tool): GPU tests, then `tabby bench`.
 # Usage: scripts/device_run.sh STAGE [bench or tune args...]; STAGE is tests, mega, profile, tune, mega-pick,
-# mega-bench, mega-tune, diag, bench or all.
+# mega-bench, mega-tune, diag, ab, bench or all.
 # Knobs (env): MEGA_TIMEOUT, WITH_PROFILE=1 (profile after another stage), PROFILE_{SHAPES,TOKENS,EP,TIMEOUT},
-# TUNE_TIMEOUT, TUNE_SHAPES, TUNE_TOKENS, BENCH_TIMEOUT.
+# TUNE_TIMEOUT, TUNE_SHAPES, TUNE_TOKENS, BENCH_TIMEOUT, AB_SHAPES ("shape:tokens ..."), AB_VARIANTS.
 # Writes logs and results under $OUT (the device tool brings that folder back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -64,6 +64,14 @@ if [ "$stage" = diag ]; then  # where the forward's time goes at the issue-4 tar
     | grep -v -e Warn -e "return func" >> "$OUT/diag.log"
   find "$OUT/res" -name 'trace-*.png' ! -name '*-mega-rank*.png' -delete  # timelines of the default only
   grep -E "^\||fwd:|rank [01]:|EP2: fwd" "$OUT/diag.log" | tail -60
+fi
+if [ "$stage" = ab ]; then  # back-to-back pairs under autograd (the clock drifts within a run): AB_VARIANTS per AB_SHAPES
+  for st in ${AB_SHAPES:-gpt-oss-120b:16384 qwen3-30b-a3b:16384}; do
+    timeout ${TUNE_TIMEOUT:-200} python3 -m tabby tune --grad --shapes ${st%%:*} --tokens ${st##*:} --ep 2 \
+      --variants "${AB_VARIANTS:-floor;mega;mega:G=0;mega;mega:G=0;mega:X=0;floor}" \
+      --out "$OUT/res/ab-${st%%:*}-${st##*:}.json" 2>&1 | grep -v -e Warn -e "return func" >> "$OUT/ab.log"
+  done
+  grep -E "^\|" "$OUT/ab.log"
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 -m tabby bench --out "$OUT/res" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80
