@@ -90,8 +90,22 @@ def test_down_tickets_of_several_columns_bitwise_equal_sync_free_path(H, down_co
     W, T, I, E_local, k = 2, 21, 40, 2, 2
     prob = make_problem(W, T, H, I, E_local, k, seed=17, route="random")
     cfg = dataclasses.replace(MEGA, fwd_down_cols=down_cols, fwd_tma=tma, ring_rows=4 * CFG.tile_m)
-    assert megakernel_fwd.down_col_tiles(H // 16, down_cols) == down_cols
+    assert megakernel_fwd.col_tiles_per_ticket(H // 16, down_cols) == down_cols
     assert torch.equal(_run_y(W, T, prob, CFG), _run_y(W, T, prob, cfg))
+
+
+@pytest.mark.parametrize("I,gu_cols,save", [(48, 3, True), (64, 2, False), (64, 4, True)])
+def test_gate_up_tickets_of_several_columns(I, gu_cols, save, monkeypatch):
+    # fwd_gate_up_cols: one gate/up ticket runs several column tiles, one K loop after another (I / 16
+    # = 3 or 4 column tiles per row tile; half tiles on; the ring wraps). Same K order per output
+    # element: y is bitwise the sync-free one; with saved rows the gradients match the reference.
+    _small_tiles(monkeypatch)
+    W, T, H, E_local, k = 2, 21, 32, 2, 2
+    prob = make_problem(W, T, H, I, E_local, k, seed=23, route="random")
+    cfg = dataclasses.replace(MEGA, fwd_gate_up_cols=gu_cols, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m)
+    assert megakernel_fwd.col_tiles_per_ticket(I // 16, gu_cols, "fwd_gate_up_cols") == gu_cols
+    assert torch.equal(_run_y(W, T, prob, CFG), _run_y(W, T, prob, cfg))
+    _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
 
 
 def test_two_down_cols_by_default_only_for_short_expert_widths():
@@ -117,11 +131,11 @@ def test_experts_aligned_to_two_tiles_by_default_only_where_row_tiles_are_groupe
     assert MoEConfig(fwd_align_tiles=3).align_tiles(*q30_16k) == 3
 
 
-def test_down_col_tiles_divides_the_column_tiles():
-    assert [megakernel_fwd.down_col_tiles(16, c) for c in (1, 2, 3, 4, 5, 8, 100)] == [1, 2, 2, 4, 4, 8, 16]
-    assert [megakernel_fwd.down_col_tiles(12, c) for c in (4, 5, 8)] == [4, 4, 6]
+def test_col_tiles_per_ticket_divides_the_column_tiles():
+    assert [megakernel_fwd.col_tiles_per_ticket(16, c) for c in (1, 2, 3, 4, 5, 8, 100)] == [1, 2, 2, 4, 4, 8, 16]
+    assert [megakernel_fwd.col_tiles_per_ticket(12, c) for c in (4, 5, 8)] == [4, 4, 6]
     with pytest.raises(ValueError, match="fwd_down_cols"):
-        megakernel_fwd.down_col_tiles(16, 0)
+        megakernel_fwd.col_tiles_per_ticket(16, 0)
 
 
 def test_megakernel_tma_falls_back_to_pointer_loads_on_unaligned_rows(monkeypatch):
@@ -203,6 +217,8 @@ def test_megakernel_needs_two_slots_and_a_valid_prefetch():
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_fill_stages=0))
     with pytest.raises(tabby.MoEInputError, match="fwd_align_tiles"):
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_align_tiles=0))
+    with pytest.raises(tabby.MoEInputError, match="fwd_gate_up_cols"):
+        tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_gate_up_cols=0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -555,7 +571,7 @@ def test_trace_records_every_ticket_once(monkeypatch):
     a = cfg.align_tiles(T, k, E)  # each expert's row tiles padded to a multiple of a (padding tiles are tickets too)
     nt = sum(-(-c // (CFG.tile_m * a)) * a for c in torch.bincount(idx.flatten(), minlength=E).tolist())
     G, D = -(-I // 16), -(-H // 16)  # _small_tiles: 16-column tiles
-    D_routed = D // megakernel_fwd.down_col_tiles(D, cfg.down_cols(I))  # down tickets per row tile (2 tiles each)
+    D_routed = D // megakernel_fwd.col_tiles_per_ticket(D, cfg.down_cols(I))  # down tickets per row tile (2 tiles each)
     assert D_routed == 1
     n_sh = -(-T // CFG.tile_m)
     kinds = megakernel_fwd.TRACE_KINDS

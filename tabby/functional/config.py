@@ -115,6 +115,10 @@ class MoEConfig:
                      round trip, from two warps; False: one after the other, as before session 8.
                      Not A/B-measured on its own yet (with fwd_ticket_ahead the trace's gate/up waits
                      fell from 1.52 to 1.13-1.38 us, the down waits rose from 0.92 to 1.34-1.44).
+    fwd_gate_up_cols: column tiles per gate/up ticket of the megakernel (at most, as fwd_down_cols),
+                     one K loop after another: the ticket's atomic, polls and signal are paid once for
+                     them (~1.2 us of waits per ticket at qwen3-30b-a3b 16384). Built in session 8,
+                     not measured yet: 1.
     fwd_down_cols:   column tiles per down ticket of the megakernel (at most: the largest count up to it
                      that divides the down column tiles). One ticket runs its columns in one K loop, so
                      the ticket's atomic, its wait and the pipeline fill are paid once per ticket: at
@@ -160,6 +164,7 @@ class MoEConfig:
     fwd_fill_stages: int | None = None
     fwd_ticket_ahead: bool = True
     fwd_poll_together: bool = True
+    fwd_gate_up_cols: int = 1
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""

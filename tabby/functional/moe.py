@@ -249,7 +249,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         pull_cols=cfg.fwd_pull_cols or cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
         group_m=cfg.fwd_group_m, tma=tma, save=kept, w_ptrs=ws.ptrs["w_pub"],
         half_tiles=cfg.fwd_half_tiles, trace=trace, down_cols=cfg.down_cols(I), fill_stages=cfg.fill_stages(warps),
-        ticket_ahead=cfg.fwd_ticket_ahead, poll_together=cfg.fwd_poll_together)
+        ticket_ahead=cfg.fwd_ticket_ahead, poll_together=cfg.fwd_poll_together, gate_up_cols=cfg.fwd_gate_up_cols)
     if trace is not None:
         megakernel_fwd.LAST_TRACE = megakernel_fwd.LAST_TRACE_BY_RANK[ws.rank] = trace
     _stage("fwd:megakernel")
@@ -402,7 +402,8 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
             if cfg.fwd_align_tiles is not None and cfg.fwd_align_tiles < 1:
                 raise ValueError(f"fwd_align_tiles={cfg.fwd_align_tiles} must be >= 1")
             if cfg.fwd_down_cols is not None:
-                megakernel_fwd.down_col_tiles(1, cfg.fwd_down_cols)  # raises on a bad value
+                megakernel_fwd.col_tiles_per_ticket(1, cfg.fwd_down_cols)  # raises on a bad value
+            megakernel_fwd.col_tiles_per_ticket(1, cfg.fwd_gate_up_cols, "fwd_gate_up_cols")
             if cfg.fwd_num_warps not in (None, 4, 8):
                 raise ValueError(f"fwd_num_warps={cfg.fwd_num_warps} must be 4 or 8 (one or two warpgroups)")
         except ValueError as e:

@@ -17,10 +17,11 @@ Counters (int32, one array per rank, zeroed by a memset before each launch; layo
     dn_done[s]   +1 per finished down ticket of the slot            (down   -> h slot free for gate/up)
     sh_gu[j]     +1 per finished shared gate/up column tile of x row tile j (shared gate/up -> shared down)
 
-    fill(i, p)   waits gu_done[s] >= G*g        (every gate/up tile of tile i-NS has read xs slot s)
+    fill(i, p)   waits gu_done[s] >= G*g        (every gate/up ticket of tile i-NS has read xs slot s)
     gate/up(i,n) waits ready[s] >= FS*(g+1) and dn_done[s] >= D*g (every down tile of tile i-NS read h slot s)
     down(i,n)    waits gu_done[s] >= G*(g+1)
-    (G = cdiv(I, BN_gate_up); D = cdiv(H, BN_down) / DN_COLS down tickets per row tile, each DN_COLS
+    (G = cdiv(I, BN_gate_up) / GU_COLS gate/up tickets per row tile, each GU_COLS column tiles one
+    after another, ``MoEConfig.fwd_gate_up_cols``; D = cdiv(H, BN_down) / DN_COLS down tickets per row tile, each DN_COLS
     column tiles in one K loop, ``MoEConfig.fwd_down_cols``.) Every wait is bounded (``sync.wait_geq``,
     scope gpu): a lost signal becomes an error record (ERR_WAIT_TILE / ERR_WAIT_RING_SLOT), never a hang.
 
@@ -262,9 +263,10 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None,
                   SAVE: tl.constexpr = False, gu_save=None, HALF: tl.constexpr = False, xs_half_desc=None,
                   h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, ready=0,
-                  SIGNAL: tl.constexpr = True):
-    """A gate/up (kind 1) ticket of routed row tile i, column tile n, or a down (kind 2) ticket of row
-    tile i, column tiles n*DN_COLS .. n*DN_COLS+DN_COLS-1 (``rec``: its trace record when TRACE_EV > 0).
+                  SIGNAL: tl.constexpr = True, GU_COLS: tl.constexpr = 1):
+    """A gate/up (kind 1) ticket of routed row tile i, column tiles n*GU_COLS .. n*GU_COLS+GU_COLS-1 (one
+    K loop after another), or a down (kind 2) ticket of row tile i, column tiles n*DN_COLS ..
+    n*DN_COLS+DN_COLS-1 (``rec``: its trace record when TRACE_EV > 0). G and D count tickets per row tile.
 
     What the schedule says of the tile (its expert, whether it is a half tile) is read before the
     waits: the schedule was written before the launch, and its loads then overlap the polls."""
@@ -280,7 +282,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         xs_shift = shift * 0
     else:
         xs_shift = shift
-    if kind == 1:  # gate/up column tile n of row tile i
+    if kind == 1:  # gate/up column tiles n*GU_COLS .. n*GU_COLS+GU_COLS-1 of row tile i
         _wait(cnt_ptr, C_READY + s, FS * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
         _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False,
               ready)
@@ -298,14 +300,16 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
             if HALF:
                 if (half_row < 0) & (first_row >= 0):
                     full = False
-                    gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
-                                             tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU, H % BK_GU == 0,
-                                             SAVE, INTERPRET, 0, False, TMA, xs_half_desc, wg_desc, wu_desc,
-                                             xs_shift, BM)
+                    for c in range(0, GU_COLS):
+                        gemm.gate_up_swiglu_tile(i, n * GU_COLS + c, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
+                                                 2 * I, tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU,
+                                                 H % BK_GU == 0, SAVE, INTERPRET, 0, False, TMA, xs_half_desc,
+                                                 wg_desc, wu_desc, xs_shift, BM)
             if full:
-                gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out, 2 * I,
-                                         tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0, SAVE,
-                                         INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
+                for c in range(0, GU_COLS):
+                    gemm.gate_up_swiglu_tile(i, n * GU_COLS + c, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
+                                             2 * I, tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0,
+                                             SAVE, INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
         if TMA:  # the down tiles read h through TMA
             sync.fence_proxy_async()
         if SIGNAL:
@@ -372,7 +376,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False,
                        SAVE: tl.constexpr = False, HALF: tl.constexpr = False, trace=None,
                        TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, FILL_STAGES: tl.constexpr = 1,
-                       AHEAD: tl.constexpr = True, NW: tl.constexpr = 4, POLL2: tl.constexpr = True):
+                       AHEAD: tl.constexpr = True, NW: tl.constexpr = 4, POLL2: tl.constexpr = True,
+                       GU_COLS: tl.constexpr = 1):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -407,7 +412,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     pid = tl.program_id(0)
     epoch = tl.load(epoch_ptr)
     nt = tl.load(num_tiles)
-    G: tl.constexpr = (I + BN_GU - 1) // BN_GU
+    G: tl.constexpr = (I + BN_GU - 1) // BN_GU // GU_COLS  # gate/up tickets per row tile (GU_COLS divides)
     D: tl.constexpr = (H + BN_DN - 1) // BN_DN // DN_COLS  # down tickets per row tile (DN_COLS divides)
     GS: tl.constexpr = (IS + BN_GUS - 1) // BN_GUS
     DS: tl.constexpr = (H + BN_DNS - 1) // BN_DNS
@@ -494,7 +499,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                                       err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
                                       INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
                                       SAVE, gu_save, HALF, xs_half_desc, h_half_desc, rec, TRACE_EV, DN_COLS,
-                                      ready, False)
+                                      ready, False, GU_COLS)
             t = sync.signal_take(cnt_ptr, sig, release, C_TICKET, AHEAD, NW)
             if TRACE_EV > 0:
                 tl.store(rec + 3, _clock(INTERPRET))
@@ -560,12 +565,13 @@ def default_group_m(n_slots: int) -> int:
     return next((g for g in (4, 2, 1) if n_slots % g == 0 and n_slots // g >= 2), 1)
 
 
-def down_col_tiles(n_cols: int, down_cols: int) -> int:
-    """Column tiles per down ticket: the largest count <= ``down_cols`` that divides the ``n_cols``
-    down column tiles of a row tile (so every ticket has the same, compile-time, number)."""
-    if down_cols < 1:
-        raise ValueError(f"fwd_down_cols={down_cols} must be >= 1")
-    return max(c for c in range(1, min(down_cols, n_cols) + 1) if n_cols % c == 0)
+def col_tiles_per_ticket(n_cols: int, cols: int, field: str = "fwd_down_cols") -> int:
+    """Column tiles per down (or gate/up) ticket: the largest count <= ``cols`` that divides the
+    ``n_cols`` column tiles of a row tile (so every ticket has the same, compile-time, number).
+    ``field``: the MoEConfig field named when ``cols`` is bad."""
+    if cols < 1:
+        raise ValueError(f"{field}={cols} must be >= 1")
+    return max(c for c in range(1, min(cols, n_cols) + 1) if n_cols % c == 0)
 
 
 def check_order(n_slots: int, BM: int, group_m: int, prefetch: int | None, lag: int | None,
@@ -599,7 +605,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
                           w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1,
-                          fill_stages: int = 1, ticket_ahead: bool = True, poll_together: bool = True):
+                          fill_stages: int = 1, ticket_ahead: bool = True, poll_together: bool = True,
+                          gate_up_cols: int = 1):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -624,6 +631,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     down column tiles). ``fill_stages``: pipeline stages of a fill's column loop (1: none).
     ``ticket_ahead``: take the next ticket in the shadow of the current one's release (kernel AHEAD).
     ``poll_together``: a ticket's polls in one round trip (kernel POLL2); False: one after the other.
+    ``gate_up_cols``: column tiles per gate/up ticket (at most: the largest count up to it that
+    divides the gate/up column tiles), one K loop after another.
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -639,10 +648,11 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     n_groups = check_order(mb.n_slots, BM, group_m, prefetch, lag, fill_split, pull_cols)
     if prefetch is None:
         prefetch = n_groups // 2
-    dn_cols = down_col_tiles(triton.cdiv(H, dn_cfg.BN), down_cols)
+    dn_cols = col_tiles_per_ticket(triton.cdiv(H, dn_cfg.BN), down_cols)
+    gu_cols = col_tiles_per_ticket(triton.cdiv(I, gu_cfg.BN), gate_up_cols, "fwd_gate_up_cols")
     if lag is None:  # down tiles handed out after the groups in flight have had their gate/ups taken
         F = 0 if comm_programs else fill_split
-        G, D = triton.cdiv(I, gu_cfg.BN), triton.cdiv(H, dn_cfg.BN) // dn_cols
+        G, D = triton.cdiv(I, gu_cfg.BN) // gu_cols, triton.cdiv(H, dn_cfg.BN) // dn_cols
         lag = min(n_groups - 1, triton.cdiv(programs - comm_programs, group_m * (F + G + D)) + 1)
     # Split mode needs every program resident (compute programs wait on comm programs): ask for a
     # cooperative launch, which fails instead of hanging when the grid does not fit. The merged
@@ -708,6 +718,6 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, HALF=half,
         trace=trace, TRACE_EV=0 if trace is None else (trace.shape[1] - TRACE_HEAD) // 4,
         DN_COLS=dn_cols, FILL_STAGES=fill_stages, AHEAD=ticket_ahead, NW=gu_cfg.num_warps,
-        POLL2=poll_together,
+        POLL2=poll_together, GU_COLS=gu_cols,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
 
