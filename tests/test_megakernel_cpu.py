@@ -81,31 +81,25 @@ def test_megakernel_y_bitwise_equals_sync_free_path(route, down_bn, gu_bn, tma, 
     assert torch.equal(y0, y1)
 
 
-@pytest.mark.parametrize("H,down_cols,tma", [(64, 2, False), (64, 4, True), (48, 3, True)])
-def test_down_tickets_of_several_columns_bitwise_equal_sync_free_path(H, down_cols, tma, monkeypatch):
-    # fwd_down_cols: one down ticket runs several column tiles (with TMA in one K loop whose
-    # epilogue pushes each column tile); H / 16 = 4 or 3 column tiles per row tile; half tiles on.
-    # Same K order per output element: y is bitwise the sync-free one.
-    _small_tiles(monkeypatch)
-    W, T, I, E_local, k = 2, 21, 40, 2, 2
-    prob = make_problem(W, T, H, I, E_local, k, seed=17, route="random")
-    cfg = dataclasses.replace(MEGA, fwd_down_cols=down_cols, fwd_tma=tma, ring_rows=4 * CFG.tile_m)
-    assert megakernel_fwd.col_tiles_per_ticket(H // 16, down_cols) == down_cols
-    assert torch.equal(_run_y(W, T, prob, CFG), _run_y(W, T, prob, cfg))
-
-
-@pytest.mark.parametrize("I,gu_cols,save", [(48, 3, True), (64, 2, False), (64, 4, True)])
-def test_gate_up_tickets_of_several_columns(I, gu_cols, save, monkeypatch):
-    # fwd_gate_up_cols: one gate/up ticket runs several column tiles, one K loop after another (I / 16
-    # = 3 or 4 column tiles per row tile; half tiles on; the ring wraps). Same K order per output
+@pytest.mark.parametrize("field,H,I,cols,tma,save", [
+    ("fwd_down_cols", 64, 40, 2, False, False), ("fwd_down_cols", 64, 40, 4, True, False),
+    ("fwd_down_cols", 48, 40, 3, True, False),
+    ("fwd_gate_up_cols", 32, 48, 3, None, True), ("fwd_gate_up_cols", 32, 64, 2, None, False),
+    ("fwd_gate_up_cols", 32, 64, 4, None, True)])
+def test_tickets_of_several_column_tiles(field, H, I, cols, tma, save, monkeypatch):
+    # One down ticket (fwd_down_cols; with TMA in one K loop whose epilogue pushes each column tile)
+    # or gate/up ticket (fwd_gate_up_cols; one K loop after another) runs several column tiles: 3 or
+    # 4 per row tile here (width / 16); half tiles on, the ring wraps. Same K order per output
     # element: y is bitwise the sync-free one; with saved rows the gradients match the reference.
     _small_tiles(monkeypatch)
-    W, T, H, E_local, k = 2, 21, 32, 2, 2
-    prob = make_problem(W, T, H, I, E_local, k, seed=23, route="random")
-    cfg = dataclasses.replace(MEGA, fwd_gate_up_cols=gu_cols, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m)
-    assert megakernel_fwd.col_tiles_per_ticket(I // 16, gu_cols, "fwd_gate_up_cols") == gu_cols
+    W, T, E_local, k = 2, 21, 2, 2
+    prob = make_problem(W, T, H, I, E_local, k, seed=17, route="random")
+    cfg = dataclasses.replace(MEGA, fwd_tma=tma, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m, **{field: cols})
+    width = H if field == "fwd_down_cols" else I
+    assert megakernel_fwd.col_tiles_per_ticket(width // 16, cols, field) == cols
     assert torch.equal(_run_y(W, T, prob, CFG), _run_y(W, T, prob, cfg))
-    _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
+    if save:
+        _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
 
 
 def test_two_down_cols_by_default_only_for_short_expert_widths():
