@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched call on the GPU machine (the device tool): GPU tests, then `tabby bench`.
 # Usage: scripts/device_run.sh STAGE [bench or tune args...]; STAGE is tests, mega, profile, tune, mega-pick,
-# mega-bench, mega-tune, diag, ab, bench or all.
+# mega-bench, mega-tune, diag, ab (also runs combine), combine, bench or all.
 # Knobs (env): MEGA_TIMEOUT, WITH_PROFILE=1 (profile after another stage), PROFILE_{SHAPES,TOKENS,EP,TIMEOUT},
 # TUNE_TIMEOUT, TUNE_SHAPES, TUNE_TOKENS, BENCH_TIMEOUT, AB_SHAPES ("shape:tokens ..."), AB_VARIANTS.
 # Writes logs and results under $OUT (the device tool brings that folder back).
@@ -72,6 +72,9 @@ if [ "$stage" = ab ]; then  # back-to-back pairs under autograd (the clock drift
       --out "$OUT/res/ab-${st%%:*}-${st##*:}.json" 2>&1 | grep -v -e Warn -e "return func" >> "$OUT/ab.log"
   done
   grep -E "^\|" "$OUT/ab.log"
+fi
+if [ "$stage" = ab ] || [ "$stage" = combine ]; then  # combine block shapes and launch order (one GPU, ~10 s)
+  timeout 120 python3 scripts/combine_bench.py 2>&1 | tee "$OUT/combine-bench.log" | grep -E "^\|"
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 -m tabby bench --out "$OUT/res" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80

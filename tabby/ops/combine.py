@@ -11,9 +11,17 @@ import triton.language as tl
 
 @triton.jit
 def combine_k_kernel(rows, w, extra, out, T, H, k: tl.constexpr,
-                     HAS_W: tl.constexpr, HAS_EXTRA: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+                     HAS_W: tl.constexpr, HAS_EXTRA: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                     COLS_FAST: tl.constexpr = False):
+    """Program (token block, column block); COLS_FAST: the column block is program id 0 (varies
+    fastest in launch order), so the programs of one token block run side by side and read its
+    rows whole."""
+    if COLS_FAST:
+        pid_t, pid_h = tl.program_id(1), tl.program_id(0)
+    else:
+        pid_t, pid_h = tl.program_id(0), tl.program_id(1)
+    t = pid_t * BT + tl.arange(0, BT)
+    cols = pid_h * BH + tl.arange(0, BH)
     mask = (t < T)[:, None] & (cols < H)[None, :]
     acc = tl.zeros((BT, BH), dtype=tl.float32)
     # unrolled (k is a compile-time constant): the k row loads of a program are in flight together
@@ -29,14 +37,21 @@ def combine_k_kernel(rows, w, extra, out, T, H, k: tl.constexpr,
     tl.store(out + t.to(tl.int64)[:, None] * H + cols[None, :], acc.to(out.dtype.element_ty), mask=mask)
 
 
-def combine_k(rows, T, k, w=None, extra=None, out=None, dtype=None):
-    """rows [T*k, H] -> out [T, H]; w [T, k] fp32 or None; extra [T, H] or None."""
+def combine_k(rows, T, k, w=None, extra=None, out=None, dtype=None, block=(16, 256), cols_fast=False, num_warps=4):
+    """rows [T*k, H] -> out [T, H]; w [T, k] fp32 or None; extra [T, H] or None.
+
+    ``block``: (tokens, columns) per program; ``cols_fast``: column blocks adjacent in launch order
+    (``combine_k_kernel``). The defaults are the measured ones; scripts/combine_bench.py times others
+    (every choice gives the same bits: each output element sums its k rows in k order)."""
     H = rows.shape[1]
     if out is None:
         out = rows.new_empty((T, H), dtype=dtype or rows.dtype)
-    BT, BH = 16, 256
+    BT, BH = block
     grid = (triton.cdiv(T, BT), triton.cdiv(H, BH))
+    if cols_fast:
+        grid = grid[::-1]
     if T > 0:
         combine_k_kernel[grid](rows, w if w is not None else rows, extra if extra is not None else rows, out,
-                               T, H, k, HAS_W=w is not None, HAS_EXTRA=extra is not None, BT=BT, BH=BH)
+                               T, H, k, HAS_W=w is not None, HAS_EXTRA=extra is not None, BT=BT, BH=BH,
+                               COLS_FAST=cols_fast, num_warps=num_warps)
     return out
