@@ -300,13 +300,13 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
             if HALF:
                 if (half_row < 0) & (first_row >= 0):
                     full = False
-                    for c in range(0, GU_COLS):
+                    for c in tl.static_range(GU_COLS):
                         gemm.gate_up_swiglu_tile(i, n * GU_COLS + c, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
                                                  2 * I, tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU,
                                                  H % BK_GU == 0, SAVE, INTERPRET, 0, False, TMA, xs_half_desc,
                                                  wg_desc, wu_desc, xs_shift, BM)
             if full:
-                for c in range(0, GU_COLS):
+                for c in tl.static_range(GU_COLS):
                     gemm.gate_up_swiglu_tile(i, n * GU_COLS + c, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
                                              2 * I, tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0,
                                              SAVE, INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
