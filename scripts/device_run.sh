@@ -65,10 +65,10 @@ if [ "$stage" = diag ]; then  # where the forward's time goes at the issue-4 tar
   find "$OUT/res" -name 'trace-*.png' ! -name '*-mega-rank*.png' -delete  # timelines of the default only
   grep -E "^\||fwd:|rank [01]:|EP2: fwd" "$OUT/diag.log" | tail -60
 fi
-if [ "$stage" = ab ]; then  # back-to-back pairs under autograd (the clock drifts within a run): AB_VARIANTS per AB_SHAPES
+if [ "$stage" = ab ]; then  # back-to-back variants under autograd (the clock drifts within a run): AB_VARIANTS per AB_SHAPES
   for st in ${AB_SHAPES:-gpt-oss-120b:16384 qwen3-30b-a3b:16384}; do
     timeout ${TUNE_TIMEOUT:-200} python3 -m tabby tune --grad --shapes ${st%%:*} --tokens ${st##*:} --ep 2 \
-      --variants "${AB_VARIANTS:-floor;mega;mega:G=0;mega;mega:G=0;mega:X=0;floor}" \
+      --variants "${AB_VARIANTS:-floor;mega;mega:I=1;mega:G=0;mega:H=2;mega;mega:I=1;mega:G=0;mega:H=2;mega:X=0;floor}" \
       --out "$OUT/res/ab-${st%%:*}-${st##*:}.json" 2>&1 | grep -v -e Warn -e "return func" >> "$OUT/ab.log"
   done
   grep -E "^\|" "$OUT/ab.log"

@@ -637,3 +637,20 @@ def test_ticket_taken_after_the_release_gives_the_same_rows(monkeypatch):
     assert torch.equal(y0, _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_ticket_ahead=False)))
     # ... and with each wait polling on its own (fwd_poll_together=False)
     assert torch.equal(y0, _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_poll_together=False)))
+
+
+@pytest.mark.parametrize("save,tma", [(False, True), (True, False)])
+def test_tile_data_loaded_before_the_polls(save, tma, monkeypatch):
+    # fwd_preload_tile: a ticket's first row, half-tile row and expert are loaded before its polls
+    # and handed to the task. With experts padded to 2 tiles (padding tiles: row -1, expert -1),
+    # half tiles, a shared expert and a ring that wraps: y bitwise the same as without it (a shared
+    # expert in the megakernel sums in another order than the sync-free path), values and gradients
+    # right.
+    _small_tiles(monkeypatch)
+    W, T, H, I, E_local, k = 2, 26, 32, 40, 3, 2
+    prob = make_problem(W, T, H, I, E_local, k, shared=True, seed=31, route="random")
+    cfg = dataclasses.replace(MEGA, fwd_align_tiles=2, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m,
+                              fwd_tma=tma)  # with TMA the down tile takes its expert from the ticket
+    pre = dataclasses.replace(cfg, fwd_preload_tile=True)
+    assert torch.equal(_run_y(W, T, prob, cfg), _run_y(W, T, prob, pre))
+    _check(_run_tabby(W, T, prob, cfg=pre), _run_reference(prob))

@@ -12,8 +12,8 @@ def test_parse_variant():
     assert parse_variant("mega:T=1,Y=64") == ("mega", {"fwd_tma": 1, "tile_m": 64})
     assert parse_variant("sync-free:Y=64") == ("sync-free", {"tile_m": 64})
     assert parse_variant("mega:E=1,J=3") == ("mega", {"fwd_align_tiles": 1, "fwd_fill_stages": 3})
-    assert parse_variant("mega:X=0,G=0,H=2") == ("mega", {"fwd_ticket_ahead": 0, "fwd_poll_together": 0,
-                                                  "fwd_gate_up_cols": 2})
+    assert parse_variant("mega:X=0,G=0,H=2,I=1") == ("mega", {"fwd_ticket_ahead": 0, "fwd_poll_together": 0,
+                                                        "fwd_gate_up_cols": 2, "fwd_preload_tile": 1})
     for v in DEFAULT_VARIANTS:
         parse_variant(v)
 

@@ -119,6 +119,10 @@ class MoEConfig:
                      one K loop after another: the ticket's atomic, polls and signal are paid once for
                      them (~1.2 us of waits per ticket at qwen3-30b-a3b 16384). Built in session 8,
                      not measured yet: 1.
+    fwd_preload_tile: a megakernel ticket loads its schedule data (first row, half-tile row, expert)
+                     before its polls rather than after them. With fwd_poll_together the tasks load it
+                     only after the polls' round trip, a second round trip (the trace's down waits rose
+                     from 0.92 to 1.34-1.44 us with it). Built in session 8, not measured yet: False.
     fwd_down_cols:   column tiles per down ticket of the megakernel (at most: the largest count up to it
                      that divides the down column tiles). One ticket runs its columns in one K loop, so
                      the ticket's atomic, its wait and the pipeline fill are paid once per ticket: at
@@ -165,6 +169,7 @@ class MoEConfig:
     fwd_ticket_ahead: bool = True
     fwd_poll_together: bool = True
     fwd_gate_up_cols: int = 1
+    fwd_preload_tile: bool = False
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""

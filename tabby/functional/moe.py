@@ -249,7 +249,8 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         pull_cols=cfg.fwd_pull_cols or cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
         group_m=cfg.fwd_group_m, tma=tma, save=kept, w_ptrs=ws.ptrs["w_pub"],
         half_tiles=cfg.fwd_half_tiles, trace=trace, down_cols=cfg.down_cols(I), fill_stages=cfg.fill_stages(warps),
-        ticket_ahead=cfg.fwd_ticket_ahead, poll_together=cfg.fwd_poll_together, gate_up_cols=cfg.fwd_gate_up_cols)
+        ticket_ahead=cfg.fwd_ticket_ahead, poll_together=cfg.fwd_poll_together, gate_up_cols=cfg.fwd_gate_up_cols,
+        preload_tile=cfg.fwd_preload_tile)
     if trace is not None:
         megakernel_fwd.LAST_TRACE = megakernel_fwd.LAST_TRACE_BY_RANK[ws.rank] = trace
     _stage("fwd:megakernel")

@@ -201,10 +201,12 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
           NS: tl.constexpr, G, H: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, FS: tl.constexpr,
           ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False, SAVE: tl.constexpr = False, w_ptrs=None,
           row_w=None, rec=None, TRACE_EV: tl.constexpr = 0, INTERPRET: tl.constexpr = False,
-          STAGES: tl.constexpr = 1, ready=0, SIGNAL: tl.constexpr = True):
+          STAGES: tl.constexpr = 1, ready=0, SIGNAL: tl.constexpr = True, PRELOAD: tl.constexpr = False,
+          part_row0=0):
     """Pull part ``part`` (BM // FS rows) of row tile i into its ring slot (SAVE: into row i*BM of
     the full xs buffer, with the rows' router weights into row_w); STAGES: the column loop's
-    pipeline stages (``comm.pull_rows_tile``)."""
+    pipeline stages (``comm.pull_rows_tile``); PRELOAD: ``part_row0`` is the part's first row_src entry,
+    which the caller loaded already (before its polls)."""
     s = i % NS
     g = i // NS
     _wait(cnt_ptr, C_READY + NS + s, G * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False, ready)
@@ -218,7 +220,11 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
         # only (real rows are a prefix of the tile) is not written at all: whatever its rows hold
         # reaches only padding rows of h, g | u and y, which nothing reads (the GEMMs are row-wise,
         # the pushes and the backward's weight gradients take real rows only).
-        if tl.load(row_src + (i * FS + part) * (BM // FS)) >= 0:
+        if PRELOAD:
+            first = part_row0
+        else:
+            first = tl.load(row_src + (i * FS + part) * (BM // FS))
+        if first >= 0:
             if SAVE:
                 comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, xs_ring, H, TK, k, w_ptrs, row_w, BM // FS, BH,
                                     True, (H % 8) == 0, STAGES)
@@ -263,20 +269,29 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None,
                   SAVE: tl.constexpr = False, gu_save=None, HALF: tl.constexpr = False, xs_half_desc=None,
                   h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, ready=0,
-                  SIGNAL: tl.constexpr = True, GU_COLS: tl.constexpr = 1):
+                  SIGNAL: tl.constexpr = True, GU_COLS: tl.constexpr = 1, PRELOAD: tl.constexpr = False, row0=0,
+                  half0=0, e0=0):
     """A gate/up (kind 1) ticket of routed row tile i, column tiles n*GU_COLS .. n*GU_COLS+GU_COLS-1 (one
     K loop after another), or a down (kind 2) ticket of row tile i, column tiles n*DN_COLS ..
     n*DN_COLS+DN_COLS-1 (``rec``: its trace record when TRACE_EV > 0). G and D count tickets per row tile.
 
     What the schedule says of the tile (its expert, whether it is a half tile) is read before the
-    waits: the schedule was written before the launch, and its loads then overlap the polls."""
+    waits: the schedule was written before the launch, and its loads then overlap the polls. The
+    caller may have read them already, before its own polls (PRELOAD: ``row0`` is row_src[i*BM],
+    ``half0`` row_src[i*BM + BM/2], ``e0`` tile_expert[i])."""
     s = i % NS
     g = i // NS
     # < 0: a padding tile (the schedule pads experts to a multiple of its ``align`` tiles): no MMA,
     # only its waits and signals, which the ring protocol counts
-    first_row = tl.load(row_src + i * BM)
+    if PRELOAD:
+        first_row = row0
+    else:
+        first_row = tl.load(row_src + i * BM)
     if HALF:
-        half_row = tl.load(row_src + i * BM + BM // 2)  # < 0: the real rows fit in the first BM/2
+        if PRELOAD:
+            half_row = half0
+        else:
+            half_row = tl.load(row_src + i * BM + BM // 2)  # < 0: the real rows fit in the first BM/2
     shift = (s - i) * BM  # row i*BM of a shifted ring base (or TMA coordinate) is row s*BM of the ring
     if SAVE:  # xs is the full routed-row buffer (row i*BM), not a ring
         xs_shift = shift * 0
@@ -315,7 +330,10 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         if SIGNAL:
             sync.add_release(cnt_ptr + C_READY + NS + s, 1, "gpu")
     else:  # down column tiles of row tile i, rows pushed to their origins
-        e = tl.load(tile_expert + i)  # -1 for a padding tile, which computes nothing below
+        if PRELOAD:
+            e = e0
+        else:
+            e = tl.load(tile_expert + i)  # -1 for a padding tile, which computes nothing below
         _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
         _trace_ready(rec, TRACE_EV, INTERPRET)
         hh = h_ring + shift.to(tl.int64) * I
@@ -377,7 +395,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        SAVE: tl.constexpr = False, HALF: tl.constexpr = False, trace=None,
                        TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, FILL_STAGES: tl.constexpr = 1,
                        AHEAD: tl.constexpr = True, NW: tl.constexpr = 4, POLL2: tl.constexpr = True,
-                       GU_COLS: tl.constexpr = 1):
+                       GU_COLS: tl.constexpr = 1, PRELOAD: tl.constexpr = False):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -403,7 +421,9 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     ``trace`` (layout at ``TRACE_HEAD``): kind, and the cycle counter when taken, after its waits
     and at its end.
 
-    POLL2: a compute ticket's first polls go out together (``sync.poll2``; NW: warps per program). AHEAD:
+    POLL2: a compute ticket's first polls go out together (``sync.poll2``; NW: warps per program).
+    PRELOAD: the ticket's schedule data (first row, half-tile row, expert) is loaded before those
+    polls, so its round trip overlaps theirs (without it the tasks load it after POLL2's polls). AHEAD:
     a compute program takes its next ticket in the shadow of the current one's release fence
     (``sync.signal_take``) rather than after it. (Taking it before starting the current ticket was
     measured, and is much slower: the ticket then waits a whole tile for its program, and the
@@ -470,6 +490,15 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
             w1 = tl.where(is_sh, tl.where(kind_s == 2, SH_IDX + j, -1), tl.where(i < nt, w1, -1))
             t1 = tl.where(is_sh, GS, t1)
             w2 = tl.where(is_sh | (i >= nt), -1, w2)
+            if PRELOAD:  # the tile's schedule data, loaded before the polls so that both round trips overlap
+                valid = (t >= sh_total) & (i < nt)
+                safe_i = tl.where(valid, i, 0)
+                safe_n = tl.where(valid & (kind == 0), n, 0)
+                row0 = tl.load(row_src + tl.where(kind == 0, (safe_i * FS + safe_n) * (BM // FS), safe_i * BM))
+                e0 = tl.load(tile_expert + safe_i)
+                half0 = tl.load(row_src + safe_i * BM + BM // 2) if HALF else 0
+            else:  # the tasks load them, before their own waits
+                row0, half0, e0 = 0, 0, 0
             if POLL2:
                 ready = sync.poll2(cnt_ptr, w1, t1, w2, D * g, NW).to(tl.int32)
             else:  # each wait polls on its own (one round trip after the other)
@@ -492,14 +521,14 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                     if kind == 0:
                         _fill(i, n, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
                               NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET,
-                              FILL_STAGES, ready, False)
+                              FILL_STAGES, ready, False, PRELOAD, row0)
                     else:
                         _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
                                       wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
                                       err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
                                       INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
                                       SAVE, gu_save, HALF, xs_half_desc, h_half_desc, rec, TRACE_EV, DN_COLS,
-                                      ready, False, GU_COLS)
+                                      ready, False, GU_COLS, PRELOAD, row0, half0, e0)
             t = sync.signal_take(cnt_ptr, sig, release, C_TICKET, AHEAD, NW)
             if TRACE_EV > 0:
                 tl.store(rec + 3, _clock(INTERPRET))
@@ -606,7 +635,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
                           w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1,
                           fill_stages: int = 1, ticket_ahead: bool = True, poll_together: bool = True,
-                          gate_up_cols: int = 1):
+                          gate_up_cols: int = 1, preload_tile: bool = False):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -632,7 +661,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     ``ticket_ahead``: take the next ticket in the shadow of the current one's release (kernel AHEAD).
     ``poll_together``: a ticket's polls in one round trip (kernel POLL2); False: one after the other.
     ``gate_up_cols``: column tiles per gate/up ticket (at most: the largest count up to it that
-    divides the gate/up column tiles), one K loop after another.
+    divides the gate/up column tiles), one K loop after another. ``preload_tile``: load a ticket's
+    schedule data before its polls (kernel PRELOAD).
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -718,6 +748,6 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, HALF=half,
         trace=trace, TRACE_EV=0 if trace is None else (trace.shape[1] - TRACE_HEAD) // 4,
         DN_COLS=dn_cols, FILL_STAGES=fill_stages, AHEAD=ticket_ahead, NW=gu_cfg.num_warps,
-        POLL2=poll_together, GU_COLS=gu_cols,
+        POLL2=poll_together, GU_COLS=gu_cols, PRELOAD=preload_tile,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
 
