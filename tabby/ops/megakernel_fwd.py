@@ -21,9 +21,11 @@ Counters (int32, one array per rank, zeroed by a memset before each launch; layo
     gate/up(i,n) waits ready[s] >= FS*(g+1) and dn_done[s] >= D*g (every down tile of tile i-NS read h slot s)
     down(i,n)    waits gu_done[s] >= G*(g+1)
     (G = cdiv(I, BN_gate_up) / GU_COLS gate/up tickets per row tile, each GU_COLS column tiles one
-    after another, ``MoEConfig.fwd_gate_up_cols``; D = cdiv(H, BN_down) / DN_COLS down tickets per row tile, each DN_COLS
-    column tiles in one K loop, ``MoEConfig.fwd_down_cols``.) Every wait is bounded (``sync.wait_geq``,
-    scope gpu): a lost signal becomes an error record (ERR_WAIT_TILE / ERR_WAIT_RING_SLOT), never a hang.
+    after another, ``MoEConfig.fwd_gate_up_cols``; D = cdiv(H, BN_down) / DN_COLS down tickets per
+    row tile, each DN_COLS column tiles in one K loop, ``MoEConfig.fwd_down_cols``.) The kernel
+    writes these waits and signals in one place each (``_routed_waits``, ``_routed_signal``). Every
+    wait is bounded (``sync.wait_geq``, scope gpu): a lost signal becomes an error record
+    (ERR_WAIT_TILE / ERR_WAIT_RING_SLOT), never a hang.
 
 Work order: one global ticket sequence in which every producer precedes its consumers. Shared
 expert first (no dispatch needed; it covers the wait for the first pulled rows): for x row tile
@@ -186,6 +188,27 @@ def _routed_task(tr, nt, pre, L, F: tl.constexpr, G: tl.constexpr, D: tl.constex
 
 
 @triton.jit
+def _routed_waits(kind, i, NS: tl.constexpr, FS: tl.constexpr, G, D):
+    """The ring protocol's waits of routed ticket (kind, row tile i), the one place they are written
+    (module docstring): (idx1, target1, idx2, target2) into the counters; idx2 -1: no second wait.
+    fill: its slot retired; gate/up: its rows filled and the h slot retired; down: its h rows."""
+    s = i % NS
+    g = i // NS
+    idx1 = tl.where(kind == 0, C_READY + NS + s, tl.where(kind == 1, C_READY + s, C_READY + NS + s))
+    target1 = tl.where(kind == 0, G * g, tl.where(kind == 1, FS * (g + 1), G * (g + 1)))
+    idx2 = tl.where(kind == 1, C_READY + 2 * NS + s, -1)
+    return idx1, target1, idx2, D * g
+
+
+@triton.jit
+def _routed_signal(kind, i, NS: tl.constexpr):
+    """The counter routed ticket (kind, row tile i) adds 1 to when done: fill -> ready[s], gate/up ->
+    gu_done[s] (both release), down -> dn_done[s] (relaxed: it only frees the h slot)."""
+    s = i % NS
+    return tl.where(kind == 0, C_READY + s, tl.where(kind == 1, C_READY + NS + s, C_READY + 2 * NS + s))
+
+
+@triton.jit
 def _wait(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch, TMA: tl.constexpr = False, ready=0):
     """Wait for ``cnt_ptr[idx] >= target`` unless ``ready`` (the ticket's first polls,
     ``sync.poll2``, already saw every counter of the ticket there)."""
@@ -208,8 +231,8 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
     pipeline stages (``comm.pull_rows_tile``); PRELOAD: ``part_row0`` is the part's first row_src entry,
     which the caller loaded already (before its polls)."""
     s = i % NS
-    g = i // NS
-    _wait(cnt_ptr, C_READY + NS + s, G * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False, ready)
+    w1, t1, _, _ = _routed_waits(0, i, NS, FS, G, 0)
+    _wait(cnt_ptr, w1, t1, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False, ready)
     _trace_ready(rec, TRACE_EV, INTERPRET)
     if TRACE_EV > 0:  # local or remote rows (measurement only: these loads exist only when tracing)
         rs = tl.load(row_src + (i * FS + part) * (BM // FS) + tl.arange(0, BM // FS))
@@ -235,7 +258,7 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
     if TMA:  # the gate/up tiles read these rows through TMA (the async proxy)
         sync.fence_proxy_async()
     if SIGNAL:  # else the caller signals (sync.signal_take)
-        sync.add_release(cnt_ptr + C_READY + s, 1, "gpu")
+        sync.add_release(cnt_ptr + _routed_signal(0, i, NS), 1, "gpu")
 
 
 @triton.jit
@@ -280,7 +303,6 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
     caller may have read them already, before its own polls (PRELOAD: ``row0`` is row_src[i*BM],
     ``half0`` row_src[i*BM + BM/2], ``e0`` tile_expert[i])."""
     s = i % NS
-    g = i // NS
     # < 0: a padding tile (the schedule pads experts to a multiple of its ``align`` tiles): no MMA,
     # only its waits and signals, which the ring protocol counts
     if PRELOAD:
@@ -298,9 +320,9 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
     else:
         xs_shift = shift
     if kind == 1:  # gate/up column tiles n*GU_COLS .. n*GU_COLS+GU_COLS-1 of row tile i
-        _wait(cnt_ptr, C_READY + s, FS * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
-        _wait(cnt_ptr, C_READY + 2 * NS + s, D * g, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False,
-              ready)
+        w1, t1, w2, t2 = _routed_waits(1, i, NS, FS, G, D)
+        _wait(cnt_ptr, w1, t1, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
+        _wait(cnt_ptr, w2, t2, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False, ready)
         _trace_ready(rec, TRACE_EV, INTERPRET)
         xs = xs_ring + xs_shift.to(tl.int64) * H
         hh = h_ring + shift.to(tl.int64) * I
@@ -328,13 +350,14 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         if TMA:  # the down tiles read h through TMA
             sync.fence_proxy_async()
         if SIGNAL:
-            sync.add_release(cnt_ptr + C_READY + NS + s, 1, "gpu")
+            sync.add_release(cnt_ptr + _routed_signal(1, i, NS), 1, "gpu")
     else:  # down column tiles of row tile i, rows pushed to their origins
         if PRELOAD:
             e = e0
         else:
             e = tl.load(tile_expert + i)  # -1 for a padding tile, which computes nothing below
-        _wait(cnt_ptr, C_READY + NS + s, G * (g + 1), wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
+        w1, t1, _, _ = _routed_waits(2, i, NS, FS, G, D)
+        _wait(cnt_ptr, w1, t1, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
         _trace_ready(rec, TRACE_EV, INTERPRET)
         hh = h_ring + shift.to(tl.int64) * I
         if (ABLATE & 2) == 0:
@@ -351,7 +374,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
         # dn_done only frees the h slot (its readers are done); the pushed rows need no ordering here
         # (the DONE signal after the kernel publishes them), so do not wait for the NVLink stores
         if SIGNAL:
-            sync.add_reads_done(cnt_ptr + C_READY + 2 * NS + s, 1, "gpu")
+            sync.add_reads_done(cnt_ptr + _routed_signal(2, i, NS), 1, "gpu")
 
 
 @triton.jit
@@ -482,11 +505,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
             else:
                 kind_s, j, n_s = 0, 0, 0
             kind, i, n = _routed_task(t - sh_total, nt, pre, lag, F, G, D, GM)
-            s = i % NS
-            g = i // NS
-            w1 = tl.where(kind == 0, C_READY + NS + s, tl.where(kind == 1, C_READY + s, C_READY + NS + s))
-            t1 = tl.where(kind == 0, G * g, tl.where(kind == 1, FS * (g + 1), G * (g + 1)))
-            w2 = tl.where(kind == 1, C_READY + 2 * NS + s, -1)
+            w1, t1, w2, t2 = _routed_waits(kind, i, NS, FS, G, D)
             w1 = tl.where(is_sh, tl.where(kind_s == 2, SH_IDX + j, -1), tl.where(i < nt, w1, -1))
             t1 = tl.where(is_sh, GS, t1)
             w2 = tl.where(is_sh | (i >= nt), -1, w2)
@@ -500,11 +519,11 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
             else:  # the tasks load them, before their own waits
                 row0, half0, e0 = 0, 0, 0
             if POLL2:
-                ready = sync.poll2(cnt_ptr, w1, t1, w2, D * g, NW).to(tl.int32)
+                ready = sync.poll2(cnt_ptr, w1, t1, w2, t2, NW).to(tl.int32)
             else:  # each wait polls on its own (one round trip after the other)
                 ready = tl.zeros((), tl.int32)
-            sig = tl.where(kind == 0, C_READY + s, tl.where(kind == 1, C_READY + NS + s, C_READY + 2 * NS + s))
-            sig = tl.where(is_sh, tl.where(kind_s == 1, SH_IDX + j, -1), tl.where(i < nt, sig, -1))
+            sig = tl.where(is_sh, tl.where(kind_s == 1, SH_IDX + j, -1),
+                           tl.where(i < nt, _routed_signal(kind, i, NS), -1))
             release = (is_sh | (kind != 2)).to(tl.int32)  # a down tile's signal only frees its h slot
             if is_sh:
                 if HAS_SHARED:
