@@ -98,8 +98,8 @@ def poll2(cnt_ptr, idx1, target1, idx2, target2, NW: tl.constexpr):
 @triton.jit
 def signal_take(cnt_ptr, idx, release, ticket_idx, AHEAD: tl.constexpr, NW: tl.constexpr):
     """End a ticket and take the program's next one: add 1 to ``cnt_ptr[idx]`` (idx < 0: no signal)
-    with release semantics (``release`` != 0, as ``add_release``) or relaxed (as ``add_reads_done``),
-    and return the old value of ``cnt_ptr[ticket_idx]`` + 1 (a relaxed add).
+    with release semantics (``release`` != 0, as ``add_release``) or relaxed (as ``add_reads_done``);
+    then add 1 to the ticket counter ``cnt_ptr[ticket_idx]`` (relaxed) and return its old value.
 
     AHEAD: the ticket atomic goes out from another warp (lane 64; NW >= 3) right after the barrier,
     so its round trip overlaps the release's fence instead of following it. The next ticket is then
