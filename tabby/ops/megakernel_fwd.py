@@ -292,11 +292,11 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None,
                   SAVE: tl.constexpr = False, gu_save=None, HALF: tl.constexpr = False, xs_half_desc=None,
                   h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, ready=0,
-                  SIGNAL: tl.constexpr = True, GU_COLS: tl.constexpr = 1, PRELOAD: tl.constexpr = False, row0=0,
-                  half0=0, e0=0):
+                  GU_COLS: tl.constexpr = 1, PRELOAD: tl.constexpr = False, row0=0, half0=0, e0=0):
     """A gate/up (kind 1) ticket of routed row tile i, column tiles n*GU_COLS .. n*GU_COLS+GU_COLS-1 (one
     K loop after another), or a down (kind 2) ticket of row tile i, column tiles n*DN_COLS ..
     n*DN_COLS+DN_COLS-1 (``rec``: its trace record when TRACE_EV > 0). G and D count tickets per row tile.
+    The caller signals the ticket's end (``_routed_signal``, ``sync.signal_take``).
 
     What the schedule says of the tile (its expert, whether it is a half tile) is read before the
     waits: the schedule was written before the launch, and its loads then overlap the polls. The
@@ -347,10 +347,8 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                     gemm.gate_up_swiglu_tile(i, n * GU_COLS + c, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
                                              2 * I, tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0,
                                              SAVE, INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
-        if TMA:  # the down tiles read h through TMA
+        if TMA:  # the down tiles read h through TMA (fenced before the caller's release)
             sync.fence_proxy_async()
-        if SIGNAL:
-            sync.add_release(cnt_ptr + _routed_signal(1, i, NS), 1, "gpu")
     else:  # down column tiles of row tile i, rows pushed to their origins
         if PRELOAD:
             e = e0
@@ -371,10 +369,6 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
             if full:
                 _down_cols(i, n * DN_COLS, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_tiles,
                            y_ptrs, TK, H, I, BM, BN_DN, BK_DN, DN_COLS, TMA, INTERPRET, h_desc, wd_desc, shift)
-        # dn_done only frees the h slot (its readers are done); the pushed rows need no ordering here
-        # (the DONE signal after the kernel publishes them), so do not wait for the NVLink stores
-        if SIGNAL:
-            sync.add_reads_done(cnt_ptr + _routed_signal(2, i, NS), 1, "gpu")
 
 
 @triton.jit
@@ -383,17 +377,15 @@ def _shared_task(kind, j, n, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, s
                  H: tl.constexpr, IS: tl.constexpr, BM: tl.constexpr,
                  BN_GUS: tl.constexpr, BK_GUS: tl.constexpr, BN_DNS: tl.constexpr, BK_DNS: tl.constexpr,
                  INTERPRET: tl.constexpr, TMA: tl.constexpr = False, x_desc=None, sg_desc=None, su_desc=None,
-                 hsh_desc=None, sd_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, ready=0,
-                 SIGNAL: tl.constexpr = True):
-    """Shared expert over x row tile j: gate/up (kind 1) into h_sh, down (kind 2) into extra (local)."""
+                 hsh_desc=None, sd_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, ready=0):
+    """Shared expert over x row tile j: gate/up (kind 1) into h_sh, down (kind 2) into extra (local).
+    The caller signals a gate/up tile's end (sh_gu[j], ``sync.signal_take``)."""
     if kind == 1:
         gemm.gate_up_swiglu_tile(j, n, x, H, s_gate, s_up, 0, H, h_sh, IS, h_sh, 0, sh_tiles, sh_n,
                                  H, IS, BM, BN_GUS, BK_GUS, H % BK_GUS == 0, False, INTERPRET,
                                  T, True, TMA, x_desc, sg_desc, su_desc)
-        if TMA:
+        if TMA:  # the shared down tiles read h_sh through TMA (fenced before the caller's release)
             sync.fence_proxy_async()
-        if SIGNAL:
-            sync.add_release(cnt_ptr + SH_IDX + j, 1, "gpu")
     else:
         _wait(cnt_ptr, SH_IDX + j, GS, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
         _trace_ready(rec, TRACE_EV, INTERPRET)
@@ -524,7 +516,10 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                 ready = tl.zeros((), tl.int32)
             sig = tl.where(is_sh, tl.where(kind_s == 1, SH_IDX + j, -1),
                            tl.where(i < nt, _routed_signal(kind, i, NS), -1))
-            release = (is_sh | (kind != 2)).to(tl.int32)  # a down tile's signal only frees its h slot
+            # Release, except a down tile's: dn_done only frees the h slot (its reads are done), and the
+            # rows it pushed need no ordering here (the DONE signal after the kernel publishes them), so
+            # its signal does not wait for the NVLink stores (relaxed, as sync.add_reads_done)
+            release = (is_sh | (kind != 2)).to(tl.int32)
             if is_sh:
                 if HAS_SHARED:
                     if TRACE_EV > 0:
@@ -532,7 +527,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                     _shared_task(kind_s, j, n_s, cnt_ptr, x, T, s_gate, s_up, s_down, h_sh, extra, sh_tiles, sh_n,
                                  wait_budget, err_ptr, rank, epoch, SH_IDX, GS, H, IS, BM,
                                  BN_GUS, BK_GUS, BN_DNS, BK_DNS, INTERPRET, TMA, x_desc, sg_desc, su_desc,
-                                 hsh_desc, sd_desc, rec, TRACE_EV, ready, False)
+                                 hsh_desc, sd_desc, rec, TRACE_EV, ready)
             else:
                 if i < nt:  # else past the last row tile: a partial last group, or fills beyond the end
                     if TRACE_EV > 0:
@@ -547,7 +542,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                                       err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
                                       INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
                                       SAVE, gu_save, HALF, xs_half_desc, h_half_desc, rec, TRACE_EV, DN_COLS,
-                                      ready, False, GU_COLS, PRELOAD, row0, half0, e0)
+                                      ready, GU_COLS, PRELOAD, row0, half0, e0)
             t = sync.signal_take(cnt_ptr, sig, release, C_TICKET, AHEAD, NW)
             if TRACE_EV > 0:
                 tl.store(rec + 3, _clock(INTERPRET))
@@ -688,7 +683,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     assert dn_cfg.BM == BM == sched.BM
     assert w_gate.stride() == w_up.stride() and w_gate.stride(-1) == 1 and w_down.stride(-1) == 1
     assert mb.xs_ring.shape == (mb.n_slots * BM, H) and mb.h_ring.shape == (mb.n_slots * BM, I)
-    if gu_cfg.num_warps < 3:  # sync.poll2_take issues its three atomics from three warps
+    if gu_cfg.num_warps < 3:  # sync.poll2 and sync.signal_take issue their atomics from warps 0, 1 and 2
         raise ValueError(f"the forward megakernel needs at least 3 warps per program, got {gu_cfg.num_warps}")
     if not 0 <= comm_programs < programs:
         raise ValueError(f"fwd_comm_programs={comm_programs} must be in [0, programs={programs})")
