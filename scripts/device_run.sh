@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched call on the GPU machine (the device tool): GPU tests, then `tabby bench`.
-# Usage: scripts/device_run.sh STAGE [bench or tune args...]; STAGE is tests, mega, profile, tune, mega-pick,
-# mega-bench, mega-tune, diag, ab (also runs combine), combine, bench or all.
+# Usage: scripts/device_run.sh STAGE [bench or tune args...]; STAGE is tests, mega, mega-ep2, profile, tune,
+# mega-pick, mega-bench, mega-tune, diag, ab (also runs combine), combine, bench or all.
 # Knobs (env): MEGA_TIMEOUT, WITH_PROFILE=1 (profile after another stage), PROFILE_{SHAPES,TOKENS,EP,TIMEOUT},
 # TUNE_TIMEOUT, TUNE_SHAPES, TUNE_TOKENS, BENCH_TIMEOUT, AB_SHAPES ("shape:tokens ..."), AB_VARIANTS.
 # Writes logs and results under $OUT (the device tool brings that folder back).
@@ -41,6 +41,9 @@ if [ "$stage" = mega-pick ]; then  # sweep megakernel variants, then bench the b
   timeout ${BENCH_TIMEOUT:-300} python3 -m tabby bench --out "$OUT/res" --tag mega-pick --ep 2 \
     --impls floor,torch-a2a,tabby,tabby-sync-free --iters 10 --warmup 3 "$@" 2>&1 | tee "$OUT/bench.log" | grep -E "^\|" | tail -60
 fi
+if [ "$stage" = mega-ep2 ]; then  # only the megakernel's EP2 GPU tests (TABBY_MEGA_CASES: a subset of cases)
+  mega_tests_ep2
+fi
 if [ "$stage" = mega-bench ]; then  # the megakernel's GPU tests (fast-failing waits), then the EP2 bench of both paths
   mega_tests_ep2
   timeout ${BENCH_TIMEOUT:-360} python3 -m tabby bench --out "$OUT/res" --tag ep2 --ep 2 \
@@ -68,7 +71,7 @@ fi
 if [ "$stage" = ab ]; then  # back-to-back variants under autograd (the clock drifts within a run): AB_VARIANTS per AB_SHAPES
   for st in ${AB_SHAPES:-gpt-oss-120b:16384 qwen3-30b-a3b:16384}; do
     timeout ${TUNE_TIMEOUT:-200} python3 -m tabby tune --grad --shapes ${st%%:*} --tokens ${st##*:} --ep 2 \
-      --variants "${AB_VARIANTS:-floor;mega;mega:I=1;mega:G=0;mega:H=2;mega;mega:I=1;mega:G=0;mega:H=2;mega:X=0;floor}" \
+      --variants "${AB_VARIANTS:-floor;mega;mega:O=0;mega;mega:O=0;floor}" \
       --out "$OUT/res/ab-${st%%:*}-${st##*:}.json" 2>&1 | grep -v -e Warn -e "return func" >> "$OUT/ab.log"
   done
   grep -E "^\|" "$OUT/ab.log"

@@ -7,9 +7,9 @@ programs, ``L`` down lag, ``S`` fill split, ``M`` group of row tiles, ``B`` down
 for the backward (0: recompute), ``W`` columns per fill step, ``Q`` half-height tiles (0 off), ``V``
 warps per program, ``E`` experts padded to a multiple of E row tiles (1: none), ``J`` pipeline
 stages of a fill's column loop, ``Y`` routed tile height (``tile_m``; also ``sync-free:Y=64``),
-``D`` column tiles per down ticket, ``H`` column tiles per gate/up ticket, ``X`` next ticket taken
-in the release's shadow (0: after it), ``G`` a ticket's polls in one round trip (0: one after the
-other), ``I`` a ticket's schedule data loaded before its polls, ``A`` ablation (1: no row copies, 2: no routed GEMM math, 4:
+``D`` column tiles per down ticket, ``X`` next ticket taken in the release's shadow (0: after
+it), ``G`` a ticket's polls in one round trip (0: one after the other), ``O`` x published on a
+side stream (0: before the schedule, in the current stream), ``A`` ablation (1: no row copies, 2: no routed GEMM math, 4:
 pushes into the own buffer; the output is then wrong and not checked). Example:
 ``mega:C=16,R=4096``. Every non-ablated variant's output is compared with the sync-free path's
 (bitwise without a shared expert). Forward times: CUDA events per iteration, maximum over ranks,
@@ -36,7 +36,7 @@ _KNOBS = {"C": "fwd_comm_programs", "P": "fwd_prefetch", "R": "ring_rows", "N": 
           "K": "fwd_num_stages", "Z": "fwd_save_for_backward", "W": "fwd_pull_cols", "Q": "fwd_half_tiles",
           "V": "fwd_num_warps", "D": "fwd_down_cols", "E": "fwd_align_tiles", "J": "fwd_fill_stages",
           "X": "fwd_ticket_ahead", "G": "fwd_poll_together",
-          "H": "fwd_gate_up_cols", "I": "fwd_preload_tile"}
+          "O": "overlap_publish"}
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:

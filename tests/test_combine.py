@@ -18,7 +18,7 @@ def _reference(rows, T, k, w, extra):
 
 
 @pytest.mark.parametrize("with_w,with_extra", [(True, True), (True, False), (False, False)])
-@pytest.mark.parametrize("block,cols_fast", [((16, 256), False), ((16, 256), True), ((4, 32), True), ((2, 64), False)])
+@pytest.mark.parametrize("block,cols_fast", [((16, 256), False), ((16, 256), True), ((4, 32), True), ((2, 64), False), (None, True)])
 def test_combine_is_the_k_order_sum(with_w, with_extra, block, cols_fast):
     g = torch.Generator().manual_seed(3)
     T, k, H = 37, 3, 80  # neither a multiple of the blocks

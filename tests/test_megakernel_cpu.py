@@ -81,22 +81,19 @@ def test_megakernel_y_bitwise_equals_sync_free_path(route, down_bn, gu_bn, tma, 
     assert torch.equal(y0, y1)
 
 
-@pytest.mark.parametrize("field,H,I,cols,tma,save", [
-    ("fwd_down_cols", 64, 40, 2, False, False), ("fwd_down_cols", 64, 40, 4, True, False),
-    ("fwd_down_cols", 48, 40, 3, True, False),
-    ("fwd_gate_up_cols", 32, 48, 3, None, True), ("fwd_gate_up_cols", 32, 64, 2, None, False),
-    ("fwd_gate_up_cols", 32, 64, 4, None, True)])
-def test_tickets_of_several_column_tiles(field, H, I, cols, tma, save, monkeypatch):
+@pytest.mark.parametrize("H,I,cols,tma,save", [(64, 40, 2, False, False), (64, 40, 4, True, False),
+                                               (48, 40, 3, True, False), (48, 40, 3, None, True)])
+def test_down_tickets_of_several_column_tiles(H, I, cols, tma, save, monkeypatch):
     # One down ticket (fwd_down_cols; with TMA in one K loop whose epilogue pushes each column tile)
-    # or gate/up ticket (fwd_gate_up_cols; one K loop after another) runs several column tiles: 3 or
-    # 4 per row tile here (width / 16); half tiles on, the ring wraps. Same K order per output
-    # element: y is bitwise the sync-free one; with saved rows the gradients match the reference.
+    # runs several column tiles: 3 or 4 per row tile here (H / 16); half tiles on, the ring wraps.
+    # Same K order per output element: y is bitwise the sync-free one; with saved rows the
+    # gradients match the reference.
     _small_tiles(monkeypatch)
     W, T, E_local, k = 2, 21, 2, 2
     prob = make_problem(W, T, H, I, E_local, k, seed=17, route="random")
-    cfg = dataclasses.replace(MEGA, fwd_tma=tma, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m, **{field: cols})
-    width = H if field == "fwd_down_cols" else I
-    assert megakernel_fwd.col_tiles_per_ticket(width // 16, cols, field) == cols
+    cfg = dataclasses.replace(MEGA, fwd_tma=tma, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m,
+                              fwd_down_cols=cols)
+    assert megakernel_fwd.col_tiles_per_ticket(H // 16, cols) == cols
     assert torch.equal(_run_y(W, T, prob, CFG), _run_y(W, T, prob, cfg))
     if save:
         _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
@@ -211,8 +208,6 @@ def test_megakernel_needs_two_slots_and_a_valid_prefetch():
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_fill_stages=0))
     with pytest.raises(tabby.MoEInputError, match="fwd_align_tiles"):
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_align_tiles=0))
-    with pytest.raises(tabby.MoEInputError, match="fwd_gate_up_cols"):
-        tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_gate_up_cols=0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -637,20 +632,3 @@ def test_ticket_taken_after_the_release_gives_the_same_rows(monkeypatch):
     assert torch.equal(y0, _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_ticket_ahead=False)))
     # ... and with each wait polling on its own (fwd_poll_together=False)
     assert torch.equal(y0, _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_poll_together=False)))
-
-
-@pytest.mark.parametrize("save,tma", [(False, True), (True, False)])
-def test_tile_data_loaded_before_the_polls(save, tma, monkeypatch):
-    # fwd_preload_tile: a ticket's first row, half-tile row and expert are loaded before its polls
-    # and handed to the task. With experts padded to 2 tiles (padding tiles: row -1, expert -1),
-    # half tiles, a shared expert and a ring that wraps: y bitwise the same as without it (a shared
-    # expert in the megakernel sums in another order than the sync-free path), values and gradients
-    # right.
-    _small_tiles(monkeypatch)
-    W, T, H, I, E_local, k = 2, 26, 32, 40, 3, 2
-    prob = make_problem(W, T, H, I, E_local, k, shared=True, seed=31, route="random")
-    cfg = dataclasses.replace(MEGA, fwd_align_tiles=2, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m,
-                              fwd_tma=tma)  # with TMA the down tile takes its expert from the ticket
-    pre = dataclasses.replace(cfg, fwd_preload_tile=True)
-    assert torch.equal(_run_y(W, T, prob, cfg), _run_y(W, T, prob, pre))
-    _check(_run_tabby(W, T, prob, cfg=pre), _run_reference(prob))

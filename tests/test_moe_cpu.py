@@ -107,3 +107,32 @@ def test_memory_report_sizes_the_worst_case():
     # experts of few tiles are padded to 2 (fwd_align_tiles): one more tile per expert in the worst case
     rep = memory_report(d, MoEConfig(megakernel=True, ring_rows=2048, fwd_align_tiles=2))
     assert "R_max=278528 rows" in rep and "keeps 1906.1 MiB per layer" in rep
+
+
+@pytest.mark.parametrize("mega", [False, True])
+def test_a_peer_that_never_publishes_x_is_reported(mega, monkeypatch):
+    # x has its own ready flag (FWD_X_READY, so that its copy can overlap the schedule): a rank that
+    # never raises it must be waited for, boundedly, and named in the error, not read half-copied
+    from tabby.functional import moe as moe_mod
+    from tabby.functional.workspace import FWD_X_READY, N_SLOTS, TabbyDeviceError
+
+    real = moe_mod._signal
+    monkeypatch.setattr(moe_mod, "_signal", lambda ws, slot, *a, **kw: None if (slot == FWD_X_READY and ws.rank == 1)
+                        else real(ws, slot, *a, **kw))
+    W, T, H, I, E_local, k = 2, 6, 32, 16, 2, 2
+    x, idx, wts, ws, _, _ = make_problem(W, T, H, I, E_local, k, seed=7)
+    cfg = MoEConfig(tile_m=16, pull_rows=16, pull_cols=64, comm_programs=4, megakernel=mega, ring_rows=32,
+                    max_wait_iters=20, debug=True)
+
+    def rank_fn(r, group):
+        rows = slice(r * T, (r + 1) * T)
+        with torch.no_grad():
+            return moe(x[rows], idx[rows], wts[rows], *(w[r * E_local:(r + 1) * E_local] for w in ws), group=group,
+                       config=cfg)
+
+    with pytest.raises(RuntimeError) as info:
+        run_ranks(W, rank_fn)
+    err = info.value.__cause__
+    assert isinstance(err, TabbyDeviceError) and "publish its inputs" in str(err)
+    assert f"flag {FWD_X_READY * W + 1} expected >= 1" in str(err)  # slot FWD_X_READY, source rank 1
+    assert FWD_X_READY < N_SLOTS

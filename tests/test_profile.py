@@ -10,7 +10,7 @@ def test_profile_tiny_cpu(tmp_path, capsys):
                  "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     stages = rows[0]["stages_ms"]
-    want = {"fwd:publish+wait", "fwd:schedule", "fwd:dispatch", "fwd:gate_up", "fwd:down+push",
+    want = {"fwd:publish+wait", "fwd:schedule", "fwd:wait_x", "fwd:dispatch", "fwd:gate_up", "fwd:down+push",
             "fwd:signal+wait", "fwd:combine", "bwd:publish+wait", "bwd:dispatch_dy", "bwd:down_dgrad+swiglu",
             "bwd:gate_up_dgrad+push", "bwd:router_grad", "bwd:wgrad", "bwd:signal+wait", "bwd:combine"}
     assert set(stages) == want
@@ -27,7 +27,7 @@ def test_profile_mega_tiny_cpu(tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     fwd = {k for k in row["stages_ms"] if k.startswith("fwd:")}
     assert row["megakernel"] is True
-    assert fwd == {"fwd:publish+wait", "fwd:schedule", "fwd:megakernel", "fwd:signal+wait", "fwd:combine"}
+    assert fwd == {"fwd:publish+wait", "fwd:schedule", "fwd:wait_x", "fwd:megakernel", "fwd:signal+wait", "fwd:combine"}
     # --fwd-only: the same forward stages and no backward ones
     assert main(["profile", "--mega", "--fwd-only", "--shapes", "tiny", "--tokens", "8", "--iters", "2",
                  "--warmup", "0", "--out", str(out)]) == 0

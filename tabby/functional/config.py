@@ -113,16 +113,8 @@ class MoEConfig:
                      fence drains (the ticket atomic off the critical path); False: after the release.
     fwd_poll_together: a megakernel ticket's polls (a gate/up tile waits on two counters) go out in one
                      round trip, from two warps; False: one after the other, as before session 8.
-                     Not A/B-measured on its own yet (with fwd_ticket_ahead the trace's gate/up waits
-                     fell from 1.52 to 1.13-1.38 us, the down waits rose from 0.92 to 1.34-1.44).
-    fwd_gate_up_cols: column tiles per gate/up ticket of the megakernel (at most, as fwd_down_cols),
-                     one K loop after another: the ticket's atomic, polls and signal are paid once for
-                     them (~1.2 us of waits per ticket at qwen3-30b-a3b 16384). Built in session 8,
-                     not measured yet: 1.
-    fwd_preload_tile: a megakernel ticket loads its schedule data (first row, half-tile row, expert)
-                     before its polls rather than after them. With fwd_poll_together the tasks load it
-                     only after the polls' round trip, a second round trip (the trace's down waits rose
-                     from 0.92 to 1.34-1.44 us with it). Built in session 8, not measured yet: False.
+                     Back-to-back under autograd (session 9) neither is faster: qwen3-30b-a3b 16384
+                     2.675 / 2.666 ms and 2.684 / 2.887, gpt-oss-120b 16384 6.305 / 6.580, 7.006 / 6.792.
     fwd_down_cols:   column tiles per down ticket of the megakernel (at most: the largest count up to it
                      that divides the down column tiles). One ticket runs its columns in one K loop, so
                      the ticket's atomic, its wait and the pipeline fill are paid once per ticket: at
@@ -131,6 +123,9 @@ class MoEConfig:
     fwd_trace_events: measurement only (``tabby tune --trace``): the megakernel records up to this many
                      tickets per program (kind, when taken, after its waits, at its end) into a
                      trace that ``ops.megakernel_fwd.LAST_TRACE`` holds after the call. 0: off.
+    overlap_publish: the forward copies x into its symmetric buffer on a side stream while the
+                     current stream waits for the peers' routing and builds the schedule (x gets its
+                     own ready flag); False: the copy runs first, in the current stream.
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -168,8 +163,7 @@ class MoEConfig:
     fwd_fill_stages: int | None = None
     fwd_ticket_ahead: bool = True
     fwd_poll_together: bool = True
-    fwd_gate_up_cols: int = 1
-    fwd_preload_tile: bool = False
+    overlap_publish: bool = True
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""

@@ -4,9 +4,11 @@ Each pass is a short sequence of launches on the current stream, none of which r
 back to the host (so a forward + backward can be captured in a CUDA graph):
 
 forward, on every rank
-    publish      copy x, topk_idx, topk_weights into the symmetric buffers; signal FWD_READY to all
-    wait         every peer's FWD_READY (its inputs are readable)
+    publish      copy topk_idx, topk_weights into the symmetric buffers; signal FWD_READY to all;
+                 copy x (on a side stream, overlapping the next two steps); signal FWD_X_READY
+    wait         every peer's FWD_READY (its routing is readable)
     schedule     read every rank's topk_idx; routed-row table of the local experts (ops/schedule.py)
+    wait         join the side stream; every peer's FWD_X_READY (its x is readable)
     dispatch     pull x rows (and router weights) from their source ranks into xs   (ops/comm.py)
     gate/up      h = silu(xs Wg^T) * (xs Wu^T); g, u saved for the backward          (ops/gemm.py)
     down         rows of h Wd^T pushed to the origin's y_in[t*k + kk]                (ops/gemm.py)
@@ -46,8 +48,8 @@ from ..ops.combine import combine_k
 from ..ops.schedule import alloc_schedule, launch_schedule
 from ..validate import MoEInputError, check_inputs
 from .config import MoEConfig
-from .workspace import (BWD, BWD_DONE, BWD_READY, FWD, FWD_DONE, FWD_READY, ThreadGroup, WorkspaceKey,
-                        get_workspace)
+from .workspace import (BWD, BWD_DONE, BWD_READY, FWD, FWD_DONE, FWD_READY, FWD_X_READY, ThreadGroup,
+                        WorkspaceKey, get_workspace)
 
 
 @dataclass(frozen=True)
@@ -148,19 +150,51 @@ def _debug_check(ws, cfg: MoEConfig, t):
         ws.check_errors()
 
 
+def _side_stream(ws, cfg: MoEConfig, x):
+    """The workspace's side stream for the x publish (None: publish in the current stream)."""
+    if not (cfg.overlap_publish and x.is_cuda):
+        return None
+    side = ws.__dict__.get("_side_stream")
+    if side is None:
+        side = ws.__dict__["_side_stream"] = torch.cuda.Stream(device=x.device)
+    return side
+
+
 def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local):
-    """Publish this rank's inputs, wait for every peer's, build the routed-row schedule."""
+    """Publish this rank's inputs, wait for every peer's, build the routed-row schedule.
+
+    The schedule needs only the routing, so x (T * H * 2 bytes, the bulk of the publish: ~30 us at
+    qwen3-30b-a3b 16384) is copied on a side stream under its own flag, FWD_X_READY, while the
+    current stream waits for the peers' routing and builds the schedule; the current stream joins
+    the side stream and waits for every peer's FWD_X_READY before anything reads x_pub. The join
+    also orders every later use of x's memory after the copy (no ``record_stream`` needed). The
+    side stream forks after the FWD_READY signal, which starts the pass's epoch that FWD_X_READY
+    carries. x_pub may be overwritten here: peers stopped reading it before their DONE of the last
+    pass, which this rank waited for."""
     T, k = topk_idx.shape
     _stage("fwd:start")
-    ws.x_pub.copy_(x)
     ws.idx_pub.copy_(topk_idx)
     ws.w_pub.copy_(topk_weights)
     _signal(ws, FWD_READY, FWD, bump=True)
+    side = _side_stream(ws, cfg, x)
+    if side is None:
+        ws.x_pub.copy_(x)
+        _signal(ws, FWD_X_READY, FWD, bump=False)
+    else:
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            ws.x_pub.copy_(x)
+            _signal(ws, FWD_X_READY, FWD, bump=False)
     _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
     _stage("fwd:publish+wait")
     sched = alloc_schedule(ws.world_size, T, k, E_local, cfg.tile_m, x.device, align=cfg.align_tiles(T, k, E_local))
     launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, ws.rank)
     _stage("fwd:schedule")
+    if side is not None:
+        main.wait_stream(side)
+    _wait(ws, FWD_X_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
+    _stage("fwd:wait_x")
     return sched
 
 
@@ -249,8 +283,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         pull_cols=cfg.fwd_pull_cols or cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
         group_m=cfg.fwd_group_m, tma=tma, save=kept, w_ptrs=ws.ptrs["w_pub"],
         half_tiles=cfg.fwd_half_tiles, trace=trace, down_cols=cfg.down_cols(I), fill_stages=cfg.fill_stages(warps),
-        ticket_ahead=cfg.fwd_ticket_ahead, poll_together=cfg.fwd_poll_together, gate_up_cols=cfg.fwd_gate_up_cols,
-        preload_tile=cfg.fwd_preload_tile)
+        ticket_ahead=cfg.fwd_ticket_ahead, poll_together=cfg.fwd_poll_together)
     if trace is not None:
         megakernel_fwd.LAST_TRACE = megakernel_fwd.LAST_TRACE_BY_RANK[ws.rank] = trace
     _stage("fwd:megakernel")
@@ -404,7 +437,6 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
                 raise ValueError(f"fwd_align_tiles={cfg.fwd_align_tiles} must be >= 1")
             if cfg.fwd_down_cols is not None:
                 megakernel_fwd.col_tiles_per_ticket(1, cfg.fwd_down_cols)  # raises on a bad value
-            megakernel_fwd.col_tiles_per_ticket(1, cfg.fwd_gate_up_cols, "fwd_gate_up_cols")
             if cfg.fwd_num_warps not in (None, 4, 8):
                 raise ValueError(f"fwd_num_warps={cfg.fwd_num_warps} must be 4 or 8 (one or two warpgroups)")
         except ValueError as e:

@@ -9,7 +9,7 @@ Symmetric buffers (every rank holds one copy; peers reach it through an address 
     dy_pub  [T, H]   bf16   backward: upstream gradient, pulled by the experts
     dx_in   [T*k, H] bf16   backward: dx rows pushed back, row t*k + kk
     dw_in   [T*k]    fp32   backward: router-weight gradients pushed back
-    flags   [4, W]   int32  flags[slot, src], set by rank src (slots below)
+    flags   [5, W]   int32  flags[slot, src], set by rank src (slots below)
 
 Signalling needs no memset between calls: ``epoch`` counts passes on the device (one counter
 for forward, one for backward); a flag holds the epoch of the last signal and waits test
@@ -29,9 +29,10 @@ import torch
 
 from ..ops import sync
 
-# Flag slots.
-FWD_READY, FWD_DONE, BWD_READY, BWD_DONE = range(4)
-N_SLOTS = 4
+# Flag slots. A forward signals FWD_READY when its routing (topk_idx, weights) is published and
+# FWD_X_READY when x is, so that the x copy can overlap the schedule (``MoEConfig.overlap_publish``).
+FWD_READY, FWD_DONE, BWD_READY, BWD_DONE, FWD_X_READY = range(5)
+N_SLOTS = 5
 # Epoch counters.
 FWD, BWD = 0, 1
 

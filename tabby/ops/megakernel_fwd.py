@@ -20,8 +20,7 @@ Counters (int32, one array per rank, zeroed by a memset before each launch; layo
     fill(i, p)   waits gu_done[s] >= G*g        (every gate/up ticket of tile i-NS has read xs slot s)
     gate/up(i,n) waits ready[s] >= FS*(g+1) and dn_done[s] >= D*g (every down tile of tile i-NS read h slot s)
     down(i,n)    waits gu_done[s] >= G*(g+1)
-    (G = cdiv(I, BN_gate_up) / GU_COLS gate/up tickets per row tile, each GU_COLS column tiles one
-    after another, ``MoEConfig.fwd_gate_up_cols``; D = cdiv(H, BN_down) / DN_COLS down tickets per
+    (G = cdiv(I, BN_gate_up) gate/up tickets per row tile; D = cdiv(H, BN_down) / DN_COLS down tickets per
     row tile, each DN_COLS column tiles in one K loop, ``MoEConfig.fwd_down_cols``.) The kernel
     writes these waits and signals in one place each (``_routed_waits``, ``_routed_signal``). Every
     wait is bounded (``sync.wait_geq``, scope gpu): a lost signal becomes an error record
@@ -224,12 +223,10 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
           NS: tl.constexpr, G, H: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, FS: tl.constexpr,
           ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False, SAVE: tl.constexpr = False, w_ptrs=None,
           row_w=None, rec=None, TRACE_EV: tl.constexpr = 0, INTERPRET: tl.constexpr = False,
-          STAGES: tl.constexpr = 1, ready=0, SIGNAL: tl.constexpr = True, PRELOAD: tl.constexpr = False,
-          part_row0=0):
+          STAGES: tl.constexpr = 1, ready=0, SIGNAL: tl.constexpr = True):
     """Pull part ``part`` (BM // FS rows) of row tile i into its ring slot (SAVE: into row i*BM of
     the full xs buffer, with the rows' router weights into row_w); STAGES: the column loop's
-    pipeline stages (``comm.pull_rows_tile``); PRELOAD: ``part_row0`` is the part's first row_src entry,
-    which the caller loaded already (before its polls)."""
+    pipeline stages (``comm.pull_rows_tile``)."""
     s = i % NS
     w1, t1, _, _ = _routed_waits(0, i, NS, FS, G, 0)
     _wait(cnt_ptr, w1, t1, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False, ready)
@@ -243,10 +240,7 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
         # only (real rows are a prefix of the tile) is not written at all: whatever its rows hold
         # reaches only padding rows of h, g | u and y, which nothing reads (the GEMMs are row-wise,
         # the pushes and the backward's weight gradients take real rows only).
-        if PRELOAD:
-            first = part_row0
-        else:
-            first = tl.load(row_src + (i * FS + part) * (BM // FS))
+        first = tl.load(row_src + (i * FS + part) * (BM // FS))
         if first >= 0:
             if SAVE:
                 comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, xs_ring, H, TK, k, w_ptrs, row_w, BM // FS, BH,
@@ -291,35 +285,28 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   INTERPRET: tl.constexpr, FS: tl.constexpr, ABLATE: tl.constexpr = 0,
                   TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None,
                   SAVE: tl.constexpr = False, gu_save=None, HALF: tl.constexpr = False, xs_half_desc=None,
-                  h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, ready=0,
-                  GU_COLS: tl.constexpr = 1, PRELOAD: tl.constexpr = False, row0=0, half0=0, e0=0):
-    """A gate/up (kind 1) ticket of routed row tile i, column tiles n*GU_COLS .. n*GU_COLS+GU_COLS-1 (one
-    K loop after another), or a down (kind 2) ticket of row tile i, column tiles n*DN_COLS ..
-    n*DN_COLS+DN_COLS-1 (``rec``: its trace record when TRACE_EV > 0). G and D count tickets per row tile.
-    The caller signals the ticket's end (``_routed_signal``, ``sync.signal_take``).
+                  h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, ready=0):
+    """A gate/up (kind 1) ticket of routed row tile i, column tile n, or a down (kind 2) ticket of
+    row tile i, column tiles n*DN_COLS .. n*DN_COLS+DN_COLS-1 (``rec``: its trace record when
+    TRACE_EV > 0). G and D count tickets per row tile. The caller signals the ticket's end
+    (``_routed_signal``, ``sync.signal_take``).
 
     What the schedule says of the tile (its expert, whether it is a half tile) is read before the
-    waits: the schedule was written before the launch, and its loads then overlap the polls. The
-    caller may have read them already, before its own polls (PRELOAD: ``row0`` is row_src[i*BM],
-    ``half0`` row_src[i*BM + BM/2], ``e0`` tile_expert[i])."""
+    task's own waits (the schedule was written before the launch), so those loads overlap them. With
+    the loop's ``sync.poll2`` (the default) the polls come earlier, and these loads after them; loading
+    them before the loop's polls measured no faster (session 9, ``fwd_preload_tile``, since removed)."""
     s = i % NS
     # < 0: a padding tile (the schedule pads experts to a multiple of its ``align`` tiles): no MMA,
     # only its waits and signals, which the ring protocol counts
-    if PRELOAD:
-        first_row = row0
-    else:
-        first_row = tl.load(row_src + i * BM)
+    first_row = tl.load(row_src + i * BM)
     if HALF:
-        if PRELOAD:
-            half_row = half0
-        else:
-            half_row = tl.load(row_src + i * BM + BM // 2)  # < 0: the real rows fit in the first BM/2
+        half_row = tl.load(row_src + i * BM + BM // 2)  # < 0: the real rows fit in the first BM/2
     shift = (s - i) * BM  # row i*BM of a shifted ring base (or TMA coordinate) is row s*BM of the ring
     if SAVE:  # xs is the full routed-row buffer (row i*BM), not a ring
         xs_shift = shift * 0
     else:
         xs_shift = shift
-    if kind == 1:  # gate/up column tiles n*GU_COLS .. n*GU_COLS+GU_COLS-1 of row tile i
+    if kind == 1:  # gate/up column tile n of row tile i
         w1, t1, w2, t2 = _routed_waits(1, i, NS, FS, G, D)
         _wait(cnt_ptr, w1, t1, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
         _wait(cnt_ptr, w2, t2, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False, ready)
@@ -337,23 +324,18 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
             if HALF:
                 if (half_row < 0) & (first_row >= 0):
                     full = False
-                    for c in tl.static_range(GU_COLS):
-                        gemm.gate_up_swiglu_tile(i, n * GU_COLS + c, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
-                                                 2 * I, tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU,
-                                                 H % BK_GU == 0, SAVE, INTERPRET, 0, False, TMA, xs_half_desc,
-                                                 wg_desc, wu_desc, xs_shift, BM)
+                    gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
+                                             2 * I, tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU,
+                                             H % BK_GU == 0, SAVE, INTERPRET, 0, False, TMA, xs_half_desc,
+                                             wg_desc, wu_desc, xs_shift, BM)
             if full:
-                for c in tl.static_range(GU_COLS):
-                    gemm.gate_up_swiglu_tile(i, n * GU_COLS + c, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
-                                             2 * I, tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0,
-                                             SAVE, INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
+                gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
+                                         2 * I, tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0,
+                                         SAVE, INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
         if TMA:  # the down tiles read h through TMA (fenced before the caller's release)
             sync.fence_proxy_async()
     else:  # down column tiles of row tile i, rows pushed to their origins
-        if PRELOAD:
-            e = e0
-        else:
-            e = tl.load(tile_expert + i)  # -1 for a padding tile, which computes nothing below
+        e = tl.load(tile_expert + i)  # -1 for a padding tile, which computes nothing below
         w1, t1, _, _ = _routed_waits(2, i, NS, FS, G, D)
         _wait(cnt_ptr, w1, t1, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
         _trace_ready(rec, TRACE_EV, INTERPRET)
@@ -409,8 +391,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False,
                        SAVE: tl.constexpr = False, HALF: tl.constexpr = False, trace=None,
                        TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, FILL_STAGES: tl.constexpr = 1,
-                       AHEAD: tl.constexpr = True, NW: tl.constexpr = 4, POLL2: tl.constexpr = True,
-                       GU_COLS: tl.constexpr = 1, PRELOAD: tl.constexpr = False):
+                       AHEAD: tl.constexpr = True, NW: tl.constexpr = 4, POLL2: tl.constexpr = True):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -437,8 +418,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     and at its end.
 
     POLL2: a compute ticket's first polls go out together (``sync.poll2``; NW: warps per program).
-    PRELOAD: the ticket's schedule data (first row, half-tile row, expert) is loaded before those
-    polls, so its round trip overlaps theirs (without it the tasks load it after POLL2's polls). AHEAD:
+    AHEAD:
     a compute program takes its next ticket in the shadow of the current one's release fence
     (``sync.signal_take``) rather than after it. (Taking it before starting the current ticket was
     measured, and is much slower: the ticket then waits a whole tile for its program, and the
@@ -447,7 +427,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     pid = tl.program_id(0)
     epoch = tl.load(epoch_ptr)
     nt = tl.load(num_tiles)
-    G: tl.constexpr = (I + BN_GU - 1) // BN_GU // GU_COLS  # gate/up tickets per row tile (GU_COLS divides)
+    G: tl.constexpr = (I + BN_GU - 1) // BN_GU  # gate/up tickets per row tile
     D: tl.constexpr = (H + BN_DN - 1) // BN_DN // DN_COLS  # down tickets per row tile (DN_COLS divides)
     GS: tl.constexpr = (IS + BN_GUS - 1) // BN_GUS
     DS: tl.constexpr = (H + BN_DNS - 1) // BN_DNS
@@ -501,15 +481,6 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
             w1 = tl.where(is_sh, tl.where(kind_s == 2, SH_IDX + j, -1), tl.where(i < nt, w1, -1))
             t1 = tl.where(is_sh, GS, t1)
             w2 = tl.where(is_sh | (i >= nt), -1, w2)
-            if PRELOAD:  # the tile's schedule data, loaded before the polls so that both round trips overlap
-                valid = (t >= sh_total) & (i < nt)
-                safe_i = tl.where(valid, i, 0)
-                safe_n = tl.where(valid & (kind == 0), n, 0)
-                row0 = tl.load(row_src + tl.where(kind == 0, (safe_i * FS + safe_n) * (BM // FS), safe_i * BM))
-                e0 = tl.load(tile_expert + safe_i)
-                half0 = tl.load(row_src + safe_i * BM + BM // 2) if HALF else 0
-            else:  # the tasks load them, before their own waits
-                row0, half0, e0 = 0, 0, 0
             if POLL2:
                 ready = sync.poll2(cnt_ptr, w1, t1, w2, t2, NW).to(tl.int32)
             else:  # each wait polls on its own (one round trip after the other)
@@ -535,14 +506,14 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                     if kind == 0:
                         _fill(i, n, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
                               NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET,
-                              FILL_STAGES, ready, False, PRELOAD, row0)
+                              FILL_STAGES, ready, False)
                     else:
                         _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
                                       wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
                                       err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
                                       INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
                                       SAVE, gu_save, HALF, xs_half_desc, h_half_desc, rec, TRACE_EV, DN_COLS,
-                                      ready, GU_COLS, PRELOAD, row0, half0, e0)
+                                      ready)
             t = sync.signal_take(cnt_ptr, sig, release, C_TICKET, AHEAD, NW)
             if TRACE_EV > 0:
                 tl.store(rec + 3, _clock(INTERPRET))
@@ -608,12 +579,11 @@ def default_group_m(n_slots: int) -> int:
     return next((g for g in (4, 2, 1) if n_slots % g == 0 and n_slots // g >= 2), 1)
 
 
-def col_tiles_per_ticket(n_cols: int, cols: int, field: str = "fwd_down_cols") -> int:
-    """Column tiles per down (or gate/up) ticket: the largest count <= ``cols`` that divides the
-    ``n_cols`` column tiles of a row tile (so every ticket has the same, compile-time, number).
-    ``field``: the MoEConfig field named when ``cols`` is bad."""
+def col_tiles_per_ticket(n_cols: int, cols: int) -> int:
+    """Column tiles per down ticket: the largest count <= ``cols`` that divides the ``n_cols``
+    column tiles of a row tile (so every ticket has the same, compile-time, number)."""
     if cols < 1:
-        raise ValueError(f"{field}={cols} must be >= 1")
+        raise ValueError(f"fwd_down_cols={cols} must be >= 1")
     return max(c for c in range(1, min(cols, n_cols) + 1) if n_cols % c == 0)
 
 
@@ -648,8 +618,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
                           w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1,
-                          fill_stages: int = 1, ticket_ahead: bool = True, poll_together: bool = True,
-                          gate_up_cols: int = 1, preload_tile: bool = False):
+                          fill_stages: int = 1, ticket_ahead: bool = True, poll_together: bool = True):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -674,9 +643,6 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     down column tiles). ``fill_stages``: pipeline stages of a fill's column loop (1: none).
     ``ticket_ahead``: take the next ticket in the shadow of the current one's release (kernel AHEAD).
     ``poll_together``: a ticket's polls in one round trip (kernel POLL2); False: one after the other.
-    ``gate_up_cols``: column tiles per gate/up ticket (at most: the largest count up to it that
-    divides the gate/up column tiles), one K loop after another. ``preload_tile``: load a ticket's
-    schedule data before its polls (kernel PRELOAD).
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -693,10 +659,9 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     if prefetch is None:
         prefetch = n_groups // 2
     dn_cols = col_tiles_per_ticket(triton.cdiv(H, dn_cfg.BN), down_cols)
-    gu_cols = col_tiles_per_ticket(triton.cdiv(I, gu_cfg.BN), gate_up_cols, "fwd_gate_up_cols")
     if lag is None:  # down tiles handed out after the groups in flight have had their gate/ups taken
         F = 0 if comm_programs else fill_split
-        G, D = triton.cdiv(I, gu_cfg.BN) // gu_cols, triton.cdiv(H, dn_cfg.BN) // dn_cols
+        G, D = triton.cdiv(I, gu_cfg.BN), triton.cdiv(H, dn_cfg.BN) // dn_cols
         lag = min(n_groups - 1, triton.cdiv(programs - comm_programs, group_m * (F + G + D)) + 1)
     # Split mode needs every program resident (compute programs wait on comm programs): ask for a
     # cooperative launch, which fails instead of hanging when the grid does not fit. The merged
@@ -762,6 +727,6 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, HALF=half,
         trace=trace, TRACE_EV=0 if trace is None else (trace.shape[1] - TRACE_HEAD) // 4,
         DN_COLS=dn_cols, FILL_STAGES=fill_stages, AHEAD=ticket_ahead, NW=gu_cfg.num_warps,
-        POLL2=poll_together, GU_COLS=gu_cols, PRELOAD=preload_tile,
+        POLL2=poll_together,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
 
