@@ -115,9 +115,7 @@ def check_rank(rank, W, cases, reps=20):
     return out
 
 
-def _graph_check(inp, group, device):
-    import tabby
-
+def _graph_check(inp, group, device, fn=sync_free_moe):
     x, idx, wts, ws, sh, dy = inp
     static = [t.clone() for t in (x, idx, wts, dy)]
     params = [w.detach().clone().requires_grad_(True) for w in ws]
@@ -127,14 +125,14 @@ def _graph_check(inp, group, device):
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm up on a side stream, as graph capture wants
         for _ in range(2):
-            y = sync_free_moe(xs, static[1], wl, *params, group=group)
+            y = fn(xs, static[1], wl, *params, group=group)
             y.backward(static[3])
     torch.cuda.current_stream().wait_stream(s)
     for t in (xs, wl, *params):
         t.grad = None
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = sync_free_moe(xs, static[1], wl, *params, group=group)
+        y = fn(xs, static[1], wl, *params, group=group)
         y.backward(static[3])
     # New inputs: copy into the static tensors and replay.
     gen = torch.Generator(device=device).manual_seed(99)
@@ -142,7 +140,7 @@ def _graph_check(inp, group, device):
         xs.copy_(torch.randn(x.shape, generator=gen, device=device).bfloat16())
         static[3].copy_(torch.randn(dy.shape, generator=gen, device=device).bfloat16())
     g.replay()
-    eager = _fwd_bwd(sync_free_moe, xs.detach(), static[1], wl.detach(), params, None, static[3], group)
+    eager = _fwd_bwd(fn, xs.detach(), static[1], wl.detach(), params, None, static[3], group)
     graph = [y.detach(), xs.grad, wl.grad] + [p.grad for p in params]
     return {"matches_eager": all(torch.equal(a, b) for a, b in zip(graph, [eager[0], eager[1], eager[2],
                                                                           *eager[3:6]]))}
@@ -197,6 +195,48 @@ def _mismatch_worker(rank, world):
         return "no error"
     except tabby.MoEInputError as e:
         return str(e)
+
+
+def check_publish_overlap(rank, W, cases):
+    """The x publish beside the schedule (``MoEConfig.overlap_publish`` 0, 1, 2) on the default
+    (megakernel) layer: forward and backward bitwise the same in every mode; mode 2 (the schedule
+    on a high-priority side stream) without host sync and replayed from a CUDA graph."""
+    import functools
+
+    import tabby
+    from tabby.functional.config import MoEConfig
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    group = None
+    if W > 1:
+        import torch.distributed as dist
+
+        group = dist.group.WORLD
+    inp = _inputs(cases[0], rank, W, device)
+    fns = {m: functools.partial(tabby.moe, config=MoEConfig(overlap_publish=m)) for m in (0, 1, 2)}
+    outs = {m: _fwd_bwd(fn, *inp, group) for m, fn in fns.items()}
+    same = {m: all(torch.equal(a, b) for a, b in zip(outs[0], outs[m])) for m in (1, 2)}
+    err = rel_err(outs[2][0], _fwd_bwd(tabby.moe_reference, *inp, group)[0])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _fwd_bwd(fns[2], *inp, group)
+        no_sync = True
+    except RuntimeError as e:
+        no_sync = f"host sync: {e}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = _graph_check(inp, group, device, fn=fns[2])["matches_eager"]
+    tabby.check_errors()
+    return dict(bitwise_equal_to_mode_0=same, err_y=err, no_host_sync=no_sync, graph_matches_eager=graph)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_publish_overlap_modes_agree_bitwise(ep):
+    res = run_on_gpus(check_publish_overlap, ["qwen3-30b-a3b"], ep)
+    print(res)
+    assert res["bitwise_equal_to_mode_0"] == {1: True, 2: True}, res
+    assert res["err_y"] < TOL and res["no_host_sync"] is True and res["graph_matches_eager"], res
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

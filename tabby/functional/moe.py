@@ -151,12 +151,16 @@ def _debug_check(ws, cfg: MoEConfig, t):
 
 
 def _side_stream(ws, cfg: MoEConfig, x):
-    """The workspace's side stream for the x publish (None: publish in the current stream)."""
-    if not (cfg.overlap_publish and x.is_cuda):
+    """The workspace's side stream for the forward's publish overlap (None: no overlap): with
+    ``overlap_publish`` 2 the schedule runs on it at the device's highest stream priority, so that
+    the block scheduler starts its small launches ahead of the x copy's pending blocks."""
+    mode = int(cfg.overlap_publish)
+    if not (mode and x.is_cuda):
         return None
-    side = ws.__dict__.get("_side_stream")
+    side = ws.__dict__.get(("_side_stream", mode))
     if side is None:
-        side = ws.__dict__["_side_stream"] = torch.cuda.Stream(device=x.device)
+        priority = torch.cuda.Stream.priority_range()[1] if mode == 2 else 0
+        side = ws.__dict__[("_side_stream", mode)] = torch.cuda.Stream(device=x.device, priority=priority)
     return side
 
 
@@ -164,10 +168,12 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
     """Publish this rank's inputs, wait for every peer's, build the routed-row schedule.
 
     The schedule needs only the routing, so x (T * H * 2 bytes, the bulk of the publish: ~30 us at
-    qwen3-30b-a3b 16384) is copied on a side stream under its own flag, FWD_X_READY, while the
-    current stream waits for the peers' routing and builds the schedule; the current stream joins
-    the side stream and waits for every peer's FWD_X_READY before anything reads x_pub. The join
-    also orders every later use of x's memory after the copy (no ``record_stream`` needed). The
+    qwen3-30b-a3b 16384) gets its own flag, FWD_X_READY, and its copy runs beside the wait for the
+    peers' routing and the schedule (``MoEConfig.overlap_publish``): 1, the copy on a side stream;
+    2, the wait and the schedule on a high-priority side stream and the copy on the current one.
+    The current stream then joins the side stream and waits for every peer's FWD_X_READY before
+    anything reads x_pub. The join also orders every later use of x's memory (and of the schedule,
+    allocated before the fork) after the side stream's work: no ``record_stream`` is needed. The
     side stream forks after the FWD_READY signal, which starts the pass's epoch that FWD_X_READY
     carries. x_pub may be overwritten here: peers stopped reading it before their DONE of the last
     pass, which this rank waited for."""
@@ -176,22 +182,28 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
     ws.idx_pub.copy_(topk_idx)
     ws.w_pub.copy_(topk_weights)
     _signal(ws, FWD_READY, FWD, bump=True)
+    sched = alloc_schedule(ws.world_size, T, k, E_local, cfg.tile_m, x.device, align=cfg.align_tiles(T, k, E_local))
     side = _side_stream(ws, cfg, x)
-    if side is None:
+
+    def publish_x():
         ws.x_pub.copy_(x)
         _signal(ws, FWD_X_READY, FWD, bump=False)
+
+    def schedule():
+        _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
+        _stage("fwd:publish+wait")
+        launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, ws.rank)
+        _stage("fwd:schedule")
+
+    if side is None:
+        publish_x()
+        schedule()
     else:
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            ws.x_pub.copy_(x)
-            _signal(ws, FWD_X_READY, FWD, bump=False)
-    _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
-    _stage("fwd:publish+wait")
-    sched = alloc_schedule(ws.world_size, T, k, E_local, cfg.tile_m, x.device, align=cfg.align_tiles(T, k, E_local))
-    launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, ws.rank)
-    _stage("fwd:schedule")
-    if side is not None:
+            (schedule if int(cfg.overlap_publish) == 2 else publish_x)()
+        (publish_x if int(cfg.overlap_publish) == 2 else schedule)()
         main.wait_stream(side)
     _wait(ws, FWD_X_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
     _stage("fwd:wait_x")
@@ -426,6 +438,8 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
     if dims.T == 0:
         raise MoEInputError("x has no tokens (T = 0)")
     key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device))
+    if cfg.overlap_publish not in (0, 1, 2):
+        raise MoEInputError(f"MoEConfig: overlap_publish={cfg.overlap_publish!r} must be 0, 1 or 2")
     if cfg.megakernel:
         try:
             megakernel_fwd.check_order(cfg.ring_rows // cfg.tile_m, cfg.tile_m, cfg.group_m(),
