@@ -9,7 +9,7 @@ warps per program, ``E`` experts padded to a multiple of E row tiles (1: none), 
 stages of a fill's column loop, ``Y`` routed tile height (``tile_m``; also ``sync-free:Y=64``),
 ``D`` column tiles per down ticket, ``X`` next ticket taken in the release's shadow (0: after
 it), ``G`` a ticket's polls in one round trip (0: one after the other), ``O`` x published beside
-the schedule (1: x on a side stream, 2: the schedule on a high-priority one; 0: one after the other), ``A`` ablation (1: no row copies, 2: no routed GEMM math, 4:
+the schedule (0: one after the other), ``A`` ablation (1: no row copies, 2: no routed GEMM math, 4:
 pushes into the own buffer; the output is then wrong and not checked). Example:
 ``mega:C=16,R=4096``. Every non-ablated variant's output is compared with the sync-free path's
 (bitwise without a shared expert). Forward times: CUDA events per iteration, maximum over ranks,

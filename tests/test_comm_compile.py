@@ -28,5 +28,30 @@ def test_pull_rows_vectorized():
     assert counts["ld.global.b16"] == 0 and counts["st.global.b16"] == 0, counts
 
 
+def _signal_wait_ptx():
+    from tabby.ops import comm
+
+    ptrs = {"flag_ptrs": "*i64", "my_flags": "*i32", "epoch_ptr": "*i32", "err_ptr": "*i32"}
+    ptx = comm.signal_wait_peers_kernel
+    ptx = compile_for_sm90(ptx, dict(BUMP=True), ptrs, num_warps=1).asm["ptx"]
+    # the order of the first release (the signal) and the first acquire (the peers' flags)
+    rel = re.search(r"atom\.global\.sys\.release", ptx)
+    acq = re.search(r"ld\.global\.sys\.acquire", ptx)
+    print("release_sys", rel.start() if rel else -1)
+    print("acquire_sys", acq.start() if acq else -1)
+
+
+def test_signal_wait_signals_then_waits_at_system_scope():
+    # signal_wait_peers_kernel (one launch for a signal and its wait): the peers' flags are set with
+    # a system-scope release before this rank polls its own with system-scope acquires
+    out = {k: int(v) for k, v in (line.split() for line in run_compiled_check(__file__, "signal_wait").splitlines())}
+    assert 0 <= out["release_sys"] < out["acquire_sys"], out
+
+
 if __name__ == "__main__":
-    _ptx_counts()
+    import sys
+
+    if sys.argv[1:] == ["signal_wait"]:
+        _signal_wait_ptx()
+    else:
+        _ptx_counts()

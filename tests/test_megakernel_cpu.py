@@ -209,7 +209,7 @@ def test_megakernel_needs_two_slots_and_a_valid_prefetch():
     with pytest.raises(tabby.MoEInputError, match="fwd_align_tiles"):
         tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, fwd_align_tiles=0))
     with pytest.raises(tabby.MoEInputError, match="overlap_publish"):
-        tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, overlap_publish=3))
+        tabby.moe(x, idx, wts, *ws, config=dataclasses.replace(MEGA, overlap_publish=2))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -123,12 +123,11 @@ class MoEConfig:
     fwd_trace_events: measurement only (``tabby tune --trace``): the megakernel records up to this many
                      tickets per program (kind, when taken, after its waits, at its end) into a
                      trace that ``ops.megakernel_fwd.LAST_TRACE`` holds after the call. 0: off.
-    overlap_publish: how the forward's copy of x into its symmetric buffer (x has its own ready
-                     flag) overlaps the wait for the peers' routing and the schedule: 2 (default), the
-                     wait and the schedule on a high-priority side stream, the copy on the current
-                     stream; 1, the copy on a side stream; 0, one after the other. Back-to-back under
-                     autograd, drift removed, qwen3-30b-a3b 16384: 2.62 / 2.645 / 2.65 ms for 2 / 1 / 0
-                     (noise ~0.02; perf-notes, session 9).
+    overlap_publish: the forward's copy of x into its symmetric buffer (x has its own ready flag)
+                     runs on the current stream while a high-priority side stream waits for the
+                     peers' routing and builds the schedule; False: one after the other. Back-to-back
+                     under autograd, drift removed, qwen3-30b-a3b 16384: 2.62 ms against 2.65
+                     (noise ~0.02; x copied on a side stream instead: 2.645; perf-notes, session 9).
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -166,7 +165,7 @@ class MoEConfig:
     fwd_fill_stages: int | None = None
     fwd_ticket_ahead: bool = True
     fwd_poll_together: bool = True
-    overlap_publish: int = 2
+    overlap_publish: bool = True
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel loads through TMA for T tokens/rank, top-k, model H, expert I."""

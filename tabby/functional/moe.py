@@ -4,15 +4,15 @@ Each pass is a short sequence of launches on the current stream, none of which r
 back to the host (so a forward + backward can be captured in a CUDA graph):
 
 forward, on every rank
-    publish      copy topk_idx, topk_weights into the symmetric buffers; signal FWD_READY to all;
-                 copy x (on a side stream, overlapping the next two steps); signal FWD_X_READY
-    wait         every peer's FWD_READY (its routing is readable)
-    schedule     read every rank's topk_idx; routed-row table of the local experts (ops/schedule.py)
-    wait         join the side stream; every peer's FWD_X_READY (its x is readable)
+    publish      copy topk_idx, topk_weights into the symmetric buffers
+    signal+wait  FWD_READY to all; every peer's (its routing is readable)  \ on a high-priority side
+    schedule     every rank's topk_idx -> routed-row table of the local      / stream, beside the x
+                 experts (ops/schedule.py)                                    copy (x -> x_pub)
+    signal+wait  join the side stream; FWD_X_READY (every peer's x is readable)
     dispatch     pull x rows (and router weights) from their source ranks into xs   (ops/comm.py)
     gate/up      h = silu(xs Wg^T) * (xs Wu^T); g, u saved for the backward          (ops/gemm.py)
     down         rows of h Wd^T pushed to the origin's y_in[t*k + kk]                (ops/gemm.py)
-    signal       FWD_DONE to every rank; then wait for every peer's FWD_DONE
+    signal+wait  FWD_DONE to every rank; then every peer's FWD_DONE (each pair is one launch)
     combine      y[t] = sum_kk w[t,kk] y_in[t*k+kk] (fp32, k order) + shared[t]     (ops/combine.py)
 
 backward, mirrored: publish dy; pull dy rows; down dgrad with the SwiGLU backward and the
@@ -104,6 +104,17 @@ def _wait(ws, slot, epoch_idx, code, cfg):
                                  cfg.wait_budget(), ws.err, code)
 
 
+def _signal_wait(ws, slot, epoch_idx, bump, code, cfg):
+    """``_signal`` then ``_wait``; on the GPU in one launch (``comm.signal_wait_peers_kernel``: a
+    Triton launch costs the host ~30-50 us, which small shapes feel)."""
+    if INTERPRET:  # the wait polls from the host (see _wait)
+        _signal(ws, slot, epoch_idx, bump)
+        _wait(ws, slot, epoch_idx, code, cfg)
+        return
+    comm.signal_wait_peers_kernel[(1,)](ws.ptrs["flags"], ws.flags, ws.epoch[epoch_idx:], slot, ws.rank,
+                                        ws.world_size, cfg.wait_budget(), ws.err, code, BUMP=bump)
+
+
 def _pull_rows(cfg, sched, src_ptrs, dst, TK, k, w_ptrs=None, ws_out=None):
     H = dst.shape[1]
     with_w = w_ptrs is not None
@@ -151,16 +162,15 @@ def _debug_check(ws, cfg: MoEConfig, t):
 
 
 def _side_stream(ws, cfg: MoEConfig, x):
-    """The workspace's side stream for the forward's publish overlap (None: no overlap): with
-    ``overlap_publish`` 2 the schedule runs on it at the device's highest stream priority, so that
-    the block scheduler starts its small launches ahead of the x copy's pending blocks."""
-    mode = int(cfg.overlap_publish)
-    if not (mode and x.is_cuda):
+    """The workspace's side stream for the forward's schedule (None: no overlap), at the device's
+    highest stream priority, so that the block scheduler starts its small launches ahead of the x
+    copy's pending blocks."""
+    if not (cfg.overlap_publish and x.is_cuda):
         return None
-    side = ws.__dict__.get(("_side_stream", mode))
+    side = ws.__dict__.get("_side_stream")
     if side is None:
-        priority = torch.cuda.Stream.priority_range()[1] if mode == 2 else 0
-        side = ws.__dict__[("_side_stream", mode)] = torch.cuda.Stream(device=x.device, priority=priority)
+        side = ws.__dict__["_side_stream"] = torch.cuda.Stream(device=x.device,
+                                                               priority=torch.cuda.Stream.priority_range()[1])
     return side
 
 
@@ -168,44 +178,37 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
     """Publish this rank's inputs, wait for every peer's, build the routed-row schedule.
 
     The schedule needs only the routing, so x (T * H * 2 bytes, the bulk of the publish: ~30 us at
-    qwen3-30b-a3b 16384) gets its own flag, FWD_X_READY, and its copy runs beside the wait for the
-    peers' routing and the schedule (``MoEConfig.overlap_publish``): 1, the copy on a side stream;
-    2, the wait and the schedule on a high-priority side stream and the copy on the current one.
-    The current stream then joins the side stream and waits for every peer's FWD_X_READY before
-    anything reads x_pub. The join also orders every later use of x's memory (and of the schedule,
-    allocated before the fork) after the side stream's work: no ``record_stream`` is needed. The
-    side stream forks after the FWD_READY signal, which starts the pass's epoch that FWD_X_READY
-    carries. x_pub may be overwritten here: peers stopped reading it before their DONE of the last
-    pass, which this rank waited for."""
+    qwen3-30b-a3b 16384) gets its own flag, FWD_X_READY, and with ``MoEConfig.overlap_publish`` its
+    copy runs on the current stream while a high-priority side stream signals FWD_READY (the pass's
+    new epoch), waits for the peers' and builds the schedule. The current stream then joins the side
+    stream, and signals and waits FWD_X_READY (the same epoch) before anything reads x_pub. The
+    join also orders every later use of the schedule (allocated before the fork) after the side
+    stream's work. x_pub may be overwritten here: peers stopped reading it before their DONE of the
+    last pass, which this rank waited for."""
     T, k = topk_idx.shape
     _stage("fwd:start")
     ws.idx_pub.copy_(topk_idx)
     ws.w_pub.copy_(topk_weights)
-    _signal(ws, FWD_READY, FWD, bump=True)
     sched = alloc_schedule(ws.world_size, T, k, E_local, cfg.tile_m, x.device, align=cfg.align_tiles(T, k, E_local))
     side = _side_stream(ws, cfg, x)
 
-    def publish_x():
-        ws.x_pub.copy_(x)
-        _signal(ws, FWD_X_READY, FWD, bump=False)
-
     def schedule():
-        _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
+        _signal_wait(ws, FWD_READY, FWD, True, sync.ERR_WAIT_PEER_READY, cfg)
         _stage("fwd:publish+wait")
         launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, ws.rank)
         _stage("fwd:schedule")
 
     if side is None:
-        publish_x()
         schedule()
+        ws.x_pub.copy_(x)
     else:
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            (schedule if int(cfg.overlap_publish) == 2 else publish_x)()
-        (publish_x if int(cfg.overlap_publish) == 2 else schedule)()
+            schedule()
+        ws.x_pub.copy_(x)
         main.wait_stream(side)
-    _wait(ws, FWD_X_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
+    _signal_wait(ws, FWD_X_READY, FWD, False, sync.ERR_WAIT_PEER_READY, cfg)
     _stage("fwd:wait_x")
     return sched
 
@@ -213,8 +216,7 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
 def _finish_forward(ws, cfg: MoEConfig, x, topk_weights, extra):
     """Tell every peer its rows are pushed, wait for theirs, combine in k order."""
     T, k = topk_weights.shape
-    _signal(ws, FWD_DONE, FWD, bump=False)
-    _wait(ws, FWD_DONE, FWD, sync.ERR_WAIT_PEER_DONE, cfg)
+    _signal_wait(ws, FWD_DONE, FWD, False, sync.ERR_WAIT_PEER_DONE, cfg)
     _stage("fwd:signal+wait")
     y = combine_k(ws.y_in, T, k, w=topk_weights.float().contiguous(), extra=extra, dtype=x.dtype)
     _stage("fwd:combine")
@@ -330,8 +332,7 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
         ws.x_pub.copy_(saved.x)
         ws.w_pub.copy_(saved.topk_weights)
     ws.dy_pub.copy_(dy)
-    _signal(ws, BWD_READY, BWD, bump=True)
-    _wait(ws, BWD_READY, BWD, sync.ERR_WAIT_PEER_READY, cfg)
+    _signal_wait(ws, BWD_READY, BWD, True, sync.ERR_WAIT_PEER_READY, cfg)
     _stage("bwd:publish+wait")
     if recompute:
         xs = dy.new_empty((sched.R_max, H))
@@ -358,8 +359,7 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
     dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
                                                out_dtype=w_gate.dtype)
     _stage("bwd:wgrad")
-    _signal(ws, BWD_DONE, BWD, bump=False)
-    _wait(ws, BWD_DONE, BWD, sync.ERR_WAIT_PEER_DONE, cfg)
+    _signal_wait(ws, BWD_DONE, BWD, False, sync.ERR_WAIT_PEER_DONE, cfg)
     _stage("bwd:signal+wait")
     dx = combine_k(ws.dx_in, T, k, dtype=dy.dtype)
     dtopk = ws.dw_in.view(T, k).clone()
@@ -438,8 +438,8 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
     if dims.T == 0:
         raise MoEInputError("x has no tokens (T = 0)")
     key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device))
-    if cfg.overlap_publish not in (0, 1, 2):
-        raise MoEInputError(f"MoEConfig: overlap_publish={cfg.overlap_publish!r} must be 0, 1 or 2")
+    if cfg.overlap_publish not in (False, True):
+        raise MoEInputError(f"MoEConfig: overlap_publish={cfg.overlap_publish!r} must be True or False")
     if cfg.megakernel:
         try:
             megakernel_fwd.check_order(cfg.ring_rows // cfg.tile_m, cfg.tile_m, cfg.group_m(),
