@@ -5,9 +5,9 @@ back to the host (so a forward + backward can be captured in a CUDA graph):
 
 forward, on every rank
     publish      copy topk_idx, topk_weights into the symmetric buffers
-    signal+wait  FWD_READY to all; every peer's (its routing is readable)  \ on a high-priority side
-    schedule     every rank's topk_idx -> routed-row table of the local      / stream, beside the x
-                 experts (ops/schedule.py)                                    copy (x -> x_pub)
+    signal+wait  FWD_READY to all; every peer's (its routing is readable)   | on a high-priority side
+    schedule     every rank's topk_idx -> routed-row table of the local       | stream, while the current
+                 experts (ops/schedule.py)                                     | one copies x into x_pub
     signal+wait  join the side stream; FWD_X_READY (every peer's x is readable)
     dispatch     pull x rows (and router weights) from their source ranks into xs   (ops/comm.py)
     gate/up      h = silu(xs Wg^T) * (xs Wu^T); g, u saved for the backward          (ops/gemm.py)
