@@ -400,6 +400,19 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def host_timed(run, calls: list):
+    """``run`` wrapped to append each call's host (Python + launch) seconds to ``calls``. With calls
+    back to back and no sync between them, a pass whose host time per call reaches its GPU time is
+    bound by the host (the GPU waits for launches)."""
+    def timed():
+        t0 = time.perf_counter()
+        out = run()
+        calls.append(time.perf_counter() - t0)
+        return out
+
+    return timed
+
+
 def time_iterations(run, warmup: int, iters: int) -> list:
     """Per-iteration milliseconds on this rank (CUDA events), after ``warmup`` untimed calls."""
     for _ in range(warmup):
@@ -460,7 +473,7 @@ def base_record(impl, shape: Shape, T: int, ep: int, pass_: str, dtype: str) -> 
     return dict(impl=impl.name if not isinstance(impl, str) else impl, shape=shape.name, E=shape.E, H=shape.H,
                 I=shape.I, k=shape.k, I_shared=shape.I_shared, ep=ep, tokens_per_gpu=T, dtype=dtype, **{"pass": pass_},
                 ms=None, tflops=None, flops=flops(shape, T, pass_), correct=None, errors={}, tolerance=TOLERANCE[dtype],
-                ratio_to_floor=None, speedup_vs_best_anchor=None, peak_mem_gb=None, error=None)
+                ratio_to_floor=None, speedup_vs_best_anchor=None, peak_mem_gb=None, host_ms=None, error=None)
 
 
 def _forward_only(errors: dict) -> dict:
@@ -498,19 +511,21 @@ def measure(impl, inp: Inputs, group, cfg: Config, timed: bool) -> list:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            times = time_iterations(run, cfg.warmup, cfg.iters)
-            return times, (torch.cuda.max_memory_allocated() - base) / 1e9
+            calls = []
+            times = time_iterations(host_timed(run, calls), cfg.warmup, cfg.iters)
+            host_ms = sum(calls[cfg.warmup:]) * 1e3 / cfg.iters
+            return times, (torch.cuda.max_memory_allocated() - base) / 1e9, host_ms
 
         res, err = attempt(timed_run)
         if err:
             r["error"], r["correct"] = err, False
             continue
-        times, peak = res
-        per_iter = max_over_ranks(times + [peak])
-        r["ms"] = statistics.median(per_iter[:-1])
-        r["peak_mem_gb"] = per_iter[-1]
+        times, peak, host_ms = res
+        per_iter = max_over_ranks(times + [peak, host_ms])
+        r["ms"] = statistics.median(per_iter[:-2])
+        r["peak_mem_gb"], r["host_ms"] = per_iter[-2:]
         r["tflops"] = r["flops"] / (r["ms"] * 1e-3) / 1e12
-        r["ms_min"] = min(per_iter[:-1])
+        r["ms_min"] = min(per_iter[:-2])
     del prepared
     return list(recs.values())
 
@@ -765,8 +780,9 @@ def _cell(v, fmt):
 
 
 def format_table(records: list) -> str:
-    """A readable table (markdown pipes, aligned): one row per record."""
-    head = ["shape", "T/GPU", "EP", "pass", "impl", "ms", "TFLOP/s", "x floor", "vs anchor", "correct"]
+    """A readable table (markdown pipes, aligned): one row per record. "host ms": the host's time per
+    call (Python and launches); where it reaches "ms" the pass waited for the host, not the GPU."""
+    head = ["shape", "T/GPU", "EP", "pass", "impl", "ms", "host ms", "TFLOP/s", "x floor", "vs anchor", "correct"]
     rows = []
     for r in records:
         ok = "error" if r.get("error") and r["correct"] is False and not r["errors"] else (
@@ -774,10 +790,11 @@ def format_table(records: list) -> str:
         if r.get("error", "") and str(r.get("error")).startswith("skipped"):
             ok = "skipped"
         rows.append([r["shape"], str(r["tokens_per_gpu"]), str(r["ep"]), r["pass"], r["impl"],
-                     _cell(r["ms"], ".3f"), _cell(r["tflops"], ".1f"), _cell(r["ratio_to_floor"], ".2f"),
+                     _cell(r["ms"], ".3f"), _cell(r.get("host_ms"), ".3f"), _cell(r["tflops"], ".1f"),
+                     _cell(r["ratio_to_floor"], ".2f"),
                      _cell(r["speedup_vs_best_anchor"], ".2f"), ok])
     width = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
-    right = {1, 2, 5, 6, 7, 8}
+    right = {1, 2, 5, 6, 7, 8, 9}
 
     def line(cells):
         return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 
 import torch
 
@@ -55,25 +54,14 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return kind, knobs
 
 
-def _host_timed(run, calls: list):
-    """``run`` wrapped to append each call's host (Python + launch) seconds to ``calls``."""
-    def timed():
-        t0 = time.perf_counter()
-        out = run()
-        calls.append(time.perf_counter() - t0)
-        return out
-
-    return timed
-
-
 def _median_ms(run, warmup, iters):
     """(GPU ms: median over iterations of the max over ranks; host ms per call, max over ranks), from
     the same back-to-back timed calls (no sync between them): a pass whose host time reaches its GPU
     time is bound by the host."""
-    from .bench import max_over_ranks, time_iterations
+    from .bench import host_timed, max_over_ranks, time_iterations
 
     calls = []
-    ms = statistics.median(max_over_ranks(time_iterations(_host_timed(run, calls), warmup, iters)))
+    ms = statistics.median(max_over_ranks(time_iterations(host_timed(run, calls), warmup, iters)))
     host = sum(calls[warmup:]) * 1e3 / iters
     return ms, max_over_ranks([host])[0]
 

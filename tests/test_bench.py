@@ -271,19 +271,32 @@ def test_finalize_ratios_and_speedups():
     assert by["tabby", "glm-5"]["speedup_vs_best_anchor"] is None
 
 
+def test_host_time_is_the_host_time_per_call():
+    # bench.host_timed (the bench's and tune's "host ms"): the timed calls' own wall time per call
+    # (here a 2 ms sleep), results passed through
+    import time
+
+    calls = []
+    run = bench.host_timed(lambda: time.sleep(2e-3) or 7, calls)
+    assert [run() for _ in range(5)] == [7] * 5
+    ms = sum(calls) * 1e3 / len(calls)
+    assert len(calls) == 5 and 1.9 <= ms < 20
+
+
 def test_format_table():
-    recs = [_rec("floor", 2.0), _rec("torch-a2a", 10.0, correct=False)]
+    recs = [dict(_rec("floor", 2.0), host_ms=0.25), _rec("torch-a2a", 10.0, correct=False)]
     recs.append(dict(_rec("tabby", None), correct=False, error="RuntimeError: no"))
     bench.finalize(recs)
     lines = bench.format_table(recs).splitlines()
     assert len(lines) == 2 + len(recs)
     assert len({len(line) for line in lines}) == 1  # aligned
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert head == ["shape", "T/GPU", "EP", "pass", "impl", "ms", "TFLOP/s", "x floor", "vs anchor", "correct"]
+    assert head == ["shape", "T/GPU", "EP", "pass", "impl", "ms", "host ms", "TFLOP/s", "x floor", "vs anchor",
+                    "correct"]
     floor, a2a, tabby = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
-    assert floor[5:] == ["2.000", f"{recs[0]['tflops']:.1f}", "1.00", "-", "yes"]
-    assert a2a[5] == "10.000" and a2a[7] == "5.00" and a2a[9] == "NO"
-    assert tabby[5] == "-" and tabby[9] == "error"
+    assert floor[5:] == ["2.000", "0.250", f"{recs[0]['tflops']:.1f}", "1.00", "-", "yes"]
+    assert a2a[5] == "10.000" and a2a[6] == "-" and a2a[8] == "5.00" and a2a[10] == "NO"
+    assert tabby[5] == "-" and tabby[10] == "error"
 
 
 # ----------------------------------------------------------------------------------------------

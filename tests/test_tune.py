@@ -106,16 +106,3 @@ def test_trace_variant_summarizes_and_draws_a_real_trace(tmp_path, monkeypatch):
     assert s["programs"] == 2 and s["tickets"] > 0 and s["kinds"]["gate/up"]["n"] > 0
     assert s["kinds"]["shared gate/up"]["n"] > 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
-
-
-def test_host_time_is_the_host_time_per_call():
-    # the timed calls' own wall time per call (here a 2 ms sleep), results passed through
-    import time
-
-    from tabby import tune
-
-    calls = []
-    run = tune._host_timed(lambda: time.sleep(2e-3) or 7, calls)
-    assert [run() for _ in range(5)] == [7] * 5
-    ms = sum(calls) * 1e3 / len(calls)
-    assert len(calls) == 5 and 1.9 <= ms < 20
