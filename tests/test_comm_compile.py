@@ -32,8 +32,7 @@ def _signal_wait_ptx():
     from tabby.ops import comm
 
     ptrs = {"flag_ptrs": "*i64", "my_flags": "*i32", "epoch_ptr": "*i32", "err_ptr": "*i32"}
-    ptx = comm.signal_wait_peers_kernel
-    ptx = compile_for_sm90(ptx, dict(BUMP=True), ptrs, num_warps=1).asm["ptx"]
+    ptx = compile_for_sm90(comm.signal_wait_peers_kernel, dict(BUMP=True), ptrs, num_warps=1).asm["ptx"]
     # the order of the first release (the signal) and the first acquire (the peers' flags)
     rel = re.search(r"atom\.global\.sys\.release", ptx)
     acq = re.search(r"ld\.global\.sys\.acquire", ptx)

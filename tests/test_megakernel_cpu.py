@@ -93,7 +93,7 @@ def test_down_tickets_of_several_column_tiles(H, I, cols, tma, save, monkeypatch
     prob = make_problem(W, T, H, I, E_local, k, seed=17, route="random")
     cfg = dataclasses.replace(MEGA, fwd_tma=tma, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m,
                               fwd_down_cols=cols)
-    assert megakernel_fwd.col_tiles_per_ticket(H // 16, cols) == cols
+    assert megakernel_fwd.down_col_tiles(H // 16, cols) == cols
     assert torch.equal(_run_y(W, T, prob, CFG), _run_y(W, T, prob, cfg))
     if save:
         _check(_run_tabby(W, T, prob, cfg=cfg), _run_reference(prob))
@@ -122,11 +122,11 @@ def test_experts_aligned_to_two_tiles_by_default_only_where_row_tiles_are_groupe
     assert MoEConfig(fwd_align_tiles=3).align_tiles(*q30_16k) == 3
 
 
-def test_col_tiles_per_ticket_divides_the_column_tiles():
-    assert [megakernel_fwd.col_tiles_per_ticket(16, c) for c in (1, 2, 3, 4, 5, 8, 100)] == [1, 2, 2, 4, 4, 8, 16]
-    assert [megakernel_fwd.col_tiles_per_ticket(12, c) for c in (4, 5, 8)] == [4, 4, 6]
+def test_down_col_tiles_divides_the_column_tiles():
+    assert [megakernel_fwd.down_col_tiles(16, c) for c in (1, 2, 3, 4, 5, 8, 100)] == [1, 2, 2, 4, 4, 8, 16]
+    assert [megakernel_fwd.down_col_tiles(12, c) for c in (4, 5, 8)] == [4, 4, 6]
     with pytest.raises(ValueError, match="fwd_down_cols"):
-        megakernel_fwd.col_tiles_per_ticket(16, 0)
+        megakernel_fwd.down_col_tiles(16, 0)
 
 
 def test_megakernel_tma_falls_back_to_pointer_loads_on_unaligned_rows(monkeypatch):
@@ -562,7 +562,7 @@ def test_trace_records_every_ticket_once(monkeypatch):
     a = cfg.align_tiles(T, k, E)  # each expert's row tiles padded to a multiple of a (padding tiles are tickets too)
     nt = sum(-(-c // (CFG.tile_m * a)) * a for c in torch.bincount(idx.flatten(), minlength=E).tolist())
     G, D = -(-I // 16), -(-H // 16)  # _small_tiles: 16-column tiles
-    D_routed = D // megakernel_fwd.col_tiles_per_ticket(D, cfg.down_cols(I))  # down tickets per row tile (2 tiles each)
+    D_routed = D // megakernel_fwd.down_col_tiles(D, cfg.down_cols(I))  # down tickets per row tile (2 tiles each)
     assert D_routed == 1
     n_sh = -(-T // CFG.tile_m)
     kinds = megakernel_fwd.TRACE_KINDS

@@ -450,7 +450,7 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
             if cfg.fwd_align_tiles is not None and cfg.fwd_align_tiles < 1:
                 raise ValueError(f"fwd_align_tiles={cfg.fwd_align_tiles} must be >= 1")
             if cfg.fwd_down_cols is not None:
-                megakernel_fwd.col_tiles_per_ticket(1, cfg.fwd_down_cols)  # raises on a bad value
+                megakernel_fwd.down_col_tiles(1, cfg.fwd_down_cols)  # raises on a bad value
             if cfg.fwd_num_warps not in (None, 4, 8):
                 raise ValueError(f"fwd_num_warps={cfg.fwd_num_warps} must be 4 or 8 (one or two warpgroups)")
         except ValueError as e:

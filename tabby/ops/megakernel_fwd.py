@@ -240,8 +240,7 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
         # only (real rows are a prefix of the tile) is not written at all: whatever its rows hold
         # reaches only padding rows of h, g | u and y, which nothing reads (the GEMMs are row-wise,
         # the pushes and the backward's weight gradients take real rows only).
-        first = tl.load(row_src + (i * FS + part) * (BM // FS))
-        if first >= 0:
+        if tl.load(row_src + (i * FS + part) * (BM // FS)) >= 0:
             if SAVE:
                 comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, xs_ring, H, TK, k, w_ptrs, row_w, BM // FS, BH,
                                     True, (H % 8) == 0, STAGES)
@@ -418,8 +417,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     and at its end.
 
     POLL2: a compute ticket's first polls go out together (``sync.poll2``; NW: warps per program).
-    AHEAD:
-    a compute program takes its next ticket in the shadow of the current one's release fence
+    AHEAD: a compute program takes its next ticket in the shadow of the current one's release fence
     (``sync.signal_take``) rather than after it. (Taking it before starting the current ticket was
     measured, and is much slower: the ticket then waits a whole tile for its program, and the
     tickets behind it wait for it: qwen3.5-397b 4096 2.93 -> 3.62 ms.)
@@ -579,12 +577,12 @@ def default_group_m(n_slots: int) -> int:
     return next((g for g in (4, 2, 1) if n_slots % g == 0 and n_slots // g >= 2), 1)
 
 
-def col_tiles_per_ticket(n_cols: int, cols: int) -> int:
-    """Column tiles per down ticket: the largest count <= ``cols`` that divides the ``n_cols``
-    column tiles of a row tile (so every ticket has the same, compile-time, number)."""
-    if cols < 1:
-        raise ValueError(f"fwd_down_cols={cols} must be >= 1")
-    return max(c for c in range(1, min(cols, n_cols) + 1) if n_cols % c == 0)
+def down_col_tiles(n_cols: int, down_cols: int) -> int:
+    """Column tiles per down ticket: the largest count <= ``down_cols`` that divides the ``n_cols``
+    down column tiles of a row tile (so every ticket has the same, compile-time, number)."""
+    if down_cols < 1:
+        raise ValueError(f"fwd_down_cols={down_cols} must be >= 1")
+    return max(c for c in range(1, min(down_cols, n_cols) + 1) if n_cols % c == 0)
 
 
 def check_order(n_slots: int, BM: int, group_m: int, prefetch: int | None, lag: int | None,
@@ -658,7 +656,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     n_groups = check_order(mb.n_slots, BM, group_m, prefetch, lag, fill_split, pull_cols)
     if prefetch is None:
         prefetch = n_groups // 2
-    dn_cols = col_tiles_per_ticket(triton.cdiv(H, dn_cfg.BN), down_cols)
+    dn_cols = down_col_tiles(triton.cdiv(H, dn_cfg.BN), down_cols)
     if lag is None:  # down tiles handed out after the groups in flight have had their gate/ups taken
         F = 0 if comm_programs else fill_split
         G, D = triton.cdiv(I, gu_cfg.BN), triton.cdiv(H, dn_cfg.BN) // dn_cols
