@@ -430,6 +430,13 @@ def time_iterations(run, warmup: int, iters: int) -> list:
     return [s.elapsed_time(e) for s, e in ev]
 
 
+def time_iterations_and_host(run, warmup: int, iters: int) -> tuple:
+    """(``time_iterations``'s per-iteration ms, the host's ms per timed call), from the same calls."""
+    calls = []
+    times = time_iterations(host_timed(run, calls), warmup, iters)
+    return times, sum(calls[warmup:]) * 1e3 / iters
+
+
 def max_over_ranks(values: list) -> list:
     """Element-wise maximum of a per-rank list over all ranks."""
     dist = _dist()
@@ -511,9 +518,7 @@ def measure(impl, inp: Inputs, group, cfg: Config, timed: bool) -> list:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            calls = []
-            times = time_iterations(host_timed(run, calls), cfg.warmup, cfg.iters)
-            host_ms = sum(calls[cfg.warmup:]) * 1e3 / cfg.iters
+            times, host_ms = time_iterations_and_host(run, cfg.warmup, cfg.iters)
             return times, (torch.cuda.max_memory_allocated() - base) / 1e9, host_ms
 
         res, err = attempt(timed_run)

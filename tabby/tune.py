@@ -58,12 +58,10 @@ def _median_ms(run, warmup, iters):
     """(GPU ms: median over iterations of the max over ranks; host ms per call, max over ranks), from
     the same back-to-back timed calls (no sync between them): a pass whose host time reaches its GPU
     time is bound by the host."""
-    from .bench import host_timed, max_over_ranks, time_iterations
+    from .bench import max_over_ranks, time_iterations_and_host
 
-    calls = []
-    ms = statistics.median(max_over_ranks(time_iterations(host_timed(run, calls), warmup, iters)))
-    host = sum(calls[warmup:]) * 1e3 / iters
-    return ms, max_over_ranks([host])[0]
+    times, host = time_iterations_and_host(run, warmup, iters)
+    return statistics.median(max_over_ranks(times)), max_over_ranks([host])[0]
 
 
 def _trace_variant(run_cfg, cfg, events, plot_path=None, title=""):
