@@ -35,7 +35,7 @@ _KNOBS = {"C": "fwd_comm_programs", "P": "fwd_prefetch", "R": "ring_rows", "N": 
           "K": "fwd_num_stages", "Z": "fwd_save_for_backward", "W": "fwd_pull_cols", "Q": "fwd_half_tiles",
           "V": "fwd_num_warps", "D": "fwd_down_cols", "E": "fwd_align_tiles", "J": "fwd_fill_stages",
           "X": "fwd_ticket_ahead", "G": "fwd_poll_together",
-          "O": "overlap_publish"}
+          "O": "overlap_publish", "F": "fwd_fill_table", "I": "fwd_tile_ready"}
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:

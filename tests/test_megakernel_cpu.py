@@ -357,17 +357,19 @@ def test_routed_task_mirror_matches_the_kernel_and_covers_every_task(GM):
                               + [(2, i, c) for i in range(nt) for c in range(D)])
 
 
-def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1, GM=1):
+def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1, GM=1, TR=False):
     """Run the megakernel's routed protocol with a random interleaving of `programs` programs.
 
     A task is: wait (its counter conditions), then work (an interval other programs may overlap),
     then signal. Checks that no task starts its work while the data it reads is not yet written or
     is being overwritten, and that the run never deadlocks. Returns the number of steps.
+    TR: the differentiated forward's per-tile fill counters (fills write rows of their own, not a
+    ring slot: no fill waits; gate/up waits for its tile's counter).
     """
     F = 0 if comm else FS
     pre = pre if F else 0
     total = pre * GM * F + -(-nt // GM) * GM * (F + G + D)
-    cnt = dict(ticket=0, fill_ticket=0, ready=[0] * NS, gu=[0] * NS, dn=[0] * NS)
+    cnt = dict(ticket=0, fill_ticket=0, ready=[0] * NS, gu=[0] * NS, dn=[0] * NS, tile=[0] * max(nt, 1))
     done = set()  # finished tasks
     working = set()  # tasks between their wait and their signal
     state = [None] * programs  # None: needs a ticket; ("wait"|"work", task); "exit"
@@ -390,9 +392,10 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1, GM=1):
         kind, i, _ = task
         s, g = i % NS, i // NS
         if kind == "fill":
-            return cnt["gu"][s] >= G * g
+            return TR or cnt["gu"][s] >= G * g
         if kind == "gu":
-            return cnt["ready"][s] >= FS * (g + 1) and cnt["dn"][s] >= D * g
+            filled = cnt["tile"][i] >= FS if TR else cnt["ready"][s] >= FS * (g + 1)
+            return filled and cnt["dn"][s] >= D * g
         if kind == "dn":
             return cnt["gu"][s] >= G * (g + 1)
         return True
@@ -401,10 +404,10 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1, GM=1):
         kind, i, _ = task
         busy = done | working
         if kind == "fill":  # xs slot: every reader of the previous generation finished
-            assert i < NS or all(("gu", i - NS, c) in done for c in range(G)), task
+            assert TR or i < NS or all(("gu", i - NS, c) in done for c in range(G)), task
         elif kind == "gu":  # its rows are there and stay; the h slot's previous readers finished
             assert all(("fill", i, p) in done for p in range(FS)), task
-            assert not any(("fill", i + NS, p) in busy for p in range(FS)), task
+            assert TR or not any(("fill", i + NS, p) in busy for p in range(FS)), task
             assert i < NS or all(("dn", i - NS, c) in done for c in range(D)), task
         elif kind == "dn":  # every h column tile is there and stays
             assert all(("gu", i, c) in done for c in range(G)), task
@@ -413,7 +416,9 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1, GM=1):
     def signal(task):
         kind, i, _ = task
         s = i % NS
-        if kind in ("fill", "gu", "dn"):
+        if kind == "fill" and TR:
+            cnt["tile"][i] += 1
+        elif kind in ("fill", "gu", "dn"):
             cnt[{"fill": "ready", "gu": "gu", "dn": "dn"}[kind]][s] += 1
 
     steps = 0
@@ -444,15 +449,16 @@ def _simulate(nt, NS, G, D, pre, programs, comm, rng, L=1, FS=1, GM=1):
     (2, 0, 0, 1, 1, 1), (2, 1, 0, 1, 1, 1), (3, 2, 0, 1, 1, 1), (4, 1, 0, 1, 1, 1), (2, 0, 1, 1, 1, 1),
     (3, 0, 2, 1, 1, 1), (4, 2, 0, 3, 2, 1), (5, 4, 0, 4, 4, 1), (3, 1, 0, 2, 2, 1), (4, 0, 2, 3, 4, 1),
     (4, 1, 0, 1, 2, 2), (6, 1, 0, 2, 1, 2), (6, 0, 0, 1, 2, 3), (8, 1, 0, 1, 2, 4), (6, 0, 2, 2, 1, 2)])
-def test_protocol_model_random_interleavings(NS, pre, comm, L, FS, GM):
+@pytest.mark.parametrize("TR", [False, True])
+def test_protocol_model_random_interleavings(NS, pre, comm, L, FS, GM, TR):
     import random
 
-    rng = random.Random(NS * 100 + pre * 10 + comm + 1000 * L + 10000 * FS + 100000 * GM)
+    rng = random.Random(NS * 100 + pre * 10 + comm + 1000 * L + 10000 * FS + 100000 * GM + 7 * TR)
     for trial in range(60):
         nt = rng.randint(0, 12)
         G, D = rng.randint(1, 3), rng.randint(1, 3)
         programs = comm + rng.randint(1, 6)
-        _simulate(nt, NS, G, D, pre, programs, comm, rng, L=L, FS=FS, GM=GM)
+        _simulate(nt, NS, G, D, pre, programs, comm, rng, L=L, FS=FS, GM=GM, TR=TR)
 
 
 def test_protocol_model_catches_a_lag_as_long_as_the_ring():
@@ -634,3 +640,73 @@ def test_ticket_taken_after_the_release_gives_the_same_rows(monkeypatch):
     assert torch.equal(y0, _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_ticket_ahead=False)))
     # ... and with each wait polling on its own (fwd_poll_together=False)
     assert torch.equal(y0, _run_y(W, T, prob, dataclasses.replace(MEGA, fwd_poll_together=False)))
+
+
+@pytest.mark.parametrize("tile_ready,fill_table", [(False, True), (True, False), (False, False)])
+def test_fill_counters_and_address_tables_change_no_output(tile_ready, fill_table, monkeypatch):
+    # fwd_tile_ready (per-tile fill counters of a differentiated forward) and fwd_fill_table (address
+    # tables loaded whole by a fill): y and every gradient bitwise equal to the defaults (both on), over
+    # a 2-slot ring that wraps (every token of both ranks to one expert: 10 row tiles)
+    _small_tiles(monkeypatch)
+    W, T, H, I, E_local, k = 2, 40, 48, 40, 2, 2
+    prob = make_problem(W, T, H, I, E_local, k, shared=True, seed=8, route="one_expert")
+    a = _run_tabby(W, T, prob, cfg=MEGA)
+    b = _run_tabby(W, T, prob, cfg=dataclasses.replace(MEGA, fwd_tile_ready=tile_ready, fwd_fill_table=fill_table))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    _check(a, _run_reference(prob))
+
+
+def _launch_saving(p, tile_ready=True, max_iters=1 << 20, zero=True, split=2):
+    """_launch with the rows kept (save): xs, g | u and row weights into full-size buffers."""
+    ws, sched = p["ws"], p["sched"]
+    R, H = sched.row_src.numel(), p["x"].shape[1]
+    I = p["w"][0].shape[1]
+    save = (p["x"].new_zeros((R, H)), p["x"].new_zeros((R, 2 * I)), torch.zeros(R, dtype=torch.float32))
+    megakernel_fwd.launch_fwd_megakernel(
+        p["mb"], sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[0:], 0, max_iters, *p["w"],
+        gu_cfg=p["gu_cfg"], dn_cfg=p["dn_cfg"], programs=2, zero_counters=zero, fill_split=split, save=save,
+        w_ptrs=ws.ptrs["w_pub"], tile_ready=tile_ready)
+    return save
+
+
+def _one_rank_saving(**kw):
+    p = _one_rank(**kw)
+    p["mb"] = megakernel_fwd.alloc_mega(40, 32, 32, 0, 16, 2 * 16, p["x"].dtype, p["x"].device,
+                                        n_tiles=p["sched"].n_tiles_max)
+    return p
+
+
+def test_per_tile_fill_counters_count_each_tile_and_leave_the_slot_counters():
+    p = _one_rank_saving()  # 80 rows into expert 0: 5 tiles, 2 slots
+    xs, _, _ = _launch_saving(p, split=2)
+    nt, NS, n_max = int(p["sched"].num_tiles), 2, p["sched"].n_tiles_max
+    lay = megakernel_fwd.counter_layout(NS, 0, n_max)
+    c = p["mb"].counters
+    assert c[lay["tile_ready"]:lay["tile_ready"] + n_max].tolist() == [2] * nt + [0] * (n_max - nt)
+    assert c[lay["ready"]:lay["ready"] + NS].tolist() == [0, 0]  # the ring's fill counters: unused
+    assert c[lay["gu_done"]:lay["gu_done"] + NS].tolist() == [2 * 3, 2 * 2]  # G = 2 per tile
+    p["ws"].check_errors()
+    # the kept rows are the rows the per-slot counting keeps (tile_ready=False), bitwise
+    q = _one_rank_saving()
+    assert torch.equal(xs, _launch_saving(q, tile_ready=False, split=2)[0])
+    assert torch.equal(p["ws"].y_in, q["ws"].y_in)
+
+
+def test_per_tile_fill_counter_never_reached_is_an_error_record():
+    p = _one_rank_saving()
+    lay = megakernel_fwd.counter_layout(2, 0, p["sched"].n_tiles_max)
+    c = p["mb"].counters
+    c.zero_()
+    c[lay["tile_ready"] + 1] = -1000  # tile 1 never looks filled: its gate/up tiles time out
+    _launch_saving(p, max_iters=50, zero=False)
+    rec = p["ws"].err.tolist()
+    assert rec[0] == sync.ERR_WAIT_TILE and rec[2] == lay["tile_ready"] + 1
+    with pytest.raises(TabbyDeviceError, match="timed out"):
+        p["ws"].check_errors()
+
+
+def test_per_tile_fill_counters_need_their_counters_allocated():
+    p = _one_rank()  # alloc_mega without n_tiles
+    with pytest.raises(ValueError, match="tile_ready needs"):
+        _launch_saving(p)

@@ -115,6 +115,12 @@ class MoEConfig:
                      round trip, from two warps; False: one after the other, as before session 8.
                      Back-to-back under autograd (session 9) neither is faster: qwen3-30b-a3b 16384
                      2.675 / 2.666 ms and 2.684 / 2.887, gpt-oss-120b 16384 6.305 / 6.580, 7.006 / 6.792.
+    fwd_fill_table:  a megakernel fill loads the ranks' address tables whole, in the round trip of its
+                     rows' sources, and picks each row's entry in registers (False: each row's entry
+                     loaded after its source, one more dependent round trip per fill).
+    fwd_tile_ready:  a differentiated megakernel forward (its rows go to full-size buffers, not the
+                     ring) counts filled rows per row tile, so its fills wait for no ring slot (False:
+                     per ring slot, as the ring-only forward).
     fwd_down_cols:   column tiles per down ticket of the megakernel (at most: the largest count up to it
                      that divides the down column tiles). One ticket runs its columns in one K loop, so
                      the ticket's atomic, its wait and the pipeline fill are paid once per ticket: at
@@ -165,6 +171,8 @@ class MoEConfig:
     fwd_fill_stages: int | None = None
     fwd_ticket_ahead: bool = True
     fwd_poll_together: bool = True
+    fwd_fill_table: bool = True
+    fwd_tile_ready: bool = True
     overlap_publish: bool = True
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:

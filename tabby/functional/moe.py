@@ -251,13 +251,14 @@ class MegaSaved:
     topk_weights: torch.Tensor
 
 
-def _mega_buffers(ws, cfg: MoEConfig, T, H, I, I_s, dtype, device):
-    """The megakernel's per-rank ring, counters and shared-expert buffers, cached with the workspace."""
+def _mega_buffers(ws, cfg: MoEConfig, T, H, I, I_s, dtype, device, n_tiles):
+    """The megakernel's per-rank ring, counters (``n_tiles`` per-tile fill counters: the schedule's
+    most tiles) and shared-expert buffers, cached with the workspace."""
     cache = ws.__dict__.setdefault("_mega", {})
-    key = (cfg.tile_m, cfg.ring_rows, I_s)
+    key = (cfg.tile_m, cfg.ring_rows, I_s, n_tiles)
     mb = cache.get(key)
     if mb is None:
-        mb = megakernel_fwd.alloc_mega(T, H, I, I_s, cfg.tile_m, cfg.ring_rows, dtype, device)
+        mb = megakernel_fwd.alloc_mega(T, H, I, I_s, cfg.tile_m, cfg.ring_rows, dtype, device, n_tiles)
         cache[key] = mb
     return mb
 
@@ -276,7 +277,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     I = w_gate.shape[1]
     I_s = shared[0].shape[0] if shared is not None else 0
     sched = _publish_and_schedule(ws, cfg, x, topk_idx, topk_weights, w_gate.shape[0])
-    mb = _mega_buffers(ws, cfg, T, H, I, I_s, x.dtype, x.device)
+    mb = _mega_buffers(ws, cfg, T, H, I, I_s, x.dtype, x.device, sched.n_tiles_max)
     tma = cfg.use_tma(T, topk_idx.shape[1], H, I)
     warps = cfg.mega_warps(T, topk_idx.shape[1], H, I)
     programs = cfg.fwd_programs or megakernel_fwd.default_programs(x.device) * (8 // warps)
@@ -297,7 +298,8 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         pull_cols=cfg.fwd_pull_cols or cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
         group_m=cfg.fwd_group_m, tma=tma, save=kept, w_ptrs=ws.ptrs["w_pub"],
         half_tiles=cfg.fwd_half_tiles, trace=trace, down_cols=cfg.down_cols(I), fill_stages=cfg.fill_stages(warps),
-        ticket_ahead=cfg.fwd_ticket_ahead, poll_together=cfg.fwd_poll_together)
+        ticket_ahead=cfg.fwd_ticket_ahead, poll_together=cfg.fwd_poll_together, fill_table=cfg.fwd_fill_table,
+        tile_ready=cfg.fwd_tile_ready)
     if trace is not None:
         megakernel_fwd.LAST_TRACE = megakernel_fwd.LAST_TRACE_BY_RANK[ws.rank] = trace
     _stage("fwd:megakernel")

@@ -87,7 +87,7 @@ def _copy_cols(src_row, dst_row, valid, h0, H, BH: tl.constexpr):
 @triton.jit
 def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
                    BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr,
-                   STAGES: tl.constexpr = 1):
+                   STAGES: tl.constexpr = 1, W=1, WP: tl.constexpr = 0, SKIP_EMPTY: tl.constexpr = False):
     """Copy rows ``tile*BR ..`` of the routed buffer from their source ranks.
 
     Row r serves flat source id ``row_src[r] = src*TK + t*k + kk`` (-1: padding, written as zeros):
@@ -97,9 +97,34 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     STAGES > 1: the column loop is software-pipelined (the loads of the next STAGES-1 column blocks
     go to shared memory as async copies while a block is stored), so more bytes are in flight than
     the registers of one block hold; 1: one block of loads, then its stores.
+    WP > 0 (a power of two >= W, the number of ranks): the address tables are loaded whole, in the
+    same round trip as ``row_src``, and each row picks its entry in registers; WP = 0: each row's
+    entry is loaded after its ``row_src`` (one more dependent round trip, ~1-2 us under load).
+    SKIP_EMPTY: a block of padding rows only (real rows are a prefix, so: its first row < 0) is not
+    written at all.
     """
     rows = tile * BR + tl.arange(0, BR)
+    tab = src_ptrs  # placeholders when WP == 0 (each row's entry is loaded instead)
+    wtab = w_ptrs
+    if WP > 0:  # issued before row_src's load returns: independent of it
+        ranks = tl.arange(0, WP)
+        tab = tl.load(src_ptrs + ranks, mask=ranks < W, other=0)
+        if WITH_WEIGHTS:
+            wtab = tl.load(w_ptrs + ranks, mask=ranks < W, other=0)
     rs = tl.load(row_src + rows)
+    if SKIP_EMPTY:
+        if tl.max(rs, axis=0) >= 0:
+            _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH, WITH_WEIGHTS, ROWS_16B,
+                       STAGES, WP)
+    else:
+        _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH, WITH_WEIGHTS, ROWS_16B,
+                   STAGES, WP)
+
+
+@triton.jit
+def _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH: tl.constexpr,
+               WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr, STAGES: tl.constexpr, WP: tl.constexpr):
+    """``pull_rows_tile``'s copy of rows ``rows`` whose sources ``rs`` are loaded (tables: see there)."""
     valid = rs >= 0
     src = tl.where(valid, rs // TK, 0)
     tk = tl.where(valid, rs % TK, 0)
@@ -110,7 +135,10 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     # way, with ROWS_16B, rows are read with 16-byte vectors.
     DT: tl.constexpr = dst.dtype.element_ty
     ESIZE: tl.constexpr = DT.primitive_bitwidth // 8
-    base = tl.load(src_ptrs + src)
+    if WP > 0:
+        base = _pick(src, tab, WP)
+    else:
+        base = tl.load(src_ptrs + src)
     ref = src_ptrs.to(tl.pointer_type(DT), bitcast=True)
     row_off = (base - src_ptrs.to(tl.int64, bitcast=True)) // ESIZE + tok.to(tl.int64) * H
     if ROWS_16B:
@@ -118,7 +146,10 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     src_row = ref + row_off
     dst_row = dst + rows.to(tl.int64) * H
     if WITH_WEIGHTS:  # loaded first, stored last: the weights' round trip overlaps the row copy
-        wbase = tl.load(w_ptrs + src).to(tl.pointer_type(tl.float32))
+        if WP > 0:
+            wbase = _pick(src, wtab, WP).to(tl.pointer_type(tl.float32))
+        else:
+            wbase = tl.load(w_ptrs + src).to(tl.pointer_type(tl.float32))
         wv = tl.load(wbase + tk, mask=valid, other=0.0)
     if STAGES > 1:
         for h0 in tl.range(0, H, BH, num_stages=STAGES):
@@ -128,6 +159,13 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
             _copy_cols(src_row, dst_row, valid, h0, H, BH)
     if WITH_WEIGHTS:
         tl.store(ws_out + rows, wv)
+
+
+@triton.jit
+def _pick(src, tab, WP: tl.constexpr):
+    """tab[src] for each row (src [BR] int32 < WP, tab [WP] int64): a select in registers."""
+    hit = src[:, None] == tl.arange(0, WP)[None, :]
+    return tl.sum(tl.where(hit, tab[None, :], 0), axis=1)
 
 
 @triton.jit

@@ -99,10 +99,13 @@ _ERR_WAIT_RING_SLOT = tl.constexpr(sync.ERR_WAIT_RING_SLOT)
 C_TICKET, C_FILL_TICKET, C_READY = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
-def counter_layout(n_slots: int, n_sh: int) -> dict:
+def counter_layout(n_slots: int, n_sh: int, n_tiles: int = 0) -> dict:
+    """Indices into the counter array; ``tile_ready`` (``n_tiles`` counters, one per routed row tile)
+    is used by a forward that keeps its rows (SAVE with per-tile fill counters, ``fwd_tile_ready``)."""
     NS, r = n_slots, C_READY.value
+    tr = r + 3 * NS + max(n_sh, 1)
     return dict(ticket=C_TICKET.value, fill_ticket=C_FILL_TICKET.value, ready=r, gu_done=r + NS,
-                dn_done=r + 2 * NS, sh_gu=r + 3 * NS, total=r + 3 * NS + max(n_sh, 1))
+                dn_done=r + 2 * NS, sh_gu=r + 3 * NS, tile_ready=tr, total=tr + n_tiles)
 
 
 # Trace (measurement only, ``MoEConfig.fwd_trace_events``): int64 [programs, TRACE_HEAD + 4 * events].
@@ -187,24 +190,33 @@ def _routed_task(tr, nt, pre, L, F: tl.constexpr, G: tl.constexpr, D: tl.constex
 
 
 @triton.jit
-def _routed_waits(kind, i, NS: tl.constexpr, FS: tl.constexpr, G, D):
+def _routed_waits(kind, i, NS: tl.constexpr, FS: tl.constexpr, G, D, TR: tl.constexpr = False, tr_base=0):
     """The ring protocol's waits of routed ticket (kind, row tile i), the one place they are written
-    (module docstring): (idx1, target1, idx2, target2) into the counters; idx2 -1: no second wait.
-    fill: its slot retired; gate/up: its rows filled and the h slot retired; down: its h rows."""
+    (module docstring): (idx1, target1, idx2, target2) into the counters; idx < 0: no wait.
+    fill: its slot retired; gate/up: its rows filled and the h slot retired; down: its h rows.
+    TR (per-tile fill counters, when the rows go to the full xs buffer): a fill waits for nothing
+    (its rows are its own) and gate/up waits for ``tile_ready[i] >= FS`` (at ``tr_base + i``)."""
     s = i % NS
     g = i // NS
     idx1 = tl.where(kind == 0, C_READY + NS + s, tl.where(kind == 1, C_READY + s, C_READY + NS + s))
     target1 = tl.where(kind == 0, G * g, tl.where(kind == 1, FS * (g + 1), G * (g + 1)))
+    if TR:
+        idx1 = tl.where(kind == 0, -1, tl.where(kind == 1, tr_base + i, idx1))
+        target1 = tl.where(kind == 1, FS, target1)
     idx2 = tl.where(kind == 1, C_READY + 2 * NS + s, -1)
     return idx1, target1, idx2, D * g
 
 
 @triton.jit
-def _routed_signal(kind, i, NS: tl.constexpr):
-    """The counter routed ticket (kind, row tile i) adds 1 to when done: fill -> ready[s], gate/up ->
-    gu_done[s] (both release), down -> dn_done[s] (relaxed: it only frees the h slot)."""
+def _routed_signal(kind, i, NS: tl.constexpr, TR: tl.constexpr = False, tr_base=0):
+    """The counter routed ticket (kind, row tile i) adds 1 to when done: fill -> ready[s] (TR:
+    tile_ready[i]), gate/up -> gu_done[s] (both release), down -> dn_done[s] (relaxed: it only frees
+    the h slot)."""
     s = i % NS
-    return tl.where(kind == 0, C_READY + s, tl.where(kind == 1, C_READY + NS + s, C_READY + 2 * NS + s))
+    fill_idx = C_READY + s
+    if TR:
+        fill_idx = tr_base + i
+    return tl.where(kind == 0, fill_idx, tl.where(kind == 1, C_READY + NS + s, C_READY + 2 * NS + s))
 
 
 @triton.jit
@@ -223,13 +235,16 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
           NS: tl.constexpr, G, H: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, FS: tl.constexpr,
           ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False, SAVE: tl.constexpr = False, w_ptrs=None,
           row_w=None, rec=None, TRACE_EV: tl.constexpr = 0, INTERPRET: tl.constexpr = False,
-          STAGES: tl.constexpr = 1, ready=0, SIGNAL: tl.constexpr = True):
+          STAGES: tl.constexpr = 1, ready=0, SIGNAL: tl.constexpr = True, W=1, WP: tl.constexpr = 0,
+          TR: tl.constexpr = False, tr_base=0):
     """Pull part ``part`` (BM // FS rows) of row tile i into its ring slot (SAVE: into row i*BM of
     the full xs buffer, with the rows' router weights into row_w); STAGES: the column loop's
-    pipeline stages (``comm.pull_rows_tile``)."""
+    pipeline stages, W / WP: ranks and the address tables' padded length (``comm.pull_rows_tile``);
+    TR: per-tile fill counters (``_routed_waits``; no wait)."""
     s = i % NS
-    w1, t1, _, _ = _routed_waits(0, i, NS, FS, G, 0)
-    _wait(cnt_ptr, w1, t1, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False, ready)
+    if not TR:
+        w1, t1, _, _ = _routed_waits(0, i, NS, FS, G, 0)
+        _wait(cnt_ptr, w1, t1, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False, ready)
     _trace_ready(rec, TRACE_EV, INTERPRET)
     if TRACE_EV > 0:  # local or remote rows (measurement only: these loads exist only when tracing)
         rs = tl.load(row_src + (i * FS + part) * (BM // FS) + tl.arange(0, BM // FS))
@@ -237,21 +252,20 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
         tl.store(rec, tl.where(n_remote > 0, TR_FILL_REMOTE, TR_FILL).to(tl.int64))
     if (ABLATE & 1) == 0:
         # rows i*BM + part*BM/FS .. : "tile" i*FS + part of height BM // FS. A part of padding rows
-        # only (real rows are a prefix of the tile) is not written at all: whatever its rows hold
-        # reaches only padding rows of h, g | u and y, which nothing reads (the GEMMs are row-wise,
-        # the pushes and the backward's weight gradients take real rows only).
-        if tl.load(row_src + (i * FS + part) * (BM // FS)) >= 0:
-            if SAVE:
-                comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, xs_ring, H, TK, k, w_ptrs, row_w, BM // FS, BH,
-                                    True, (H % 8) == 0, STAGES)
-            else:
-                dst = xs_ring + (s - i).to(tl.int64) * (BM * H)  # row i*BM of dst = row s*BM of the ring
-                comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM // FS, BH,
-                                    False, (H % 8) == 0, STAGES)
+        # only (real rows are a prefix of the tile) is not written at all (SKIP_EMPTY): whatever its
+        # rows hold reaches only padding rows of h, g | u and y, which nothing reads (the GEMMs are
+        # row-wise, the pushes and the backward's weight gradients take real rows only).
+        if SAVE:
+            comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, xs_ring, H, TK, k, w_ptrs, row_w, BM // FS, BH,
+                                True, (H % 8) == 0, STAGES, W, WP, True)
+        else:
+            dst = xs_ring + (s - i).to(tl.int64) * (BM * H)  # row i*BM of dst = row s*BM of the ring
+            comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM // FS, BH,
+                                False, (H % 8) == 0, STAGES, W, WP, True)
     if TMA:  # the gate/up tiles read these rows through TMA (the async proxy)
         sync.fence_proxy_async()
     if SIGNAL:  # else the caller signals (sync.signal_take)
-        sync.add_release(cnt_ptr + _routed_signal(0, i, NS), 1, "gpu")
+        sync.add_release(cnt_ptr + _routed_signal(0, i, NS, TR, tr_base), 1, "gpu")
 
 
 @triton.jit
@@ -284,7 +298,8 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   INTERPRET: tl.constexpr, FS: tl.constexpr, ABLATE: tl.constexpr = 0,
                   TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None,
                   SAVE: tl.constexpr = False, gu_save=None, HALF: tl.constexpr = False, xs_half_desc=None,
-                  h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, ready=0):
+                  h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, ready=0,
+                  TR: tl.constexpr = False, tr_base=0):
     """A gate/up (kind 1) ticket of routed row tile i, column tile n, or a down (kind 2) ticket of
     row tile i, column tiles n*DN_COLS .. n*DN_COLS+DN_COLS-1 (``rec``: its trace record when
     TRACE_EV > 0). G and D count tickets per row tile. The caller signals the ticket's end
@@ -306,7 +321,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
     else:
         xs_shift = shift
     if kind == 1:  # gate/up column tile n of row tile i
-        w1, t1, w2, t2 = _routed_waits(1, i, NS, FS, G, D)
+        w1, t1, w2, t2 = _routed_waits(1, i, NS, FS, G, D, TR, tr_base)
         _wait(cnt_ptr, w1, t1, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
         _wait(cnt_ptr, w2, t2, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False, ready)
         _trace_ready(rec, TRACE_EV, INTERPRET)
@@ -390,7 +405,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        INTERPRET: tl.constexpr, ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False,
                        SAVE: tl.constexpr = False, HALF: tl.constexpr = False, trace=None,
                        TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, FILL_STAGES: tl.constexpr = 1,
-                       AHEAD: tl.constexpr = True, NW: tl.constexpr = 4, POLL2: tl.constexpr = True):
+                       AHEAD: tl.constexpr = True, NW: tl.constexpr = 4, POLL2: tl.constexpr = True,
+                       W=1, WP: tl.constexpr = 0, TILE_READY: tl.constexpr = False):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -417,6 +433,10 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     and at its end.
 
     POLL2: a compute ticket's first polls go out together (``sync.poll2``; NW: warps per program).
+    W, WP: ranks and a power of two >= W: a fill loads the address tables whole, in the round trip of
+    its row sources (``comm.pull_rows_tile``; WP = 0: each row's entry after its source).
+    TILE_READY (with SAVE only): per-tile fill counters (``tile_ready`` in ``counter_layout``): the
+    fills write rows of their own (row i*BM of the full buffer), so they wait for no ring slot.
     AHEAD: a compute program takes its next ticket in the shadow of the current one's release fence
     (``sync.signal_take``) rather than after it. (Taking it before starting the current ticket was
     measured, and is much slower: the ticket then waits a whole tile for its program, and the
@@ -431,6 +451,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     DS: tl.constexpr = (H + BN_DNS - 1) // BN_DNS
     F: tl.constexpr = 0 if COMM > 0 else FS  # fill sub-tickets per stage
     SH_IDX: tl.constexpr = C_READY + 3 * NS
+    TR: tl.constexpr = SAVE and TILE_READY
+    tr_base = SH_IDX + tl.maximum(n_sh, 1)  # counter_layout's tile_ready
     if HAS_SHARED:
         sh_total = n_sh * (GS + DS)
     else:
@@ -453,7 +475,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                 tl.store(rec, TR_FILL)
                 tl.store(rec + 1, _clock(INTERPRET))
             _fill(f // FS, f % FS, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
-                  NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET, FILL_STAGES)
+                  NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET, FILL_STAGES,
+                  0, True, W, WP, TR, tr_base)
             if TRACE_EV > 0:
                 tl.store(rec + 3, _clock(INTERPRET))
                 ev += 1
@@ -475,7 +498,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
             else:
                 kind_s, j, n_s = 0, 0, 0
             kind, i, n = _routed_task(t - sh_total, nt, pre, lag, F, G, D, GM)
-            w1, t1, w2, t2 = _routed_waits(kind, i, NS, FS, G, D)
+            w1, t1, w2, t2 = _routed_waits(kind, i, NS, FS, G, D, TR, tr_base)
             w1 = tl.where(is_sh, tl.where(kind_s == 2, SH_IDX + j, -1), tl.where(i < nt, w1, -1))
             t1 = tl.where(is_sh, GS, t1)
             w2 = tl.where(is_sh | (i >= nt), -1, w2)
@@ -484,7 +507,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
             else:  # each wait polls on its own (one round trip after the other)
                 ready = tl.zeros((), tl.int32)
             sig = tl.where(is_sh, tl.where(kind_s == 1, SH_IDX + j, -1),
-                           tl.where(i < nt, _routed_signal(kind, i, NS), -1))
+                           tl.where(i < nt, _routed_signal(kind, i, NS, TR, tr_base), -1))
             # Release, except a down tile's: dn_done only frees the h slot (its reads are done), and the
             # rows it pushed need no ordering here (the DONE signal after the kernel publishes them), so
             # its signal does not wait for the NVLink stores (relaxed, as sync.add_reads_done)
@@ -504,14 +527,14 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                     if kind == 0:
                         _fill(i, n, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
                               NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET,
-                              FILL_STAGES, ready, False)
+                              FILL_STAGES, ready, False, W, WP, TR, tr_base)
                     else:
                         _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
                                       wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
                                       err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
                                       INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
                                       SAVE, gu_save, HALF, xs_half_desc, h_half_desc, rec, TRACE_EV, DN_COLS,
-                                      ready)
+                                      ready, TR, tr_base)
             t = sync.signal_take(cnt_ptr, sig, release, C_TICKET, AHEAD, NW)
             if TRACE_EV > 0:
                 tl.store(rec + 3, _clock(INTERPRET))
@@ -545,13 +568,14 @@ class MegaBuffers:
                                                           self.extra, self.sh_tiles, self.sh_n) if t is not None)
 
 
-def alloc_mega(T, H, I, I_s, BM, ring_rows, dtype, device) -> MegaBuffers:
+def alloc_mega(T, H, I, I_s, BM, ring_rows, dtype, device, n_tiles: int = 0) -> MegaBuffers:
+    """``n_tiles``: per-tile fill counters to allocate (the schedule's ``n_tiles_max``; 0: none)."""
     n_slots = ring_rows // BM
     if n_slots < 2:
         raise ValueError(f"the forward megakernel needs at least two ring slots: ring_rows={ring_rows} "
                          f"// tile_m={BM} = {n_slots}")
     n_sh = triton.cdiv(T, BM) if I_s else 0
-    lay = counter_layout(n_slots, n_sh)
+    lay = counter_layout(n_slots, n_sh, n_tiles)
     i32 = dict(dtype=torch.int32, device=device)
     return MegaBuffers(
         n_slots=n_slots, n_sh=n_sh,
@@ -616,7 +640,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           zero_counters: bool = True, ablate: int = 0, lag: int | None = None,
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
                           w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1,
-                          fill_stages: int = 1, ticket_ahead: bool = True, poll_together: bool = True):
+                          fill_stages: int = 1, ticket_ahead: bool = True, poll_together: bool = True,
+                          fill_table: bool = True, tile_ready: bool = True):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -641,6 +666,9 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     down column tiles). ``fill_stages``: pipeline stages of a fill's column loop (1: none).
     ``ticket_ahead``: take the next ticket in the shadow of the current one's release (kernel AHEAD).
     ``poll_together``: a ticket's polls in one round trip (kernel POLL2); False: one after the other.
+    ``fill_table``: a fill loads the address tables whole with its row sources (kernel WP > 0).
+    ``tile_ready``: with ``save``, per-tile fill counters (kernel TILE_READY; ``mb`` allocated with
+    ``n_tiles`` >= the schedule's tiles), so that fills wait for no ring slot.
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -712,6 +740,13 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                          D(sd.unsqueeze(0), [1, dns_cfg.BN, dns_cfg.BK])]
         if half:
             descs[10:] = [D(xs_buf, [BM // 2, gu_cfg.BK]), D(mb.h_ring, [BM // 2, dn_cfg.BK])]
+    W = x_ptrs.numel()
+    tile_ready = tile_ready and save is not None
+    if tile_ready:
+        need = counter_layout(mb.n_slots, mb.n_sh, sched.row_src.numel() // BM)["total"]
+        if mb.counters.numel() < need:
+            raise ValueError(f"tile_ready needs {need} counters (alloc_mega(..., n_tiles=schedule tiles)); "
+                             f"the buffers have {mb.counters.numel()}")
     moe_fwd_megakernel[(programs,)](
         mb.counters, err, epoch, rank, wait_budget,
         sched.row_src, sched.tile_expert, sched.num_tiles, x_ptrs, y_ptrs, T * k, k,
@@ -725,6 +760,6 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         INTERPRET=INTERPRET, ABLATE=ablate, TMA=use_tma, SAVE=save is not None, HALF=half,
         trace=trace, TRACE_EV=0 if trace is None else (trace.shape[1] - TRACE_HEAD) // 4,
         DN_COLS=dn_cols, FILL_STAGES=fill_stages, AHEAD=ticket_ahead, NW=gu_cfg.num_warps,
-        POLL2=poll_together,
+        POLL2=poll_together, W=W, WP=triton.next_power_of_2(W) if fill_table else 0, TILE_READY=tile_ready,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
 
