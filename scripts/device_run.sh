@@ -3,7 +3,7 @@
 # Usage: scripts/device_run.sh STAGE [bench or tune args...]; STAGE is tests, mega, mega-ep2, profile, tune,
 # mega-pick, mega-bench, mega-tune, diag, ab (also runs combine), combine, bench or all.
 # Knobs (env): MEGA_TIMEOUT, WITH_PROFILE=1 (profile after another stage), PROFILE_{SHAPES,TOKENS,EP,TIMEOUT},
-# TUNE_TIMEOUT, TUNE_SHAPES, TUNE_TOKENS, BENCH_TIMEOUT, AB_SHAPES ("shape:tokens ..."), AB_VARIANTS.
+# TUNE_TIMEOUT, TUNE_SHAPES, TUNE_TOKENS, BENCH_TIMEOUT, AB_SHAPES ("shape:tokens ..."), AB_VARIANTS, AB_EP (2).
 # Writes logs and results under $OUT (the device tool brings that folder back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -70,7 +70,7 @@ if [ "$stage" = diag ]; then  # where the forward's time goes at the issue-4 tar
 fi
 if [ "$stage" = ab ]; then  # back-to-back variants under autograd (the clock drifts within a run): AB_VARIANTS per AB_SHAPES
   for st in ${AB_SHAPES:-gpt-oss-120b:16384 qwen3-30b-a3b:16384}; do
-    timeout ${TUNE_TIMEOUT:-200} python3 -m tabby tune --grad --shapes ${st%%:*} --tokens ${st##*:} --ep 2 \
+    timeout ${TUNE_TIMEOUT:-200} python3 -m tabby tune --grad --shapes ${st%%:*} --tokens ${st##*:} --ep ${AB_EP:-2} \
       --variants "${AB_VARIANTS:-floor;mega;mega:O=0;mega;mega:O=0;floor}" \
       --out "$OUT/res/ab-${st%%:*}-${st##*:}.json" 2>&1 | grep -v -e Warn -e "return func" >> "$OUT/ab.log"
   done
