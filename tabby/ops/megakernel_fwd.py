@@ -21,7 +21,11 @@ Counters (int32, one array per rank, zeroed by a memset before each launch; layo
     gate/up(i,n) waits ready[s] >= FS*(g+1) and dn_done[s] >= D*g (every down tile of tile i-NS read h slot s)
     down(i,n)    waits gu_done[s] >= G*(g+1)
     (G = cdiv(I, BN_gate_up) gate/up tickets per row tile; D = cdiv(H, BN_down) / DN_COLS down tickets per
-    row tile, each DN_COLS column tiles in one K loop, ``MoEConfig.fwd_down_cols``.) The kernel
+    row tile, each DN_COLS column tiles in one K loop, ``MoEConfig.fwd_down_cols``.)
+    A differentiated forward (SAVE) writes its rows to the full xs buffer (row i*BM), not the ring,
+    so there (TILE_READY, ``MoEConfig.fwd_tile_ready``) a fill waits for nothing and signals its own
+    tile's counter ``tile_ready[i]``, and gate/up(i, n) waits ``tile_ready[i] >= FS`` instead of
+    ``ready[s]``: per slot, a fill of tile i + NS could otherwise count towards tile i. The kernel
     writes these waits and signals in one place each (``_routed_waits``, ``_routed_signal``). Every
     wait is bounded (``sync.wait_geq``, scope gpu): a lost signal becomes an error record
     (ERR_WAIT_TILE / ERR_WAIT_RING_SLOT), never a hang.
