@@ -9,7 +9,8 @@ warps per program, ``E`` experts padded to a multiple of E row tiles (1: none), 
 stages of a fill's column loop, ``Y`` routed tile height (``tile_m``; also ``sync-free:Y=64``),
 ``D`` column tiles per down ticket, ``X`` next ticket taken in the release's shadow (0: after
 it), ``G`` a ticket's polls in one round trip (0: one after the other), ``O`` x published beside
-the schedule (0: one after the other), ``A`` ablation (1: no row copies, 2: no routed GEMM math, 4:
+the schedule (0: one after the other), ``F`` a fill's address tables loaded whole (0: an entry
+per row), ``I`` per-tile fill counters when rows are kept (0: per ring slot), ``A`` ablation (1: no row copies, 2: no routed GEMM math, 4:
 pushes into the own buffer; the output is then wrong and not checked). Example:
 ``mega:C=16,R=4096``. Every non-ablated variant's output is compared with the sync-free path's
 (bitwise without a shared expert). Forward times: CUDA events per iteration, maximum over ranks,
@@ -61,7 +62,8 @@ def _median_ms(run, warmup, iters):
     from .bench import max_over_ranks, time_iterations_and_host
 
     times, host = time_iterations_and_host(run, warmup, iters)
-    return statistics.median(max_over_ranks(times)), max_over_ranks([host])[0]
+    per_iter = max_over_ranks(times + [host])  # one collective for both
+    return statistics.median(per_iter[:-1]), per_iter[-1]
 
 
 def _trace_variant(run_cfg, cfg, events, plot_path=None, title=""):

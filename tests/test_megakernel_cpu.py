@@ -216,14 +216,16 @@ def test_megakernel_needs_two_slots_and_a_valid_prefetch():
 # One rank, the launcher directly: counters and error records
 # ------------------------------------------------------------------------------------------------
 
-def _one_rank(T=40, H=32, I=32, E_local=2, k=2, BM=16, slots=2, I_s=0, seed=0, route="one_expert"):
+def _one_rank(T=40, H=32, I=32, E_local=2, k=2, BM=16, slots=2, I_s=0, seed=0, route="one_expert",
+              tile_counters=False):
     x, idx, wts, (wg, wu, wd), _, _ = make_problem(1, T, H, I, E_local, k, seed=seed, route=route)
     ws = Workspace(WorkspaceKey(T, H, k, E_local, I, 1, x.dtype, "cpu"), 0)
     ws.x_pub.copy_(x)
     ws.idx_pub.copy_(idx)
     sched = alloc_schedule(1, T, k, E_local, BM, x.device)
     launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, 0)
-    mb = megakernel_fwd.alloc_mega(T, H, I, I_s, BM, slots * BM, x.dtype, x.device)
+    mb = megakernel_fwd.alloc_mega(T, H, I, I_s, BM, slots * BM, x.dtype, x.device,
+                                   n_tiles=sched.n_tiles_max if tile_counters else 0)
     gu_cfg = gemm.default_config(gemm.KIND_GATE_UP, I, H, BM=BM).with_(BN=16, BK=16)
     dn_cfg = gemm.default_config(gemm.KIND_DOWN, H, I, BM=BM).with_(BN=16, BK=16)
     return dict(ws=ws, sched=sched, mb=mb, w=(wg, wu, wd), x=x, gu_cfg=gu_cfg, dn_cfg=dn_cfg, TK=T * k)
@@ -670,15 +672,8 @@ def _launch_saving(p, tile_ready=True, max_iters=1 << 20, zero=True, split=2):
     return save
 
 
-def _one_rank_saving(**kw):
-    p = _one_rank(**kw)
-    p["mb"] = megakernel_fwd.alloc_mega(40, 32, 32, 0, 16, 2 * 16, p["x"].dtype, p["x"].device,
-                                        n_tiles=p["sched"].n_tiles_max)
-    return p
-
-
 def test_per_tile_fill_counters_count_each_tile_and_leave_the_slot_counters():
-    p = _one_rank_saving()  # 80 rows into expert 0: 5 tiles, 2 slots
+    p = _one_rank(tile_counters=True)  # 80 rows into expert 0: 5 tiles, 2 slots
     xs, _, _ = _launch_saving(p, split=2)
     nt, NS, n_max = int(p["sched"].num_tiles), 2, p["sched"].n_tiles_max
     lay = megakernel_fwd.counter_layout(NS, 0, n_max)
@@ -688,13 +683,13 @@ def test_per_tile_fill_counters_count_each_tile_and_leave_the_slot_counters():
     assert c[lay["gu_done"]:lay["gu_done"] + NS].tolist() == [2 * 3, 2 * 2]  # G = 2 per tile
     p["ws"].check_errors()
     # the kept rows are the rows the per-slot counting keeps (tile_ready=False), bitwise
-    q = _one_rank_saving()
+    q = _one_rank(tile_counters=True)
     assert torch.equal(xs, _launch_saving(q, tile_ready=False, split=2)[0])
     assert torch.equal(p["ws"].y_in, q["ws"].y_in)
 
 
 def test_per_tile_fill_counter_never_reached_is_an_error_record():
-    p = _one_rank_saving()
+    p = _one_rank(tile_counters=True)
     lay = megakernel_fwd.counter_layout(2, 0, p["sched"].n_tiles_max)
     c = p["mb"].counters
     c.zero_()
