@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched call on the GPU machine (the device tool): GPU tests, then `tabby bench`.
 # Usage: scripts/device_run.sh STAGE [bench or tune args...]; STAGE is tests, mega, mega-ep2, profile, tune,
-# mega-pick, mega-bench, mega-tune, diag, ab (also runs combine), combine, bench or all.
+# mega-pick, mega-bench, mega-tune, diag, ab (also runs combine), combine, timeline, bench or all.
 # Knobs (env): MEGA_TIMEOUT, WITH_PROFILE=1 (profile after another stage), PROFILE_{SHAPES,TOKENS,EP,TIMEOUT},
 # TUNE_TIMEOUT, TUNE_SHAPES, TUNE_TOKENS, BENCH_TIMEOUT, AB_SHAPES ("shape:tokens ..."), AB_VARIANTS, AB_EP (2).
 # Writes logs and results under $OUT (the device tool brings that folder back).
@@ -81,4 +81,8 @@ if [ "$stage" = ab ] || [ "$stage" = combine ]; then  # combine block shapes and
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 -m tabby bench --out "$OUT/res" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80
+fi
+if [ "$stage" = timeline ]; then  # kernel timeline of the forward on every rank (torch.profiler): TL_SHAPE, TL_TOKENS
+  timeout ${TL_TIMEOUT:-200} python3 scripts/timeline.py --shape ${TL_SHAPE:-qwen3-30b-a3b} --tokens ${TL_TOKENS:-16384} \
+    --ep ${TL_EP:-2} --out "$OUT/res/timeline.json" 2>&1 | grep -v -e Warn -e "return func" | tee "$OUT/timeline.log" | tail -80
 fi
