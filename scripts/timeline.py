@@ -58,7 +58,12 @@ def _rank(rank, world, shape_name, T, n_fwd, config_kw):
             continue
         kernels.append(dict(name=e.name[:60], start_us=e.time_range.start, dur_us=e.time_range.end - e.time_range.start))
     kernels.sort(key=lambda r: r["start_us"])
-    return kernels
+    every = [None] * world
+    if world > 1:
+        dist.all_gather_object(every, kernels)
+    else:
+        every = [kernels]
+    return every  # launch() returns rank 0's: every rank's kernels
 
 
 def per_forward(kernels, n_fwd):
