@@ -10,7 +10,8 @@ stages of a fill's column loop, ``Y`` routed tile height (``tile_m``; also ``syn
 ``D`` column tiles per down ticket, ``X`` next ticket taken in the release's shadow (0: after
 it), ``G`` a ticket's polls in one round trip (0: one after the other), ``O`` x published beside
 the schedule (0: one after the other), ``F`` a fill's address tables loaded whole (0: an entry
-per row), ``I`` per-tile fill counters when rows are kept (0: per ring slot), ``A`` ablation (1: no row copies, 2: no routed GEMM math, 4:
+per row), ``I`` per-tile fill counters when rows are kept (0: per ring slot), ``H`` the pass's
+peer flags set and waited for inside the kernels (0: signal/wait launches), ``A`` ablation (1: no row copies, 2: no routed GEMM math, 4:
 pushes into the own buffer; the output is then wrong and not checked). Example:
 ``mega:C=16,R=4096``. Every non-ablated variant's output is compared with the sync-free path's
 (bitwise without a shared expert). Forward times: CUDA events per iteration, maximum over ranks,
@@ -36,7 +37,8 @@ _KNOBS = {"C": "fwd_comm_programs", "P": "fwd_prefetch", "R": "ring_rows", "N": 
           "K": "fwd_num_stages", "Z": "fwd_save_for_backward", "W": "fwd_pull_cols", "Q": "fwd_half_tiles",
           "V": "fwd_num_warps", "D": "fwd_down_cols", "E": "fwd_align_tiles", "J": "fwd_fill_stages",
           "X": "fwd_ticket_ahead", "G": "fwd_poll_together",
-          "O": "overlap_publish", "F": "fwd_fill_table", "I": "fwd_tile_ready"}
+          "O": "overlap_publish", "F": "fwd_fill_table", "I": "fwd_tile_ready",
+          "H": "fwd_peer_flags"}
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:

@@ -19,7 +19,7 @@ DESCS = ["xs_desc", "wg_desc", "wu_desc", "h_desc", "wd_desc", "x_desc", "sg_des
 
 def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, save: bool = False, half: bool = True,
              trace: bool = False, warps: int = 8, dn_cols: int = 1, fill_stages: int = 1, ahead: bool = True,
-             poll2: bool = True, wp: int = 2, tile_ready: bool = True):
+             poll2: bool = True, wp: int = 2, tile_ready: bool = True, peers: bool = True):
     from tabby.ops import megakernel_fwd as mk
 
     # 4 warps (MoEConfig.mega_warps): two programs per SM, 64-column gate/up tiles, 3 stages
@@ -27,7 +27,8 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
     const = dict(NS=32, FS=4, GM=2, ABLATE=0, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
                  BN_GU=bn_gu, BK_GU=64, BN_DN=bn_dn, BK_DN=64, BN_GUS=bn_gus, BK_GUS=64, BN_DNS=bn_dns, BK_DNS=64,
                  INTERPRET=False, TMA=tma, SAVE=save, HALF=half, TRACE_EV=64 if trace else 0, DN_COLS=dn_cols,
-                 FILL_STAGES=fill_stages, AHEAD=ahead, NW=warps, POLL2=poll2, WP=wp, TILE_READY=tile_ready)
+                 FILL_STAGES=fill_stages, AHEAD=ahead, NW=warps, POLL2=poll2, WP=wp, TILE_READY=tile_ready,
+                 PEERS=peers, X_SLOT=4, DONE_SLOT=1, DONE_WAIT=peers)
     ptrs = {n: "*i32" for n in ["cnt_ptr", "err_ptr", "epoch_ptr", "row_src", "tile_expert", "num_tiles",
                                 "sh_tiles", "sh_n"]}
     ptrs.update({n: "*i64" for n in ["x_ptrs", "y_ptrs"]})
@@ -36,6 +37,7 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
     else:
         const.update(w_ptrs=None, row_w=None, gu_save=None)
     ptrs["wait_budget"] = "i64"  # nanoseconds: 60 s does not fit an i32
+    ptrs.update(flag_ptrs="*i64", my_flags="*i32")  # fwd_peer_flags: every rank's flags, this rank's
     if trace:  # fwd_trace_events: the ticket trace (clock64 and globaltimer reads)
         ptrs["trace"] = "*i64"
     else:
@@ -68,7 +70,7 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
         assert (n_fill_async > 0) == (fill_stages > 1), f"fill_stages={fill_stages}: {n_fill_async} async copies"
     print(f"ok shared={has_shared} comm={comm} bn_dn={bn_dn} tma={tma} save={save} half={half} "
           f"trace={trace} warps={warps} dn_cols={dn_cols} fill_stages={fill_stages} ahead={ahead} poll2={poll2} "
-          f"wp={wp} tile_ready={tile_ready} "
+          f"wp={wp} tile_ready={tile_ready} peers={peers} "
           f"smem={k.metadata.shared} async={n_async}")
 
 
@@ -89,19 +91,25 @@ _CASES = [c + _DEFAULT_TICKETS for c in [
     (True, 0, 256, True, True, True, False, 8, 2, 1, False, False)] + [
     # fills that load each row's table entry after its source, counting per ring slot
     # (fwd_fill_table / fwd_tile_ready False), at qwen3-30b-a3b's differentiated 4-warp config
-    (False, 0, 128, True, True, True, False, 4, 2, 3, True, True, 0, False)]
+    (False, 0, 128, True, True, True, False, 4, 2, 3, True, True, 0, False)] + [
+    # the pass's flags in signal/wait launches around the kernel (fwd_peer_flags False), at
+    # qwen3-30b-a3b's differentiated 4-warp config and qwen3.5-397b's 8-warp one
+    (False, 0, 128, True, True, True, False, 4, 2, 3, True, True, 2, True, False),
+    (True, 0, 256, True, True, True, False, 8, 2, 1, True, True, 2, True, False)]
 
 
 _CASES = [c + (2, True) if len(c) == 12 else c for c in _CASES]  # default: EP2 tables, per-tile fill counters
+_CASES = [c + (True,) if len(c) == 14 else c for c in _CASES]  # default: flags set and waited in the kernel
 
 
 @pytest.mark.parametrize("has_shared,comm,bn_dn,tma,save,half,trace,warps,dn_cols,fill_stages,ahead,poll2,wp,"
-                         "tile_ready", _CASES)
+                         "tile_ready,peers", _CASES)
 def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols, fill_stages,
-                                      ahead, poll2, wp, tile_ready):
-    args = (has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols, fill_stages, ahead, poll2, wp, tile_ready)
+                                      ahead, poll2, wp, tile_ready, peers):
+    args = (has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols, fill_stages, ahead, poll2, wp, tile_ready,
+            peers)
     assert "ok" in run_compiled_check(__file__, *(str(int(v)) for v in args))
 
 
 if __name__ == "__main__":
-    _compile(*(int(a) if i in (1, 2, 7, 8, 9, 12) else bool(int(a)) for i, a in enumerate(sys.argv[1:15])))
+    _compile(*(int(a) if i in (1, 2, 7, 8, 9, 12) else bool(int(a)) for i, a in enumerate(sys.argv[1:16])))

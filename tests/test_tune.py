@@ -15,11 +15,12 @@ def test_parse_variant():
     assert parse_variant("mega:X=0,G=0,O=0") == ("mega", {"fwd_ticket_ahead": 0, "fwd_poll_together": 0,
                                                         "overlap_publish": 0})
     assert parse_variant("mega:F=0,I=0") == ("mega", {"fwd_fill_table": 0, "fwd_tile_ready": 0})
+    assert parse_variant("mega:H=0") == ("mega", {"fwd_peer_flags": 0})
     for v in DEFAULT_VARIANTS:
         parse_variant(v)
 
 
-@pytest.mark.parametrize("bad", ["mega:Q=1,Oops=2", "mega:H=1", "mega:C=x", "fast", "floor:C=1", "floor:Y=64",
+@pytest.mark.parametrize("bad", ["mega:Q=1,Oops=2", "mega:h=1", "mega:C=x", "fast", "floor:C=1", "floor:Y=64",
                                  "sync-free:M=2"])
 def test_bad_variants_are_rejected(bad):
     with pytest.raises(ValueError):
@@ -28,7 +29,7 @@ def test_bad_variants_are_rejected(bad):
 
 def test_cli_rejects_bad_variant(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["tune", "--variants", "mega:H=1"])
+        cli.main(["tune", "--variants", "mega:h=1"])
     assert "bad knob" in capsys.readouterr().err
 
 
@@ -68,7 +69,7 @@ def test_bench_mega_variant_from_the_environment(monkeypatch):
     cfg = bench.IMPLS["tabby"].fn.keywords["config"]
     assert cfg.megakernel and cfg.fwd_group_m == 2 and cfg.fwd_down_bn == 128
     assert not bench.IMPLS["tabby-sync-free"].fn.keywords["config"].megakernel
-    monkeypatch.setenv("TABBY_MEGA_VARIANT", "H=1")
+    monkeypatch.setenv("TABBY_MEGA_VARIANT", "h=1")
     bench.register_tabby()
     with pytest.raises(RuntimeError, match="TABBY_MEGA_VARIANT"):
         bench.IMPLS["tabby"].prepare(None, None)

@@ -136,6 +136,13 @@ class MoEConfig:
                      peers' routing and builds the schedule; False: one after the other. Back-to-back
                      under autograd, drift removed, qwen3-30b-a3b 16384: 2.62 ms against 2.65
                      (noise ~0.02; x copied on a side stream instead: 2.645; perf-notes, session 9).
+    fwd_peer_flags:  the megakernel forward sets and waits for its pass's flags inside its kernels instead
+                     of in signal/wait launches between them: one publish launch copies the routing
+                     and signals it (its last program), the schedule's count programs wait for the
+                     peers' routing, the megakernel signals x ready at its start and waits for the
+                     peers' before its first ticket, and its last program signals DONE and waits for
+                     the peers'. Three launches fewer per forward (and the scan's, which is folded
+                     into the schedule's place launch either way); False: the launches of session 10.
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -175,6 +182,7 @@ class MoEConfig:
     fwd_poll_together: bool = True
     fwd_fill_table: bool = True
     fwd_tile_ready: bool = True
+    fwd_peer_flags: bool = True
     overlap_publish: bool = True
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:

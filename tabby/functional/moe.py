@@ -33,6 +33,13 @@ above and the backward is the same; otherwise nothing of the ring is kept, and t
 publishes x and topk_weights again with dy and recomputes xs, the row weights and g, u (pull +
 gate/up), then runs the same launches as above. The shared expert then lives inside the Function
 (``_TabbyMoEMega``), whose backward recomputes it with the same torch ops for its gradients.
+With ``fwd_peer_flags`` (the default) the megakernel forward's flags are set and waited for inside
+its kernels: one publish launch copies the routing and its last program signals FWD_READY; the
+schedule's count programs wait for the peers' routing; the megakernel signals FWD_X_READY at its
+start and waits for the peers' before its first ticket, and its last program signals FWD_DONE and
+waits for the peers'; the combine follows in stream order. Three launches fewer on the forward's
+critical path. (Under the interpreter a kernel cannot wait for another rank's launch, so there the
+host polls the same flags between the launches.)
 """
 from __future__ import annotations
 
@@ -45,7 +52,7 @@ import triton
 
 from ..ops import INTERPRET, comm, gemm, megakernel_fwd, sync
 from ..ops.combine import combine_k
-from ..ops.schedule import alloc_schedule, launch_schedule
+from ..ops.schedule import alloc_schedule, launch_schedule, schedule_capacity
 from ..validate import MoEInputError, check_inputs
 from .config import MoEConfig
 from .workspace import (BWD, BWD_DONE, BWD_READY, FWD, FWD_DONE, FWD_READY, FWD_X_READY, ThreadGroup,
@@ -174,7 +181,7 @@ def _side_stream(ws, cfg: MoEConfig, x):
     return side
 
 
-def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local):
+def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local, in_kernel=False, on_main=None):
     """Publish this rank's inputs, wait for every peer's, build the routed-row schedule.
 
     The schedule needs only the routing, so x (T * H * 2 bytes, the bulk of the publish: ~30 us at
@@ -184,39 +191,68 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
     stream, and signals and waits FWD_X_READY (the same epoch) before anything reads x_pub. The
     join also orders every later use of the schedule (allocated before the fork) after the side
     stream's work. x_pub may be overwritten here: peers stopped reading it before their DONE of the
-    last pass, which this rank waited for."""
+    last pass, which this rank waited for.
+
+    ``in_kernel`` (``fwd_peer_flags``, the megakernel): the routing is published and FWD_READY
+    signalled by one launch (``comm.publish_route_kernel``), the count programs wait for the peers'
+    routing, and FWD_X_READY is left to the megakernel. ``on_main``: work for the current stream
+    after the x copy, off the side stream's critical path (the megakernel's counter memset).
+    """
     T, k = topk_idx.shape
     _stage("fwd:start")
-    ws.idx_pub.copy_(topk_idx)
-    ws.w_pub.copy_(topk_weights)
+    if in_kernel:
+        n = T * k
+        done = ws.__dict__.get("_publish_done")
+        if done is None:
+            done = ws.__dict__["_publish_done"] = torch.zeros(1, dtype=torch.int32, device=x.device)
+        BLOCK = 2048
+        comm.publish_route_kernel[(triton.cdiv(n, BLOCK),)](
+            topk_idx, topk_weights, ws.idx_pub, ws.w_pub, n, ws.ptrs["flags"], ws.epoch[FWD:], done, FWD_READY,
+            ws.rank, ws.world_size, BLOCK=BLOCK, num_warps=4)
+    else:
+        ws.idx_pub.copy_(topk_idx)
+        ws.w_pub.copy_(topk_weights)
     sched = alloc_schedule(ws.world_size, T, k, E_local, cfg.tile_m, x.device, align=cfg.align_tiles(T, k, E_local))
     side = _side_stream(ws, cfg, x)
 
     def schedule():
-        _signal_wait(ws, FWD_READY, FWD, True, sync.ERR_WAIT_PEER_READY, cfg)
+        if not in_kernel:
+            _signal_wait(ws, FWD_READY, FWD, True, sync.ERR_WAIT_PEER_READY, cfg)
+        elif INTERPRET:  # the count programs cannot wait for another rank's launch here: poll from the host
+            _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
         _stage("fwd:publish+wait")
-        launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, ws.rank)
+        ready = (ws.flags, ws.epoch[FWD:], FWD_READY, cfg.wait_budget()) if in_kernel else None
+        launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, ws.rank, ready=ready)
         _stage("fwd:schedule")
 
     if side is None:
         schedule()
         ws.x_pub.copy_(x)
+        if on_main is not None:
+            on_main()
     else:
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             schedule()
         ws.x_pub.copy_(x)
+        if on_main is not None:
+            on_main()
         main.wait_stream(side)
-    _signal_wait(ws, FWD_X_READY, FWD, False, sync.ERR_WAIT_PEER_READY, cfg)
+    if not in_kernel or INTERPRET:  # (the interpreter: signalled and polled here; the kernel's repeats it)
+        _signal_wait(ws, FWD_X_READY, FWD, False, sync.ERR_WAIT_PEER_READY, cfg)
     _stage("fwd:wait_x")
     return sched
 
 
-def _finish_forward(ws, cfg: MoEConfig, x, topk_weights, extra):
-    """Tell every peer its rows are pushed, wait for theirs, combine in k order."""
+def _finish_forward(ws, cfg: MoEConfig, x, topk_weights, extra, in_kernel=False):
+    """Tell every peer its rows are pushed, wait for theirs, combine in k order (``in_kernel``: the
+    megakernel signalled and waited already; under the interpreter the host polls here)."""
     T, k = topk_weights.shape
-    _signal_wait(ws, FWD_DONE, FWD, False, sync.ERR_WAIT_PEER_DONE, cfg)
+    if not in_kernel:
+        _signal_wait(ws, FWD_DONE, FWD, False, sync.ERR_WAIT_PEER_DONE, cfg)
+    elif INTERPRET:
+        _wait(ws, FWD_DONE, FWD, sync.ERR_WAIT_PEER_DONE, cfg)
     _stage("fwd:signal+wait")
     y = combine_k(ws.y_in, T, k, w=topk_weights.float().contiguous(), extra=extra, dtype=x.dtype)
     _stage("fwd:combine")
@@ -268,7 +304,8 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     """Forward pass on one rank through the forward megakernel (``cfg.megakernel``).
 
     Same launches as ``moe_forward`` before (publish, wait, schedule) and after (signal, wait,
-    combine); dispatch, gate/up, down + push and the shared expert run in ONE persistent launch
+    combine), or with ``fwd_peer_flags`` three fewer (module docstring); dispatch, gate/up, down +
+    push and the shared expert run in ONE persistent launch
     over a ring of ``cfg.ring_rows`` rows. Returns (y, saved): with ``save`` the kernel also
     fills xs, g | u and the row weights as ``moe_forward`` does and ``saved`` is the same tuple;
     otherwise a MegaSaved (nothing of the ring is kept; the backward recomputes xs and g, u).
@@ -276,8 +313,13 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     T, H = x.shape
     I = w_gate.shape[1]
     I_s = shared[0].shape[0] if shared is not None else 0
-    sched = _publish_and_schedule(ws, cfg, x, topk_idx, topk_weights, w_gate.shape[0])
-    mb = _mega_buffers(ws, cfg, T, H, I, I_s, x.dtype, x.device, sched.n_tiles_max)
+    k, E_local = topk_idx.shape[1], w_gate.shape[0]
+    n_tiles = schedule_capacity(ws.world_size, T, k, E_local, cfg.tile_m, cfg.align_tiles(T, k, E_local)) // cfg.tile_m
+    mb = _mega_buffers(ws, cfg, T, H, I, I_s, x.dtype, x.device, n_tiles)
+    in_kernel = cfg.fwd_peer_flags
+    sched = _publish_and_schedule(ws, cfg, x, topk_idx, topk_weights, E_local, in_kernel,
+                                  on_main=mb.counters.zero_)
+    assert sched.n_tiles_max == n_tiles
     tma = cfg.use_tma(T, topk_idx.shape[1], H, I)
     warps = cfg.mega_warps(T, topk_idx.shape[1], H, I)
     programs = cfg.fwd_programs or megakernel_fwd.default_programs(x.device) * (8 // warps)
@@ -299,11 +341,12 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         group_m=cfg.fwd_group_m, tma=tma, save=kept, w_ptrs=ws.ptrs["w_pub"],
         half_tiles=cfg.fwd_half_tiles, trace=trace, down_cols=cfg.down_cols(I), fill_stages=cfg.fill_stages(warps),
         ticket_ahead=cfg.fwd_ticket_ahead, poll_together=cfg.fwd_poll_together, fill_table=cfg.fwd_fill_table,
-        tile_ready=cfg.fwd_tile_ready)
+        tile_ready=cfg.fwd_tile_ready, zero_counters=False,
+        peers=(ws.ptrs["flags"], ws.flags, FWD_X_READY, FWD_DONE, not INTERPRET) if in_kernel else None)
     if trace is not None:
         megakernel_fwd.LAST_TRACE = megakernel_fwd.LAST_TRACE_BY_RANK[ws.rank] = trace
     _stage("fwd:megakernel")
-    y = _finish_forward(ws, cfg, x, topk_weights, mb.extra[:T] if I_s else None)
+    y = _finish_forward(ws, cfg, x, topk_weights, mb.extra[:T] if I_s else None, in_kernel)
     if save:
         xs, gu, row_w = kept
         return y, (sched, xs, gu, row_w)

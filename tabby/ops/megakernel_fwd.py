@@ -98,6 +98,8 @@ from .sync import globaltimer
 
 _ERR_WAIT_TILE = tl.constexpr(sync.ERR_WAIT_TILE)
 _ERR_WAIT_RING_SLOT = tl.constexpr(sync.ERR_WAIT_RING_SLOT)
+_ERR_WAIT_PEER_READY = tl.constexpr(sync.ERR_WAIT_PEER_READY)
+_ERR_WAIT_PEER_DONE = tl.constexpr(sync.ERR_WAIT_PEER_DONE)
 
 # Counter layout (int32 indices): tickets, then per-slot counters, then per-x-row-tile counters.
 C_TICKET, C_FILL_TICKET, C_READY = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -105,11 +107,13 @@ C_TICKET, C_FILL_TICKET, C_READY = tl.constexpr(0), tl.constexpr(1), tl.constexp
 
 def counter_layout(n_slots: int, n_sh: int, n_tiles: int = 0) -> dict:
     """Indices into the counter array; ``tile_ready`` (``n_tiles`` counters, one per routed row tile)
-    is used by a forward that keeps its rows (SAVE with per-tile fill counters, ``fwd_tile_ready``)."""
+    is used by a forward that keeps its rows (SAVE with per-tile fill counters, ``fwd_tile_ready``);
+    ``programs_done`` counts the programs that have finished (PEERS: the last one signals DONE)."""
     NS, r = n_slots, C_READY.value
     tr = r + 3 * NS + max(n_sh, 1)
     return dict(ticket=C_TICKET.value, fill_ticket=C_FILL_TICKET.value, ready=r, gu_done=r + NS,
-                dn_done=r + 2 * NS, sh_gu=r + 3 * NS, tile_ready=tr, total=tr + n_tiles)
+                dn_done=r + 2 * NS, sh_gu=r + 3 * NS, tile_ready=tr, programs_done=tr + n_tiles,
+                total=tr + n_tiles + 1)
 
 
 # Trace (measurement only, ``MoEConfig.fwd_trace_events``): int64 [programs, TRACE_HEAD + 4 * events].
@@ -410,7 +414,9 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        SAVE: tl.constexpr = False, HALF: tl.constexpr = False, trace=None,
                        TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, FILL_STAGES: tl.constexpr = 1,
                        AHEAD: tl.constexpr = True, NW: tl.constexpr = 4, POLL2: tl.constexpr = True,
-                       W=1, WP: tl.constexpr = 0, TILE_READY: tl.constexpr = False):
+                       W=1, WP: tl.constexpr = 0, TILE_READY: tl.constexpr = False,
+                       flag_ptrs=None, my_flags=None, done_idx=0, PEERS: tl.constexpr = False,
+                       X_SLOT: tl.constexpr = 0, DONE_SLOT: tl.constexpr = 0, DONE_WAIT: tl.constexpr = False):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -441,6 +447,14 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     its row sources (``comm.pull_rows_tile``; WP = 0: each row's entry after its source).
     TILE_READY (with SAVE only): per-tile fill counters (``tile_ready`` in ``counter_layout``): the
     fills write rows of their own (row i*BM of the full buffer), so they wait for no ring slot.
+    PEERS (``MoEConfig.fwd_peer_flags``): the pass's x-ready and DONE flags are set and waited for
+    here instead of by launches around the kernel. Program 0 first sets this rank's X_SLOT flag on
+    every rank (x_pub was copied before the launch), and every program waits for every rank's
+    before its first ticket (fills read peers' x_pub). At the end each program counts itself done
+    (``programs_done``, acq_rel at system scope after its pushes); the last one sets DONE_SLOT on
+    every rank (all rows pushed, no more reads of peers' x_pub) and, with DONE_WAIT, waits for
+    every rank's DONE, so the combine may follow in stream order. (DONE_WAIT off under the
+    interpreter, where ranks' launches cannot run at once: the host polls instead.)
     AHEAD: a compute program takes its next ticket in the shadow of the current one's release fence
     (``sync.signal_take``) rather than after it. (Taking it before starting the current ticket was
     measured, and is much slower: the ticket then waits a whole tile for its program, and the
@@ -448,6 +462,11 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     """
     pid = tl.program_id(0)
     epoch = tl.load(epoch_ptr)
+    if PEERS:
+        if pid == 0:
+            comm._signal_peers(flag_ptrs, epoch, X_SLOT, rank, W)
+        comm._wait_peers(my_flags, epoch, X_SLOT, rank, W, wait_budget, err_ptr, _ERR_WAIT_PEER_READY)
+        tl.debug_barrier()  # the polling thread's acquire orders every thread's reads of peers' x_pub
     nt = tl.load(num_tiles)
     G: tl.constexpr = (I + BN_GU - 1) // BN_GU  # gate/up tickets per row tile
     D: tl.constexpr = (H + BN_DN - 1) // BN_DN // DN_COLS  # down tickets per row tile (DN_COLS divides)
@@ -543,6 +562,15 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
             if TRACE_EV > 0:
                 tl.store(rec + 3, _clock(INTERPRET))
                 ev += 1
+    if PEERS:
+        tl.debug_barrier()  # every thread's pushes issued
+        # system scope: the count orders this program's pushes (some over NVLink) before the last
+        # program's release to the peers (cumulativity through the counter's read-modify-writes)
+        done = tl.atomic_add(cnt_ptr + done_idx, 1, sem="acq_rel", scope="sys")
+        if done == tl.num_programs(0) - 1:
+            comm._signal_peers(flag_ptrs, epoch, DONE_SLOT, rank, W)
+            if DONE_WAIT:
+                comm._wait_peers(my_flags, epoch, DONE_SLOT, rank, W, wait_budget, err_ptr, _ERR_WAIT_PEER_DONE)
     if TRACE_EV > 0:
         tl.store(head, ev)
         tl.store(head + 2, _gtime(INTERPRET))
@@ -559,6 +587,7 @@ class MegaBuffers:
 
     n_slots: int
     n_sh: int
+    n_tiles: int  # per-tile fill counters allocated (counter_layout's n_tiles)
     counters: torch.Tensor  # int32 [counter_layout(...)["total"]]
     xs_ring: torch.Tensor  # [n_slots * BM, H]
     h_ring: torch.Tensor  # [n_slots * BM, I]
@@ -582,7 +611,7 @@ def alloc_mega(T, H, I, I_s, BM, ring_rows, dtype, device, n_tiles: int = 0) -> 
     lay = counter_layout(n_slots, n_sh, n_tiles)
     i32 = dict(dtype=torch.int32, device=device)
     return MegaBuffers(
-        n_slots=n_slots, n_sh=n_sh,
+        n_slots=n_slots, n_sh=n_sh, n_tiles=n_tiles,
         counters=torch.zeros(lay["total"], **i32),
         xs_ring=torch.empty(n_slots * BM, H, dtype=dtype, device=device),
         h_ring=torch.empty(n_slots * BM, I, dtype=dtype, device=device),
@@ -645,7 +674,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
                           w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1,
                           fill_stages: int = 1, ticket_ahead: bool = True, poll_together: bool = True,
-                          fill_table: bool = True, tile_ready: bool = True):
+                          fill_table: bool = True, tile_ready: bool = True, peers=None):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -673,6 +702,9 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     ``fill_table``: a fill loads the address tables whole with its row sources (kernel WP > 0).
     ``tile_ready``: with ``save``, per-tile fill counters (kernel TILE_READY; ``mb`` allocated with
     ``n_tiles`` >= the schedule's tiles), so that fills wait for no ring slot.
+    ``peers``: None, or (flag_ptrs, my_flags, x_slot, done_slot, done_wait): the kernel sets and
+    waits for the pass's x-ready and DONE flags itself (kernel PEERS); the counters must then be
+    zeroed (here, or by the caller before the launch with ``zero_counters=False``).
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -747,10 +779,18 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     W = x_ptrs.numel()
     tile_ready = tile_ready and save is not None
     if tile_ready:
-        need = counter_layout(mb.n_slots, mb.n_sh, sched.row_src.numel() // BM)["total"]
-        if mb.counters.numel() < need:
-            raise ValueError(f"tile_ready needs {need} counters (alloc_mega(..., n_tiles=schedule tiles)); "
-                             f"the buffers have {mb.counters.numel()}")
+        need = sched.row_src.numel() // BM
+        if mb.n_tiles < need:
+            raise ValueError(f"tile_ready needs {need} per-tile counters (alloc_mega(..., n_tiles=schedule "
+                             f"tiles)); the buffers have {mb.n_tiles}")
+    lay = counter_layout(mb.n_slots, mb.n_sh, mb.n_tiles)
+    assert mb.counters.numel() == lay["total"]
+    if peers is not None:
+        flag_ptrs, my_flags, x_slot, done_slot, done_wait = peers
+    else:
+        flag_ptrs = my_flags = mb.counters
+        x_slot = done_slot = 0
+        done_wait = False
     moe_fwd_megakernel[(programs,)](
         mb.counters, err, epoch, rank, wait_budget,
         sched.row_src, sched.tile_expert, sched.num_tiles, x_ptrs, y_ptrs, T * k, k,
@@ -765,5 +805,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         trace=trace, TRACE_EV=0 if trace is None else (trace.shape[1] - TRACE_HEAD) // 4,
         DN_COLS=dn_cols, FILL_STAGES=fill_stages, AHEAD=ticket_ahead, NW=gu_cfg.num_warps,
         POLL2=poll_together, W=W, WP=triton.next_power_of_2(W) if fill_table else 0, TILE_READY=tile_ready,
+        flag_ptrs=flag_ptrs, my_flags=my_flags, done_idx=lay["programs_done"], PEERS=peers is not None,
+        X_SLOT=x_slot, DONE_SLOT=done_slot, DONE_WAIT=done_wait,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
 

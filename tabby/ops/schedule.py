@@ -35,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .sync import ERR_BAD_EXPERT_ID, record_error
+from .sync import ERR_BAD_EXPERT_ID, ERR_WAIT_PEER_READY, record_error, wait_geq
 
 _ERR_BAD_EXPERT_ID = tl.constexpr(ERR_BAD_EXPERT_ID)
+_ERR_WAIT_PEER_READY = tl.constexpr(ERR_WAIT_PEER_READY)
 _INT32_MAX = tl.constexpr(2**31 - 1)
 
 
@@ -213,8 +214,16 @@ def schedule_fill_program(fid, counts_ptr, expert_count_ptr, src_count_ptr, expe
 
 @triton.jit
 def _schedule_count_kernel(idx_ptrs, counts_ptr, err_ptr, rank, N, W, E_local, n_chunks,
-                           CHUNK: tl.constexpr, E_PAD: tl.constexpr, ALIGNED: tl.constexpr):
-    schedule_count_program(tl.program_id(0), idx_ptrs, counts_ptr, err_ptr, rank, N, W, E_local,
+                           my_flags, epoch_ptr, slot, wait_budget,
+                           CHUNK: tl.constexpr, E_PAD: tl.constexpr, ALIGNED: tl.constexpr, WAIT: tl.constexpr):
+    pid = tl.program_id(0)
+    if WAIT:  # a peer's chunk: wait for its routing to be published (its flag [slot, src] at the epoch)
+        src = pid // n_chunks
+        if src != rank:
+            wait_geq(my_flags + slot * W + src, tl.load(epoch_ptr), wait_budget, err_ptr, _ERR_WAIT_PEER_READY,
+                     rank, slot * W + src, tl.load(epoch_ptr), "sys")
+        tl.debug_barrier()  # the polling thread's acquire orders every thread's loads after it
+    schedule_count_program(pid, idx_ptrs, counts_ptr, err_ptr, rank, N, W, E_local,
                            n_chunks, CHUNK, E_PAD, ALIGNED)
 
 
@@ -344,11 +353,14 @@ def schedule_grids(bufs: ScheduleBuffers) -> dict:
 
 
 def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Tensor, rank: int,
-                    aligned: bool = True, num_warps_place: int = 4) -> None:
+                    aligned: bool = True, num_warps_place: int = 4, ready=None) -> None:
     """Launch the schedule (2 kernels) into the current stream; no host synchronization.
 
     ``idx_ptrs``: int64 ``[W]`` addresses of every rank's int32 ``[T, k]`` topk_idx (contiguous;
     16-byte aligned unless ``aligned=False``). ``err``: int32 error record (``sync.ERR_WORDS``).
+    ``ready``: None, or (my_flags, epoch, slot, wait_budget): the count programs of a peer's chunks
+    first wait for its flag ``[slot, src]`` to reach the epoch (``comm.publish_route_kernel``), so no
+    separate wait launch comes before the schedule.
     """
     W, E_local, N = bufs.W, bufs.E_local, bufs.T * bufs.k
     assert idx_ptrs.dtype == torch.int64 and idx_ptrs.numel() == W
@@ -360,9 +372,13 @@ def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Te
     grids = schedule_grids(bufs)
     n_place = grids["count"]
     inv = bufs.row_of_src if bufs.row_of_src is not None else bufs.row_src  # dummy when unused
+    if ready is None:
+        my_flags, epoch, slot, budget = bufs.counts, bufs.counts, 0, 0  # unused
+    else:
+        my_flags, epoch, slot, budget = ready
     _schedule_count_kernel[(grids["count"],)](
-        idx_ptrs, bufs.counts, err, rank, N, W, E_local, bufs.n_chunks,
-        CHUNK=bufs.CHUNK, E_PAD=E_PAD, ALIGNED=aligned, num_warps=4)
+        idx_ptrs, bufs.counts, err, rank, N, W, E_local, bufs.n_chunks, my_flags, epoch, slot, budget,
+        CHUNK=bufs.CHUNK, E_PAD=E_PAD, ALIGNED=aligned, WAIT=ready is not None, num_warps=4)
     _schedule_place_kernel[(grids["place"],)](
         idx_ptrs, bufs.counts, bufs.expert_count, bufs.src_count, bufs.expert_start, bufs.num_tiles,
         bufs.tile_expert, bufs.row_src, inv, rank, N, W, E_local, bufs.n_chunks, n_place,
