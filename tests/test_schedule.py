@@ -97,7 +97,7 @@ def test_reference_structure():
     (37, 1, 3, 4, 32),      # k = 1
     (64, 8, 4, 16, None),   # default chunk (one chunk per rank)
     (50, 2, 33, 2, 16),     # E_local not a power of two, > 32 (E_PAD 64)
-    (300, 4, 40, 16, 16),   # 75 chunks per rank: the counts sums take several steps of 64 rows
+    (600, 4, 40, 16, 16),   # 150 chunks per rank: the scan takes two steps of 128 chunks (E_PAD 64) per rank
 ])
 def test_random_routing(W, T, k, E_local, BM, chunk):
     gen = torch.Generator().manual_seed(100 * W + T + k)
@@ -170,7 +170,7 @@ def test_reuse_buffers_no_stale_rows():
     gen = torch.Generator().manual_seed(3)
     W, T, k, E_local, BM, rank = 2, 37, 3, 4, 16, 1
     bufs = alloc_schedule(W, T, k, E_local, BM, DEVICE, chunk=32, inverse=True)
-    for buf in (bufs.row_src, bufs.tile_expert, bufs.row_of_src, bufs.counts, bufs.expert_count, bufs.src_count):
+    for buf in (bufs.row_src, bufs.tile_expert, bufs.row_of_src, bufs.counts, bufs.within, bufs.expert_count):
         buf.fill_(12345)  # garbage, as torch.empty may give
     routings = [
         torch.full((W, T, k), rank * E_local + 1, dtype=torch.int32),  # everything local, one expert
@@ -191,7 +191,7 @@ def test_deterministic():
     b, _ = _run(all_idx, rank, E_local, BM, chunk=32)
     for name, t in a.outputs().items():
         assert torch.equal(t.cpu(), b.outputs()[name].cpu()), name
-    assert torch.equal(a.counts.cpu(), b.counts.cpu())
+    assert torch.equal(a.within.cpu(), b.within.cpu()) and torch.equal(a.counts.cpu(), b.counts.cpu())
     # The chunking changes the scratch, never the result.
     c, _ = _run(all_idx, rank, E_local, BM, chunk=16)
     for name, t in a.outputs().items():
@@ -250,7 +250,7 @@ def test_grids_fixed_by_shapes():
     b = alloc_schedule(2, 100, 8, 64, 128, "cpu")
     assert schedule_grids(a) == schedule_grids(b)
     g = schedule_grids(alloc_schedule(2, 16384, 8, 64, 128, "cpu"))
-    assert g["count"] == 2 * 128 and set(g) == {"count", "place"}  # two launches: no scan between
+    assert g["count"] == 2 * 128 and set(g) == {"count", "place"}  # two launches: the scan is count's last program
 
 
 # ------------------------------------------------------------------------------------------------

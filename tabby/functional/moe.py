@@ -194,32 +194,34 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
     last pass, which this rank waited for.
 
     ``in_kernel`` (``fwd_peer_flags``, the megakernel): the routing is published and FWD_READY
-    signalled by one launch (``comm.publish_route_kernel``), the count programs wait for the peers'
-    routing, and FWD_X_READY is left to the megakernel. ``on_main``: work for the current stream
-    after the x copy, off the side stream's critical path (the megakernel's counter memset).
+    signalled by one launch (``comm.publish_route_kernel``) on the side stream, so that the x copy
+    starts with it, the count programs wait for the peers' routing, and FWD_X_READY is left to the
+    megakernel. ``on_main``: work for the current stream after the x copy, off the side stream's
+    critical path (the megakernel's counter memset).
     """
     T, k = topk_idx.shape
     _stage("fwd:start")
-    if in_kernel:
-        n = T * k
-        done = ws.__dict__.get("_publish_done")
-        if done is None:
-            done = ws.__dict__["_publish_done"] = torch.zeros(1, dtype=torch.int32, device=x.device)
-        BLOCK = 2048
-        comm.publish_route_kernel[(triton.cdiv(n, BLOCK),)](
-            topk_idx, topk_weights, ws.idx_pub, ws.w_pub, n, ws.ptrs["flags"], ws.epoch[FWD:], done, FWD_READY,
-            ws.rank, ws.world_size, BLOCK=BLOCK, num_warps=4)
-    else:
+    if not in_kernel:
         ws.idx_pub.copy_(topk_idx)
         ws.w_pub.copy_(topk_weights)
-    sched = alloc_schedule(ws.world_size, T, k, E_local, cfg.tile_m, x.device, align=cfg.align_tiles(T, k, E_local))
+    done = ws.__dict__.get("_schedule_done")
+    if done is None:  # counters that the last program of a launch resets: zeroed once
+        done = ws.__dict__["_schedule_done"] = torch.zeros(2, dtype=torch.int32, device=x.device)
+    sched = alloc_schedule(ws.world_size, T, k, E_local, cfg.tile_m, x.device, align=cfg.align_tiles(T, k, E_local),
+                           done=done[0:1])
     side = _side_stream(ws, cfg, x)
 
     def schedule():
         if not in_kernel:
             _signal_wait(ws, FWD_READY, FWD, True, sync.ERR_WAIT_PEER_READY, cfg)
-        elif INTERPRET:  # the count programs cannot wait for another rank's launch here: poll from the host
-            _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
+        else:  # on the side stream, beside the x copy from the start
+            n = T * k
+            BLOCK = 2048
+            comm.publish_route_kernel[(triton.cdiv(n, BLOCK),)](
+                topk_idx, topk_weights, ws.idx_pub, ws.w_pub, n, ws.ptrs["flags"], ws.epoch[FWD:], done[1:2],
+                FWD_READY, ws.rank, ws.world_size, BLOCK=BLOCK, num_warps=4)
+            if INTERPRET:  # the count programs cannot wait for another rank's launch here: poll from the host
+                _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
         _stage("fwd:publish+wait")
         ready = (ws.flags, ws.epoch[FWD:], FWD_READY, cfg.wait_budget()) if in_kernel else None
         launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, ws.rank, ready=ready)

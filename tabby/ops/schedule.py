@@ -14,16 +14,17 @@ Two launches, both with grids fixed by the shapes (CUDA-graph capturable):
 
 1. **count**  grid ``W * n_chunks``: program ``(src, chunk)`` loads ``CHUNK`` entries of ``src``'s
    ``topk_idx`` and writes the histogram of its local experts to ``counts[src, chunk, :]``; bad ids
-   go to the error record.
-2. **place**  grid ``W * n_chunks + n_fill``: every program sums the ``counts`` rows it needs
-   itself (``schedule_counts_sums``; a scan launch in between before session 11): the experts'
-   totals, hence the padded expert starts. Place programs ``(src, chunk)`` also sum the rows before
-   their own and write the real rows: row = start[e] + (expert e's entries in earlier (src, chunk)
-   rows) + rank of the entry among same-expert entries earlier in the chunk (from a ``tl.sort`` of
-   ``e * CHUNK + i``). Fill programs write ``tile_expert`` (-1 for a tile of padding rows only),
-   ``-1`` to every padding row and every row past the end, and (program 0) ``expert_start``,
-   ``expert_count``, ``src_count`` and ``num_tiles``. Real rows and padding rows are disjoint, so
-   no ordering is needed inside the launch.
+   go to the error record. The last program to finish (a count in ``done``, acq_rel) then runs the
+   **scan**: per expert, the exclusive prefix of ``counts`` in ``(src, chunk)`` order (``within``),
+   plus ``expert_count`` and ``src_count``. (The scan was a launch of its own before session 11:
+   ~10 us and a launch gap on the forward's critical path at qwen3-30b-a3b 16384.)
+2. **place**  grid ``W * n_chunks + n_fill``: every program derives the padded expert starts
+   from ``expert_count`` (a cumsum of ``E_local`` values). Place programs ``(src, chunk)`` write
+   the real rows: row = start[e] + within[src, chunk, e] + rank of the entry among same-expert
+   entries earlier in the chunk (from a ``tl.sort`` of ``e * CHUNK + i``). Fill programs write
+   ``tile_expert`` (-1 for a tile of padding rows only), ``-1`` to every padding row and every row
+   past the end, and (program 0) ``expert_start`` / ``num_tiles``. Real rows and padding rows are
+   disjoint, so no ordering is needed inside the launch.
 
 Each role is a ``@triton.jit`` function taking its program id, so a persistent kernel can call
 it; the ``_kernel`` wrappers and :func:`launch_schedule` are the standalone path.
@@ -90,35 +91,44 @@ def schedule_count_program(pid, idx_ptrs, counts_ptr, err_ptr, rank, N, W, E_loc
 
 
 @triton.jit
-def schedule_counts_sums(counts_ptr, lo, hi, n_rows, E_local, E_PAD: tl.constexpr, BR: tl.constexpr):
-    """(rows [lo, hi) summed, all rows summed) of ``counts`` [n_rows, E_local] as [E_PAD] int32 vectors.
+def schedule_scan_program(counts_ptr, within_ptr, expert_count_ptr, src_count_ptr, W, E_local, n_chunks,
+                          E_PAD: tl.constexpr, BC: tl.constexpr):
+    """Per-expert exclusive prefix of ``counts`` in (src, chunk) order, every expert at once.
 
-    Rows are (src, chunk) in program order, so rows [0, pid) summed is the exclusive prefix that
-    places chunk ``pid``'s rows of each expert. Each place and tile program sums what it needs
-    itself (a few KB from L2) instead of a scan launch between count and place: one launch and its
-    gap fewer on the forward's critical path (~10 us at qwen3-30b-a3b 16384, session 11)."""
-    ev = tl.arange(0, E_PAD)
-    em = ev < E_local
-    part = tl.zeros([E_PAD], dtype=tl.int32)
+    Writes ``within[src, chunk, e]`` (rows of expert ``e`` before that chunk, from the start of
+    the expert's segment), ``src_count[e, src]`` and ``expert_count[e]``. BC chunks per step.
+    """
+    e = tl.arange(0, E_PAD)
+    em = e < E_local
+    cr = tl.arange(0, BC)
     total = tl.zeros([E_PAD], dtype=tl.int32)
     # while loops: the interpreter (numpy 2) cannot take range() of a runtime scalar argument.
-    r0 = 0
-    while r0 < n_rows:
-        r = r0 + tl.arange(0, BR)
-        m = (r < n_rows)[:, None] & em[None, :]
-        x = tl.load(counts_ptr + r[:, None] * E_local + ev[None, :], mask=m, other=0)
-        total += tl.sum(x, axis=0)
-        part += tl.sum(tl.where(((r >= lo) & (r < hi))[:, None], x, 0), axis=0)
-        r0 += BR
-    return part, total
+    s = 0
+    while s < W:
+        before = total
+        c0 = 0
+        while c0 < n_chunks:
+            c = c0 + cr
+            m = (c < n_chunks)[:, None] & em[None, :]
+            off = (s * n_chunks + c)[:, None] * E_local + e[None, :]
+            x = tl.load(counts_ptr + off, mask=m, other=0)
+            inc = tl.cumsum(x, axis=0)
+            tl.store(within_ptr + off, inc - x + total[None, :], mask=m)
+            total += tl.sum(x, axis=0)
+            c0 += BC
+        tl.store(src_count_ptr + e * W + s, total - before, mask=em)
+        s += 1
+    tl.store(expert_count_ptr + e, total, mask=em)
 
 
 @triton.jit
-def schedule_expert_starts(cnt, E_PAD: tl.constexpr, BM: tl.constexpr, ALIGN_TILES: tl.constexpr = 1):
-    """(ev, count, padded start, padded end) per local expert, as ``[E_PAD]`` vectors (0 past E_local)
-    from the experts' row counts ``cnt`` [E_PAD]; segments padded to a multiple of ALIGN_TILES row tiles."""
+def schedule_expert_starts(expert_count_ptr, E_local, BM: tl.constexpr, E_PAD: tl.constexpr,
+                           ALIGN_TILES: tl.constexpr = 1):
+    """(ev, count, padded start, padded end) per local expert, as ``[E_PAD]`` vectors (0 past E_local);
+    segments padded to a multiple of ALIGN_TILES row tiles."""
     SEG: tl.constexpr = BM * ALIGN_TILES
     ev = tl.arange(0, E_PAD)
+    cnt = tl.load(expert_count_ptr + ev, mask=ev < E_local, other=0)
     padded = (cnt + (SEG - 1)) // SEG * SEG
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -126,24 +136,24 @@ def schedule_expert_starts(cnt, E_PAD: tl.constexpr, BM: tl.constexpr, ALIGN_TIL
 
 
 @triton.jit
-def schedule_place_program(pid, idx_ptrs, counts_ptr, row_src_ptr, row_of_src_ptr, rank, N, W, E_local,
-                           n_chunks, BM: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
-                           HAS_INV: tl.constexpr, ALIGNED: tl.constexpr, ALIGN_TILES: tl.constexpr = 1,
-                           BR: tl.constexpr = 32):
+def schedule_place_program(pid, idx_ptrs, counts_ptr, within_ptr, expert_count_ptr, row_src_ptr,
+                           row_of_src_ptr, rank, N, W, E_local, n_chunks, BM: tl.constexpr,
+                           CHUNK: tl.constexpr, E_PAD: tl.constexpr, HAS_INV: tl.constexpr,
+                           ALIGNED: tl.constexpr, ALIGN_TILES: tl.constexpr = 1):
     """Write ``row_src`` for the real rows served by ``CHUNK`` entries of one source rank.
 
-    ``pid = src * n_chunks + chunk``. Needs ``counts`` (the count launch). The chunk's entries are
-    sorted by ``key = e * CHUNK + i`` (non-local ones last); an entry at sorted position ``p`` of
-    expert ``e`` is the ``p - excl[e]``-th of its expert in the chunk, ``excl[e]`` being the chunk's
-    local entries of experts below ``e``. With ``HAS_INV`` also writes ``row_of_src[flat]`` = row
-    in this rank's routed buffer, or -1.
+    ``pid = src * n_chunks + chunk``. Needs ``counts`` (count) and ``within`` / ``expert_count``
+    (scan). The chunk's entries are sorted by ``key = e * CHUNK + i`` (non-local ones last);
+    an entry at sorted position ``p`` of expert ``e`` is the ``p - excl[e]``-th of its expert in
+    the chunk, ``excl[e]`` being the chunk's local entries of experts below ``e``. With
+    ``HAS_INV`` also writes ``row_of_src[flat]`` = row in this rank's routed buffer, or -1.
     """
     src = pid // n_chunks
     chunk = pid - src * n_chunks
-    before_chunk, total = schedule_counts_sums(counts_ptr, 0, pid, W * n_chunks, E_local, E_PAD, BR)
-    ev, cnt, starts, ends = schedule_expert_starts(total, E_PAD, BM, ALIGN_TILES)
+    ev, cnt, starts, ends = schedule_expert_starts(expert_count_ptr, E_local, BM, E_PAD, ALIGN_TILES)
     emask = ev < E_local
     in_chunk = tl.load(counts_ptr + pid * E_local + ev, mask=emask, other=0)
+    before_chunk = tl.load(within_ptr + pid * E_local + ev, mask=emask, other=0)
     # row = off[e] + sorted position
     off = starts + before_chunk - (tl.cumsum(in_chunk, axis=0) - in_chunk)
     base = tl.load(idx_ptrs + src).to(tl.pointer_type(tl.int32))
@@ -167,30 +177,19 @@ def schedule_place_program(pid, idx_ptrs, counts_ptr, row_src_ptr, row_of_src_pt
 
 
 @triton.jit
-def schedule_fill_program(fid, counts_ptr, expert_count_ptr, src_count_ptr, expert_start_ptr, num_tiles_ptr,
-                          tile_expert_ptr, row_src_ptr, W, E_local, n_chunks, n_tiles_max, BM: tl.constexpr,
-                          TPP: tl.constexpr, E_PAD: tl.constexpr, ALIGN_TILES: tl.constexpr = 1,
-                          BR: tl.constexpr = 32):
+def schedule_fill_program(fid, expert_count_ptr, expert_start_ptr, num_tiles_ptr, tile_expert_ptr,
+                          row_src_ptr, E_local, n_tiles_max, BM: tl.constexpr, TPP: tl.constexpr,
+                          E_PAD: tl.constexpr, ALIGN_TILES: tl.constexpr = 1):
     """Tiles ``[fid*TPP, fid*TPP+TPP)``: ``tile_expert`` and ``-1`` in their padding rows.
 
-    Program 0 also writes ``expert_start`` (``[E_local + 1]``), ``expert_count``, ``src_count``
-    (``[E_local, W]``) and ``num_tiles``.
+    Program 0 also writes ``expert_start`` (``[E_local + 1]``) and ``num_tiles``.
     """
-    _, rows = schedule_counts_sums(counts_ptr, 0, 0, W * n_chunks, E_local, E_PAD, BR)
-    ev, cnt, starts, ends = schedule_expert_starts(rows, E_PAD, BM, ALIGN_TILES)
+    ev, cnt, starts, ends = schedule_expert_starts(expert_count_ptr, E_local, BM, E_PAD, ALIGN_TILES)
     total = tl.sum(ends - starts, axis=0)
     if fid == 0:
-        em = ev < E_local
-        tl.store(expert_start_ptr + ev, starts, mask=em)
+        tl.store(expert_start_ptr + ev, starts, mask=ev < E_local)
         tl.store(expert_start_ptr + E_local, total)
-        tl.store(expert_count_ptr + ev, cnt, mask=em)
         tl.store(num_tiles_ptr, total // BM)
-        s = 0
-        while s < W:
-            from_s, _ = schedule_counts_sums(counts_ptr, s * n_chunks, (s + 1) * n_chunks, W * n_chunks,
-                                             E_local, E_PAD, BR)
-            tl.store(src_count_ptr + ev * W + s, from_s, mask=em)
-            s += 1
     tid = fid * TPP + tl.arange(0, TPP)
     tmask = tid < n_tiles_max
     r0 = tid * BM
@@ -214,8 +213,10 @@ def schedule_fill_program(fid, counts_ptr, expert_count_ptr, src_count_ptr, expe
 
 @triton.jit
 def _schedule_count_kernel(idx_ptrs, counts_ptr, err_ptr, rank, N, W, E_local, n_chunks,
+                           within_ptr, expert_count_ptr, src_count_ptr, done_ptr,
                            my_flags, epoch_ptr, slot, wait_budget,
-                           CHUNK: tl.constexpr, E_PAD: tl.constexpr, ALIGNED: tl.constexpr, WAIT: tl.constexpr):
+                           CHUNK: tl.constexpr, E_PAD: tl.constexpr, ALIGNED: tl.constexpr, BC: tl.constexpr,
+                           WAIT: tl.constexpr):
     pid = tl.program_id(0)
     if WAIT:  # a peer's chunk: wait for its routing to be published (its flag [slot, src] at the epoch)
         src = pid // n_chunks
@@ -225,23 +226,29 @@ def _schedule_count_kernel(idx_ptrs, counts_ptr, err_ptr, rank, N, W, E_local, n
         tl.debug_barrier()  # the polling thread's acquire orders every thread's loads after it
     schedule_count_program(pid, idx_ptrs, counts_ptr, err_ptr, rank, N, W, E_local,
                            n_chunks, CHUNK, E_PAD, ALIGNED)
+    tl.debug_barrier()  # every thread's counts stored
+    # the last program to finish scans every program's counts (acq_rel: their stores before its loads)
+    done = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.store(done_ptr, 0)  # every program has counted: ready for the next call
+        schedule_scan_program(counts_ptr, within_ptr, expert_count_ptr, src_count_ptr, W, E_local, n_chunks,
+                              E_PAD, BC)
 
 
 @triton.jit
-def _schedule_place_kernel(idx_ptrs, counts_ptr, expert_count_ptr, src_count_ptr, expert_start_ptr,
+def _schedule_place_kernel(idx_ptrs, counts_ptr, within_ptr, expert_count_ptr, expert_start_ptr,
                            num_tiles_ptr, tile_expert_ptr, row_src_ptr, row_of_src_ptr, rank, N, W,
                            E_local, n_chunks, n_place, n_tiles_max, BM: tl.constexpr,
                            CHUNK: tl.constexpr, TPP: tl.constexpr, E_PAD: tl.constexpr,
-                           HAS_INV: tl.constexpr, ALIGNED: tl.constexpr, ALIGN_TILES: tl.constexpr,
-                           BR: tl.constexpr):
+                           HAS_INV: tl.constexpr, ALIGNED: tl.constexpr, ALIGN_TILES: tl.constexpr):
     pid = tl.program_id(0)
     if pid < n_place:
-        schedule_place_program(pid, idx_ptrs, counts_ptr, row_src_ptr, row_of_src_ptr, rank, N, W, E_local,
-                               n_chunks, BM, CHUNK, E_PAD, HAS_INV, ALIGNED, ALIGN_TILES, BR)
+        schedule_place_program(pid, idx_ptrs, counts_ptr, within_ptr, expert_count_ptr, row_src_ptr,
+                               row_of_src_ptr, rank, N, W, E_local, n_chunks, BM, CHUNK, E_PAD,
+                               HAS_INV, ALIGNED, ALIGN_TILES)
     else:
-        schedule_fill_program(pid - n_place, counts_ptr, expert_count_ptr, src_count_ptr, expert_start_ptr,
-                              num_tiles_ptr, tile_expert_ptr, row_src_ptr, W, E_local, n_chunks, n_tiles_max,
-                              BM, TPP, E_PAD, ALIGN_TILES, BR)
+        schedule_fill_program(pid - n_place, expert_count_ptr, expert_start_ptr, num_tiles_ptr,
+                              tile_expert_ptr, row_src_ptr, E_local, n_tiles_max, BM, TPP, E_PAD, ALIGN_TILES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,7 +279,8 @@ class ScheduleBuffers:
       src_count    [E_local, W]     real rows of expert e from source rank s
       num_tiles    [1]              expert_start[E_local] // BM
       row_of_src   [W * T * k]      (only with ``inverse=True``) row serving each flat source id, or -1
-    Scratch: counts [W, n_chunks, E_local].
+    Scratch: counts, within [W, n_chunks, E_local]; done [1] (zero between calls: the count
+    launch's last program resets it).
     """
 
     W: int
@@ -292,6 +300,8 @@ class ScheduleBuffers:
     src_count: torch.Tensor
     num_tiles: torch.Tensor
     counts: torch.Tensor
+    within: torch.Tensor
+    done: torch.Tensor
     row_of_src: Optional[torch.Tensor] = None
 
     @property
@@ -311,12 +321,14 @@ class ScheduleBuffers:
 
 
 def alloc_schedule(W: int, T: int, k: int, E_local: int, BM: int, device, chunk: Optional[int] = None,
-                   fill_rows: int = 2048, inverse: bool = False, align: int = 1) -> ScheduleBuffers:
+                   fill_rows: int = 2048, inverse: bool = False, align: int = 1,
+                   done: Optional[torch.Tensor] = None) -> ScheduleBuffers:
     """Allocate the schedule's outputs and scratch for one rank (see :class:`ScheduleBuffers`).
 
     ``chunk``: entries per count/place program (power of two, default :func:`default_chunk`);
     ``fill_rows``: rows per fill program; ``inverse``: also produce ``row_of_src``; ``align``:
-    expert segments padded to a multiple of ``align`` tiles (module docstring).
+    expert segments padded to a multiple of ``align`` tiles (module docstring); ``done``: the count
+    launch's int32 [1] counter, zero (a caller that allocates per call keeps one, to save a memset).
     """
     assert align >= 1, "align must be >= 1"
     assert W >= 1 and T >= 1 and k >= 1 and E_local >= 1
@@ -342,6 +354,8 @@ def alloc_schedule(W: int, T: int, k: int, E_local: int, BM: int, device, chunk:
         src_count=torch.empty(E_local, W, **i32),
         num_tiles=torch.empty(1, **i32),
         counts=torch.empty(W, n_chunks, E_local, **i32),
+        within=torch.empty(W, n_chunks, E_local, **i32),
+        done=torch.zeros(1, **i32) if done is None else done,
         row_of_src=torch.empty(W * N, **i32) if inverse else None,
     )
 
@@ -368,7 +382,7 @@ def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Te
     assert 0 <= rank < W
     assert W * N + E_local * bufs.BM < 2**31, "flat ids and rows must fit in int32"
     E_PAD = bufs.E_PAD
-    BR = max(1, 4096 // E_PAD)  # counts rows per step of schedule_counts_sums
+    BC = max(1, 8192 // E_PAD)  # chunks per step of the scan
     grids = schedule_grids(bufs)
     n_place = grids["count"]
     inv = bufs.row_of_src if bufs.row_of_src is not None else bufs.row_src  # dummy when unused
@@ -377,13 +391,14 @@ def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Te
     else:
         my_flags, epoch, slot, budget = ready
     _schedule_count_kernel[(grids["count"],)](
-        idx_ptrs, bufs.counts, err, rank, N, W, E_local, bufs.n_chunks, my_flags, epoch, slot, budget,
-        CHUNK=bufs.CHUNK, E_PAD=E_PAD, ALIGNED=aligned, WAIT=ready is not None, num_warps=4)
+        idx_ptrs, bufs.counts, err, rank, N, W, E_local, bufs.n_chunks, bufs.within, bufs.expert_count,
+        bufs.src_count, bufs.done, my_flags, epoch, slot, budget,
+        CHUNK=bufs.CHUNK, E_PAD=E_PAD, ALIGNED=aligned, BC=BC, WAIT=ready is not None, num_warps=4)
     _schedule_place_kernel[(grids["place"],)](
-        idx_ptrs, bufs.counts, bufs.expert_count, bufs.src_count, bufs.expert_start, bufs.num_tiles,
+        idx_ptrs, bufs.counts, bufs.within, bufs.expert_count, bufs.expert_start, bufs.num_tiles,
         bufs.tile_expert, bufs.row_src, inv, rank, N, W, E_local, bufs.n_chunks, n_place,
         bufs.n_tiles_max, BM=bufs.BM, CHUNK=bufs.CHUNK, TPP=bufs.TPP, E_PAD=E_PAD,
-        HAS_INV=bufs.row_of_src is not None, ALIGNED=aligned, ALIGN_TILES=bufs.ALIGN_TILES, BR=BR,
+        HAS_INV=bufs.row_of_src is not None, ALIGNED=aligned, ALIGN_TILES=bufs.ALIGN_TILES,
         num_warps=num_warps_place)
 
 
