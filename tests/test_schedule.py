@@ -304,3 +304,30 @@ def test_gpu_matches_reference_and_time(W, T, k, E_local, BM):
     us = start.elapsed_time(end) * 1000 / n
     print(f"\nschedule W={W} T={T} k={k} E_local={E_local} BM={BM} chunk={bufs_t.CHUNK}: {us:.1f} us/call")
     _check(bufs_t, all_idx, rank, E_local, BM)
+
+
+@pytest.mark.parametrize("idx_dtype,w_dtype", [(torch.int64, torch.float32), (torch.int32, torch.bfloat16)])
+def test_count_launch_publishes_the_routing(idx_dtype, w_dtype):
+    """``publish``: the count programs of this rank's chunks copy its routing into idx_pub / w_pub and
+    the last of them sets its flag to the pass's new epoch; the launch stores that epoch and the
+    schedule is the one of the published routing. (One rank: under the interpreter a program cannot
+    wait for another rank's launch.)"""
+    gen = torch.Generator().manual_seed(5)
+    W, T, k, E_local, BM, rank, slot = 1, 53, 3, 6, 16, 0, 2
+    idx = _random_idx(W, T, k, W * E_local, gen)[0].to(idx_dtype).to(DEVICE)
+    w = torch.rand(T, k, generator=gen).to(w_dtype).to(DEVICE)
+    idx_pub = torch.full((T, k), -7, dtype=torch.int32, device=DEVICE)
+    w_pub = torch.full((T, k), -1.0, dtype=torch.float32, device=DEVICE)
+    flags = torch.zeros(4 * W, dtype=torch.int32, device=DEVICE)
+    epoch = torch.full((1,), 41, dtype=torch.int32, device=DEVICE)
+    err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=DEVICE)
+    bufs = alloc_schedule(W, T, k, E_local, BM, DEVICE, chunk=16, inverse=True)
+    for _ in range(2):  # twice: the done counters are back at zero after a launch
+        launch_schedule(bufs, _ptrs([idx_pub], DEVICE), err, rank, ready=(flags, epoch, slot, 1 << 20),
+                        publish=(idx, w, idx_pub, w_pub, _ptrs([flags], DEVICE)))
+        assert bufs.done.tolist() == [0, 0]
+    assert epoch.item() == 43 and flags[slot * W + rank].item() == 43
+    assert torch.equal(idx_pub.cpu(), idx.cpu().to(torch.int32))
+    assert torch.equal(w_pub.cpu(), w.cpu().float())
+    _check(bufs, idx.cpu().to(torch.int32)[None], rank, E_local, BM)
+    assert (err.cpu() == 0).all()

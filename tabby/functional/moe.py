@@ -193,9 +193,10 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
     stream's work. x_pub may be overwritten here: peers stopped reading it before their DONE of the
     last pass, which this rank waited for.
 
-    ``in_kernel`` (``fwd_peer_flags``, the megakernel): the routing is published and FWD_READY
-    signalled by one launch (``comm.publish_route_kernel``) on the side stream, so that the x copy
-    starts with it, the count programs wait for the peers' routing, and FWD_X_READY is left to the
+    ``in_kernel`` (``fwd_peer_flags``, the megakernel): the schedule's count launch, on the side
+    stream so that the x copy starts with it, publishes the routing, signals FWD_READY (the last of
+    this rank's chunks) and waits for the peers' routing (``launch_schedule(publish=...)``; under
+    the interpreter a publish launch and a host poll come first), and FWD_X_READY is left to the
     megakernel. ``on_main``: work for the current stream after the x copy, off the side stream's
     critical path (the megakernel's counter memset).
     """
@@ -206,25 +207,28 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
         ws.w_pub.copy_(topk_weights)
     done = ws.__dict__.get("_schedule_done")
     if done is None:  # counters that the last program of a launch resets: zeroed once
-        done = ws.__dict__["_schedule_done"] = torch.zeros(2, dtype=torch.int32, device=x.device)
+        done = ws.__dict__["_schedule_done"] = torch.zeros(3, dtype=torch.int32, device=x.device)
     sched = alloc_schedule(ws.world_size, T, k, E_local, cfg.tile_m, x.device, align=cfg.align_tiles(T, k, E_local),
-                           done=done[0:1])
+                           done=done[0:2])
     side = _side_stream(ws, cfg, x)
+    # the count launch publishes the routing itself (not under the interpreter, where a program
+    # waiting for another rank's would never return, unless there is no other rank)
+    publish_in_count = in_kernel and (not INTERPRET or ws.world_size == 1)
 
     def schedule():
         if not in_kernel:
             _signal_wait(ws, FWD_READY, FWD, True, sync.ERR_WAIT_PEER_READY, cfg)
-        else:  # on the side stream, beside the x copy from the start
+        elif not publish_in_count:  # the interpreter: publish, then poll the peers' flags from the host
             n = T * k
             BLOCK = 2048
             comm.publish_route_kernel[(triton.cdiv(n, BLOCK),)](
-                topk_idx, topk_weights, ws.idx_pub, ws.w_pub, n, ws.ptrs["flags"], ws.epoch[FWD:], done[1:2],
+                topk_idx, topk_weights, ws.idx_pub, ws.w_pub, n, ws.ptrs["flags"], ws.epoch[FWD:], done[2:3],
                 FWD_READY, ws.rank, ws.world_size, BLOCK=BLOCK, num_warps=4)
-            if INTERPRET:  # the count programs cannot wait for another rank's launch here: poll from the host
-                _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
+            _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
         _stage("fwd:publish+wait")
         ready = (ws.flags, ws.epoch[FWD:], FWD_READY, cfg.wait_budget()) if in_kernel else None
-        launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, ws.rank, ready=ready)
+        publish = (topk_idx, topk_weights, ws.idx_pub, ws.w_pub, ws.ptrs["flags"]) if publish_in_count else None
+        launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, ws.rank, ready=ready, publish=publish)
         _stage("fwd:schedule")
 
     if side is None:

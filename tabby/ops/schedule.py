@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sync import ERR_BAD_EXPERT_ID, ERR_WAIT_PEER_READY, record_error, wait_geq
+from .sync import ERR_BAD_EXPERT_ID, ERR_WAIT_PEER_READY, record_error, store_release, wait_geq
 
 _ERR_BAD_EXPERT_ID = tl.constexpr(ERR_BAD_EXPERT_ID)
 _ERR_WAIT_PEER_READY = tl.constexpr(ERR_WAIT_PEER_READY)
@@ -212,25 +212,62 @@ def schedule_fill_program(fid, expert_count_ptr, expert_start_ptr, num_tiles_ptr
 
 
 @triton.jit
+def comm_signal_peers(flag_ptrs, epoch, slot, rank, W):
+    """Set flag ``[slot, rank]`` to ``epoch`` on every rank (release, system scope), as ``comm._signal_peers``."""
+    for p in range(W):
+        flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))
+        store_release(flags + slot * W + rank, epoch, "sys")
+
+
+@triton.jit
 def _schedule_count_kernel(idx_ptrs, counts_ptr, err_ptr, rank, N, W, E_local, n_chunks,
                            within_ptr, expert_count_ptr, src_count_ptr, done_ptr,
                            my_flags, epoch_ptr, slot, wait_budget,
+                           idx, w, idx_pub, w_pub, flag_ptrs,
                            CHUNK: tl.constexpr, E_PAD: tl.constexpr, ALIGNED: tl.constexpr, BC: tl.constexpr,
-                           WAIT: tl.constexpr):
+                           WAIT: tl.constexpr, PUBLISH: tl.constexpr):
+    """count (one program per (src, chunk)), then the scan by the last program to finish.
+
+    WAIT: a peer's chunk first waits for its routing to be published (its flag ``[slot, src]`` at
+    the epoch). PUBLISH (with WAIT): this rank's chunks also publish its routing first (``idx`` ->
+    ``idx_pub`` int32, ``w`` -> ``w_pub`` fp32) and the last of them starts the pass's epoch on every
+    rank (``comm._signal_peers``); the pass's epoch is the stored one + 1 until the scan program
+    stores it (every program has read it by then). Programs take this rank's chunks first, so that
+    they never wait behind programs that wait for peers.
+    """
     pid = tl.program_id(0)
-    if WAIT:  # a peer's chunk: wait for its routing to be published (its flag [slot, src] at the epoch)
-        src = pid // n_chunks
+    src = (rank + pid // n_chunks) % W  # this rank's chunks first
+    chunk = pid % n_chunks
+    vpid = src * n_chunks + chunk  # (src, chunk): the counts row
+    if PUBLISH:
+        epoch = tl.load(epoch_ptr) + 1
+    else:
+        epoch = tl.load(epoch_ptr)
+    if PUBLISH:
+        if src == rank:
+            offs = chunk * CHUNK + tl.arange(0, CHUNK)
+            m = offs < N
+            tl.store(idx_pub + offs, tl.load(idx + offs, mask=m).to(tl.int32), mask=m)
+            tl.store(w_pub + offs, tl.load(w + offs, mask=m).to(tl.float32), mask=m)
+            tl.debug_barrier()  # every thread's stores issued (and visible to this program's loads below)
+            published = tl.atomic_add(done_ptr + 1, 1, sem="acq_rel", scope="gpu")
+            if published == n_chunks - 1:  # every chunk of this rank's routing is in idx_pub / w_pub
+                tl.store(done_ptr + 1, 0)
+                comm_signal_peers(flag_ptrs, epoch, slot, rank, W)
+    if WAIT:
         if src != rank:
-            wait_geq(my_flags + slot * W + src, tl.load(epoch_ptr), wait_budget, err_ptr, _ERR_WAIT_PEER_READY,
-                     rank, slot * W + src, tl.load(epoch_ptr), "sys")
+            wait_geq(my_flags + slot * W + src, epoch, wait_budget, err_ptr, _ERR_WAIT_PEER_READY,
+                     rank, slot * W + src, epoch, "sys")
         tl.debug_barrier()  # the polling thread's acquire orders every thread's loads after it
-    schedule_count_program(pid, idx_ptrs, counts_ptr, err_ptr, rank, N, W, E_local,
+    schedule_count_program(vpid, idx_ptrs, counts_ptr, err_ptr, rank, N, W, E_local,
                            n_chunks, CHUNK, E_PAD, ALIGNED)
     tl.debug_barrier()  # every thread's counts stored
     # the last program to finish scans every program's counts (acq_rel: their stores before its loads)
     done = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
         tl.store(done_ptr, 0)  # every program has counted: ready for the next call
+        if PUBLISH:
+            tl.store(epoch_ptr, epoch)
         schedule_scan_program(counts_ptr, within_ptr, expert_count_ptr, src_count_ptr, W, E_local, n_chunks,
                               E_PAD, BC)
 
@@ -279,8 +316,8 @@ class ScheduleBuffers:
       src_count    [E_local, W]     real rows of expert e from source rank s
       num_tiles    [1]              expert_start[E_local] // BM
       row_of_src   [W * T * k]      (only with ``inverse=True``) row serving each flat source id, or -1
-    Scratch: counts, within [W, n_chunks, E_local]; done [1] (zero between calls: the count
-    launch's last program resets it).
+    Scratch: counts, within [W, n_chunks, E_local]; done [2] (zero between calls: the count
+    launch's last programs reset them).
     """
 
     W: int
@@ -328,7 +365,7 @@ def alloc_schedule(W: int, T: int, k: int, E_local: int, BM: int, device, chunk:
     ``chunk``: entries per count/place program (power of two, default :func:`default_chunk`);
     ``fill_rows``: rows per fill program; ``inverse``: also produce ``row_of_src``; ``align``:
     expert segments padded to a multiple of ``align`` tiles (module docstring); ``done``: the count
-    launch's int32 [1] counter, zero (a caller that allocates per call keeps one, to save a memset).
+    launch's int32 [2] counters, zero (a caller that allocates per call keeps one, to save a memset).
     """
     assert align >= 1, "align must be >= 1"
     assert W >= 1 and T >= 1 and k >= 1 and E_local >= 1
@@ -355,7 +392,7 @@ def alloc_schedule(W: int, T: int, k: int, E_local: int, BM: int, device, chunk:
         num_tiles=torch.empty(1, **i32),
         counts=torch.empty(W, n_chunks, E_local, **i32),
         within=torch.empty(W, n_chunks, E_local, **i32),
-        done=torch.zeros(1, **i32) if done is None else done,
+        done=torch.zeros(2, **i32) if done is None else done,
         row_of_src=torch.empty(W * N, **i32) if inverse else None,
     )
 
@@ -367,14 +404,18 @@ def schedule_grids(bufs: ScheduleBuffers) -> dict:
 
 
 def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Tensor, rank: int,
-                    aligned: bool = True, num_warps_place: int = 4, ready=None) -> None:
+                    aligned: bool = True, num_warps_place: int = 4, ready=None, publish=None) -> None:
     """Launch the schedule (2 kernels) into the current stream; no host synchronization.
 
     ``idx_ptrs``: int64 ``[W]`` addresses of every rank's int32 ``[T, k]`` topk_idx (contiguous;
     16-byte aligned unless ``aligned=False``). ``err``: int32 error record (``sync.ERR_WORDS``).
     ``ready``: None, or (my_flags, epoch, slot, wait_budget): the count programs of a peer's chunks
     first wait for its flag ``[slot, src]`` to reach the epoch (``comm.publish_route_kernel``), so no
-    separate wait launch comes before the schedule.
+    separate wait launch comes before the schedule. ``publish``: None, or (idx [T, k], w [T, k],
+    idx_pub, w_pub, flag_ptrs) with ``ready``: the count programs of this rank's chunks publish its
+    routing and signal it themselves (the epoch in ``ready`` is then the last pass's; the launch
+    stores the new one), so no publish launch comes first either. Not under the interpreter, which
+    runs one rank's launch at a time: a program waiting for a peer there would never return.
     """
     W, E_local, N = bufs.W, bufs.E_local, bufs.T * bufs.k
     assert idx_ptrs.dtype == torch.int64 and idx_ptrs.numel() == W
@@ -390,10 +431,19 @@ def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Te
         my_flags, epoch, slot, budget = bufs.counts, bufs.counts, 0, 0  # unused
     else:
         my_flags, epoch, slot, budget = ready
+    if publish is None:
+        idx = w = idx_pub = w_pub = bufs.counts  # unused
+        flag_ptrs = idx_ptrs
+    else:
+        assert ready is not None, "publish needs ready (the flags and epoch)"
+        idx, w, idx_pub, w_pub, flag_ptrs = publish
+        assert idx.is_contiguous() and w.is_contiguous() and idx.numel() == w.numel() == N
+        assert bufs.done.numel() >= 2, "publish needs a second done counter"
     _schedule_count_kernel[(grids["count"],)](
         idx_ptrs, bufs.counts, err, rank, N, W, E_local, bufs.n_chunks, bufs.within, bufs.expert_count,
-        bufs.src_count, bufs.done, my_flags, epoch, slot, budget,
-        CHUNK=bufs.CHUNK, E_PAD=E_PAD, ALIGNED=aligned, BC=BC, WAIT=ready is not None, num_warps=4)
+        bufs.src_count, bufs.done, my_flags, epoch, slot, budget, idx, w, idx_pub, w_pub, flag_ptrs,
+        CHUNK=bufs.CHUNK, E_PAD=E_PAD, ALIGNED=aligned, BC=BC, WAIT=ready is not None,
+        PUBLISH=publish is not None, num_warps=4)
     _schedule_place_kernel[(grids["place"],)](
         idx_ptrs, bufs.counts, bufs.within, bufs.expert_count, bufs.expert_start, bufs.num_tiles,
         bufs.tile_expert, bufs.row_src, inv, rank, N, W, E_local, bufs.n_chunks, n_place,
