@@ -137,12 +137,15 @@ class MoEConfig:
                      under autograd, drift removed, qwen3-30b-a3b 16384: 2.62 ms against 2.65
                      (noise ~0.02; x copied on a side stream instead: 2.645; perf-notes, session 9).
     fwd_peer_flags:  the megakernel forward sets and waits for its pass's flags inside its kernels instead
-                     of in signal/wait launches between them: one publish launch copies the routing
-                     and signals it (its last program), the schedule's count programs wait for the
-                     peers' routing, the megakernel signals x ready at its start and waits for the
-                     peers' before its first ticket, and its last program signals DONE and waits for
-                     the peers'. Three launches fewer per forward (and the scan's, which is folded
-                     into the schedule's place launch either way); False: the launches of session 10.
+                     of in launches between them: the schedule's count launch publishes the routing
+                     (this rank's chunks, the last of which signals FWD_READY) and waits for the
+                     peers'; the megakernel signals x ready at its start and waits for the peers'
+                     before its first ticket, and its last program signals DONE and waits for the
+                     peers'. Four launches fewer per forward (two copies and three signal/wait
+                     launches become none; the scan is the count launch's last program either way).
+                     Kernel timeline at qwen3-30b-a3b 16384 EP2 (session 11): the megakernel starts
+                     53 us into the forward instead of 69, the combine right after it; back to back
+                     under autograd against False: 2.662 / 2.664 and 2.735 / 2.853 ms (noise ~0.05).
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:

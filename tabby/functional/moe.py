@@ -34,12 +34,12 @@ publishes x and topk_weights again with dy and recomputes xs, the row weights an
 gate/up), then runs the same launches as above. The shared expert then lives inside the Function
 (``_TabbyMoEMega``), whose backward recomputes it with the same torch ops for its gradients.
 With ``fwd_peer_flags`` (the default) the megakernel forward's flags are set and waited for inside
-its kernels: one publish launch copies the routing and its last program signals FWD_READY; the
-schedule's count programs wait for the peers' routing; the megakernel signals FWD_X_READY at its
+its kernels: the schedule's count launch publishes this rank's routing, the last of its chunks
+signals FWD_READY, and the peers' chunks wait for theirs; the megakernel signals FWD_X_READY at its
 start and waits for the peers' before its first ticket, and its last program signals FWD_DONE and
-waits for the peers'; the combine follows in stream order. Three launches fewer on the forward's
-critical path. (Under the interpreter a kernel cannot wait for another rank's launch, so there the
-host polls the same flags between the launches.)
+waits for the peers'; the combine follows in stream order. No launch on the forward's critical path
+only copies or signals. (Under the interpreter a kernel cannot wait for another rank's launch, so
+there a publish launch and host polls of the same flags come between the launches.)host polls the same flags between the launches.)
 """
 from __future__ import annotations
 
@@ -310,7 +310,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     """Forward pass on one rank through the forward megakernel (``cfg.megakernel``).
 
     Same launches as ``moe_forward`` before (publish, wait, schedule) and after (signal, wait,
-    combine), or with ``fwd_peer_flags`` three fewer (module docstring); dispatch, gate/up, down +
+    combine), or with ``fwd_peer_flags`` none of the copies and signal/wait launches (module docstring); dispatch, gate/up, down +
     push and the shared expert run in ONE persistent launch
     over a ring of ``cfg.ring_rows`` rows. Returns (y, saved): with ``save`` the kernel also
     fills xs, g | u and the row weights as ``moe_forward`` does and ``saved`` is the same tuple;

@@ -67,9 +67,9 @@ def publish_route_kernel(idx, w, idx_pub, w_pub, n, flag_ptrs, epoch_ptr, done_p
     """Publish this rank's routing and signal it, in one launch: ``idx_pub`` [n] int32 <- ``idx``,
     ``w_pub`` [n] fp32 <- ``w`` (any int / float dtypes), then the last program to finish (a count
     in ``done_ptr``, acq_rel at system scope, reset to 0 by that program) starts the pass's new epoch
-    and sets flag ``[slot, rank]`` on every rank. Replaces two copies and a signal launch before the
-    schedule (whose count programs wait for the peers' flags themselves:
-    ``schedule.launch_schedule(ready=...)``). Grid ``cdiv(n, BLOCK)``.
+    and sets flag ``[slot, rank]`` on every rank. Grid ``cdiv(n, BLOCK)``. The forward uses it only
+    under the interpreter with several ranks; on the GPU the schedule's count launch publishes the
+    routing itself (``schedule.launch_schedule(publish=...)``).
     """
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)

@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .sync import ERR_BAD_EXPERT_ID, ERR_WAIT_PEER_READY, record_error, store_release, wait_geq
+from .comm import _signal_peers
+from .sync import ERR_BAD_EXPERT_ID, ERR_WAIT_PEER_READY, record_error, wait_geq
 
 _ERR_BAD_EXPERT_ID = tl.constexpr(ERR_BAD_EXPERT_ID)
 _ERR_WAIT_PEER_READY = tl.constexpr(ERR_WAIT_PEER_READY)
@@ -212,14 +213,6 @@ def schedule_fill_program(fid, expert_count_ptr, expert_start_ptr, num_tiles_ptr
 
 
 @triton.jit
-def comm_signal_peers(flag_ptrs, epoch, slot, rank, W):
-    """Set flag ``[slot, rank]`` to ``epoch`` on every rank (release, system scope), as ``comm._signal_peers``."""
-    for p in range(W):
-        flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))
-        store_release(flags + slot * W + rank, epoch, "sys")
-
-
-@triton.jit
 def _schedule_count_kernel(idx_ptrs, counts_ptr, err_ptr, rank, N, W, E_local, n_chunks,
                            within_ptr, expert_count_ptr, src_count_ptr, done_ptr,
                            my_flags, epoch_ptr, slot, wait_budget,
@@ -253,7 +246,7 @@ def _schedule_count_kernel(idx_ptrs, counts_ptr, err_ptr, rank, N, W, E_local, n
             published = tl.atomic_add(done_ptr + 1, 1, sem="acq_rel", scope="gpu")
             if published == n_chunks - 1:  # every chunk of this rank's routing is in idx_pub / w_pub
                 tl.store(done_ptr + 1, 0)
-                comm_signal_peers(flag_ptrs, epoch, slot, rank, W)
+                _signal_peers(flag_ptrs, epoch, slot, rank, W)
     if WAIT:
         if src != rank:
             wait_geq(my_flags + slot * W + src, epoch, wait_budget, err_ptr, _ERR_WAIT_PEER_READY,
