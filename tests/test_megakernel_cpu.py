@@ -13,7 +13,7 @@ import torch
 import tabby
 from tabby.functional import moe as moe_mod
 from tabby.functional.config import MoEConfig
-from tabby.functional.workspace import TabbyDeviceError, Workspace, WorkspaceKey
+from tabby.functional.workspace import FWD, FWD_DONE, FWD_X_READY, TabbyDeviceError, Workspace, WorkspaceKey
 from tabby.ops import gemm, megakernel_fwd, sync
 from tabby.ops.schedule import alloc_schedule, launch_schedule
 
@@ -705,3 +705,53 @@ def test_per_tile_fill_counters_need_their_counters_allocated():
     p = _one_rank()  # alloc_mega without n_tiles
     with pytest.raises(ValueError, match="tile_ready needs"):
         _launch_saving(p)
+
+
+# ------------------------------------------------------------------------------------------------
+# The pass's flags set and waited for inside the kernel (fwd_peer_flags)
+# ------------------------------------------------------------------------------------------------
+
+def _launch_peers(p, programs=3, max_iters=1 << 20):
+    ws = p["ws"]
+    megakernel_fwd.launch_fwd_megakernel(
+        p["mb"], p["sched"], ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], 0, max_iters, *p["w"],
+        gu_cfg=p["gu_cfg"], dn_cfg=p["dn_cfg"], programs=programs,
+        peers=(ws.ptrs["flags"], ws.flags, FWD_X_READY, FWD_DONE, False))
+
+
+def test_kernel_sets_x_ready_and_done_after_every_program():
+    """Program 0 sets the x-ready flag before any fill; every program counts itself done and the
+    last one sets DONE; the rows pushed are those of the launch without flags, bitwise."""
+    p = _one_rank()
+    ws = p["ws"]
+    ws.epoch[FWD] = 5
+    _launch_peers(p, programs=3)
+    lay = megakernel_fwd.counter_layout(2, 0)
+    assert int(p["mb"].counters[lay["programs_done"]]) == 3
+    W = 1
+    assert int(ws.flags[FWD_X_READY * W]) == 5 and int(ws.flags[FWD_DONE * W]) == 5
+    ws.check_errors()
+    q = _one_rank()
+    _launch(q, programs=3)
+    assert int(q["ws"].flags[FWD_DONE * W]) == 0  # without peers the kernel sets no flag
+    assert torch.equal(ws.y_in, q["ws"].y_in)
+
+
+def test_kernel_x_ready_wait_is_bounded():
+    """An x-ready flag that never reaches the epoch is an error record naming it, not a hang: here
+    the signal table points elsewhere, so program 0's signal never lands on the flag waited for."""
+    p = _one_rank()
+    ws = p["ws"]
+    ws.epoch[FWD] = 3
+    # the flags table points this rank's x-ready flag elsewhere: program 0's signal never lands on it
+    sink = torch.zeros_like(ws.flags)
+    p_ws_flags = torch.tensor([sink.data_ptr()], dtype=torch.int64)
+    megakernel_fwd.launch_fwd_megakernel(
+        p["mb"], p["sched"], ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], 0, 50, *p["w"],
+        gu_cfg=p["gu_cfg"], dn_cfg=p["dn_cfg"], programs=2,
+        peers=(p_ws_flags, ws.flags, FWD_X_READY, FWD_DONE, True))
+    rec = ws.err.tolist()
+    assert rec[0] == sync.ERR_WAIT_PEER_READY and rec[2] == FWD_X_READY * 1 + 0
+    assert int(sink[FWD_X_READY]) == 3 and int(sink[FWD_DONE]) == 3  # what the kernel did set
+    with pytest.raises(TabbyDeviceError, match="timed out"):
+        ws.check_errors()
