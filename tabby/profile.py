@@ -14,7 +14,10 @@ it in its signal+wait stage).
 The iterations run back to back, as in ``tabby bench`` (the events are read after the last one):
 a stage's time is then the GPU's, and a gap the GPU spends waiting for the host shows in the stage
 whose launch came late. Recording events between launches adds a little time, so the sum is
-slightly above the un-instrumented pass. ``fwd_only``: forward passes only (under autograd, as the
+slightly above the un-instrumented pass. With ``MoEConfig.fwd_peer_flags`` (the megakernel's
+default) the forward's publish and peer waits run inside the count and megakernel launches: its
+``publish+wait``, ``wait_x`` and ``signal+wait`` stages then hold no launch (near 0) and the
+``schedule`` and ``megakernel`` stages include them (``scripts/timeline.py`` shows each kernel). ``fwd_only``: forward passes only (under autograd, as the
 bench's forward), no backward in the loop.
 """
 from __future__ import annotations
