@@ -157,11 +157,16 @@ def _numel(shape):
 
 
 _CACHE: dict = {}
+_GROUPS: dict = {}  # the groups of _CACHE's keys, kept alive (see get_workspace)
 
 
 def get_workspace(key: WorkspaceKey, rank: int, group=None, thread_group=None, verbose=True) -> Workspace:
     """The cached workspace for this group and shape (created on first use, collectively)."""
     ck = (key, id(group) if group is not None else None, id(thread_group) if thread_group else None, rank)
+    # The cache holds the group objects too: an id is unique only while its object lives, and a
+    # test's thread group, once collected, could hand its id (and its stale workspace, at a later
+    # epoch) to the next one.
+    _GROUPS[ck] = (group, thread_group)
     ws = _CACHE.get(ck)
     if ws is None:
         if group is not None and key.world_size > 1:
