@@ -755,3 +755,56 @@ def test_kernel_x_ready_wait_is_bounded():
     assert int(sink[FWD_X_READY]) == 3 and int(sink[FWD_DONE]) == 3  # what the kernel did set
     with pytest.raises(TabbyDeviceError, match="timed out"):
         ws.check_errors()
+
+
+# ------------------------------------------------------------------------------------------------
+# Local rows read from x by the gate/up tiles (fwd_local_rows; built, not yet measured on a GPU)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("W,route,save,half", [(2, "random", True, True), (2, "one_rank", False, True),
+                                               (1, "random", True, False), (2, "one_expert", True, False)])
+def test_local_rows_from_x_are_bitwise_the_filled_ones(W, route, save, half, monkeypatch):
+    """Gate/up gathering this rank's rows from x (and the fills copying only the others') gives the
+    same y and, with saved rows, the same gradients, bitwise: the backward fills the missing rows
+    of xs from x. EP2 routings with local and remote rows in one tile, every row local or remote
+    (one_rank), one expert; half tiles on and off."""
+    _small_tiles(monkeypatch)
+    T, H, I, k = 13, 32, 24, 3
+    E_local = 2 if W == 2 else 4
+    prob = make_problem(W, T, H, I, E_local, k, seed=23, route=route)
+    base = dataclasses.replace(MEGA, fwd_tma=True, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m,
+                               fwd_half_tiles=half)
+    local = dataclasses.replace(base, fwd_local_rows=True)
+    a, b = _run_tabby(W, T, prob, cfg=base), _run_tabby(W, T, prob, cfg=local)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    _check(b, _run_reference(prob))
+
+
+def test_local_rows_are_off_without_tma_and_left_unfilled_with_it():
+    """The launcher turns LOCAL_A on only with TMA operand loads, and reports it; the fills then
+    leave this rank's rows of the kept xs unwritten (the backward fills them in)."""
+    p = _one_rank(route="random")
+    ws, sched = p["ws"], p["sched"]
+    ws.w_pub.fill_(0.5)
+    R, H = sched.row_src.numel(), p["x"].shape[1]
+    I = p["w"][0].shape[1]
+
+    def launch(tma):
+        save = (torch.full((R, H), 7.0, dtype=p["x"].dtype), p["x"].new_zeros((R, 2 * I)),
+                torch.zeros(R, dtype=torch.float32))
+        on = megakernel_fwd.launch_fwd_megakernel(
+            p["mb"], sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[0:], 0, 1 << 20, *p["w"],
+            x=p["x"], gu_cfg=p["gu_cfg"], dn_cfg=p["dn_cfg"], programs=2, save=save, w_ptrs=ws.ptrs["w_pub"],
+            tile_ready=False, tma=tma, local_rows=True)
+        return on, save
+
+    on, (xs, _, row_w) = launch(tma=False)
+    assert not on
+    on, (xs, _, row_w) = launch(tma=True)
+    assert on
+    n = int(sched.num_tiles) * 16
+    real = sched.row_src[:n] >= 0  # one rank: every real row is local
+    assert real.any() and (xs[:n][real] == 7.0).all()  # not copied
+    assert (row_w[:n][real] == 0.5).all()  # their router weights are kept
+    ws.check_errors()

@@ -16,6 +16,7 @@ def test_parse_variant():
                                                         "overlap_publish": 0})
     assert parse_variant("mega:F=0,I=0") == ("mega", {"fwd_fill_table": 0, "fwd_tile_ready": 0})
     assert parse_variant("mega:H=0") == ("mega", {"fwd_peer_flags": 0})
+    assert parse_variant("mega:LR=1") == ("mega", {"fwd_local_rows": 1})
     for v in DEFAULT_VARIANTS:
         parse_variant(v)
 

@@ -146,6 +146,14 @@ class MoEConfig:
                      Kernel timeline at qwen3-30b-a3b 16384 EP2 (session 11): the megakernel starts
                      53 us into the forward instead of 69, the combine right after it; back to back
                      under autograd against False: 2.662 / 2.664 and 2.735 / 2.853 ms (noise ~0.05).
+    fwd_local_rows:  the megakernel's fills copy only rows from other ranks; its gate/up tiles gather
+                     their A rows through pointers, this rank's straight from x (Hopper's TMA cannot
+                     gather rows; the weights still come through TMA). Needs TMA operand loads
+                     (``use_tma``), else off. A differentiated forward then keeps xs without this
+                     rank's rows and the backward fills them in from x (one pull of local rows).
+                     Why: about half the routed rows are local at EP2 and a fill part of local rows
+                     costs ~11.5 us of a program's time (session 8's trace). Built in session 11,
+                     CPU-tested, compiled for sm_90 (no spills); NOT yet measured on a GPU: off.
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -186,6 +194,7 @@ class MoEConfig:
     fwd_fill_table: bool = True
     fwd_tile_ready: bool = True
     fwd_peer_flags: bool = True
+    fwd_local_rows: bool = False
     overlap_publish: bool = True
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:

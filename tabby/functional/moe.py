@@ -338,7 +338,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     if save:
         kept = (x.new_empty((sched.R_max, H)), x.new_empty((sched.R_max, 2 * I)),
                 torch.empty(sched.R_max, dtype=torch.float32, device=x.device))
-    megakernel_fwd.launch_fwd_megakernel(
+    local_a = megakernel_fwd.launch_fwd_megakernel(
         mb, sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], ws.rank, cfg.wait_budget(),
         w_gate, w_up, w_down, x=x, shared=shared,
         gu_cfg=gu_cfg, dn_cfg=dn_cfg, gus_cfg=gus_cfg, dns_cfg=dns_cfg,
@@ -348,14 +348,16 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         half_tiles=cfg.fwd_half_tiles, trace=trace, down_cols=cfg.down_cols(I), fill_stages=cfg.fill_stages(warps),
         ticket_ahead=cfg.fwd_ticket_ahead, poll_together=cfg.fwd_poll_together, fill_table=cfg.fwd_fill_table,
         tile_ready=cfg.fwd_tile_ready, zero_counters=False,
-        peers=(ws.ptrs["flags"], ws.flags, FWD_X_READY, FWD_DONE, not INTERPRET) if in_kernel else None)
+        peers=(ws.ptrs["flags"], ws.flags, FWD_X_READY, FWD_DONE, not INTERPRET) if in_kernel else None,
+        local_rows=cfg.fwd_local_rows)
     if trace is not None:
         megakernel_fwd.LAST_TRACE = megakernel_fwd.LAST_TRACE_BY_RANK[ws.rank] = trace
     _stage("fwd:megakernel")
     y = _finish_forward(ws, cfg, x, topk_weights, mb.extra[:T] if I_s else None, in_kernel)
     if save:
         xs, gu, row_w = kept
-        return y, (sched, xs, gu, row_w)
+        # local_a: xs lacks this rank's rows (gate/up read them from x); the backward fills them in
+        return y, (sched, xs, gu, row_w, local_a)
     return y, MegaSaved(sched, x, topk_weights)
 
 
@@ -371,10 +373,13 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
     earlier backward BWD_DONE); the next forward re-publishes x before its FWD_READY.
     """
     recompute = isinstance(saved, MegaSaved)
+    local_x = None
     if recompute:
         sched = saved.sched
     else:
-        sched, xs, gu, row_w = saved
+        sched, xs, gu, row_w = saved[:4]
+        if len(saved) > 4:  # xs lacks this rank's rows: x to fill them from (fwd_local_rows)
+            local_x = saved[4]
     T, H = dy.shape
     k, TK = sched.k, sched.T * sched.k
     I = w_gate.shape[1]
@@ -393,6 +398,13 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
                                     config=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H))
         _stage("bwd:recompute")
 
+    if local_x is not None:  # this rank's rows of xs, from x (its own input: no peer involved)
+        table = torch.full((ws.world_size,), local_x.data_ptr(), dtype=torch.int64, device=dy.device)
+        comm.pull_rows_kernel[(cfg.comm_programs,)](
+            sched.row_src, sched.num_tiles, table, xs, H, TK, k, table, row_w, BR=cfg.pull_rows,
+            BH=min(cfg.pull_cols, triton.next_power_of_2(H)), WITH_WEIGHTS=False, TILE_ROWS=sched.BM,
+            ROWS_16B=(H * xs.element_size()) % 16 == 0, RANK_ROWS=2, rank=ws.rank, num_warps=8)
+        _stage("bwd:local_rows")
     dys = torch.empty_like(xs)
     _pull_rows(cfg, sched, ws.ptrs["dy_pub"], dys, TK, k)
     _stage("bwd:dispatch_dy")
@@ -457,6 +469,10 @@ class _TabbyMoEMega(torch.autograd.Function):
         saved = ctx.saved
         if isinstance(saved, MegaSaved):  # x and topk_weights came back through save_for_backward
             saved = MegaSaved(saved.sched, x, topk_weights)
+        elif saved[4]:  # xs lacks this rank's rows (fwd_local_rows): filled in from x
+            saved = (*saved[:4], x)
+        else:
+            saved = saved[:4]
         dx, dtopk, dwg, dwu, dwd = moe_backward(ctx.ws, ctx.cfg, dy, saved, w_gate, w_up, w_down)
         ctx.saved = None
         dsg = dsu = dsd = None

@@ -98,18 +98,24 @@ def count_ready_kernel(my_flags, epoch_ptr, slot, W, out):
 
 
 @triton.jit
-def _copy_cols(src_row, dst_row, valid, h0, H, BH: tl.constexpr):
-    """Columns h0 .. h0+BH of a block of rows: dst_row[r] <- src_row[r] (0 where not valid)."""
+def _copy_cols(src_row, dst_row, valid, h0, H, BH: tl.constexpr, KEEP: tl.constexpr = False, keep=0):
+    """Columns h0 .. h0+BH of a block of rows: dst_row[r] <- src_row[r] (0 where not valid; KEEP:
+    rows where ``keep`` is set are neither read nor written)."""
     cols = h0 + tl.arange(0, BH)
     cmask = cols < H
-    v = tl.load(src_row[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
-    tl.store(dst_row[:, None] + cols[None, :], v, mask=cmask[None, :])
+    if KEEP:
+        v = tl.load(src_row[:, None] + cols[None, :], mask=(valid & ~keep)[:, None] & cmask[None, :], other=0.0)
+        tl.store(dst_row[:, None] + cols[None, :], v, mask=(~keep)[:, None] & cmask[None, :])
+    else:
+        v = tl.load(src_row[:, None] + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
+        tl.store(dst_row[:, None] + cols[None, :], v, mask=cmask[None, :])
 
 
 @triton.jit
 def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
                    BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr,
-                   STAGES: tl.constexpr = 1, W=1, WP: tl.constexpr = 0, SKIP_EMPTY: tl.constexpr = False):
+                   STAGES: tl.constexpr = 1, W=1, WP: tl.constexpr = 0, SKIP_EMPTY: tl.constexpr = False,
+                   RANK_ROWS: tl.constexpr = 0, rank=0):
     """Copy rows ``tile*BR ..`` of the routed buffer from their source ranks.
 
     Row r serves flat source id ``row_src[r] = src*TK + t*k + kk`` (-1: padding, written as zeros):
@@ -123,7 +129,9 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     same round trip as ``row_src``, and each row picks its entry in registers; WP = 0: each row's
     entry is loaded after its ``row_src`` (one more dependent round trip, ~1-2 us under load).
     SKIP_EMPTY: a block of padding rows only (real rows are a prefix, so: its first row < 0) is not
-    written at all.
+    written at all. RANK_ROWS 1: rows from ``rank`` are neither read nor written (their weights
+    are): the forward megakernel's gate/up tiles read them from x (``MoEConfig.fwd_local_rows``);
+    2: only rows from ``rank`` are copied (the backward fills them in), the others left as they are.
     """
     rows = tile * BR + tl.arange(0, BR)
     tab = src_ptrs  # placeholders when WP == 0 (each row's entry is loaded instead)
@@ -137,15 +145,16 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     if SKIP_EMPTY:
         if tl.max(rs, axis=0) >= 0:
             _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH, WITH_WEIGHTS, ROWS_16B,
-                       STAGES, WP)
+                       STAGES, WP, RANK_ROWS, rank)
     else:
         _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH, WITH_WEIGHTS, ROWS_16B,
-                   STAGES, WP)
+                   STAGES, WP, RANK_ROWS, rank)
 
 
 @triton.jit
 def _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH: tl.constexpr,
-               WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr, STAGES: tl.constexpr, WP: tl.constexpr):
+               WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr, STAGES: tl.constexpr, WP: tl.constexpr,
+               RANK_ROWS: tl.constexpr = 0, rank=0):
     """``pull_rows_tile``'s copy of rows ``rows`` whose sources ``rs`` are loaded (tables: see there)."""
     valid = rs >= 0
     src = tl.where(valid, rs // TK, 0)
@@ -173,7 +182,20 @@ def _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH:
         else:
             wbase = tl.load(w_ptrs + src).to(tl.pointer_type(tl.float32))
         wv = tl.load(wbase + tk, mask=valid, other=0.0)
-    if STAGES > 1:
+    if RANK_ROWS > 0:
+        mine = valid & (src == rank)
+        if RANK_ROWS == 1:
+            keep = mine  # rows left as they are
+        else:
+            keep = valid & ~mine
+        if tl.sum((valid & ~keep).to(tl.int32), axis=0) > 0:  # some row to copy
+            if STAGES > 1:
+                for h0 in tl.range(0, H, BH, num_stages=STAGES):
+                    _copy_cols(src_row, dst_row, valid, h0, H, BH, True, keep)
+            else:
+                for h0 in range(0, H, BH):
+                    _copy_cols(src_row, dst_row, valid, h0, H, BH, True, keep)
+    elif STAGES > 1:
         for h0 in tl.range(0, H, BH, num_stages=STAGES):
             _copy_cols(src_row, dst_row, valid, h0, H, BH)
     else:
@@ -193,12 +215,14 @@ def _pick(src, tab, WP: tl.constexpr):
 @triton.jit
 def pull_rows_kernel(row_src, num_tiles_ptr, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
                      BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr,
-                     TILE_ROWS: tl.constexpr, ROWS_16B: tl.constexpr):
-    """Persistent pull dispatch over the schedule's used rows (num_tiles * TILE_ROWS of them)."""
+                     TILE_ROWS: tl.constexpr, ROWS_16B: tl.constexpr, RANK_ROWS: tl.constexpr = 0, rank=0):
+    """Persistent pull dispatch over the schedule's used rows (num_tiles * TILE_ROWS of them);
+    RANK_ROWS: see ``pull_rows_tile``."""
     n_rows = tl.load(num_tiles_ptr) * TILE_ROWS
     n_tiles = tl.cdiv(n_rows, BR)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out, BR, BH, WITH_WEIGHTS, ROWS_16B)
+        pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out, BR, BH, WITH_WEIGHTS, ROWS_16B,
+                       1, 1, 0, False, RANK_ROWS, rank)
 
 
 @triton.jit

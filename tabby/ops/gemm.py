@@ -342,7 +342,7 @@ def gate_up_swiglu_tile(pid_m, pid_n,
                         EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
                         n_rows=0, MASK_ROWS: tl.constexpr = False,
                         USE_TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, a_row_shift=0,
-                        TILE_M: tl.constexpr = 0):
+                        TILE_M: tl.constexpr = 0, A_ROWS: tl.constexpr = False, a_rows=None):
     """One (row tile, I-column tile): g = xs @ Wg[e]^T, u = xs @ Wu[e]^T, h = silu(g) * u.
 
     xs [R, H] (row stride stride_xm); Wg, Wu [E, I, H] (strides stride_we, stride_wn, 1);
@@ -355,6 +355,9 @@ def gate_up_swiglu_tile(pid_m, pid_n,
     R' read as zeros, which is MASK_ROWS for free), wg_desc / wu_desc over Wg / Wu [E, I, H].
     TILE_M (a half tile; 0: BM): the schedule's tiles are TILE_M rows high and this one computes
     only the first BM rows of tile pid_m (the megakernel's tiles whose real rows fit in half).
+    A_ROWS (with USE_TMA): the tile's A rows are gathered through ``a_rows`` [BM] (a pointer per
+    row, to its first element; 16-byte aligned) instead of xs_desc; the weights still come through
+    wg_desc / wu_desc (``_gate_up_mainloop_rows_tma``; the megakernel's local rows read from x).
     """
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
     if e >= 0:
@@ -362,7 +365,10 @@ def gate_up_swiglu_tile(pid_m, pid_n,
         if TILE_M > 0:
             blk = pid_m * (TILE_M // BM)
         row0 = blk.to(tl.int64) * BM
-        if USE_TMA:
+        if A_ROWS:
+            acc_g, acc_u = _gate_up_mainloop_rows_tma(a_rows, pid_n * BN, e, wg_desc, wu_desc, H, BM, BN, BK,
+                                                      INTERPRET)
+        elif USE_TMA:
             acc_g, acc_u = _gate_up_mainloop_tma(blk * BM + a_row_shift, pid_n * BN, e, xs_desc, wg_desc, wu_desc,
                                                  H, BM, BN, BK, INTERPRET)
         else:
@@ -394,6 +400,29 @@ def _gate_up_mainloop_tma(a_row0, n0, e, xs_desc, wg_desc, wu_desc, H: tl.conste
     for kt in range(0, NK):
         k0 = kt * BK
         a = xs_desc.load([a_row0, k0])
+        bg = wg_desc.load([e, n0, k0]).reshape(BN, BK)
+        bu = wu_desc.load([e, n0, k0]).reshape(BN, BK)
+        acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)
+        acc_u = _dot(a, tl.trans(bu), acc_u, INTERPRET)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gate_up_mainloop_rows_tma(a_rows, n0, e, wg_desc, wu_desc, H: tl.constexpr,
+                               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ([BM, BN], [BM, BN]) = A @ (Wg[e], Wu[e])[n0 :, :]^T with A's rows gathered through the
+    pointers ``a_rows`` [BM] (Hopper's TMA cannot gather rows) and the weights through TMA.
+    Columns past H read as zeros."""
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    offs_k = tl.arange(0, BK)
+    NK: tl.constexpr = (H + BK - 1) // BK
+    for kt in range(0, NK):
+        k0 = kt * BK
+        if H % BK == 0:
+            a = tl.load(a_rows[:, None] + (k0 + offs_k)[None, :])
+        else:
+            a = tl.load(a_rows[:, None] + (k0 + offs_k)[None, :], mask=(k0 + offs_k < H)[None, :], other=0.0)
         bg = wg_desc.load([e, n0, k0]).reshape(BN, BK)
         bu = wu_desc.load([e, n0, k0]).reshape(BN, BK)
         acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)

@@ -244,11 +244,12 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
           ABLATE: tl.constexpr = 0, TMA: tl.constexpr = False, SAVE: tl.constexpr = False, w_ptrs=None,
           row_w=None, rec=None, TRACE_EV: tl.constexpr = 0, INTERPRET: tl.constexpr = False,
           STAGES: tl.constexpr = 1, ready=0, SIGNAL: tl.constexpr = True, W=1, WP: tl.constexpr = 0,
-          TR: tl.constexpr = False, tr_base=0):
+          TR: tl.constexpr = False, tr_base=0, LOCAL_A: tl.constexpr = False):
     """Pull part ``part`` (BM // FS rows) of row tile i into its ring slot (SAVE: into row i*BM of
     the full xs buffer, with the rows' router weights into row_w); STAGES: the column loop's
     pipeline stages, W / WP: ranks and the address tables' padded length (``comm.pull_rows_tile``);
-    TR: per-tile fill counters (``_routed_waits``; no wait)."""
+    TR: per-tile fill counters (``_routed_waits``; no wait). LOCAL_A: this rank's rows are not copied
+    (the gate/up tiles read them from x; their router weights are still kept)."""
     s = i % NS
     if not TR:
         w1, t1, _, _ = _routed_waits(0, i, NS, FS, G, 0)
@@ -265,11 +266,11 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
         # row-wise, the pushes and the backward's weight gradients take real rows only).
         if SAVE:
             comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, xs_ring, H, TK, k, w_ptrs, row_w, BM // FS, BH,
-                                True, (H % 8) == 0, STAGES, W, WP, True)
+                                True, (H % 8) == 0, STAGES, W, WP, True, LOCAL_A, rank)
         else:
             dst = xs_ring + (s - i).to(tl.int64) * (BM * H)  # row i*BM of dst = row s*BM of the ring
             comm.pull_rows_tile(i * FS + part, row_src, x_ptrs, dst, H, TK, k, x_ptrs, xs_ring, BM // FS, BH,
-                                False, (H % 8) == 0, STAGES, W, WP, True)
+                                False, (H % 8) == 0, STAGES, W, WP, True, LOCAL_A, rank)
     if TMA:  # the gate/up tiles read these rows through TMA (the async proxy)
         sync.fence_proxy_async()
     if SIGNAL:  # else the caller signals (sync.signal_take)
@@ -299,6 +300,21 @@ def _down_cols(blk, c0, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_til
 
 
 @triton.jit
+def _local_a_rows(i, row_src, xs, x_rows, TK, k, rank, H: tl.constexpr, BM: tl.constexpr, R: tl.constexpr):
+    """Pointers to the A rows of routed row tile i's first R rows (LOCAL_A): a row from this rank
+    in x_rows (the layer's input [T, H]), any other in xs (row i*BM + r: filled, or padding). Both
+    buffers 16-byte aligned with H % 8 == 0 (the launcher checks), so the loads are 16-byte vectors."""
+    r = tl.arange(0, R)
+    rs = tl.load(row_src + i * BM + r)
+    mine = (rs >= 0) & (rs // TK == rank)
+    tok = tl.where(mine, (rs % TK) // k, 0)
+    ESIZE: tl.constexpr = xs.dtype.element_ty.primitive_bitwidth // 8
+    dx = (x_rows.to(tl.int64, bitcast=True) - xs.to(tl.int64, bitcast=True)) // ESIZE  # x_rows - xs, elements
+    off = tl.where(mine, dx + tok.to(tl.int64) * H, (i * BM + r).to(tl.int64) * H)
+    return xs + tl.multiple_of(off, 16 // ESIZE)
+
+
+@triton.jit
 def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n, w_down, sd_e, sd_n,
                   row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget, err_ptr, rank, epoch,
                   NS: tl.constexpr, G, D, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
@@ -307,7 +323,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None,
                   SAVE: tl.constexpr = False, gu_save=None, HALF: tl.constexpr = False, xs_half_desc=None,
                   h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, ready=0,
-                  TR: tl.constexpr = False, tr_base=0):
+                  TR: tl.constexpr = False, tr_base=0, LOCAL_A: tl.constexpr = False, x_rows=None, k=1):
     """A gate/up (kind 1) ticket of routed row tile i, column tile n, or a down (kind 2) ticket of
     row tile i, column tiles n*DN_COLS .. n*DN_COLS+DN_COLS-1 (``rec``: its trace record when
     TRACE_EV > 0). G and D count tickets per row tile. The caller signals the ticket's end
@@ -346,14 +362,21 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
             if HALF:
                 if (half_row < 0) & (first_row >= 0):
                     full = False
+                    a_half = None
+                    if LOCAL_A:
+                        a_half = _local_a_rows(i, row_src, xs, x_rows, TK, k, rank, H, BM, BM // 2)
                     gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
                                              2 * I, tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU,
                                              H % BK_GU == 0, SAVE, INTERPRET, 0, False, TMA, xs_half_desc,
-                                             wg_desc, wu_desc, xs_shift, BM)
+                                             wg_desc, wu_desc, xs_shift, BM, LOCAL_A, a_half)
             if full:
+                a_full = None
+                if LOCAL_A:
+                    a_full = _local_a_rows(i, row_src, xs, x_rows, TK, k, rank, H, BM, BM)
                 gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
                                          2 * I, tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0,
-                                         SAVE, INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift)
+                                         SAVE, INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift,
+                                         0, LOCAL_A, a_full)
         if TMA:  # the down tiles read h through TMA (fenced before the caller's release)
             sync.fence_proxy_async()
     else:  # down column tiles of row tile i, rows pushed to their origins
@@ -416,7 +439,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        AHEAD: tl.constexpr = True, NW: tl.constexpr = 4, POLL2: tl.constexpr = True,
                        W=1, WP: tl.constexpr = 0, TILE_READY: tl.constexpr = False,
                        flag_ptrs=None, my_flags=None, done_idx=0, PEERS: tl.constexpr = False,
-                       X_SLOT: tl.constexpr = 0, DONE_SLOT: tl.constexpr = 0, DONE_WAIT: tl.constexpr = False):
+                       X_SLOT: tl.constexpr = 0, DONE_SLOT: tl.constexpr = 0, DONE_WAIT: tl.constexpr = False,
+                       LOCAL_A: tl.constexpr = False, x_rows=None):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -455,6 +479,10 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     every rank (all rows pushed, no more reads of peers' x_pub) and, with DONE_WAIT, waits for
     every rank's DONE, so the combine may follow in stream order. (DONE_WAIT off under the
     interpreter, where ranks' launches cannot run at once: the host polls instead.)
+    LOCAL_A (``MoEConfig.fwd_local_rows``; with TMA): the fills copy only rows from other ranks, and
+    the gate/up tiles gather their A rows through pointers (``_local_a_rows``): this rank's from
+    ``x_rows`` (its input), the others from xs; the weights still come through TMA. With SAVE the
+    kept xs then lacks this rank's rows (the backward fills them in from x).
     AHEAD: a compute program takes its next ticket in the shadow of the current one's release fence
     (``sync.signal_take``) rather than after it. (Taking it before starting the current ticket was
     measured, and is much slower: the ticket then waits a whole tile for its program, and the
@@ -499,7 +527,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                 tl.store(rec + 1, _clock(INTERPRET))
             _fill(f // FS, f % FS, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
                   NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET, FILL_STAGES,
-                  0, True, W, WP, TR, tr_base)
+                  0, True, W, WP, TR, tr_base, LOCAL_A)
             if TRACE_EV > 0:
                 tl.store(rec + 3, _clock(INTERPRET))
                 ev += 1
@@ -550,14 +578,14 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                     if kind == 0:
                         _fill(i, n, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_ptr, rank, epoch,
                               NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET,
-                              FILL_STAGES, ready, False, W, WP, TR, tr_base)
+                              FILL_STAGES, ready, False, W, WP, TR, tr_base, LOCAL_A)
                     else:
                         _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
                                       wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
                                       err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
                                       INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
                                       SAVE, gu_save, HALF, xs_half_desc, h_half_desc, rec, TRACE_EV, DN_COLS,
-                                      ready, TR, tr_base)
+                                      ready, TR, tr_base, LOCAL_A, x_rows, k)
             t = sync.signal_take(cnt_ptr, sig, release, C_TICKET, AHEAD, NW)
             if TRACE_EV > 0:
                 tl.store(rec + 3, _clock(INTERPRET))
@@ -674,7 +702,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
                           w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1,
                           fill_stages: int = 1, ticket_ahead: bool = True, poll_together: bool = True,
-                          fill_table: bool = True, tile_ready: bool = True, peers=None):
+                          fill_table: bool = True, tile_ready: bool = True, peers=None, local_rows: bool = False):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -705,6 +733,9 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     ``peers``: None, or (flag_ptrs, my_flags, x_slot, done_slot, done_wait): the kernel sets and
     waits for the pass's x-ready and DONE flags itself (kernel PEERS); the counters must then be
     zeroed (here, or by the caller before the launch with ``zero_counters=False``).
+    ``local_rows``: gate/up reads this rank's rows from ``x`` instead of filled copies (kernel LOCAL_A;
+    with TMA, H % 8 == 0 and 16-byte aligned x / xs only, else off). Returns whether it was on: with
+    ``save`` the kept xs then lacks this rank's rows.
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -740,6 +771,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     if ablate & 4:  # measurement only: every pushed row lands in this rank's own buffer (no NVLink)
         y_ptrs = y_ptrs[rank].expand(y_ptrs.numel()).contiguous()
     T, k = sched.T, sched.k
+    x_in = x  # the layer's input (LOCAL_A reads this rank's rows from it)
     has_sh = shared is not None
     if has_sh:
         sg, su, sd = shared
@@ -785,6 +817,9 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                              f"tiles)); the buffers have {mb.n_tiles}")
     lay = counter_layout(mb.n_slots, mb.n_sh, mb.n_tiles)
     assert mb.counters.numel() == lay["total"]
+    x_rows = x_in if x_in is not None else mb.counters  # (unused without LOCAL_A)
+    local_a = bool(local_rows and use_tma and x_in is not None and H % 8 == 0 and x_in.is_contiguous()
+                   and x_in.data_ptr() % 16 == 0 and xs_buf.data_ptr() % 16 == 0)
     if peers is not None:
         flag_ptrs, my_flags, x_slot, done_slot, done_wait = peers
     else:
@@ -806,6 +841,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         DN_COLS=dn_cols, FILL_STAGES=fill_stages, AHEAD=ticket_ahead, NW=gu_cfg.num_warps,
         POLL2=poll_together, W=W, WP=triton.next_power_of_2(W) if fill_table else 0, TILE_READY=tile_ready,
         flag_ptrs=flag_ptrs, my_flags=my_flags, done_idx=lay["programs_done"], PEERS=peers is not None,
-        X_SLOT=x_slot, DONE_SLOT=done_slot, DONE_WAIT=done_wait,
+        X_SLOT=x_slot, DONE_SLOT=done_slot, DONE_WAIT=done_wait, LOCAL_A=local_a, x_rows=x_rows,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
+    return local_a
 
