@@ -39,7 +39,8 @@ signals FWD_READY, and the peers' chunks wait for theirs; the megakernel signals
 start and waits for the peers' before its first ticket, and its last program signals FWD_DONE and
 waits for the peers'; the combine follows in stream order. No launch on the forward's critical path
 only copies or signals. (Under the interpreter a kernel cannot wait for another rank's launch, so
-there a publish launch and host polls of the same flags come between the launches.)host polls the same flags between the launches.)
+there, with several ranks, the routing copies and signal/wait launches of ``fwd_peer_flags=False``
+and host polls of the x-ready and DONE flags come between the launches.)
 """
 from __future__ import annotations
 
@@ -196,35 +197,28 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
     ``in_kernel`` (``fwd_peer_flags``, the megakernel): the schedule's count launch, on the side
     stream so that the x copy starts with it, publishes the routing, signals FWD_READY (the last of
     this rank's chunks) and waits for the peers' routing (``launch_schedule(publish=...)``; under
-    the interpreter a publish launch and a host poll come first), and FWD_X_READY is left to the
-    megakernel. ``on_main``: work for the current stream after the x copy, off the side stream's
+    the interpreter with several ranks the copies and signal/wait come first, as without it), and
+    FWD_X_READY is left to the megakernel. ``on_main``: work for the current stream after the x copy, off the side stream's
     critical path (the megakernel's counter memset).
     """
     T, k = topk_idx.shape
     _stage("fwd:start")
-    if not in_kernel:
+    # the count launch publishes the routing itself (not under the interpreter, where a program
+    # waiting for another rank's would never return, unless there is no other rank)
+    publish_in_count = in_kernel and (not INTERPRET or ws.world_size == 1)
+    if not publish_in_count:
         ws.idx_pub.copy_(topk_idx)
         ws.w_pub.copy_(topk_weights)
     done = ws.__dict__.get("_schedule_done")
     if done is None:  # counters that the last program of a launch resets: zeroed once
-        done = ws.__dict__["_schedule_done"] = torch.zeros(3, dtype=torch.int32, device=x.device)
+        done = ws.__dict__["_schedule_done"] = torch.zeros(2, dtype=torch.int32, device=x.device)
     sched = alloc_schedule(ws.world_size, T, k, E_local, cfg.tile_m, x.device, align=cfg.align_tiles(T, k, E_local),
-                           done=done[0:2])
+                           done=done)
     side = _side_stream(ws, cfg, x)
-    # the count launch publishes the routing itself (not under the interpreter, where a program
-    # waiting for another rank's would never return, unless there is no other rank)
-    publish_in_count = in_kernel and (not INTERPRET or ws.world_size == 1)
 
     def schedule():
-        if not in_kernel:
+        if not publish_in_count:  # (in_kernel under the interpreter: the count programs' waits then pass)
             _signal_wait(ws, FWD_READY, FWD, True, sync.ERR_WAIT_PEER_READY, cfg)
-        elif not publish_in_count:  # the interpreter: publish, then poll the peers' flags from the host
-            n = T * k
-            BLOCK = 2048
-            comm.publish_route_kernel[(triton.cdiv(n, BLOCK),)](
-                topk_idx, topk_weights, ws.idx_pub, ws.w_pub, n, ws.ptrs["flags"], ws.epoch[FWD:], done[2:3],
-                FWD_READY, ws.rank, ws.world_size, BLOCK=BLOCK, num_warps=4)
-            _wait(ws, FWD_READY, FWD, sync.ERR_WAIT_PEER_READY, cfg)
         _stage("fwd:publish+wait")
         ready = (ws.flags, ws.epoch[FWD:], FWD_READY, cfg.wait_budget()) if in_kernel else None
         publish = (topk_idx, topk_weights, ws.idx_pub, ws.w_pub, ws.ptrs["flags"]) if publish_in_count else None
@@ -233,17 +227,15 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
 
     if side is None:
         schedule()
-        ws.x_pub.copy_(x)
-        if on_main is not None:
-            on_main()
     else:
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             schedule()
-        ws.x_pub.copy_(x)
-        if on_main is not None:
-            on_main()
+    ws.x_pub.copy_(x)
+    if on_main is not None:
+        on_main()
+    if side is not None:
         main.wait_stream(side)
     if not in_kernel or INTERPRET:  # (the interpreter: signalled and polled here; the kernel's repeats it)
         _signal_wait(ws, FWD_X_READY, FWD, False, sync.ERR_WAIT_PEER_READY, cfg)

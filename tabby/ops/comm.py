@@ -62,28 +62,6 @@ def signal_wait_peers_kernel(flag_ptrs, my_flags, epoch_ptr, slot, rank, W, wait
 
 
 @triton.jit
-def publish_route_kernel(idx, w, idx_pub, w_pub, n, flag_ptrs, epoch_ptr, done_ptr, slot, rank, W,
-                         BLOCK: tl.constexpr):
-    """Publish this rank's routing and signal it, in one launch: ``idx_pub`` [n] int32 <- ``idx``,
-    ``w_pub`` [n] fp32 <- ``w`` (any int / float dtypes), then the last program to finish (a count
-    in ``done_ptr``, acq_rel at system scope, reset to 0 by that program) starts the pass's new epoch
-    and sets flag ``[slot, rank]`` on every rank. Grid ``cdiv(n, BLOCK)``. The forward uses it only
-    under the interpreter with several ranks; on the GPU the schedule's count launch publishes the
-    routing itself (``schedule.launch_schedule(publish=...)``).
-    """
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    tl.store(idx_pub + offs, tl.load(idx + offs, mask=m).to(tl.int32), mask=m)
-    tl.store(w_pub + offs, tl.load(w + offs, mask=m).to(tl.float32), mask=m)
-    tl.debug_barrier()  # every thread's stores issued
-    done = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys")
-    if done == tl.num_programs(0) - 1:
-        tl.store(done_ptr, 0)  # every program has counted: ready for the next pass
-        _signal_peers(flag_ptrs, _epoch(epoch_ptr, True), slot, rank, W)
-
-
-@triton.jit
 def count_ready_kernel(my_flags, epoch_ptr, slot, W, out):
     """out[0] = how many ranks have set flag ``[slot, src]`` to at least the epoch (one poll, no wait).
 

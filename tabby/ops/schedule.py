@@ -232,11 +232,9 @@ def _schedule_count_kernel(idx_ptrs, counts_ptr, err_ptr, rank, N, W, E_local, n
     src = (rank + pid // n_chunks) % W  # this rank's chunks first
     chunk = pid % n_chunks
     vpid = src * n_chunks + chunk  # (src, chunk): the counts row
+    epoch = tl.load(epoch_ptr)
     if PUBLISH:
-        epoch = tl.load(epoch_ptr) + 1
-    else:
-        epoch = tl.load(epoch_ptr)
-    if PUBLISH:
+        epoch += 1  # this launch starts the pass (stored by the scan program)
         if src == rank:
             offs = chunk * CHUNK + tl.arange(0, CHUNK)
             m = offs < N
@@ -403,8 +401,8 @@ def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Te
     ``idx_ptrs``: int64 ``[W]`` addresses of every rank's int32 ``[T, k]`` topk_idx (contiguous;
     16-byte aligned unless ``aligned=False``). ``err``: int32 error record (``sync.ERR_WORDS``).
     ``ready``: None, or (my_flags, epoch, slot, wait_budget): the count programs of a peer's chunks
-    first wait for its flag ``[slot, src]`` to reach the epoch (``comm.publish_route_kernel``), so no
-    separate wait launch comes before the schedule. ``publish``: None, or (idx [T, k], w [T, k],
+    first wait for its flag ``[slot, src]`` to reach the epoch, so no separate wait launch comes
+    before the schedule. ``publish``: None, or (idx [T, k], w [T, k],
     idx_pub, w_pub, flag_ptrs) with ``ready``: the count programs of this rank's chunks publish its
     routing and signal it themselves (the epoch in ``ready`` is then the last pass's; the launch
     stores the new one), so no publish launch comes first either. Not under the interpreter, which
