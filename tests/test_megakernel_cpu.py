@@ -758,7 +758,7 @@ def test_kernel_x_ready_wait_is_bounded():
 
 
 # ------------------------------------------------------------------------------------------------
-# Local rows read from x by the gate/up tiles (fwd_local_rows; built, not yet measured on a GPU)
+# Local rows read from x by the gate/up tiles (fwd_local_rows, on by default with TMA)
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("W,route,save,half", [(2, "random", True, True), (2, "one_rank", False, True),
@@ -773,7 +773,7 @@ def test_local_rows_from_x_are_bitwise_the_filled_ones(W, route, save, half, mon
     E_local = 2 if W == 2 else 4
     prob = make_problem(W, T, H, I, E_local, k, seed=23, route=route)
     base = dataclasses.replace(MEGA, fwd_tma=True, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m,
-                               fwd_half_tiles=half)
+                               fwd_half_tiles=half, fwd_local_rows=False)
     local = dataclasses.replace(base, fwd_local_rows=True)
     a, b = _run_tabby(W, T, prob, cfg=base), _run_tabby(W, T, prob, cfg=local)
     for name in a:

@@ -49,8 +49,9 @@ def _configs():
         "down-cols4": MoEConfig(megakernel=True, fwd_tma=True, fwd_num_warps=8, fwd_down_cols=4),
         # pointer loads, and a backward that replays dispatch and gate/up
         "recompute": MoEConfig(megakernel=True, fwd_tma=False, fwd_save_for_backward=False),
-        # gate/up reading this rank's rows from x, the fills copying only the others' (off by default)
-        "local-rows": MoEConfig(megakernel=True, fwd_tma=True, fwd_local_rows=True),
+        # every row filled, gate/up reading them all through TMA (with TMA the default reads this
+        # rank's rows from x: fwd_local_rows)
+        "fill-local-rows": MoEConfig(megakernel=True, fwd_tma=True, fwd_local_rows=False),
     }
 
 
