@@ -150,7 +150,7 @@ class MoEConfig:
                      their A rows through pointers, this rank's straight from x (Hopper's TMA cannot
                      gather rows; the weights still come through TMA). Needs TMA operand loads
                      (``use_tma``), else off. A differentiated forward then keeps xs without this
-                     rank's rows and the backward fills them in from x (one pull of local rows).
+                     rank's rows and the backward's weight gradient reads them from x (no copy).
                      Why: about half the routed rows are local at EP2 and a fill part of local rows
                      costs ~11.5 us of a program's time (session 8's trace). Back to back under
                      autograd at EP2 (session 12, with the run's linear clock drift removed): 1.3%

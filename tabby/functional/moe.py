@@ -348,7 +348,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     y = _finish_forward(ws, cfg, x, topk_weights, mb.extra[:T] if I_s else None, in_kernel)
     if save:
         xs, gu, row_w = kept
-        # local_a: xs lacks this rank's rows (gate/up read them from x); the backward fills them in
+        # local_a: xs lacks this rank's rows (gate/up read them from x); so does the backward's wgrad
         return y, (sched, xs, gu, row_w, local_a)
     return y, MegaSaved(sched, x, topk_weights)
 
@@ -390,13 +390,6 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
                                     config=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H))
         _stage("bwd:recompute")
 
-    if local_x is not None:  # this rank's rows of xs, from x (its own input: no peer involved)
-        table = torch.full((ws.world_size,), local_x.data_ptr(), dtype=torch.int64, device=dy.device)
-        comm.pull_rows_kernel[(cfg.comm_programs,)](
-            sched.row_src, sched.num_tiles, table, xs, H, TK, k, table, row_w, BR=cfg.pull_rows,
-            BH=min(cfg.pull_cols, triton.next_power_of_2(H)), WITH_WEIGHTS=False, TILE_ROWS=sched.BM,
-            ROWS_16B=(H * xs.element_size()) % 16 == 0, RANK_ROWS=2, rank=ws.rank, num_warps=8)
-        _stage("bwd:local_rows")
     dys = torch.empty_like(xs)
     _pull_rows(cfg, sched, ws.ptrs["dy_pub"], dys, TK, k)
     _stage("bwd:dispatch_dy")
@@ -411,8 +404,10 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
                                     BR=256, TILE_ROWS=cfg.tile_m)
     _stage("bwd:router_grad")
     dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype)
+    # local_x: xs lacks this rank's rows (fwd_local_rows); the weight gradient reads them from x
+    local_rows = None if local_x is None else (sched.row_src, local_x, TK, k, ws.rank)
     dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
-                                               out_dtype=w_gate.dtype)
+                                               out_dtype=w_gate.dtype, local_rows=local_rows)
     _stage("bwd:wgrad")
     _signal_wait(ws, BWD_DONE, BWD, False, sync.ERR_WAIT_PEER_DONE, cfg)
     _stage("bwd:signal+wait")
@@ -461,7 +456,7 @@ class _TabbyMoEMega(torch.autograd.Function):
         saved = ctx.saved
         if isinstance(saved, MegaSaved):  # x and topk_weights came back through save_for_backward
             saved = MegaSaved(saved.sched, x, topk_weights)
-        elif saved[4]:  # xs lacks this rank's rows (fwd_local_rows): filled in from x
+        elif saved[4]:  # xs lacks this rank's rows (fwd_local_rows): the wgrad reads them from x
             saved = (*saved[:4], x)
         else:
             saved = saved[:4]

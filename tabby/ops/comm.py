@@ -108,8 +108,7 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     entry is loaded after its ``row_src`` (one more dependent round trip, ~1-2 us under load).
     SKIP_EMPTY: a block of padding rows only (real rows are a prefix, so: its first row < 0) is not
     written at all. RANK_ROWS 1: rows from ``rank`` are neither read nor written (their weights
-    are): the forward megakernel's gate/up tiles read them from x (``MoEConfig.fwd_local_rows``);
-    2: only rows from ``rank`` are copied (the backward fills them in), the others left as they are.
+    are): the forward megakernel's gate/up tiles read them from x (``MoEConfig.fwd_local_rows``).
     """
     rows = tile * BR + tl.arange(0, BR)
     tab = src_ptrs  # placeholders when WP == 0 (each row's entry is loaded instead)
@@ -161,11 +160,7 @@ def _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH:
             wbase = tl.load(w_ptrs + src).to(tl.pointer_type(tl.float32))
         wv = tl.load(wbase + tk, mask=valid, other=0.0)
     if RANK_ROWS > 0:
-        mine = valid & (src == rank)
-        if RANK_ROWS == 1:
-            keep = mine  # rows left as they are
-        else:
-            keep = valid & ~mine
+        keep = valid & (src == rank)  # rows left as they are
         if tl.sum((valid & ~keep).to(tl.int32), axis=0) > 0:  # some row to copy
             if STAGES > 1:
                 for h0 in tl.range(0, H, BH, num_stages=STAGES):
@@ -193,14 +188,13 @@ def _pick(src, tab, WP: tl.constexpr):
 @triton.jit
 def pull_rows_kernel(row_src, num_tiles_ptr, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
                      BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr,
-                     TILE_ROWS: tl.constexpr, ROWS_16B: tl.constexpr, RANK_ROWS: tl.constexpr = 0, rank=0):
-    """Persistent pull dispatch over the schedule's used rows (num_tiles * TILE_ROWS of them);
-    RANK_ROWS: see ``pull_rows_tile``."""
+                     TILE_ROWS: tl.constexpr, ROWS_16B: tl.constexpr):
+    """Persistent pull dispatch over the schedule's used rows (num_tiles * TILE_ROWS of them)."""
     n_rows = tl.load(num_tiles_ptr) * TILE_ROWS
     n_tiles = tl.cdiv(n_rows, BR)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out, BR, BH, WITH_WEIGHTS, ROWS_16B,
-                       1, 1, 0, False, RANK_ROWS, rank)
+                       1, 1, 0, False)
 
 
 @triton.jit

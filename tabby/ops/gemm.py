@@ -879,15 +879,45 @@ def _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK: 
 
 
 @triton.jit
+def _wgrad_gathered_b(b_ptr, stride_br, rows, rs, offs_n, x_ptr, TK, k, rank):
+    """B pointers [BK, BN] for routed rows ``rows`` [BK] of xs (``b_ptr``; ``rs``: their row_src)
+    where this rank's rows come from x (``x_ptr`` [T, stride_br]: row ``(rs % TK) // k``) and the
+    others from xs: the megakernel's ``fwd_local_rows`` left this rank's rows of the kept xs
+    unwritten. Both buffers 16-byte aligned, rows a multiple of 16 bytes (the launcher checks)."""
+    mine = (rs >= 0) & (rs // TK == rank)
+    tok = tl.where(mine, (rs % TK) // k, 0).to(tl.int64)
+    ESIZE: tl.constexpr = b_ptr.dtype.element_ty.primitive_bitwidth // 8
+    dx = (x_ptr.to(tl.int64, bitcast=True) - b_ptr.to(tl.int64, bitcast=True)) // ESIZE  # x - xs, elements
+    off = tl.multiple_of(tl.where(mine, dx + tok * stride_br, rows * stride_br), 16 // ESIZE)
+    return b_ptr + off[:, None] + offs_n[None, :]
+
+
+@triton.jit
+def _wgrad_gathered_step(acc, a_ptrs, b_ptr, kt, cnt, start, rs, stride_ar, stride_br, offs_k, offs_n,
+                         row_src_ptr, x_ptr, TK, k, rank, BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """``_wgrad_step`` with B's rows gathered (``_wgrad_gathered_b``) from ``rs``, the row sources of
+    step kt loaded one step earlier; returns the next step's. Loaded a step ahead, the B addresses
+    depend on no load of their own step, and the pipeliner keeps its num_stages - 1 steps of
+    data loads in flight (sm_90 PTX: the same cp.async prologue as without the gather; loading
+    row_src in the step itself left one step in flight)."""
+    rs_next = tl.load(row_src_ptr + start + (kt + 1) * BK + offs_k, mask=offs_k < cnt - (kt + 1) * BK, other=-1)
+    b_ptrs = _wgrad_gathered_b(b_ptr, stride_br, start + kt * BK + offs_k, rs, offs_n, x_ptr, TK, k, rank)
+    acc, a_ptrs, _ = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK, INTERPRET)
+    return acc, a_ptrs, rs_next
+
+
+@triton.jit
 def expert_wgrad_tile(e, pid_m, pid_n,
                       a_ptr, stride_ar, b_ptr, stride_br, c_ptr, stride_ce, stride_cm,
                       expert_start_ptr, expert_count_ptr,
                       M: tl.constexpr, N: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
+                      B_GATHER: tl.constexpr = False, row_src_ptr=None, x_ptr=None, TK=1, k=1, rank=0):
     """C[e][m-tile, n-tile] = A_seg^T @ B_seg over expert e's rows, one program, rows in order.
 
     A [R, >= M] (row stride stride_ar, unit column stride), B [R, >= N] likewise;
     C [E, M, N] (strides stride_ce, stride_cm, 1). An expert with no rows writes zeros.
+    B_GATHER: B's rows from this rank (``row_src``) are read from x instead (``_wgrad_gathered_b``).
     """
     start = tl.load(expert_start_ptr + e).to(tl.int64)
     cnt = tl.load(expert_count_ptr + e)
@@ -898,15 +928,28 @@ def expert_wgrad_tile(e, pid_m, pid_n,
     b_ptrs = b_ptr + start * stride_br + (offs_k[:, None] * stride_br + offs_n[None, :])  # [BK, BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     nk = tl.cdiv(cnt, BK)
+    rs = tl.zeros((BK,), tl.int32)
+    if B_GATHER:
+        rs = tl.load(row_src_ptr + start + offs_k, mask=offs_k < cnt, other=-1)
     if INTERPRET:
         # The interpreter (numpy >= 2.4) cannot take range() of a runtime scalar: same steps, a while loop.
         kt = 0
         while kt < nk:
-            acc, a_ptrs, b_ptrs = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK, INTERPRET)
+            if B_GATHER:
+                acc, a_ptrs, rs = _wgrad_gathered_step(acc, a_ptrs, b_ptr, kt, cnt, start, rs, stride_ar, stride_br,
+                                                       offs_k, offs_n, row_src_ptr, x_ptr, TK, k, rank, BK, INTERPRET)
+            else:
+                acc, a_ptrs, b_ptrs = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK,
+                                                  INTERPRET)
             kt += 1
     else:
         for kt in range(0, nk):
-            acc, a_ptrs, b_ptrs = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK, INTERPRET)
+            if B_GATHER:
+                acc, a_ptrs, rs = _wgrad_gathered_step(acc, a_ptrs, b_ptr, kt, cnt, start, rs, stride_ar, stride_br,
+                                                       offs_k, offs_n, row_src_ptr, x_ptr, TK, k, rank, BK, INTERPRET)
+            else:
+                acc, a_ptrs, b_ptrs = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK,
+                                                  INTERPRET)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     cptrs = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :]
@@ -917,7 +960,8 @@ def expert_wgrad_tile(e, pid_m, pid_n,
 def expert_wgrad_kernel(a_ptr, a2_ptr, stride_ar, b_ptr, stride_br, c_ptr, c2_ptr, stride_ce, stride_cm,
                         expert_start_ptr, expert_count_ptr, M: tl.constexpr, N: tl.constexpr,
                         NUM_PAIRS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
+                        GROUP_M: tl.constexpr, INTERPRET: tl.constexpr, B_GATHER: tl.constexpr = False,
+                        row_src_ptr=None, x_ptr=None, TK=1, k=1, rank=0):
     """Tiles ordered expert-major (the expert's rows stay in L2), then pair, then grouped (m, n)."""
     # M, N constexpr: with them known, (offs % M) keeps the contiguity the loads need to vectorize
     # (and to be pipelined); a runtime M would make every A and B load element-wise.
@@ -936,10 +980,11 @@ def expert_wgrad_kernel(a_ptr, a2_ptr, stride_ar, b_ptr, stride_br, c_ptr, c2_pt
         a_sel = a_ptr
         c_sel = c_ptr
     expert_wgrad_tile(e, pid_m, pid_n, a_sel, stride_ar, b_ptr, stride_br, c_sel, stride_ce, stride_cm,
-                      expert_start_ptr, expert_count_ptr, M, N, BM, BN, BK, INTERPRET)
+                      expert_start_ptr, expert_count_ptr, M, N, BM, BN, BK, INTERPRET,
+                      B_GATHER, row_src_ptr, x_ptr, TK, k, rank)
 
 
-def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg):
+def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg, b_local=None):
     E = expert_count.numel()
     N = out.shape[2]
     assert expert_start.dtype == torch.int32 and expert_count.dtype == torch.int32
@@ -950,11 +995,20 @@ def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg):
     if pairs == 2:
         assert a2.stride() == a.stride() and out2.stride() == out.stride() and out2.shape == out.shape
     grid = (E * pairs * triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
+    gather = {}
+    if b_local is not None:
+        row_src, x, TK, k, rank = b_local
+        esize = b.element_size()
+        if not (x.is_contiguous() and x.shape[1] == b.shape[1] and b.stride(0) == x.stride(0)
+                and (b.stride(0) * esize) % 16 == 0 and x.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0):
+            raise ValueError("expert_wgrad: gathered rows need x [T, N] contiguous with B's row stride, "
+                             "16-byte aligned rows")
+        gather = dict(B_GATHER=True, row_src_ptr=row_src, x_ptr=x, TK=TK, k=k, rank=rank)
     expert_wgrad_kernel[grid](
         a, a2 if pairs == 2 else a, a.stride(0), b, b.stride(0), out, out2 if pairs == 2 else out,
         out.stride(0), out.stride(1), expert_start, expert_count, M, N,
         NUM_PAIRS=pairs, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, INTERPRET=INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **gather)
 
 
 def expert_wgrad(a: torch.Tensor, b: torch.Tensor, expert_start: torch.Tensor, expert_count: torch.Tensor, *,
@@ -978,9 +1032,13 @@ def expert_wgrad(a: torch.Tensor, b: torch.Tensor, expert_start: torch.Tensor, e
 def expert_wgrad_gate_up(dgu: torch.Tensor, xs: torch.Tensor, expert_start: torch.Tensor,
                          expert_count: torch.Tensor, *, out_gate: torch.Tensor | None = None,
                          out_up: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                         config: GemmConfig | None = None):
+                         config: GemmConfig | None = None, local_rows=None):
     """dW_gate[e] = dg_seg^T @ xs_seg, dW_up[e] = du_seg^T @ xs_seg (dgu [R, 2I], xs [R, H]) in one
-    launch; returns (dW_gate, dW_up), each [E, I, H]."""
+    launch; returns (dW_gate, dW_up), each [E, I, H].
+
+    ``local_rows`` = (row_src [R] int32, x [T, H], TK, k, rank): the rows of xs from ``rank``
+    (``row_src // TK == rank``) are read from x instead, row ``(row_src % TK) // k``: the forward
+    megakernel's ``fwd_local_rows`` keeps xs without them, and gathering them here costs no copy."""
     I = dgu.shape[1] // 2
     H = xs.shape[1]
     E = expert_count.numel()
@@ -989,5 +1047,5 @@ def expert_wgrad_gate_up(dgu: torch.Tensor, xs: torch.Tensor, expert_start: torc
         out_gate = torch.empty(E, I, H, dtype=out_dtype, device=dgu.device)
     if out_up is None:
         out_up = torch.empty(E, I, H, dtype=out_dtype, device=dgu.device)
-    _wgrad_launch(dgu[:, :I], dgu[:, I:], xs, expert_start, expert_count, I, out_gate, out_up, cfg)
+    _wgrad_launch(dgu[:, :I], dgu[:, I:], xs, expert_start, expert_count, I, out_gate, out_up, cfg, local_rows)
     return out_gate, out_up
