@@ -39,7 +39,7 @@ _KNOBS = {"C": "fwd_comm_programs", "P": "fwd_prefetch", "R": "ring_rows", "N": 
           "V": "fwd_num_warps", "D": "fwd_down_cols", "E": "fwd_align_tiles", "J": "fwd_fill_stages",
           "X": "fwd_ticket_ahead", "G": "fwd_poll_together",
           "O": "overlap_publish", "F": "fwd_fill_table", "I": "fwd_tile_ready",
-          "H": "fwd_peer_flags", "LR": "fwd_local_rows"}
+          "H": "fwd_peer_flags", "LR": "fwd_local_rows", "ET": "fwd_early_ticket"}
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:

@@ -808,3 +808,27 @@ def test_local_rows_are_off_without_tma_and_left_unfilled_with_it():
     assert real.any() and (xs[:n][real] == 7.0).all()  # not copied
     assert (row_w[:n][real] == 0.5).all()  # their router weights are kept
     ws.check_errors()
+
+
+# ------------------------------------------------------------------------------------------------
+# The next ticket taken before a GEMM's epilogue, its polls before the release (fwd_early_ticket)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("W,route,save,half,shared", [(2, "random", True, True, True), (2, "one_expert", False, True, False),
+                                                      (1, "random", True, False, True), (2, "one_rank", True, True, False)])
+def test_early_ticket_is_bitwise_the_default(W, route, save, half, shared, monkeypatch):
+    """Taking the next ticket between a GEMM's K loop and its epilogue and polling it before the
+    release changes only when things happen: y and the gradients are bitwise the default's. Ring
+    only and saved rows, half tiles on and off, the shared expert's tickets (taken after them),
+    a ring of 4 slots that wraps, padding tiles; outputs checked against the reference too."""
+    _small_tiles(monkeypatch)
+    T, H, I, k = 13, 32, 24, 3
+    E_local = 2 if W == 2 else 4
+    prob = make_problem(W, T, H, I, E_local, k, shared=shared, seed=29, route=route)
+    base = dataclasses.replace(MEGA, fwd_tma=True, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m,
+                               fwd_half_tiles=half, fwd_align_tiles=2)
+    early = dataclasses.replace(base, fwd_early_ticket=True)
+    a, b = _run_tabby(W, T, prob, cfg=base), _run_tabby(W, T, prob, cfg=early)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    _check(b, _run_reference(prob))

@@ -155,6 +155,12 @@ class MoEConfig:
                      costs ~11.5 us of a program's time (session 8's trace). Back to back under
                      autograd at EP2 (session 12, with the run's linear clock drift removed): 1.3%
                      faster at qwen3-30b-a3b 16384, 4% at qwen3.5-397b 4096.
+    fwd_early_ticket: a GEMM ticket of the megakernel takes the program's next ticket between its K
+                     loop and its epilogue, and polls that ticket's counters before its own release,
+                     so that the take's and the polls' round trips (~1.2-1.4 us of waits per ticket,
+                     the same with no row copies at all: latency, not dependencies; session 8's
+                     trace) overlap the epilogue and the release's fence. Needs TMA, else off.
+                     Built in session 12, CPU-tested; NOT yet measured on a GPU: off.
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -196,6 +202,7 @@ class MoEConfig:
     fwd_tile_ready: bool = True
     fwd_peer_flags: bool = True
     fwd_local_rows: bool = True
+    fwd_early_ticket: bool = False
     overlap_publish: bool = True
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:

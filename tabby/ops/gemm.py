@@ -54,7 +54,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import INTERPRET
+from . import INTERPRET, sync
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,7 +303,8 @@ def _push_rows(acc, pid_m, pid_n, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, N,
 @triton.jit
 def push_col_tiles_tma(blk, c0, e, a_desc, b_desc, row_src_ptr, dst_ptrs_ptr, TK, stride_dm,
                        N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       NC: tl.constexpr, DST_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, a_row_shift=0):
+                       NC: tl.constexpr, DST_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, a_row_shift=0,
+                       TAKE: tl.constexpr = False, take_ptr=None, take_idx=0, NW: tl.constexpr = 4):
     """Column tiles c0 .. c0+NC-1 of row block ``blk`` (rows blk*BM ..) of A @ B[e]^T, each pushed to its
     rows' origins (``_push_rows``), in ONE K loop of NC * cdiv(K, BK) steps through TMA loads.
 
@@ -311,6 +312,8 @@ def push_col_tiles_tma(blk, c0, e, a_desc, b_desc, row_src_ptr, dst_ptrs_ptr, TK
     c+1's first K steps before column c's epilogue, so the pipeline fills once per NC columns (the
     megakernel's down tickets, ``MoEConfig.fwd_down_cols``). a_desc: A [R, K], block [BM, BK], rows from
     ``blk * BM + a_row_shift``; b_desc: B [E, N, K], block [1, BN, BK].
+    TAKE (the megakernel's ``fwd_early_ticket``): the next ticket is taken (``sync.take_issue`` on
+    ``take_ptr[take_idx]``) after the K loop, before the last column's push; returns what it gave.
     """
     row0 = blk * BM + a_row_shift
     NK: tl.constexpr = (K + BK - 1) // BK
@@ -323,8 +326,18 @@ def push_col_tiles_tma(blk, c0, e, a_desc, b_desc, row_src_ptr, dst_ptrs_ptr, TK
         b = b_desc.load([e, (c0 + c) * BN, kt * BK]).reshape(BN, BK)
         acc = _dot(a, tl.trans(b), acc, INTERPRET)
         if kt == NK - 1:
-            _push_rows_store(acc, ref, row_off, valid, c0 + c, N, BN, DST_DTYPE)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            if TAKE:  # the last column is pushed after the loop, behind the ticket's atomic
+                if c < NC - 1:
+                    _push_rows_store(acc, ref, row_off, valid, c0 + c, N, BN, DST_DTYPE)
+                    acc = tl.zeros((BM, BN), dtype=tl.float32)
+            else:
+                _push_rows_store(acc, ref, row_off, valid, c0 + c, N, BN, DST_DTYPE)
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+    got = tl.zeros((32 * NW,), tl.int32)
+    if TAKE:
+        got = sync.take_issue(take_ptr, take_idx, NW)
+        _push_rows_store(acc, ref, row_off, valid, c0 + NC - 1, N, BN, DST_DTYPE)
+    return got
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,7 +355,8 @@ def gate_up_swiglu_tile(pid_m, pid_n,
                         EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
                         n_rows=0, MASK_ROWS: tl.constexpr = False,
                         USE_TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, a_row_shift=0,
-                        TILE_M: tl.constexpr = 0, A_ROWS: tl.constexpr = False, a_rows=None):
+                        TILE_M: tl.constexpr = 0, A_ROWS: tl.constexpr = False, a_rows=None,
+                        TAKE: tl.constexpr = False, take_ptr=None, take_idx=0, NW: tl.constexpr = 4):
     """One (row tile, I-column tile): g = xs @ Wg[e]^T, u = xs @ Wu[e]^T, h = silu(g) * u.
 
     xs [R, H] (row stride stride_xm); Wg, Wu [E, I, H] (strides stride_we, stride_wn, 1);
@@ -358,8 +372,15 @@ def gate_up_swiglu_tile(pid_m, pid_n,
     A_ROWS (with USE_TMA): the tile's A rows are gathered through ``a_rows`` [BM] (a pointer per
     row, to its first element; 16-byte aligned) instead of xs_desc; the weights still come through
     wg_desc / wu_desc (``_gate_up_mainloop_rows_tma``; the megakernel's local rows read from x).
+    TAKE (the megakernel's ``fwd_early_ticket``): the next ticket is taken (``sync.take_issue`` on
+    ``take_ptr[take_idx]``) between the K loop and the epilogue (at once if the tile has no expert);
+    returns what it gave ([32 * NW] int32; zeros without TAKE).
     """
+    got = tl.zeros((32 * NW,), tl.int32)
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
+    if TAKE:
+        if e < 0:
+            got = sync.take_issue(take_ptr, take_idx, NW)
     if e >= 0:
         blk = pid_m  # first row = blk * BM
         if TILE_M > 0:
@@ -374,6 +395,8 @@ def gate_up_swiglu_tile(pid_m, pid_n,
         else:
             acc_g, acc_u = _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_wn,
                                              H, I, BM, BN, BK, EVEN_K, INTERPRET, n_rows, MASK_ROWS)
+        if TAKE:
+            got = sync.take_issue(take_ptr, take_idx, NW)
         offs_m = tl.arange(0, BM)
         rows = row0 + offs_m
         cols = pid_n * BN + tl.arange(0, BN)
@@ -384,6 +407,7 @@ def gate_up_swiglu_tile(pid_m, pid_n,
             gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
             tl.store(gptrs, acc_g.to(gu_ptr.dtype.element_ty), mask=cmask)
             tl.store(gptrs + I, acc_u.to(gu_ptr.dtype.element_ty), mask=cmask)
+    return got
 
 
 @triton.jit

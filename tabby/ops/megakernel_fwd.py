@@ -228,6 +228,26 @@ def _routed_signal(kind, i, NS: tl.constexpr, TR: tl.constexpr = False, tr_base=
 
 
 @triton.jit
+def _ticket_waits(t, sh_total, n_sh, nt, pre, lag, F: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                  GM: tl.constexpr, GS: tl.constexpr, DS: tl.constexpr, HAS_SHARED: tl.constexpr, NS: tl.constexpr,
+                  FS: tl.constexpr, TR: tl.constexpr, tr_base, SH_IDX):
+    """The counters ticket t of the compute order waits for, (idx1, target1, idx2, target2) as
+    ``_routed_waits`` (index -1: none): a shared down tile waits for its gate/up tiles, a shared
+    gate/up tile and an empty ticket (past the last row tile) for nothing."""
+    is_sh = t < sh_total
+    if HAS_SHARED:
+        kind_s, j, _ = _decode(t, n_sh, 0, GS, DS, 1)
+    else:
+        kind_s, j = 0, 0
+    kind, i, _ = _routed_task(t - sh_total, nt, pre, lag, F, G, D, GM)
+    w1, t1, w2, t2 = _routed_waits(kind, i, NS, FS, G, D, TR, tr_base)
+    w1 = tl.where(is_sh, tl.where(kind_s == 2, SH_IDX + j, -1), tl.where(i < nt, w1, -1))
+    t1 = tl.where(is_sh, GS, t1)
+    w2 = tl.where(is_sh | (i >= nt), -1, w2)
+    return w1, t1, w2, t2
+
+
+@triton.jit
 def _wait(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch, TMA: tl.constexpr = False, ready=0):
     """Wait for ``cnt_ptr[idx] >= target`` unless ``ready`` (the ticket's first polls,
     ``sync.poll2``, already saw every counter of the ticket there)."""
@@ -281,13 +301,15 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
 def _down_cols(blk, c0, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_tiles, y_ptrs, TK,
                H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                NC: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr, h_desc, wd_desc, shift,
-               TILE_M: tl.constexpr = 0):
+               TILE_M: tl.constexpr = 0, EARLY: tl.constexpr = False, cnt_ptr=None, NW: tl.constexpr = 4):
     """Down column tiles c0 .. c0+NC-1 of row block blk (BM rows; a half tile: blk = 2i, TILE_M = 2BM),
     pushed to their origins. With TMA one K loop runs over all NC columns (``gemm.push_col_tiles_tma``);
-    pointer loads run the column tiles one after another."""
+    pointer loads run the column tiles one after another. EARLY (with TMA): the next ticket is taken
+    before the last column's push; returns what it gave (``sync.take_issue``)."""
+    got = tl.zeros((32 * NW,), tl.int32)
     if TMA:
-        gemm.push_col_tiles_tma(blk, c0, e, h_desc, wd_desc, row_src, y_ptrs, TK, H, H, I, BM, BN, BK, NC,
-                                tl.bfloat16, INTERPRET, shift)
+        got = gemm.push_col_tiles_tma(blk, c0, e, h_desc, wd_desc, row_src, y_ptrs, TK, H, H, I, BM, BN, BK, NC,
+                                      tl.bfloat16, INTERPRET, shift, EARLY, cnt_ptr, C_TICKET, NW)
     else:
         pid_m = blk
         if TILE_M > 0:
@@ -297,6 +319,7 @@ def _down_cols(blk, c0, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_til
                                 hh, 0, row_src, y_ptrs, TK, H, tile_expert, num_tiles,
                                 H, I, 0, BM, BN, BK, True, False, I % BK == 0, True, tl.bfloat16,
                                 False, INTERPRET, shift, TILE_M)
+    return got
 
 
 @triton.jit
@@ -323,17 +346,22 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, h_desc=None, wd_desc=None,
                   SAVE: tl.constexpr = False, gu_save=None, HALF: tl.constexpr = False, xs_half_desc=None,
                   h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, ready=0,
-                  TR: tl.constexpr = False, tr_base=0, LOCAL_A: tl.constexpr = False, x_rows=None, k=1):
+                  TR: tl.constexpr = False, tr_base=0, LOCAL_A: tl.constexpr = False, x_rows=None, k=1,
+                  EARLY: tl.constexpr = False, NW: tl.constexpr = 4):
     """A gate/up (kind 1) ticket of routed row tile i, column tile n, or a down (kind 2) ticket of
     row tile i, column tiles n*DN_COLS .. n*DN_COLS+DN_COLS-1 (``rec``: its trace record when
     TRACE_EV > 0). G and D count tickets per row tile. The caller signals the ticket's end
-    (``_routed_signal``, ``sync.signal_take``).
+    (``_routed_signal``, ``sync.signal_take``). EARLY (``MoEConfig.fwd_early_ticket``; TMA): the
+    GEMM takes the program's next ticket between its K loop and its epilogue; returns (what
+    ``sync.take_issue`` gave, whether it was taken: not when no GEMM ran).
 
     What the schedule says of the tile (its expert, whether it is a half tile) is read before the
     task's own waits (the schedule was written before the launch), so those loads overlap them. With
     the loop's ``sync.poll2`` (the default) the polls come earlier, and these loads after them; loading
     them before the loop's polls measured no faster (session 9, ``fwd_preload_tile``, since removed)."""
     s = i % NS
+    got = tl.zeros((32 * NW,), tl.int32)
+    taken = tl.zeros((), tl.int32)
     # < 0: a padding tile (the schedule pads experts to a multiple of its ``align`` tiles): no MMA,
     # only its waits and signals, which the ring protocol counts
     first_row = tl.load(row_src + i * BM)
@@ -365,18 +393,21 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                     a_half = None
                     if LOCAL_A:
                         a_half = _local_a_rows(i, row_src, xs, x_rows, TK, k, rank, H, BM, BM // 2)
-                    gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
-                                             2 * I, tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU,
-                                             H % BK_GU == 0, SAVE, INTERPRET, 0, False, TMA, xs_half_desc,
-                                             wg_desc, wu_desc, xs_shift, BM, LOCAL_A, a_half)
+                    got = gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
+                                                   2 * I, tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU,
+                                                   H % BK_GU == 0, SAVE, INTERPRET, 0, False, TMA, xs_half_desc,
+                                                   wg_desc, wu_desc, xs_shift, BM, LOCAL_A, a_half,
+                                                   EARLY, cnt_ptr, C_TICKET, NW)
+                    taken = tl.zeros((), tl.int32) + EARLY
             if full:
                 a_full = None
                 if LOCAL_A:
                     a_full = _local_a_rows(i, row_src, xs, x_rows, TK, k, rank, H, BM, BM)
-                gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
-                                         2 * I, tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0,
-                                         SAVE, INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift,
-                                         0, LOCAL_A, a_full)
+                got = gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
+                                               2 * I, tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0,
+                                               SAVE, INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift,
+                                               0, LOCAL_A, a_full, EARLY, cnt_ptr, C_TICKET, NW)
+                taken = tl.zeros((), tl.int32) + EARLY
         if TMA:  # the down tiles read h through TMA (fenced before the caller's release)
             sync.fence_proxy_async()
     else:  # down column tiles of row tile i, rows pushed to their origins
@@ -390,12 +421,16 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
             if HALF:
                 if (half_row < 0) & (first_row >= 0):
                     full = False
-                    _down_cols(i * 2, n * DN_COLS, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_tiles,
-                               y_ptrs, TK, H, I, BM // 2, BN_DN, BK_DN, DN_COLS, TMA, INTERPRET, h_half_desc,
-                               wd_desc, shift, BM)
+                    got = _down_cols(i * 2, n * DN_COLS, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_tiles,
+                                     y_ptrs, TK, H, I, BM // 2, BN_DN, BK_DN, DN_COLS, TMA, INTERPRET, h_half_desc,
+                                     wd_desc, shift, BM, EARLY, cnt_ptr, NW)
+                    taken = tl.zeros((), tl.int32) + EARLY
             if full:
-                _down_cols(i, n * DN_COLS, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_tiles,
-                           y_ptrs, TK, H, I, BM, BN_DN, BK_DN, DN_COLS, TMA, INTERPRET, h_desc, wd_desc, shift)
+                got = _down_cols(i, n * DN_COLS, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_tiles,
+                                 y_ptrs, TK, H, I, BM, BN_DN, BK_DN, DN_COLS, TMA, INTERPRET, h_desc, wd_desc, shift,
+                                 0, EARLY, cnt_ptr, NW)
+                taken = tl.zeros((), tl.int32) + EARLY
+    return got, taken
 
 
 @triton.jit
@@ -440,7 +475,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        W=1, WP: tl.constexpr = 0, TILE_READY: tl.constexpr = False,
                        flag_ptrs=None, my_flags=None, done_idx=0, PEERS: tl.constexpr = False,
                        X_SLOT: tl.constexpr = 0, DONE_SLOT: tl.constexpr = 0, DONE_WAIT: tl.constexpr = False,
-                       LOCAL_A: tl.constexpr = False, x_rows=None):
+                       LOCAL_A: tl.constexpr = False, x_rows=None, EARLY: tl.constexpr = False):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -487,6 +522,10 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     (``sync.signal_take``) rather than after it. (Taking it before starting the current ticket was
     measured, and is much slower: the ticket then waits a whole tile for its program, and the
     tickets behind it wait for it: qwen3.5-397b 4096 2.93 -> 3.62 ms.)
+    EARLY (``MoEConfig.fwd_early_ticket``; TMA, no comm programs): the GEMM tickets take the next
+    ticket between their K loop and their epilogue, and its polls go out before the current
+    ticket's release (the loop's end), so the take's and the polls' round trips overlap the
+    epilogue and the release's fence instead of following them.
     """
     pid = tl.program_id(0)
     epoch = tl.load(epoch_ptr)
@@ -534,6 +573,10 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
             f = tl.atomic_add(cnt_ptr + C_FILL_TICKET, 1, sem="relaxed", scope="gpu")
     else:
         t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
+        if EARLY:  # the first ticket's polls; later ones are polled at the end of the ticket before
+            fw1, ft1, fw2, ft2 = _ticket_waits(t, sh_total, n_sh, nt, pre, lag, F, G, D, GM, GS, DS, HAS_SHARED, NS,
+                                               FS, TR, tr_base, SH_IDX)
+            ready = sync.poll2(cnt_ptr, fw1, ft1, fw2, ft2, NW).to(tl.int32)
         while t < total:
             if TRACE_EV > 0:  # kind TR_EMPTY unless a task overwrites it; "ready" = taken unless it waits
                 rec = head + TRACE_HEAD + 4 * tl.minimum(ev, TRACE_EV - 1)
@@ -549,20 +592,21 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
             else:
                 kind_s, j, n_s = 0, 0, 0
             kind, i, n = _routed_task(t - sh_total, nt, pre, lag, F, G, D, GM)
-            w1, t1, w2, t2 = _routed_waits(kind, i, NS, FS, G, D, TR, tr_base)
-            w1 = tl.where(is_sh, tl.where(kind_s == 2, SH_IDX + j, -1), tl.where(i < nt, w1, -1))
-            t1 = tl.where(is_sh, GS, t1)
-            w2 = tl.where(is_sh | (i >= nt), -1, w2)
-            if POLL2:
-                ready = sync.poll2(cnt_ptr, w1, t1, w2, t2, NW).to(tl.int32)
-            else:  # each wait polls on its own (one round trip after the other)
-                ready = tl.zeros((), tl.int32)
+            if not EARLY:
+                w1, t1, w2, t2 = _ticket_waits(t, sh_total, n_sh, nt, pre, lag, F, G, D, GM, GS, DS, HAS_SHARED, NS,
+                                               FS, TR, tr_base, SH_IDX)
+                if POLL2:
+                    ready = sync.poll2(cnt_ptr, w1, t1, w2, t2, NW).to(tl.int32)
+                else:  # each wait polls on its own (one round trip after the other)
+                    ready = tl.zeros((), tl.int32)
             sig = tl.where(is_sh, tl.where(kind_s == 1, SH_IDX + j, -1),
                            tl.where(i < nt, _routed_signal(kind, i, NS, TR, tr_base), -1))
             # Release, except a down tile's: dn_done only frees the h slot (its reads are done), and the
             # rows it pushed need no ordering here (the DONE signal after the kernel publishes them), so
             # its signal does not wait for the NVLink stores (relaxed, as sync.add_reads_done)
             release = (is_sh | (kind != 2)).to(tl.int32)
+            got = tl.zeros((32 * NW,), tl.int32)
+            taken = tl.zeros((), tl.int32)
             if is_sh:
                 if HAS_SHARED:
                     if TRACE_EV > 0:
@@ -580,13 +624,29 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                               NS, G, H, BM, BH, FS, ABLATE, TMA, SAVE, w_ptrs, row_w, rec, TRACE_EV, INTERPRET,
                               FILL_STAGES, ready, False, W, WP, TR, tr_base, LOCAL_A)
                     else:
-                        _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
-                                      wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
-                                      err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
-                                      INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
-                                      SAVE, gu_save, HALF, xs_half_desc, h_half_desc, rec, TRACE_EV, DN_COLS,
-                                      ready, TR, tr_base, LOCAL_A, x_rows, k)
-            t = sync.signal_take(cnt_ptr, sig, release, C_TICKET, AHEAD, NW)
+                        got, taken = _compute_task(
+                            kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, wg_e, wg_n, w_down,
+                            wd_e, wd_n, row_src, tile_expert, num_tiles, y_ptrs, TK, wait_budget,
+                            err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
+                            INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
+                            SAVE, gu_save, HALF, xs_half_desc, h_half_desc, rec, TRACE_EV, DN_COLS,
+                            ready, TR, tr_base, LOCAL_A, x_rows, k, EARLY, NW)
+            if EARLY:
+                # The next ticket was taken between the GEMM's K loop and its epilogue (else now), so
+                # its round trip ran behind the epilogue; its polls go out before this ticket's
+                # release, whose fence then overlaps their round trip. A poll that misses (e.g. a down
+                # ticket of this very row tile) waits after the signal, in the task: deadlock-free.
+                if taken == 0:
+                    got = sync.take_issue(cnt_ptr, C_TICKET, NW)
+                t = sync.take_resolve(got, NW)  # a CTA barrier: every thread's stores are issued
+                pw1, pt1, pw2, pt2 = _ticket_waits(t, sh_total, n_sh, nt, pre, lag, F, G, D, GM, GS, DS, HAS_SHARED,
+                                                   NS, FS, TR, tr_base, SH_IDX)
+                seen = sync.poll2_issue(cnt_ptr, pw1, pw2, NW)
+                tl.debug_barrier()
+                sync.signal(cnt_ptr, sig, release)
+                ready = sync.poll2_resolve(seen, pw1, pt1, pw2, pt2, NW).to(tl.int32)
+            else:
+                t = sync.signal_take(cnt_ptr, sig, release, C_TICKET, AHEAD, NW)
             if TRACE_EV > 0:
                 tl.store(rec + 3, _clock(INTERPRET))
                 ev += 1
@@ -702,7 +762,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           fill_split: int = 4, group_m: int | None = None, tma: bool = False, save=None,
                           w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1,
                           fill_stages: int = 1, ticket_ahead: bool = True, poll_together: bool = True,
-                          fill_table: bool = True, tile_ready: bool = True, peers=None, local_rows: bool = False):
+                          fill_table: bool = True, tile_ready: bool = True, peers=None, local_rows: bool = False,
+                          early_ticket: bool = False):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -736,6 +797,8 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     ``local_rows``: gate/up reads this rank's rows from ``x`` instead of filled copies (kernel LOCAL_A;
     with TMA, H % 8 == 0 and 16-byte aligned x / xs only, else off). Returns whether it was on: with
     ``save`` the kept xs then lacks this rank's rows.
+    ``early_ticket``: take the next ticket before a GEMM's epilogue and poll it before the release
+    (kernel EARLY; with TMA and no comm programs, else off).
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -803,11 +866,11 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                      D(w_up, [1, gu_cfg.BN, gu_cfg.BK]), D(mb.h_ring, [BM, dn_cfg.BK]),
                      D(w_down, [1, dn_cfg.BN, dn_cfg.BK])]
         if has_sh:  # the shared expert is "expert 0" of [1, ...] weight views
-            descs[5:] = [D(x, [BM, gus_cfg.BK]), D(sg.unsqueeze(0), [1, gus_cfg.BN, gus_cfg.BK]),
+            descs[5:10] = [D(x, [BM, gus_cfg.BK]), D(sg.unsqueeze(0), [1, gus_cfg.BN, gus_cfg.BK]),
                          D(su.unsqueeze(0), [1, gus_cfg.BN, gus_cfg.BK]), D(mb.h_sh, [BM, dns_cfg.BK]),
                          D(sd.unsqueeze(0), [1, dns_cfg.BN, dns_cfg.BK])]
         if half:
-            descs[10:] = [D(xs_buf, [BM // 2, gu_cfg.BK]), D(mb.h_ring, [BM // 2, dn_cfg.BK])]
+            descs[10:12] = [D(xs_buf, [BM // 2, gu_cfg.BK]), D(mb.h_ring, [BM // 2, dn_cfg.BK])]
     W = x_ptrs.numel()
     tile_ready = tile_ready and save is not None
     if tile_ready:
@@ -842,6 +905,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         POLL2=poll_together, W=W, WP=triton.next_power_of_2(W) if fill_table else 0, TILE_READY=tile_ready,
         flag_ptrs=flag_ptrs, my_flags=my_flags, done_idx=lay["programs_done"], PEERS=peers is not None,
         X_SLOT=x_slot, DONE_SLOT=done_slot, DONE_WAIT=done_wait, LOCAL_A=local_a, x_rows=x_rows,
+        EARLY=bool(early_ticket and use_tma and comm_programs == 0),
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
     return local_a
 

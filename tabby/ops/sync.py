@@ -85,14 +85,53 @@ def poll2(cnt_ptr, idx1, target1, idx2, target2, NW: tl.constexpr):
     reduction that broadcasts the result ends in a CTA barrier, which orders every thread's later
     reads after both acquires (as ``wait_geq`` plus its caller's barrier does).
     """
+    return poll2_resolve(poll2_issue(cnt_ptr, idx1, idx2, NW), idx1, target1, idx2, target2, NW)
+
+
+@triton.jit
+def poll2_issue(cnt_ptr, idx1, idx2, NW: tl.constexpr):
+    """``poll2``'s atomics, not waited for: what they read comes back per lane ([32 * NW]; lanes 0
+    and 32), for ``poll2_resolve`` after whatever they should overlap."""
     lane = tl.arange(0, 32 * NW)
-    on1 = (lane == 0) & (idx1 >= 0)
-    on2 = (lane == 32) & (idx2 >= 0)
+    on = ((lane == 0) & (idx1 >= 0)) | ((lane == 32) & (idx2 >= 0))
     idx = tl.where(lane < 32, idx1, idx2)
-    seen = tl.atomic_add(cnt_ptr + tl.maximum(idx, 0), tl.zeros_like(lane), mask=on1 | on2, sem="acquire",
-                         scope="gpu")
-    short = (on1 & (seen < target1)) | (on2 & (seen < target2))
+    return tl.atomic_add(cnt_ptr + tl.maximum(idx, 0), tl.zeros_like(lane), mask=on, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def poll2_resolve(seen, idx1, target1, idx2, target2, NW: tl.constexpr):
+    """Whether the reads of ``poll2_issue`` saw both targets (the reduction is the CTA barrier that
+    orders every thread's later reads after the acquires)."""
+    lane = tl.arange(0, 32 * NW)
+    short = ((lane == 0) & (idx1 >= 0) & (seen < target1)) | ((lane == 32) & (idx2 >= 0) & (seen < target2))
     return tl.max(short.to(tl.int32), axis=0) == 0
+
+
+@triton.jit
+def take_issue(cnt_ptr, ticket_idx, NW: tl.constexpr):
+    """Take a ticket: add 1 to ``cnt_ptr[ticket_idx]`` (relaxed) from lane 64 (NW >= 3), not waited
+    for: the old value comes back in lane 64 of the result ([32 * NW]; ``take_resolve``)."""
+    lane = tl.arange(0, 32 * NW)
+    return tl.atomic_add(cnt_ptr + ticket_idx + tl.zeros_like(lane), tl.full(lane.shape, 1, tl.int32),
+                         mask=lane == 64, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def take_resolve(got, NW: tl.constexpr):
+    """The ticket ``take_issue`` took, in every thread (a reduction: a CTA barrier)."""
+    lane = tl.arange(0, 32 * NW)
+    return tl.max(tl.where(lane == 64, got, -1), axis=0)
+
+
+@triton.jit
+def signal(cnt_ptr, idx, release):
+    """Add 1 to ``cnt_ptr[idx]`` (idx < 0: nothing) from one thread, with release semantics
+    (``release`` != 0: MEMBAR, then the add) or relaxed; the caller's CTA barrier comes first."""
+    if idx >= 0:
+        if release != 0:
+            tl.atomic_add(cnt_ptr + idx, 1, sem="release", scope="gpu")
+        else:
+            tl.atomic_add(cnt_ptr + idx, 1, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -107,18 +146,11 @@ def signal_take(cnt_ptr, idx, release, ticket_idx, AHEAD: tl.constexpr, NW: tl.c
     the signal waits for nothing but this program's own stores.
     """
     tl.debug_barrier()  # every thread's stores issued (release) / reads returned (relaxed)
-    lane = tl.arange(0, 32 * NW)
     if AHEAD:
-        on_t = lane == 64
-        got = tl.atomic_add(cnt_ptr + ticket_idx + tl.zeros_like(lane), tl.full(lane.shape, 1, tl.int32),
-                            mask=on_t, sem="relaxed", scope="gpu")
-    if idx >= 0:
-        if release != 0:
-            tl.atomic_add(cnt_ptr + idx, 1, sem="release", scope="gpu")
-        else:
-            tl.atomic_add(cnt_ptr + idx, 1, sem="relaxed", scope="gpu")
+        got = take_issue(cnt_ptr, ticket_idx, NW)
+    signal(cnt_ptr, idx, release)
     if AHEAD:
-        nxt = tl.max(tl.where(on_t, got, -1), axis=0)
+        nxt = take_resolve(got, NW)
     else:
         nxt = tl.atomic_add(cnt_ptr + ticket_idx, 1, sem="relaxed", scope="gpu")
     return nxt
