@@ -52,6 +52,8 @@ def _configs():
         # every row filled, gate/up reading them all through TMA (with TMA the default reads this
         # rank's rows from x: fwd_local_rows)
         "fill-local-rows": MoEConfig(megakernel=True, fwd_tma=True, fwd_local_rows=False),
+        # the next ticket taken before a GEMM's epilogue, polled before the release (off by default)
+        "early-ticket": MoEConfig(megakernel=True, fwd_tma=True, fwd_early_ticket=True),
     }
 
 
