@@ -931,6 +931,19 @@ def _wgrad_gathered_step(acc, a_ptrs, b_ptr, kt, cnt, start, rs, stride_ar, stri
 
 
 @triton.jit
+def _wgrad_any_step(acc, a_ptrs, b_ptrs, b_ptr, kt, cnt, start, rs, stride_ar, stride_br, offs_k, offs_n,
+                    row_src_ptr, x_ptr, TK, k, rank, BK: tl.constexpr, INTERPRET: tl.constexpr,
+                    B_GATHER: tl.constexpr):
+    """One K step of ``expert_wgrad_tile``: contiguous B rows, or gathered ones (B_GATHER)."""
+    if B_GATHER:
+        acc, a_ptrs, rs = _wgrad_gathered_step(acc, a_ptrs, b_ptr, kt, cnt, start, rs, stride_ar, stride_br,
+                                               offs_k, offs_n, row_src_ptr, x_ptr, TK, k, rank, BK, INTERPRET)
+    else:
+        acc, a_ptrs, b_ptrs = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK, INTERPRET)
+    return acc, a_ptrs, b_ptrs, rs
+
+
+@triton.jit
 def expert_wgrad_tile(e, pid_m, pid_n,
                       a_ptr, stride_ar, b_ptr, stride_br, c_ptr, stride_ce, stride_cm,
                       expert_start_ptr, expert_count_ptr,
@@ -959,21 +972,15 @@ def expert_wgrad_tile(e, pid_m, pid_n,
         # The interpreter (numpy >= 2.4) cannot take range() of a runtime scalar: same steps, a while loop.
         kt = 0
         while kt < nk:
-            if B_GATHER:
-                acc, a_ptrs, rs = _wgrad_gathered_step(acc, a_ptrs, b_ptr, kt, cnt, start, rs, stride_ar, stride_br,
-                                                       offs_k, offs_n, row_src_ptr, x_ptr, TK, k, rank, BK, INTERPRET)
-            else:
-                acc, a_ptrs, b_ptrs = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK,
-                                                  INTERPRET)
+            acc, a_ptrs, b_ptrs, rs = _wgrad_any_step(acc, a_ptrs, b_ptrs, b_ptr, kt, cnt, start, rs, stride_ar,
+                                                      stride_br, offs_k, offs_n, row_src_ptr, x_ptr, TK, k, rank,
+                                                      BK, INTERPRET, B_GATHER)
             kt += 1
     else:
         for kt in range(0, nk):
-            if B_GATHER:
-                acc, a_ptrs, rs = _wgrad_gathered_step(acc, a_ptrs, b_ptr, kt, cnt, start, rs, stride_ar, stride_br,
-                                                       offs_k, offs_n, row_src_ptr, x_ptr, TK, k, rank, BK, INTERPRET)
-            else:
-                acc, a_ptrs, b_ptrs = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK,
-                                                  INTERPRET)
+            acc, a_ptrs, b_ptrs, rs = _wgrad_any_step(acc, a_ptrs, b_ptrs, b_ptr, kt, cnt, start, rs, stride_ar,
+                                                      stride_br, offs_k, offs_n, row_src_ptr, x_ptr, TK, k, rank,
+                                                      BK, INTERPRET, B_GATHER)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     cptrs = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :]
