@@ -641,6 +641,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                 t = sync.take_resolve(got, NW)  # a CTA barrier: every thread's stores are issued
                 pw1, pt1, pw2, pt2 = _ticket_waits(t, sh_total, n_sh, nt, pre, lag, F, G, D, GM, GS, DS, HAS_SHARED,
                                                    NS, FS, TR, tr_base, SH_IDX)
+                pw1 = tl.where(t < total, pw1, -1)  # past the last ticket: nothing to poll
+                pw2 = tl.where(t < total, pw2, -1)
                 seen = sync.poll2_issue(cnt_ptr, pw1, pw2, NW)
                 tl.debug_barrier()
                 sync.signal(cnt_ptr, sig, release)
