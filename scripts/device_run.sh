@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batched call on the GPU machine (the device tool): GPU tests, then `tabby bench`.
 # Usage: scripts/device_run.sh STAGE [bench or tune args...]; STAGE is tests, mega, mega-ep2, profile, tune,
-# mega-pick, mega-bench, mega-tune, diag, ab (also runs combine), combine, timeline, bench or all.
+# mega-pick, mega-bench, mega-tune, mega-tma, diag, ab (also runs combine unless AB_COMBINE=0), combine, timeline,
+# bench or all.
 # Knobs (env): MEGA_TIMEOUT, WITH_PROFILE=1 (profile after another stage), PROFILE_{SHAPES,TOKENS,EP,TIMEOUT},
 # TUNE_TIMEOUT, TUNE_SHAPES, TUNE_TOKENS, BENCH_TIMEOUT, AB_SHAPES ("shape:tokens ..."), AB_VARIANTS, AB_EP (2).
 # Writes logs and results under $OUT (the device tool brings that folder back).
@@ -44,6 +45,13 @@ fi
 if [ "$stage" = mega-ep2 ]; then  # only the megakernel's EP2 GPU tests (TABBY_MEGA_CASES: a subset of cases)
   mega_tests_ep2
 fi
+if [ "$stage" = mega-tma ]; then  # the megakernel's TMA paths (local rows and their wgrad gather, early ticket), EP2 then EP1
+  export TABBY_MEGA_CONFIGS=${TABBY_MEGA_CONFIGS:-merged-tma,early-ticket,fill-local-rows}
+  TABBY_MEGA_CASES=${TABBY_MEGA_CASES:-qwen3-30b-a3b,one-expert,one-rank-empty-experts} mega_tests_ep2
+  TABBY_MAX_WAIT_MS=20000 TABBY_DEBUG=1 TABBY_MEGA_CASES=${EP1_CASES:-qwen3-30b-a3b} timeout ${MEGA_TIMEOUT:-330} \
+    python3 -m pytest -q -rA -p no:cacheprovider -s "tests/test_megakernel_gpu.py::test_megakernel_gpu[1]" 2>&1 \
+    | tee "$OUT/mega-tests-ep1.log" | grep -E "passed|failed|PASSED|FAILED|Error|assert" | tail -10
+fi
 if [ "$stage" = mega-bench ]; then  # the megakernel's GPU tests (fast-failing waits), then the EP2 bench of both paths
   mega_tests_ep2
   timeout ${BENCH_TIMEOUT:-360} python3 -m tabby bench --out "$OUT/res" --tag ep2 --ep 2 \
@@ -76,7 +84,7 @@ if [ "$stage" = ab ]; then  # back-to-back variants under autograd (the clock dr
   done
   grep -E "^\|" "$OUT/ab.log"
 fi
-if [ "$stage" = ab ] || [ "$stage" = combine ]; then  # combine block shapes and launch order (one GPU, ~10 s)
+if { [ "$stage" = ab ] && [ "${AB_COMBINE:-1}" = 1 ]; } || [ "$stage" = combine ]; then  # combine blocks (one GPU, ~10 s)
   timeout 120 python3 scripts/combine_bench.py 2>&1 | tee "$OUT/combine-bench.log" | grep -E "^\|"
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
