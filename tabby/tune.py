@@ -12,7 +12,8 @@ it), ``G`` a ticket's polls in one round trip (0: one after the other), ``O`` x 
 the schedule (0: one after the other), ``F`` a fill's address tables loaded whole (0: an entry
 per row), ``I`` per-tile fill counters when rows are kept (0: per ring slot), ``H`` the pass's
 peer flags set and waited for inside the kernels (0: signal/wait launches), ``LR`` gate/up reads
-this rank's rows from x, the fills copy only other ranks' (1: on), ``A`` ablation (1: no row copies, 2: no routed GEMM math, 4:
+this rank's rows from x, the fills copy only other ranks' (0: every row filled), ``ET`` the next
+ticket taken before a GEMM's epilogue (1: on), ``A`` ablation (1: no row copies, 2: no routed GEMM math, 4:
 pushes into the own buffer; the output is then wrong and not checked). Example:
 ``mega:C=16,R=4096``. Every non-ablated variant's output is compared with the sync-free path's
 (bitwise without a shared expert). Forward times: CUDA events per iteration, maximum over ranks,

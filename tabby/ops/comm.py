@@ -93,7 +93,7 @@ def _copy_cols(src_row, dst_row, valid, h0, H, BH: tl.constexpr, KEEP: tl.conste
 def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
                    BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr,
                    STAGES: tl.constexpr = 1, W=1, WP: tl.constexpr = 0, SKIP_EMPTY: tl.constexpr = False,
-                   RANK_ROWS: tl.constexpr = 0, rank=0):
+                   SKIP_RANK: tl.constexpr = False, rank=0):
     """Copy rows ``tile*BR ..`` of the routed buffer from their source ranks.
 
     Row r serves flat source id ``row_src[r] = src*TK + t*k + kk`` (-1: padding, written as zeros):
@@ -107,7 +107,7 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     same round trip as ``row_src``, and each row picks its entry in registers; WP = 0: each row's
     entry is loaded after its ``row_src`` (one more dependent round trip, ~1-2 us under load).
     SKIP_EMPTY: a block of padding rows only (real rows are a prefix, so: its first row < 0) is not
-    written at all. RANK_ROWS 1: rows from ``rank`` are neither read nor written (their weights
+    written at all. SKIP_RANK: rows from ``rank`` are neither read nor written (their weights
     are): the forward megakernel's gate/up tiles read them from x (``MoEConfig.fwd_local_rows``).
     """
     rows = tile * BR + tl.arange(0, BR)
@@ -122,16 +122,16 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     if SKIP_EMPTY:
         if tl.max(rs, axis=0) >= 0:
             _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH, WITH_WEIGHTS, ROWS_16B,
-                       STAGES, WP, RANK_ROWS, rank)
+                       STAGES, WP, SKIP_RANK, rank)
     else:
         _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH, WITH_WEIGHTS, ROWS_16B,
-                   STAGES, WP, RANK_ROWS, rank)
+                   STAGES, WP, SKIP_RANK, rank)
 
 
 @triton.jit
 def _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH: tl.constexpr,
                WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr, STAGES: tl.constexpr, WP: tl.constexpr,
-               RANK_ROWS: tl.constexpr = 0, rank=0):
+               SKIP_RANK: tl.constexpr = False, rank=0):
     """``pull_rows_tile``'s copy of rows ``rows`` whose sources ``rs`` are loaded (tables: see there)."""
     valid = rs >= 0
     src = tl.where(valid, rs // TK, 0)
@@ -159,23 +159,27 @@ def _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH:
         else:
             wbase = tl.load(w_ptrs + src).to(tl.pointer_type(tl.float32))
         wv = tl.load(wbase + tk, mask=valid, other=0.0)
-    if RANK_ROWS > 0:
+    if SKIP_RANK:
         keep = valid & (src == rank)  # rows left as they are
         if tl.sum((valid & ~keep).to(tl.int32), axis=0) > 0:  # some row to copy
-            if STAGES > 1:
-                for h0 in tl.range(0, H, BH, num_stages=STAGES):
-                    _copy_cols(src_row, dst_row, valid, h0, H, BH, True, keep)
-            else:
-                for h0 in range(0, H, BH):
-                    _copy_cols(src_row, dst_row, valid, h0, H, BH, True, keep)
-    elif STAGES > 1:
-        for h0 in tl.range(0, H, BH, num_stages=STAGES):
-            _copy_cols(src_row, dst_row, valid, h0, H, BH)
+            _copy_row_cols(src_row, dst_row, valid, H, BH, STAGES, True, keep)
     else:
-        for h0 in range(0, H, BH):
-            _copy_cols(src_row, dst_row, valid, h0, H, BH)
+        _copy_row_cols(src_row, dst_row, valid, H, BH, STAGES)
     if WITH_WEIGHTS:
         tl.store(ws_out + rows, wv)
+
+
+@triton.jit
+def _copy_row_cols(src_row, dst_row, valid, H, BH: tl.constexpr, STAGES: tl.constexpr, KEEP: tl.constexpr = False,
+                   keep=0):
+    """Every column of a block of rows, BH at a time (``_copy_cols``), software-pipelined with
+    STAGES > 1."""
+    if STAGES > 1:
+        for h0 in tl.range(0, H, BH, num_stages=STAGES):
+            _copy_cols(src_row, dst_row, valid, h0, H, BH, KEEP, keep)
+    else:
+        for h0 in range(0, H, BH):
+            _copy_cols(src_row, dst_row, valid, h0, H, BH, KEEP, keep)
 
 
 @triton.jit

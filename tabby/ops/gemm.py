@@ -903,29 +903,32 @@ def _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK: 
 
 
 @triton.jit
-def _wgrad_gathered_b(b_ptr, stride_br, rows, rs, offs_n, x_ptr, TK, k, rank):
-    """B pointers [BK, BN] for routed rows ``rows`` [BK] of xs (``b_ptr``; ``rs``: their row_src)
-    where this rank's rows come from x (``x_ptr`` [T, stride_br]: row ``(rs % TK) // k``) and the
-    others from xs: the megakernel's ``fwd_local_rows`` left this rank's rows of the kept xs
-    unwritten. Both buffers 16-byte aligned, rows a multiple of 16 bytes (the launcher checks)."""
+def local_row_offsets(rows, rs, xs, x, TK, k, rank, stride):
+    """Element offsets from ``xs`` of routed rows ``rows`` (int64 [R]; ``rs``: their row_src) where
+    this rank's rows (``rs // TK == rank``) are read from x [T, stride] instead, row
+    ``(rs % TK) // k``, and the others from xs [R', stride]: the megakernel's ``fwd_local_rows``
+    leaves this rank's rows of xs unfilled (its gate/up tiles and the backward's weight gradient
+    read them from x). An offset from one pointer argument, not a pointer per buffer, so the
+    loads keep their 16-byte vectors: both buffers 16-byte aligned, ``stride`` a multiple of
+    16 bytes (the launchers check)."""
     mine = (rs >= 0) & (rs // TK == rank)
     tok = tl.where(mine, (rs % TK) // k, 0).to(tl.int64)
-    ESIZE: tl.constexpr = b_ptr.dtype.element_ty.primitive_bitwidth // 8
-    dx = (x_ptr.to(tl.int64, bitcast=True) - b_ptr.to(tl.int64, bitcast=True)) // ESIZE  # x - xs, elements
-    off = tl.multiple_of(tl.where(mine, dx + tok * stride_br, rows * stride_br), 16 // ESIZE)
-    return b_ptr + off[:, None] + offs_n[None, :]
+    ESIZE: tl.constexpr = xs.dtype.element_ty.primitive_bitwidth // 8
+    dx = (x.to(tl.int64, bitcast=True) - xs.to(tl.int64, bitcast=True)) // ESIZE  # x - xs, elements
+    return tl.multiple_of(tl.where(mine, dx + tok * stride, rows * stride), 16 // ESIZE)
 
 
 @triton.jit
 def _wgrad_gathered_step(acc, a_ptrs, b_ptr, kt, cnt, start, rs, stride_ar, stride_br, offs_k, offs_n,
                          row_src_ptr, x_ptr, TK, k, rank, BK: tl.constexpr, INTERPRET: tl.constexpr):
-    """``_wgrad_step`` with B's rows gathered (``_wgrad_gathered_b``) from ``rs``, the row sources of
+    """``_wgrad_step`` with B's rows gathered (``local_row_offsets``) from ``rs``, the row sources of
     step kt loaded one step earlier; returns the next step's. Loaded a step ahead, the B addresses
     depend on no load of their own step, and the pipeliner keeps its num_stages - 1 steps of
     data loads in flight (sm_90 PTX: the same cp.async prologue as without the gather; loading
     row_src in the step itself left one step in flight)."""
     rs_next = tl.load(row_src_ptr + start + (kt + 1) * BK + offs_k, mask=offs_k < cnt - (kt + 1) * BK, other=-1)
-    b_ptrs = _wgrad_gathered_b(b_ptr, stride_br, start + kt * BK + offs_k, rs, offs_n, x_ptr, TK, k, rank)
+    rows = start + kt * BK + offs_k
+    b_ptrs = b_ptr + local_row_offsets(rows, rs, b_ptr, x_ptr, TK, k, rank, stride_br)[:, None] + offs_n[None, :]
     acc, a_ptrs, _ = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK, INTERPRET)
     return acc, a_ptrs, rs_next
 
@@ -954,7 +957,7 @@ def expert_wgrad_tile(e, pid_m, pid_n,
 
     A [R, >= M] (row stride stride_ar, unit column stride), B [R, >= N] likewise;
     C [E, M, N] (strides stride_ce, stride_cm, 1). An expert with no rows writes zeros.
-    B_GATHER: B's rows from this rank (``row_src``) are read from x instead (``_wgrad_gathered_b``).
+    B_GATHER: B's rows from this rank (``row_src``) are read from x instead (``local_row_offsets``).
     """
     start = tl.load(expert_start_ptr + e).to(tl.int64)
     cnt = tl.load(expert_count_ptr + e)

@@ -228,18 +228,26 @@ def _routed_signal(kind, i, NS: tl.constexpr, TR: tl.constexpr = False, tr_base=
 
 
 @triton.jit
-def _ticket_waits(t, sh_total, n_sh, nt, pre, lag, F: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                  GM: tl.constexpr, GS: tl.constexpr, DS: tl.constexpr, HAS_SHARED: tl.constexpr, NS: tl.constexpr,
-                  FS: tl.constexpr, TR: tl.constexpr, tr_base, SH_IDX):
-    """The counters ticket t of the compute order waits for, (idx1, target1, idx2, target2) as
-    ``_routed_waits`` (index -1: none): a shared down tile waits for its gate/up tiles, a shared
-    gate/up tile and an empty ticket (past the last row tile) for nothing."""
+def _decode_ticket(t, sh_total, n_sh, nt, pre, lag, F: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                   GM: tl.constexpr, GS: tl.constexpr, DS: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """Ticket t of the compute order -> (is_sh, kind_s, j, n_s, kind, i, n): a shared-expert ticket
+    (t < sh_total; kind_s 1 gate/up, 2 down of x row tile j, column n_s) or a routed one
+    (``_routed_task``: kind, row tile i, column or fill part n)."""
     is_sh = t < sh_total
     if HAS_SHARED:
-        kind_s, j, _ = _decode(t, n_sh, 0, GS, DS, 1)
+        kind_s, j, n_s = _decode(t, n_sh, 0, GS, DS, 1)
     else:
-        kind_s, j = 0, 0
-    kind, i, _ = _routed_task(t - sh_total, nt, pre, lag, F, G, D, GM)
+        kind_s, j, n_s = 0, 0, 0
+    kind, i, n = _routed_task(t - sh_total, nt, pre, lag, F, G, D, GM)
+    return is_sh, kind_s, j, n_s, kind, i, n
+
+
+@triton.jit
+def _ticket_waits(is_sh, kind_s, j, kind, i, nt, G: tl.constexpr, D: tl.constexpr, GS: tl.constexpr,
+                  NS: tl.constexpr, FS: tl.constexpr, TR: tl.constexpr, tr_base, SH_IDX):
+    """The counters a decoded ticket (``_decode_ticket``) waits for, (idx1, target1, idx2, target2)
+    as ``_routed_waits`` (index -1: none): a shared down tile waits for its gate/up tiles, a shared
+    gate/up tile and an empty ticket (past the last row tile) for nothing."""
     w1, t1, w2, t2 = _routed_waits(kind, i, NS, FS, G, D, TR, tr_base)
     w1 = tl.where(is_sh, tl.where(kind_s == 2, SH_IDX + j, -1), tl.where(i < nt, w1, -1))
     t1 = tl.where(is_sh, GS, t1)
@@ -325,16 +333,11 @@ def _down_cols(blk, c0, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_til
 @triton.jit
 def _local_a_rows(i, row_src, xs, x_rows, TK, k, rank, H: tl.constexpr, BM: tl.constexpr, R: tl.constexpr):
     """Pointers to the A rows of routed row tile i's first R rows (LOCAL_A): a row from this rank
-    in x_rows (the layer's input [T, H]), any other in xs (row i*BM + r: filled, or padding). Both
-    buffers 16-byte aligned with H % 8 == 0 (the launcher checks), so the loads are 16-byte vectors."""
-    r = tl.arange(0, R)
-    rs = tl.load(row_src + i * BM + r)
-    mine = (rs >= 0) & (rs // TK == rank)
-    tok = tl.where(mine, (rs % TK) // k, 0)
-    ESIZE: tl.constexpr = xs.dtype.element_ty.primitive_bitwidth // 8
-    dx = (x_rows.to(tl.int64, bitcast=True) - xs.to(tl.int64, bitcast=True)) // ESIZE  # x_rows - xs, elements
-    off = tl.where(mine, dx + tok.to(tl.int64) * H, (i * BM + r).to(tl.int64) * H)
-    return xs + tl.multiple_of(off, 16 // ESIZE)
+    in x_rows (the layer's input [T, H]), any other in xs (row i*BM + r: filled, or padding)
+    (``gemm.local_row_offsets``; the launcher checks the alignment it needs)."""
+    rows = i * BM + tl.arange(0, R)
+    rs = tl.load(row_src + rows)
+    return xs + gemm.local_row_offsets(rows.to(tl.int64), rs, xs, x_rows, TK, k, rank, H)
 
 
 @triton.jit
@@ -574,8 +577,9 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     else:
         t = tl.atomic_add(cnt_ptr + C_TICKET, 1, sem="relaxed", scope="gpu")
         if EARLY:  # the first ticket's polls; later ones are polled at the end of the ticket before
-            fw1, ft1, fw2, ft2 = _ticket_waits(t, sh_total, n_sh, nt, pre, lag, F, G, D, GM, GS, DS, HAS_SHARED, NS,
-                                               FS, TR, tr_base, SH_IDX)
+            fsh, fks, fj, _, fk, fi, _ = _decode_ticket(t, sh_total, n_sh, nt, pre, lag, F, G, D, GM, GS, DS,
+                                                        HAS_SHARED)
+            fw1, ft1, fw2, ft2 = _ticket_waits(fsh, fks, fj, fk, fi, nt, G, D, GS, NS, FS, TR, tr_base, SH_IDX)
             ready = sync.poll2(cnt_ptr, fw1, ft1, fw2, ft2, NW).to(tl.int32)
         while t < total:
             if TRACE_EV > 0:  # kind TR_EMPTY unless a task overwrites it; "ready" = taken unless it waits
@@ -586,15 +590,10 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                 tl.store(rec + 2, c0)
             # What the ticket is, the counters it waits for (index -1: none; polled together in one
             # round trip) and the counter it signals at its end
-            is_sh = t < sh_total
-            if HAS_SHARED:
-                kind_s, j, n_s = _decode(t, n_sh, 0, GS, DS, 1)
-            else:
-                kind_s, j, n_s = 0, 0, 0
-            kind, i, n = _routed_task(t - sh_total, nt, pre, lag, F, G, D, GM)
+            is_sh, kind_s, j, n_s, kind, i, n = _decode_ticket(t, sh_total, n_sh, nt, pre, lag, F, G, D, GM, GS, DS,
+                                                               HAS_SHARED)
             if not EARLY:
-                w1, t1, w2, t2 = _ticket_waits(t, sh_total, n_sh, nt, pre, lag, F, G, D, GM, GS, DS, HAS_SHARED, NS,
-                                               FS, TR, tr_base, SH_IDX)
+                w1, t1, w2, t2 = _ticket_waits(is_sh, kind_s, j, kind, i, nt, G, D, GS, NS, FS, TR, tr_base, SH_IDX)
                 if POLL2:
                     ready = sync.poll2(cnt_ptr, w1, t1, w2, t2, NW).to(tl.int32)
                 else:  # each wait polls on its own (one round trip after the other)
@@ -639,8 +638,9 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                 if taken == 0:
                     got = sync.take_issue(cnt_ptr, C_TICKET, NW)
                 t = sync.take_resolve(got, NW)  # a CTA barrier: every thread's stores are issued
-                pw1, pt1, pw2, pt2 = _ticket_waits(t, sh_total, n_sh, nt, pre, lag, F, G, D, GM, GS, DS, HAS_SHARED,
-                                                   NS, FS, TR, tr_base, SH_IDX)
+                psh, pks, pj, _, pk, pi, _ = _decode_ticket(t, sh_total, n_sh, nt, pre, lag, F, G, D, GM, GS, DS,
+                                                            HAS_SHARED)
+                pw1, pt1, pw2, pt2 = _ticket_waits(psh, pks, pj, pk, pi, nt, G, D, GS, NS, FS, TR, tr_base, SH_IDX)
                 pw1 = tl.where(t < total, pw1, -1)  # past the last ticket: nothing to poll
                 pw2 = tl.where(t < total, pw2, -1)
                 seen = sync.poll2_issue(cnt_ptr, pw1, pw2, NW)
