@@ -13,7 +13,8 @@ the schedule (0: one after the other), ``F`` a fill's address tables loaded whol
 per row), ``I`` per-tile fill counters when rows are kept (0: per ring slot), ``H`` the pass's
 peer flags set and waited for inside the kernels (0: signal/wait launches), ``LR`` gate/up reads
 this rank's rows from x, the fills copy only other ranks' (0: every row filled), ``ET`` the next
-ticket taken before a GEMM's epilogue (1: on), ``A`` ablation (1: no row copies, 2: no routed GEMM math, 4:
+ticket taken before a GEMM's epilogue (1: on), ``PT`` the peers' x pulled whole by a copy engine, no
+fills (1: on), ``A`` ablation (1: no row copies, 2: no routed GEMM math, 4:
 pushes into the own buffer; the output is then wrong and not checked). Example:
 ``mega:C=16,R=4096``. Every non-ablated variant's output is compared with the sync-free path's
 (bitwise without a shared expert). Forward times: CUDA events per iteration, maximum over ranks,
@@ -40,7 +41,8 @@ _KNOBS = {"C": "fwd_comm_programs", "P": "fwd_prefetch", "R": "ring_rows", "N": 
           "V": "fwd_num_warps", "D": "fwd_down_cols", "E": "fwd_align_tiles", "J": "fwd_fill_stages",
           "X": "fwd_ticket_ahead", "G": "fwd_poll_together",
           "O": "overlap_publish", "F": "fwd_fill_table", "I": "fwd_tile_ready",
-          "H": "fwd_peer_flags", "LR": "fwd_local_rows", "ET": "fwd_early_ticket"}
+          "H": "fwd_peer_flags", "LR": "fwd_local_rows", "ET": "fwd_early_ticket",
+          "PT": "fwd_pull_tokens"}
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:

@@ -20,7 +20,7 @@ DESCS = ["xs_desc", "wg_desc", "wu_desc", "h_desc", "wd_desc", "x_desc", "sg_des
 def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, save: bool = False, half: bool = True,
              trace: bool = False, warps: int = 8, dn_cols: int = 1, fill_stages: int = 1, ahead: bool = True,
              poll2: bool = True, wp: int = 2, tile_ready: bool = True, peers: bool = True, local_a: bool = False,
-             early: bool = False):
+             early: bool = False, tokens: bool = False):
     from tabby.ops import megakernel_fwd as mk
 
     # 4 warps (MoEConfig.mega_warps): two programs per SM, 64-column gate/up tiles, 3 stages
@@ -29,7 +29,8 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
                  BN_GU=bn_gu, BK_GU=64, BN_DN=bn_dn, BK_DN=64, BN_GUS=bn_gus, BK_GUS=64, BN_DNS=bn_dns, BK_DNS=64,
                  INTERPRET=False, TMA=tma, SAVE=save, HALF=half, TRACE_EV=64 if trace else 0, DN_COLS=dn_cols,
                  FILL_STAGES=fill_stages, AHEAD=ahead, NW=warps, POLL2=poll2, WP=wp, TILE_READY=tile_ready,
-                 PEERS=peers, X_SLOT=4, DONE_SLOT=1, DONE_WAIT=peers, LOCAL_A=local_a, EARLY=early)
+                 PEERS=peers, X_SLOT=4, DONE_SLOT=1, DONE_WAIT=peers, LOCAL_A=local_a, EARLY=early, TOKENS=tokens,
+                 X_PULL=5)
     ptrs = {n: "*i32" for n in ["cnt_ptr", "err_ptr", "epoch_ptr", "row_src", "tile_expert", "num_tiles",
                                 "sh_tiles", "sh_n"]}
     ptrs.update({n: "*i64" for n in ["x_ptrs", "y_ptrs"]})
@@ -40,6 +41,10 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
     ptrs["wait_budget"] = "i64"  # nanoseconds: 60 s does not fit an i32
     ptrs.update(flag_ptrs="*i64", my_flags="*i32")  # fwd_peer_flags: every rank's flags, this rank's
     ptrs["x_rows"] = "*bf16"  # fwd_local_rows: the layer's input
+    if tokens:  # fwd_pull_tokens: the schedule's tile order, its count of local tiles, the pull's counter
+        ptrs.update(tile_order="*i32", local_tiles="*i32", pull_idx="i32")
+    else:
+        const.update(tile_order=None, local_tiles=None)
     if trace:  # fwd_trace_events: the ticket trace (clock64 and globaltimer reads)
         ptrs["trace"] = "*i64"
     else:
@@ -68,12 +73,12 @@ def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, s
     n_async = ttgir.count("async_tma_copy_global_to_local" if tma else "async_copy_global_to_local")
     assert n_async > 0, "no pipelined loads"
     if tma:  # the GEMMs load through TMA: ordinary async copies are the fills', only when pipelined
-        # (and, with local_a, the gate/up tiles' gathered A rows)
+        # (and, with local_a, the gate/up tiles' gathered A rows; with tokens there are no fills)
         n_fill_async = ttgir.count("async_copy_global_to_local")
         assert (n_fill_async > 0) == (fill_stages > 1 or local_a), f"fill_stages={fill_stages}: {n_fill_async} async copies"
     print(f"ok shared={has_shared} comm={comm} bn_dn={bn_dn} tma={tma} save={save} half={half} "
           f"trace={trace} warps={warps} dn_cols={dn_cols} fill_stages={fill_stages} ahead={ahead} poll2={poll2} "
-          f"wp={wp} tile_ready={tile_ready} peers={peers} local_a={local_a} early={early} "
+          f"wp={wp} tile_ready={tile_ready} peers={peers} local_a={local_a} early={early} tokens={tokens} "
           f"smem={k.metadata.shared} async={n_async}")
 
 
@@ -108,23 +113,30 @@ _CASES = [c + _DEFAULT_TICKETS for c in [
     # differentiated 4-warp config and qwen3.5-397b's 8-warp one (shared expert), and traced
     (False, 0, 128, True, True, True, False, 4, 2, 3, True, True, 2, True, True, True, True),
     (True, 0, 256, True, True, True, False, 8, 2, 1, True, True, 2, True, True, True, True),
-    (False, 0, 128, True, True, True, True, 4, 2, 3, True, True, 2, True, True, True, True)]
+    (False, 0, 128, True, True, True, True, 4, 2, 3, True, True, 2, True, True, True, True)] + [
+    # the peers' x pulled whole, no fills (fwd_pull_tokens), at qwen3-30b-a3b's differentiated 4-warp
+    # config, ring-only, with the early ticket, and qwen3.5-397b's 8-warp one (shared expert)
+    (False, 0, 128, True, True, True, False, 4, 2, 3, True, True, 2, True, True, True, False, True),
+    (False, 0, 128, True, False, True, False, 4, 2, 3, True, True, 2, True, True, True, False, True),
+    (False, 0, 128, True, True, True, False, 4, 2, 3, True, True, 2, True, True, True, True, True),
+    (True, 0, 256, True, True, True, False, 8, 2, 1, True, True, 2, True, True, True, False, True)]
 
 
 _CASES = [c + (2, True) if len(c) == 12 else c for c in _CASES]  # default: EP2 tables, per-tile fill counters
 _CASES = [c + (True,) if len(c) == 14 else c for c in _CASES]  # default: flags set and waited in the kernel
 _CASES = [c + (False,) if len(c) == 15 else c for c in _CASES]  # default: local rows filled like the others
 _CASES = [c + (False,) if len(c) == 16 else c for c in _CASES]  # default: the next ticket taken at the end
+_CASES = [c + (False,) if len(c) == 17 else c for c in _CASES]  # default: rows filled by fill tickets
 
 
 @pytest.mark.parametrize("has_shared,comm,bn_dn,tma,save,half,trace,warps,dn_cols,fill_stages,ahead,poll2,wp,"
-                         "tile_ready,peers,local_a,early", _CASES)
+                         "tile_ready,peers,local_a,early,tokens", _CASES)
 def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols, fill_stages,
-                                      ahead, poll2, wp, tile_ready, peers, local_a, early):
+                                      ahead, poll2, wp, tile_ready, peers, local_a, early, tokens):
     args = (has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols, fill_stages, ahead, poll2, wp, tile_ready,
-            peers, local_a, early)
+            peers, local_a, early, tokens)
     assert "ok" in run_compiled_check(__file__, *(str(int(v)) for v in args))
 
 
 if __name__ == "__main__":
-    _compile(*(int(a) if i in (1, 2, 7, 8, 9, 12) else bool(int(a)) for i, a in enumerate(sys.argv[1:18])))
+    _compile(*(int(a) if i in (1, 2, 7, 8, 9, 12) else bool(int(a)) for i, a in enumerate(sys.argv[1:19])))

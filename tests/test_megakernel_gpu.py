@@ -54,6 +54,8 @@ def _configs():
         "fill-local-rows": MoEConfig(megakernel=True, fwd_tma=True, fwd_local_rows=False),
         # the next ticket taken before a GEMM's epilogue, polled before the release (off by default)
         "early-ticket": MoEConfig(megakernel=True, fwd_tma=True, fwd_early_ticket=True),
+        # the peers' x pulled whole by a copy engine beside the kernel, no fills (stream memory ops)
+        "pull-tokens": MoEConfig(megakernel=True, fwd_tma=True, fwd_pull_tokens=True),
     }
 
 
@@ -108,10 +110,21 @@ def check_mega_rank(rank, W, cases):
             out[f"{cname}/{case}"] = res
             print(f"[mega rank {rank}] {cname}/{case}: {res}", flush=True)  # survives a later timeout
     # The debug mode (TABBY_DEBUG=1, set by scripts/device_run.sh mega) reads the error record
-    # after every pass, a host sync by design: the sync and graph checks run without it.
-    cfg = dataclasses.replace(_configs()["merged"], debug=False)
+    # after every pass, a host sync by design: the sync and graph checks run without it. The
+    # defaults, and the token pull (its copy stream's waits and writes captured into the graph).
+    for cname in ("merged", "pull-tokens"):
+        res = _sync_and_graph(dataclasses.replace(_configs()[cname], debug=False), cases[0], rank, W, device, group)
+        out.update({f"{k}/{cname}": v for k, v in res.items()})
+    return out
+
+
+def _sync_and_graph(cfg, case, rank, W, device, group):
+    """No host sync in a differentiated pass; a captured forward replayed with new x equals eager."""
+    import tabby
+
+    out = {}
     fn = functools.partial(tabby.moe, config=cfg)
-    inp = _inputs(cases[0], rank, W, device)
+    inp = _inputs(case, rank, W, device)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -150,8 +163,9 @@ def _assert_ok(res):
         assert r["deterministic"], f"{key}: not bitwise deterministic"
         assert r["y_bitwise_vs_sync_free"] in (True, None), f"{key}: y differs from the sync-free path"
         assert r["dw_bitwise_vs_sync_free"], f"{key}: gradients differ from the sync-free path"
-    assert res["no_host_sync"] is True, res["no_host_sync"]
-    assert res["graph_matches_eager"], "CUDA graph replay differs from eager"
+    for cname in ("merged", "pull-tokens"):
+        assert res[f"no_host_sync/{cname}"] is True, res[f"no_host_sync/{cname}"]
+        assert res[f"graph_matches_eager/{cname}"], f"{cname}: CUDA graph replay differs from eager"
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])

@@ -137,6 +137,38 @@ def test_aligned_segments(align):
     assert ref["num_tiles"].item() == start[-1].item() // BM
 
 
+@pytest.mark.parametrize("W,rank,align,BM", [(1, 0, 1, 8), (2, 0, 1, 8), (2, 1, 2, 8), (3, 1, 1, 4), (3, 2, 2, 16),
+                                             (4, 1, 1, 8)])
+def test_token_pull_order_and_row_weights(W, rank, align, BM):
+    """``order=True``: tile_order lists the tiles with rows from this rank only (or none) first, then
+    the others, each in tile order, and local_tiles counts the first; ``row_w``: each real row's router
+    weight from its source rank's table. Mixed tiles, padding tiles, a rank in the middle (other ranks'
+    rows on both sides of its own in an expert), an expert with most rows, an empty expert."""
+    gen = torch.Generator().manual_seed(31 * W + rank + align)
+    T, k, E_local = 45, 3, 5
+    all_idx = _random_idx(W, T, k, W * E_local, gen)
+    all_idx[:, :20, 0] = rank * E_local + 1  # a big expert on this rank, rows from every rank
+    all_idx[all_idx == rank * E_local + 4] = (rank * E_local + 5) % (W * E_local)  # an empty expert
+    w_all = torch.rand(W, T, k, generator=gen)
+    w_list = [w_all[s].contiguous().to(DEVICE) for s in range(W)]
+    idx_list = [all_idx[s].contiguous().clone().to(DEVICE) for s in range(W)]
+    bufs = alloc_schedule(W, T, k, E_local, BM, DEVICE, chunk=32, align=align, order=True)
+    row_w = torch.full((bufs.R_max,), -7.0, device=DEVICE)
+    err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=DEVICE)
+    launch_schedule(bufs, _ptrs(idx_list, DEVICE), err, rank, row_w=(_ptrs(w_list, DEVICE), row_w))
+    ref = _check(bufs, all_idx, rank, E_local, BM)
+    nt = ref["num_tiles"].item()
+    assert torch.equal(bufs.tile_order.cpu()[:nt], ref["tile_order"][:nt])
+    assert bufs.local_tiles.item() == ref["local_tiles"].item()
+    assert sorted(ref["tile_order"][:nt].tolist()) == list(range(nt))  # a permutation of the tiles
+    if W > 1:
+        assert 0 < ref["local_tiles"].item() < nt  # both classes present
+    rs = ref["row_src"].long()
+    real = rs >= 0
+    assert torch.equal(row_w.cpu()[real], w_all.reshape(-1)[rs[real]])
+    assert (err.cpu() == 0).all()
+
+
 def test_empty_experts_and_remote_only():
     """Some local experts get nothing; a rank whose experts get nothing at all."""
     gen = torch.Generator().manual_seed(7)

@@ -161,6 +161,15 @@ class MoEConfig:
                      the same with no row copies at all: latency, not dependencies; session 8's
                      trace) overlap the epilogue and the release's fence. Needs TMA, else off.
                      Built in session 12, CPU-tested; NOT yet measured on a GPU: off.
+    fwd_pull_tokens: the megakernel's dispatch pulls every peer's x whole, once, with a copy engine
+                     beside the kernel (``streamops``: stream waits and writes on flags, no SM taken),
+                     instead of (token, k) rows by fill tickets; gate/up gathers every A row from x
+                     or those tokens, tiles of this rank's rows first (the schedule's tile order) so
+                     that the others find the copy done. At EP2 with top-8 of 128 experts nearly every
+                     token goes to both ranks, about 4 rows each: NVLink carries ~4x fewer bytes, no
+                     program spends time on fills, and the kept xs [R, H] of a differentiated forward
+                     becomes the tokens [W*T, H] (the backward gathers from them). Needs
+                     ``fwd_peer_flags`` and ``fwd_local_rows`` (TMA), no comm programs; else off.
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -203,6 +212,7 @@ class MoEConfig:
     fwd_peer_flags: bool = True
     fwd_local_rows: bool = True
     fwd_early_ticket: bool = False
+    fwd_pull_tokens: bool = False
     overlap_publish: bool = True
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:

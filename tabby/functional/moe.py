@@ -51,12 +51,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from ..ops import INTERPRET, comm, gemm, megakernel_fwd, sync
+from ..ops import INTERPRET, comm, gemm, megakernel_fwd, streamops, sync
 from ..ops.combine import combine_k
 from ..ops.schedule import alloc_schedule, launch_schedule, schedule_capacity
 from ..validate import MoEInputError, check_inputs
 from .config import MoEConfig
-from .workspace import (BWD, BWD_DONE, BWD_READY, FWD, FWD_DONE, FWD_READY, FWD_X_READY, ThreadGroup,
+from .workspace import (BWD, BWD_DONE, BWD_READY, FWD, FWD_DONE, FWD_READY, FWD_X_PULL, FWD_X_READY, ThreadGroup,
                         WorkspaceKey, get_workspace)
 
 
@@ -182,7 +182,8 @@ def _side_stream(ws, cfg: MoEConfig, x):
     return side
 
 
-def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local, in_kernel=False, on_main=None):
+def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local, in_kernel=False, on_main=None,
+                          order=False, row_w=None):
     """Publish this rank's inputs, wait for every peer's, build the routed-row schedule.
 
     The schedule needs only the routing, so x (T * H * 2 bytes, the bulk of the publish: ~30 us at
@@ -199,7 +200,8 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
     this rank's chunks) and waits for the peers' routing (``launch_schedule(publish=...)``; under
     the interpreter with several ranks the copies and signal/wait come first, as without it), and
     FWD_X_READY is left to the megakernel. ``on_main``: work for the current stream after the x copy, off the side stream's
-    critical path (the megakernel's counter memset).
+    critical path (the megakernel's counter memset). ``order``: the schedule also lists its tiles in
+    the token pull's order; ``row_w`` (fp32 [R_max]): the schedule also writes the rows' router weights.
     """
     T, k = topk_idx.shape
     _stage("fwd:start")
@@ -213,7 +215,7 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
     if done is None:  # counters that the last program of a launch resets: zeroed once
         done = ws.__dict__["_schedule_done"] = torch.zeros(2, dtype=torch.int32, device=x.device)
     sched = alloc_schedule(ws.world_size, T, k, E_local, cfg.tile_m, x.device, align=cfg.align_tiles(T, k, E_local),
-                           done=done)
+                           done=done, order=order)
     side = _side_stream(ws, cfg, x)
 
     def schedule():
@@ -222,7 +224,8 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
         _stage("fwd:publish+wait")
         ready = (ws.flags, ws.epoch[FWD:], FWD_READY, cfg.wait_budget()) if in_kernel else None
         publish = (topk_idx, topk_weights, ws.idx_pub, ws.w_pub, ws.ptrs["flags"]) if publish_in_count else None
-        launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, ws.rank, ready=ready, publish=publish)
+        launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, ws.rank, ready=ready, publish=publish,
+                        row_w=None if row_w is None else (ws.ptrs["w_pub"], row_w))
         _stage("fwd:schedule")
 
     if side is None:
@@ -276,6 +279,42 @@ def moe_forward(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_d
     return _finish_forward(ws, cfg, x, topk_weights, extra), (sched, xs, gu, row_w)
 
 
+def _pull_tokens(ws, x, counters, pulled_idx):
+    """The token pull (``MoEConfig.fwd_pull_tokens``): every peer's x_pub copied whole into
+    xt [W*T, H] (rows src*T ..; this rank's own rows stay unused) by a copy engine, beside the
+    megakernel, then ``counters[pulled_idx]`` set to 1. Returns (xt, the copy's stream or None).
+
+    On the GPU, on a side stream forked from the current one (after the counters' memset): for each
+    peer, a stream wait for its FWD_X_PULL flag (set to 1 by its megakernel when its x_pub is
+    published), the copy, the flag's reset to 0 (the peer sets it again only after this rank's DONE,
+    which waits for ``pulled``), then the counter's write (``streamops``, no SM taken; the kernel
+    holds them all). The caller joins the stream after the kernel. Under the interpreter (peers'
+    x_pub already waited for by the host) the copies run here, in order.
+    """
+    T, H = x.shape
+    W, rank = ws.world_size, ws.rank
+    xt = x.new_empty((W * T, H))
+    if INTERPRET or not x.is_cuda:
+        for src in range(W):
+            if src != rank:
+                xt[src * T:(src + 1) * T].copy_(ws.peer_buffer("x_pub", src))
+        counters[pulled_idx] = 1
+        return xt, None
+    stream = ws.__dict__.get("_pull_stream")
+    if stream is None:
+        stream = ws.__dict__["_pull_stream"] = torch.cuda.Stream(device=x.device)
+    stream.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(stream):
+        for src in range(W):
+            if src != rank:
+                flag = ws.flags[FWD_X_PULL, src].data_ptr()
+                streamops.wait_geq(stream, flag, 1)
+                xt[src * T:(src + 1) * T].copy_(ws.peer_buffer("x_pub", src))
+                streamops.write(stream, flag, 0)
+        streamops.write(stream, counters[pulled_idx].data_ptr(), 1)
+    return xt, stream
+
+
 @dataclass
 class MegaSaved:
     """What the megakernel forward keeps for the backward: the schedule, x and the router weights."""
@@ -315,10 +354,21 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     n_tiles = schedule_capacity(ws.world_size, T, k, E_local, cfg.tile_m, cfg.align_tiles(T, k, E_local)) // cfg.tile_m
     mb = _mega_buffers(ws, cfg, T, H, I, I_s, x.dtype, x.device, n_tiles)
     in_kernel = cfg.fwd_peer_flags
-    sched = _publish_and_schedule(ws, cfg, x, topk_idx, topk_weights, E_local, in_kernel,
-                                  on_main=mb.counters.zero_)
-    assert sched.n_tiles_max == n_tiles
     tma = cfg.use_tma(T, topk_idx.shape[1], H, I)
+    # the token pull: gate/up gathers rows from x and the peers' x copied whole (no fills)
+    tokens = bool(cfg.fwd_pull_tokens and in_kernel and cfg.fwd_local_rows and tma and cfg.fwd_comm_programs == 0
+                  and H % 8 == 0)
+    row_w = None
+    if save and tokens:  # written by the schedule (there are no fills)
+        row_w = torch.empty(schedule_capacity(ws.world_size, T, k, E_local, cfg.tile_m, cfg.align_tiles(T, k, E_local)),
+                            dtype=torch.float32, device=x.device)
+    sched = _publish_and_schedule(ws, cfg, x, topk_idx, topk_weights, E_local, in_kernel,
+                                  on_main=mb.counters.zero_, order=tokens, row_w=row_w)
+    assert sched.n_tiles_max == n_tiles
+    pull = None
+    if tokens:
+        pulled = megakernel_fwd.counter_layout(mb.n_slots, mb.n_sh, mb.n_tiles)["pulled"]
+        xt, pull = _pull_tokens(ws, x, mb.counters, pulled)
     warps = cfg.mega_warps(T, topk_idx.shape[1], H, I)
     programs = cfg.fwd_programs or megakernel_fwd.default_programs(x.device) * (8 // warps)
     gu_cfg, dn_cfg, gus_cfg, dns_cfg = _mega_cfgs(cfg, H, I, I_s, warps)
@@ -328,8 +378,8 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
                             device=x.device)
     kept = None
     if save:
-        kept = (x.new_empty((sched.R_max, H)), x.new_empty((sched.R_max, 2 * I)),
-                torch.empty(sched.R_max, dtype=torch.float32, device=x.device))
+        kept = (None if tokens else x.new_empty((sched.R_max, H)), x.new_empty((sched.R_max, 2 * I)),
+                row_w if tokens else torch.empty(sched.R_max, dtype=torch.float32, device=x.device))
     local_a = megakernel_fwd.launch_fwd_megakernel(
         mb, sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], ws.rank, cfg.wait_budget(),
         w_gate, w_up, w_down, x=x, shared=shared,
@@ -341,7 +391,10 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         ticket_ahead=cfg.fwd_ticket_ahead, poll_together=cfg.fwd_poll_together, fill_table=cfg.fwd_fill_table,
         tile_ready=cfg.fwd_tile_ready, zero_counters=False,
         peers=(ws.ptrs["flags"], ws.flags, FWD_X_READY, FWD_DONE, not INTERPRET) if in_kernel else None,
-        local_rows=cfg.fwd_local_rows, early_ticket=cfg.fwd_early_ticket)
+        local_rows=cfg.fwd_local_rows, early_ticket=cfg.fwd_early_ticket,
+        tokens=(xt, FWD_X_PULL) if tokens else None)
+    if pull is not None:  # the copies are done (the kernel's last program waited for them): join
+        torch.cuda.current_stream(x.device).wait_stream(pull)
     if trace is not None:
         megakernel_fwd.LAST_TRACE = megakernel_fwd.LAST_TRACE_BY_RANK[ws.rank] = trace
     _stage("fwd:megakernel")
@@ -349,6 +402,9 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     if save:
         xs, gu, row_w = kept
         # local_a: xs lacks this rank's rows (gate/up read them from x); so does the backward's wgrad
+        # ("tokens": xs is the pulled tokens, every row gathered)
+        if tokens:
+            return y, (sched, xt, gu, row_w, "tokens")
         return y, (sched, xs, gu, row_w, local_a)
     return y, MegaSaved(sched, x, topk_weights)
 
@@ -365,13 +421,14 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
     earlier backward BWD_DONE); the next forward re-publishes x before its FWD_READY.
     """
     recompute = isinstance(saved, MegaSaved)
-    local_x = None
+    local_x, tokens = None, False
     if recompute:
         sched = saved.sched
     else:
         sched, xs, gu, row_w = saved[:4]
         if len(saved) > 4:  # xs lacks this rank's rows: x to fill them from (fwd_local_rows)
             local_x = saved[4]
+        tokens = len(saved) > 5 and saved[5]  # xs: every rank's tokens (fwd_pull_tokens)
     T, H = dy.shape
     k, TK = sched.k, sched.T * sched.k
     I = w_gate.shape[1]
@@ -390,7 +447,7 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
                                     config=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H))
         _stage("bwd:recompute")
 
-    dys = torch.empty_like(xs)
+    dys = dy.new_empty((sched.R_max, H))
     _pull_rows(cfg, sched, ws.ptrs["dy_pub"], dys, TK, k)
     _stage("bwd:dispatch_dy")
     dgu, hw, dw_part = gemm.down_dgrad_swiglu_bwd(dys, w_down, gu, row_w, sched.tile_expert, sched.num_tiles,
@@ -405,7 +462,7 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
     _stage("bwd:router_grad")
     dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype)
     # local_x: xs lacks this rank's rows (fwd_local_rows); the weight gradient reads them from x
-    local_rows = None if local_x is None else (sched.row_src, local_x, TK, k, ws.rank)
+    local_rows = None if local_x is None else (sched.row_src, local_x, TK, k, ws.rank, tokens)
     dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
                                                out_dtype=w_gate.dtype, local_rows=local_rows)
     _stage("bwd:wgrad")
@@ -457,7 +514,7 @@ class _TabbyMoEMega(torch.autograd.Function):
         if isinstance(saved, MegaSaved):  # x and topk_weights came back through save_for_backward
             saved = MegaSaved(saved.sched, x, topk_weights)
         elif saved[4]:  # xs lacks this rank's rows (fwd_local_rows): the wgrad reads them from x
-            saved = (*saved[:4], x)
+            saved = (*saved[:4], x, saved[4] == "tokens")
         else:
             saved = saved[:4]
         dx, dtopk, dwg, dwu, dwd = moe_backward(ctx.ws, ctx.cfg, dy, saved, w_gate, w_up, w_down)

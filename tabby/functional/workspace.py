@@ -9,7 +9,7 @@ Symmetric buffers (every rank holds one copy; peers reach it through an address 
     dy_pub  [T, H]   bf16   backward: upstream gradient, pulled by the experts
     dx_in   [T*k, H] bf16   backward: dx rows pushed back, row t*k + kk
     dw_in   [T*k]    fp32   backward: router-weight gradients pushed back
-    flags   [5, W]   int32  flags[slot, src], set by rank src (slots below)
+    flags   [6, W]   int32  flags[slot, src], set by rank src (slots below)
 
 Signalling needs no memset between calls: ``epoch`` counts passes on the device (one counter
 for forward, one for backward); a flag holds the epoch of the last signal and waits test
@@ -31,8 +31,11 @@ from ..ops import sync
 
 # Flag slots. A forward signals FWD_READY when its routing (topk_idx, weights) is published and
 # FWD_X_READY when x is, so that the x copy can overlap the schedule (``MoEConfig.overlap_publish``).
-FWD_READY, FWD_DONE, BWD_READY, BWD_DONE, FWD_X_READY = range(5)
-N_SLOTS = 5
+# FWD_X_PULL is no epoch: the megakernel's token pull (``MoEConfig.fwd_pull_tokens``) sets it to 1 on
+# every peer when x is published, and the peer's copy stream waits for 1 and resets it to 0
+# (``streamops``: a stream wait compares with a host value, and the epoch lives on the device).
+FWD_READY, FWD_DONE, BWD_READY, BWD_DONE, FWD_X_READY, FWD_X_PULL = range(6)
+N_SLOTS = 6
 # Epoch counters.
 FWD, BWD = 0, 1
 
@@ -56,6 +59,7 @@ class ThreadGroup:
         self.world_size = world_size
         self._barrier = threading.Barrier(world_size)
         self._bases: dict[int, int] = {}
+        self.raw: dict[int, torch.Tensor] = {}  # each rank's symmetric bytes (Workspace.peer_buffer)
 
     def exchange(self, rank: int, base: int) -> list[int]:
         self._bases[rank] = base
@@ -96,7 +100,9 @@ class Workspace:
         if thread_group is not None:
             self.transport = "threads"
             self._raw = torch.zeros(total, dtype=torch.uint8, device=device)
+            thread_group.raw[rank] = self._raw
             bases = thread_group.exchange(rank, self._raw.data_ptr())
+            self._thread_group = thread_group
         elif key.world_size == 1:
             self.transport = "local"
             self._raw = torch.zeros(total, dtype=torch.uint8, device=device)
@@ -115,6 +121,7 @@ class Workspace:
             dist.barrier(group=group)  # nobody signals before every rank has zeroed its flags
         self.buffers: dict[str, torch.Tensor] = {}
         self.ptrs: dict[str, torch.Tensor] = {}
+        self._layout = {name: (offsets[name], shape, dtype) for name, shape, dtype in layout}
         for name, shape, dtype in layout:
             off = offsets[name]
             view = self._raw[off:off + _numel(shape) * dtype.itemsize].view(dtype).view(shape)
@@ -128,6 +135,19 @@ class Workspace:
         if name in buffers:
             return buffers[name]
         raise AttributeError(name)
+
+    def peer_buffer(self, name: str, src: int) -> torch.Tensor:
+        """Rank ``src``'s copy of buffer ``name`` as a tensor on this rank's device (through NVLink
+        for ``symm``; a copy engine can read it)."""
+        if src == self.rank:
+            return self.buffers[name]
+        off, shape, dtype = self._layout[name]
+        nbytes = _numel(shape) * dtype.itemsize
+        if self.transport == "threads":
+            raw = self._thread_group.raw[src]
+        else:
+            raw = self._handle.get_buffer(src, (self.symmetric_bytes,), torch.uint8, 0)
+        return raw[off:off + nbytes].view(dtype).view(shape)
 
     def check_errors(self) -> None:
         """Raise if a kernel recorded an error (a host sync); clears the record."""

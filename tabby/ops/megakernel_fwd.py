@@ -108,12 +108,13 @@ C_TICKET, C_FILL_TICKET, C_READY = tl.constexpr(0), tl.constexpr(1), tl.constexp
 def counter_layout(n_slots: int, n_sh: int, n_tiles: int = 0) -> dict:
     """Indices into the counter array; ``tile_ready`` (``n_tiles`` counters, one per routed row tile)
     is used by a forward that keeps its rows (SAVE with per-tile fill counters, ``fwd_tile_ready``);
-    ``programs_done`` counts the programs that have finished (PEERS: the last one signals DONE)."""
+    ``programs_done`` counts the programs that have finished (PEERS: the last one signals DONE);
+    ``pulled`` is set to 1 by the token pull's copy stream when every peer's x is here (TOKENS)."""
     NS, r = n_slots, C_READY.value
     tr = r + 3 * NS + max(n_sh, 1)
     return dict(ticket=C_TICKET.value, fill_ticket=C_FILL_TICKET.value, ready=r, gu_done=r + NS,
                 dn_done=r + 2 * NS, sh_gu=r + 3 * NS, tile_ready=tr, programs_done=tr + n_tiles,
-                total=tr + n_tiles + 1)
+                pulled=tr + n_tiles + 1, total=tr + n_tiles + 2)
 
 
 # Trace (measurement only, ``MoEConfig.fwd_trace_events``): int64 [programs, TRACE_HEAD + 4 * events].
@@ -198,29 +199,36 @@ def _routed_task(tr, nt, pre, L, F: tl.constexpr, G: tl.constexpr, D: tl.constex
 
 
 @triton.jit
-def _routed_waits(kind, i, NS: tl.constexpr, FS: tl.constexpr, G, D, TR: tl.constexpr = False, tr_base=0):
-    """The ring protocol's waits of routed ticket (kind, row tile i), the one place they are written
-    (module docstring): (idx1, target1, idx2, target2) into the counters; idx < 0: no wait.
+def _routed_waits(kind, i, p, NS: tl.constexpr, FS: tl.constexpr, G, D, TR: tl.constexpr = False, tr_base=0,
+                  TOK: tl.constexpr = False, n_local=0, pull_idx=0):
+    """The ring protocol's waits of routed ticket (kind, row tile i at position p of the order; p = i
+    but with TOK), the one place they are written (module docstring): (idx1, target1, idx2, target2)
+    into the counters; idx < 0: no wait. The ring slot and generation come from p.
     fill: its slot retired; gate/up: its rows filled and the h slot retired; down: its h rows.
     TR (per-tile fill counters, when the rows go to the full xs buffer): a fill waits for nothing
-    (its rows are its own) and gate/up waits for ``tile_ready[i] >= FS`` (at ``tr_base + i``)."""
-    s = i % NS
-    g = i // NS
+    (its rows are its own) and gate/up waits for ``tile_ready[i] >= FS`` (at ``tr_base + i``).
+    TOK (token pull: no fills): gate/up waits for ``pulled`` (every peer's x copied here) unless its
+    position is among the first ``n_local``, whose tiles hold this rank's rows only."""
+    s = p % NS
+    g = p // NS
     idx1 = tl.where(kind == 0, C_READY + NS + s, tl.where(kind == 1, C_READY + s, C_READY + NS + s))
     target1 = tl.where(kind == 0, G * g, tl.where(kind == 1, FS * (g + 1), G * (g + 1)))
     if TR:
         idx1 = tl.where(kind == 0, -1, tl.where(kind == 1, tr_base + i, idx1))
         target1 = tl.where(kind == 1, FS, target1)
+    if TOK:
+        idx1 = tl.where(kind == 1, tl.where(p >= n_local, pull_idx, -1), idx1)
+        target1 = tl.where(kind == 1, 1, target1)
     idx2 = tl.where(kind == 1, C_READY + 2 * NS + s, -1)
     return idx1, target1, idx2, D * g
 
 
 @triton.jit
-def _routed_signal(kind, i, NS: tl.constexpr, TR: tl.constexpr = False, tr_base=0):
-    """The counter routed ticket (kind, row tile i) adds 1 to when done: fill -> ready[s] (TR:
-    tile_ready[i]), gate/up -> gu_done[s] (both release), down -> dn_done[s] (relaxed: it only frees
-    the h slot)."""
-    s = i % NS
+def _routed_signal(kind, i, p, NS: tl.constexpr, TR: tl.constexpr = False, tr_base=0):
+    """The counter routed ticket (kind, row tile i at position p) adds 1 to when done: fill -> ready[s]
+    (TR: tile_ready[i]), gate/up -> gu_done[s] (both release), down -> dn_done[s] (relaxed: it only
+    frees the h slot); s = p % NS."""
+    s = p % NS
     fill_idx = C_READY + s
     if TR:
         fill_idx = tr_base + i
@@ -243,15 +251,17 @@ def _decode_ticket(t, sh_total, n_sh, nt, pre, lag, F: tl.constexpr, G: tl.const
 
 
 @triton.jit
-def _ticket_waits(is_sh, kind_s, j, kind, i, nt, G: tl.constexpr, D: tl.constexpr, GS: tl.constexpr,
-                  NS: tl.constexpr, FS: tl.constexpr, TR: tl.constexpr, tr_base, SH_IDX):
-    """The counters a decoded ticket (``_decode_ticket``) waits for, (idx1, target1, idx2, target2)
-    as ``_routed_waits`` (index -1: none): a shared down tile waits for its gate/up tiles, a shared
+def _ticket_waits(is_sh, kind_s, j, kind, p, nt, G: tl.constexpr, D: tl.constexpr, GS: tl.constexpr,
+                  NS: tl.constexpr, FS: tl.constexpr, TR: tl.constexpr, tr_base, SH_IDX,
+                  TOK: tl.constexpr = False, n_local=0, pull_idx=0):
+    """The counters a decoded ticket (``_decode_ticket``; p: its position in the routed order, the row
+    tile itself but with TOK, whose waits need no tile) waits for, (idx1, target1, idx2, target2) as
+    ``_routed_waits`` (index -1: none): a shared down tile waits for its gate/up tiles, a shared
     gate/up tile and an empty ticket (past the last row tile) for nothing."""
-    w1, t1, w2, t2 = _routed_waits(kind, i, NS, FS, G, D, TR, tr_base)
-    w1 = tl.where(is_sh, tl.where(kind_s == 2, SH_IDX + j, -1), tl.where(i < nt, w1, -1))
+    w1, t1, w2, t2 = _routed_waits(kind, p, p, NS, FS, G, D, TR, tr_base, TOK, n_local, pull_idx)
+    w1 = tl.where(is_sh, tl.where(kind_s == 2, SH_IDX + j, -1), tl.where(p < nt, w1, -1))
     t1 = tl.where(is_sh, GS, t1)
-    w2 = tl.where(is_sh | (i >= nt), -1, w2)
+    w2 = tl.where(is_sh | (p >= nt), -1, w2)
     return w1, t1, w2, t2
 
 
@@ -280,7 +290,7 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
     (the gate/up tiles read them from x; their router weights are still kept)."""
     s = i % NS
     if not TR:
-        w1, t1, _, _ = _routed_waits(0, i, NS, FS, G, 0)
+        w1, t1, _, _ = _routed_waits(0, i, i, NS, FS, G, 0)
         _wait(cnt_ptr, w1, t1, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False, ready)
     _trace_ready(rec, TRACE_EV, INTERPRET)
     if TRACE_EV > 0:  # local or remote rows (measurement only: these loads exist only when tracing)
@@ -302,7 +312,7 @@ def _fill(i, part, cnt_ptr, row_src, x_ptrs, xs_ring, TK, k, wait_budget, err_pt
     if TMA:  # the gate/up tiles read these rows through TMA (the async proxy)
         sync.fence_proxy_async()
     if SIGNAL:  # else the caller signals (sync.signal_take)
-        sync.add_release(cnt_ptr + _routed_signal(0, i, NS, TR, tr_base), 1, "gpu")
+        sync.add_release(cnt_ptr + _routed_signal(0, i, i, NS, TR, tr_base), 1, "gpu")
 
 
 @triton.jit
@@ -331,13 +341,15 @@ def _down_cols(blk, c0, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_til
 
 
 @triton.jit
-def _local_a_rows(i, row_src, xs, x_rows, TK, k, rank, H: tl.constexpr, BM: tl.constexpr, R: tl.constexpr):
+def _local_a_rows(i, row_src, xs, x_rows, TK, k, rank, H: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
+                  TOKENS: tl.constexpr = False):
     """Pointers to the A rows of routed row tile i's first R rows (LOCAL_A): a row from this rank
-    in x_rows (the layer's input [T, H]), any other in xs (row i*BM + r: filled, or padding)
-    (``gemm.local_row_offsets``; the launcher checks the alignment it needs)."""
+    in x_rows (the layer's input [T, H]), any other in xs (row i*BM + r: filled, or padding; TOKENS:
+    xs is the pulled tokens [W*T, H], row src*T + t) (``gemm.local_row_offsets``; the launcher checks
+    the alignment it needs)."""
     rows = i * BM + tl.arange(0, R)
     rs = tl.load(row_src + rows)
-    return xs + gemm.local_row_offsets(rows.to(tl.int64), rs, xs, x_rows, TK, k, rank, H)
+    return xs + gemm.local_row_offsets(rows.to(tl.int64), rs, xs, x_rows, TK, k, rank, H, TOKENS)
 
 
 @triton.jit
@@ -350,8 +362,11 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                   SAVE: tl.constexpr = False, gu_save=None, HALF: tl.constexpr = False, xs_half_desc=None,
                   h_half_desc=None, rec=None, TRACE_EV: tl.constexpr = 0, DN_COLS: tl.constexpr = 1, ready=0,
                   TR: tl.constexpr = False, tr_base=0, LOCAL_A: tl.constexpr = False, x_rows=None, k=1,
-                  EARLY: tl.constexpr = False, NW: tl.constexpr = 4):
-    """A gate/up (kind 1) ticket of routed row tile i, column tile n, or a down (kind 2) ticket of
+                  EARLY: tl.constexpr = False, NW: tl.constexpr = 4, p=0, TOKENS: tl.constexpr = False,
+                  n_local=0, pull_idx=0):
+    """A gate/up (kind 1) ticket of routed row tile i (at position p of the order: its ring slot is
+    p % NS; p = i but with TOKENS, whose A rows come from x and the pulled tokens ``xs_ring``
+    [W*T, H]), column tile n, or a down (kind 2) ticket of
     row tile i, column tiles n*DN_COLS .. n*DN_COLS+DN_COLS-1 (``rec``: its trace record when
     TRACE_EV > 0). G and D count tickets per row tile. The caller signals the ticket's end
     (``_routed_signal``, ``sync.signal_take``). EARLY (``MoEConfig.fwd_early_ticket``; TMA): the
@@ -362,7 +377,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
     task's own waits (the schedule was written before the launch), so those loads overlap them. With
     the loop's ``sync.poll2`` (the default) the polls come earlier, and these loads after them; loading
     them before the loop's polls measured no faster (session 9, ``fwd_preload_tile``, since removed)."""
-    s = i % NS
+    s = p % NS
     got = tl.zeros((32 * NW,), tl.int32)
     taken = tl.zeros((), tl.int32)
     # < 0: a padding tile (the schedule pads experts to a multiple of its ``align`` tiles): no MMA,
@@ -371,13 +386,16 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
     if HALF:
         half_row = tl.load(row_src + i * BM + BM // 2)  # < 0: the real rows fit in the first BM/2
     shift = (s - i) * BM  # row i*BM of a shifted ring base (or TMA coordinate) is row s*BM of the ring
-    if SAVE:  # xs is the full routed-row buffer (row i*BM), not a ring
+    if SAVE or TOKENS:  # xs is the full routed-row buffer (row i*BM) or the tokens, not a ring
         xs_shift = shift * 0
     else:
         xs_shift = shift
     if kind == 1:  # gate/up column tile n of row tile i
-        w1, t1, w2, t2 = _routed_waits(1, i, NS, FS, G, D, TR, tr_base)
-        _wait(cnt_ptr, w1, t1, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
+        w1, t1, w2, t2 = _routed_waits(1, i, p, NS, FS, G, D, TR, tr_base, TOKENS, n_local, pull_idx)
+        code1 = _ERR_WAIT_TILE
+        if TOKENS:  # (the wait for the peers' tokens)
+            code1 = _ERR_WAIT_PEER_READY
+        _wait(cnt_ptr, w1, t1, wait_budget, err_ptr, code1, rank, epoch, TMA, ready)
         _wait(cnt_ptr, w2, t2, wait_budget, err_ptr, _ERR_WAIT_RING_SLOT, rank, epoch, False, ready)
         _trace_ready(rec, TRACE_EV, INTERPRET)
         xs = xs_ring + xs_shift.to(tl.int64) * H
@@ -395,7 +413,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
                     full = False
                     a_half = None
                     if LOCAL_A:
-                        a_half = _local_a_rows(i, row_src, xs, x_rows, TK, k, rank, H, BM, BM // 2)
+                        a_half = _local_a_rows(i, row_src, xs, x_rows, TK, k, rank, H, BM, BM // 2, TOKENS)
                     got = gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
                                                    2 * I, tile_expert, num_tiles, H, I, BM // 2, BN_GU, BK_GU,
                                                    H % BK_GU == 0, SAVE, INTERPRET, 0, False, TMA, xs_half_desc,
@@ -405,7 +423,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
             if full:
                 a_full = None
                 if LOCAL_A:
-                    a_full = _local_a_rows(i, row_src, xs, x_rows, TK, k, rank, H, BM, BM)
+                    a_full = _local_a_rows(i, row_src, xs, x_rows, TK, k, rank, H, BM, BM, TOKENS)
                 got = gemm.gate_up_swiglu_tile(i, n, xs, H, w_gate, w_up, sg_e, sg_n, hh, I, gu_out,
                                                2 * I, tile_expert, num_tiles, H, I, BM, BN_GU, BK_GU, H % BK_GU == 0,
                                                SAVE, INTERPRET, 0, False, TMA, xs_desc, wg_desc, wu_desc, xs_shift,
@@ -415,7 +433,7 @@ def _compute_task(kind, i, n, cnt_ptr, xs_ring, h_ring, w_gate, w_up, sg_e, sg_n
             sync.fence_proxy_async()
     else:  # down column tiles of row tile i, rows pushed to their origins
         e = tl.load(tile_expert + i)  # -1 for a padding tile, which computes nothing below
-        w1, t1, _, _ = _routed_waits(2, i, NS, FS, G, D)
+        w1, t1, _, _ = _routed_waits(2, i, p, NS, FS, G, D)
         _wait(cnt_ptr, w1, t1, wait_budget, err_ptr, _ERR_WAIT_TILE, rank, epoch, TMA, ready)
         _trace_ready(rec, TRACE_EV, INTERPRET)
         hh = h_ring + shift.to(tl.int64) * I
@@ -478,7 +496,9 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                        W=1, WP: tl.constexpr = 0, TILE_READY: tl.constexpr = False,
                        flag_ptrs=None, my_flags=None, done_idx=0, PEERS: tl.constexpr = False,
                        X_SLOT: tl.constexpr = 0, DONE_SLOT: tl.constexpr = 0, DONE_WAIT: tl.constexpr = False,
-                       LOCAL_A: tl.constexpr = False, x_rows=None, EARLY: tl.constexpr = False):
+                       LOCAL_A: tl.constexpr = False, x_rows=None, EARLY: tl.constexpr = False,
+                       TOKENS: tl.constexpr = False, tile_order=None, local_tiles=None, pull_idx=0,
+                       X_PULL: tl.constexpr = 0):
     """One persistent launch of the routed forward (and the shared expert); see the module docstring.
 
     TMA: every GEMM operand is loaded through the tensor descriptors (``*_desc``; None otherwise)
@@ -529,22 +549,39 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     ticket between their K loop and their epilogue, and its polls go out before the current
     ticket's release (the loop's end), so the take's and the polls' round trips overlap the
     epilogue and the release's fence instead of following them.
+    TOKENS (``MoEConfig.fwd_pull_tokens``; with LOCAL_A and PEERS, no comm programs): no fills. A copy
+    engine copies every peer's x_pub whole into ``xs_ring`` [W*T, H] (row src*T + t) beside the
+    kernel and sets counter ``pull_idx`` to 1 when done (the host queues it on a side stream:
+    ``streamops``); gate/up gathers every A row from x or those tokens. The routed tiles go in the
+    schedule's ``tile_order`` (tiles of this rank's rows only first, ``local_tiles`` of them), so the
+    others, which wait for ``pulled``, come when the copy has had time; a ticket's position p
+    (its ring slot) and its tile ``tile_order[p]`` then differ. Program 0 sets flag X_PULL to 1 on
+    every peer (their copy streams wait for it) and no program waits for the peers' x-ready flags:
+    this rank reads no peer's x_pub, and pushes to a peer only from tiles that waited for
+    ``pulled``, which follows the peer's flag. The last program waits for ``pulled`` before DONE
+    (the copy reads the peers' x_pub until then).
     """
     pid = tl.program_id(0)
     epoch = tl.load(epoch_ptr)
     if PEERS:
         if pid == 0:
             comm._signal_peers(flag_ptrs, epoch, X_SLOT, rank, W)
-        comm._wait_peers(my_flags, epoch, X_SLOT, rank, W, wait_budget, err_ptr, _ERR_WAIT_PEER_READY)
-        tl.debug_barrier()  # the polling thread's acquire orders every thread's reads of peers' x_pub
+            if TOKENS:  # (a flag the peers' copy streams wait for and reset: always 1, no epoch)
+                comm._signal_peers(flag_ptrs, 1, X_PULL, rank, W)
+        if not TOKENS:
+            comm._wait_peers(my_flags, epoch, X_SLOT, rank, W, wait_budget, err_ptr, _ERR_WAIT_PEER_READY)
+            tl.debug_barrier()  # the polling thread's acquire orders every thread's reads of peers' x_pub
     nt = tl.load(num_tiles)
+    n_local = 0
+    if TOKENS:
+        n_local = tl.load(local_tiles)
     G: tl.constexpr = (I + BN_GU - 1) // BN_GU  # gate/up tickets per row tile
     D: tl.constexpr = (H + BN_DN - 1) // BN_DN // DN_COLS  # down tickets per row tile (DN_COLS divides)
     GS: tl.constexpr = (IS + BN_GUS - 1) // BN_GUS
     DS: tl.constexpr = (H + BN_DNS - 1) // BN_DNS
-    F: tl.constexpr = 0 if COMM > 0 else FS  # fill sub-tickets per stage
+    F: tl.constexpr = 0 if (COMM > 0 or TOKENS) else FS  # fill sub-tickets per stage
     SH_IDX: tl.constexpr = C_READY + 3 * NS
-    TR: tl.constexpr = SAVE and TILE_READY
+    TR: tl.constexpr = SAVE and TILE_READY and not TOKENS
     tr_base = SH_IDX + tl.maximum(n_sh, 1)  # counter_layout's tile_ready
     if HAS_SHARED:
         sh_total = n_sh * (GS + DS)
@@ -579,7 +616,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
         if EARLY:  # the first ticket's polls; later ones are polled at the end of the ticket before
             fsh, fks, fj, _, fk, fi, _ = _decode_ticket(t, sh_total, n_sh, nt, pre, lag, F, G, D, GM, GS, DS,
                                                         HAS_SHARED)
-            fw1, ft1, fw2, ft2 = _ticket_waits(fsh, fks, fj, fk, fi, nt, G, D, GS, NS, FS, TR, tr_base, SH_IDX)
+            fw1, ft1, fw2, ft2 = _ticket_waits(fsh, fks, fj, fk, fi, nt, G, D, GS, NS, FS, TR, tr_base, SH_IDX,
+                                               TOKENS, n_local, pull_idx)
             ready = sync.poll2(cnt_ptr, fw1, ft1, fw2, ft2, NW).to(tl.int32)
         while t < total:
             if TRACE_EV > 0:  # kind TR_EMPTY unless a task overwrites it; "ready" = taken unless it waits
@@ -590,16 +628,20 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                 tl.store(rec + 2, c0)
             # What the ticket is, the counters it waits for (index -1: none; polled together in one
             # round trip) and the counter it signals at its end
-            is_sh, kind_s, j, n_s, kind, i, n = _decode_ticket(t, sh_total, n_sh, nt, pre, lag, F, G, D, GM, GS, DS,
+            is_sh, kind_s, j, n_s, kind, p, n = _decode_ticket(t, sh_total, n_sh, nt, pre, lag, F, G, D, GM, GS, DS,
                                                                HAS_SHARED)
+            i = p  # the row tile at position p of the routed order
+            if TOKENS:
+                i = tl.load(tile_order + p, mask=(p < nt) & (~is_sh), other=0)
             if not EARLY:
-                w1, t1, w2, t2 = _ticket_waits(is_sh, kind_s, j, kind, i, nt, G, D, GS, NS, FS, TR, tr_base, SH_IDX)
+                w1, t1, w2, t2 = _ticket_waits(is_sh, kind_s, j, kind, p, nt, G, D, GS, NS, FS, TR, tr_base, SH_IDX,
+                                               TOKENS, n_local, pull_idx)
                 if POLL2:
                     ready = sync.poll2(cnt_ptr, w1, t1, w2, t2, NW).to(tl.int32)
                 else:  # each wait polls on its own (one round trip after the other)
                     ready = tl.zeros((), tl.int32)
             sig = tl.where(is_sh, tl.where(kind_s == 1, SH_IDX + j, -1),
-                           tl.where(i < nt, _routed_signal(kind, i, NS, TR, tr_base), -1))
+                           tl.where(p < nt, _routed_signal(kind, i, p, NS, TR, tr_base), -1))
             # Release, except a down tile's: dn_done only frees the h slot (its reads are done), and the
             # rows it pushed need no ordering here (the DONE signal after the kernel publishes them), so
             # its signal does not wait for the NVLink stores (relaxed, as sync.add_reads_done)
@@ -615,7 +657,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                                  BN_GUS, BK_GUS, BN_DNS, BK_DNS, INTERPRET, TMA, x_desc, sg_desc, su_desc,
                                  hsh_desc, sd_desc, rec, TRACE_EV, ready)
             else:
-                if i < nt:  # else past the last row tile: a partial last group, or fills beyond the end
+                if p < nt:  # else past the last row tile: a partial last group, or fills beyond the end
                     if TRACE_EV > 0:
                         tl.store(rec, kind)  # TR_FILL, TR_GU, TR_DN
                     if kind == 0:
@@ -629,7 +671,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                             err_ptr, rank, epoch, NS, G, D, H, I, BM, BN_GU, BK_GU, BN_DN, BK_DN,
                             INTERPRET, FS, ABLATE, TMA, xs_desc, wg_desc, wu_desc, h_desc, wd_desc,
                             SAVE, gu_save, HALF, xs_half_desc, h_half_desc, rec, TRACE_EV, DN_COLS,
-                            ready, TR, tr_base, LOCAL_A, x_rows, k, EARLY, NW)
+                            ready, TR, tr_base, LOCAL_A, x_rows, k, EARLY, NW, p, TOKENS, n_local, pull_idx)
             if EARLY:
                 # The next ticket was taken between the GEMM's K loop and its epilogue (else now), so
                 # its round trip ran behind the epilogue; its polls go out before this ticket's
@@ -640,7 +682,8 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
                 t = sync.take_resolve(got, NW)  # a CTA barrier: every thread's stores are issued
                 psh, pks, pj, _, pk, pi, _ = _decode_ticket(t, sh_total, n_sh, nt, pre, lag, F, G, D, GM, GS, DS,
                                                             HAS_SHARED)
-                pw1, pt1, pw2, pt2 = _ticket_waits(psh, pks, pj, pk, pi, nt, G, D, GS, NS, FS, TR, tr_base, SH_IDX)
+                pw1, pt1, pw2, pt2 = _ticket_waits(psh, pks, pj, pk, pi, nt, G, D, GS, NS, FS, TR, tr_base, SH_IDX,
+                                                   TOKENS, n_local, pull_idx)
                 pw1 = tl.where(t < total, pw1, -1)  # past the last ticket: nothing to poll
                 pw2 = tl.where(t < total, pw2, -1)
                 seen = sync.poll2_issue(cnt_ptr, pw1, pw2, NW)
@@ -658,6 +701,12 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
         # program's release to the peers (cumulativity through the counter's read-modify-writes)
         done = tl.atomic_add(cnt_ptr + done_idx, 1, sem="acq_rel", scope="sys")
         if done == tl.num_programs(0) - 1:
+            if TOKENS:  # the copy engine reads the peers' x_pub until it sets ``pulled``
+                seen = sync.wait_geq(cnt_ptr + pull_idx, 1, wait_budget, err_ptr, _ERR_WAIT_PEER_READY, rank,
+                                     pull_idx, epoch, "sys")
+                if seen < 1:  # a peer never published (error recorded): release the copy stream's waits
+                    for src in range(W):
+                        sync.store_release(my_flags + X_PULL * W + src, 1, "sys")
             comm._signal_peers(flag_ptrs, epoch, DONE_SLOT, rank, W)
             if DONE_WAIT:
                 comm._wait_peers(my_flags, epoch, DONE_SLOT, rank, W, wait_budget, err_ptr, _ERR_WAIT_PEER_DONE)
@@ -765,7 +814,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
                           w_ptrs=None, half_tiles: bool = False, trace=None, down_cols: int = 1,
                           fill_stages: int = 1, ticket_ahead: bool = True, poll_together: bool = True,
                           fill_table: bool = True, tile_ready: bool = True, peers=None, local_rows: bool = False,
-                          early_ticket: bool = False):
+                          early_ticket: bool = False, tokens=None):
     """Run the forward megakernel on one rank.
 
     sched: the schedule (row_src, tile_expert, num_tiles, k, T); x_ptrs / y_ptrs: address tables
@@ -801,6 +850,11 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     ``save`` the kept xs then lacks this rank's rows.
     ``early_ticket``: take the next ticket before a GEMM's epilogue and poll it before the release
     (kernel EARLY; with TMA and no comm programs, else off).
+    ``tokens``: None, or (xt [W*T, H], x_pull_slot) for the token pull (kernel TOKENS; needs
+    ``peers``, ``local_rows`` possible, no comm programs, the schedule allocated with ``order=True``):
+    xt receives every peer's x (rows src*T .. src*T + T; the caller queues the copies and the
+    ``pulled`` counter's write, ``counter_layout``), ``save`` is then (None, gu, row_w) with row_w
+    written by the schedule (``launch_schedule(row_w=...)``).
     """
     E, I, H = w_gate.shape
     BM = gu_cfg.BM
@@ -818,7 +872,7 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         prefetch = n_groups // 2
     dn_cols = down_col_tiles(triton.cdiv(H, dn_cfg.BN), down_cols)
     if lag is None:  # down tiles handed out after the groups in flight have had their gate/ups taken
-        F = 0 if comm_programs else fill_split
+        F = 0 if (comm_programs or tokens is not None) else fill_split
         G, D = triton.cdiv(I, gu_cfg.BN), triton.cdiv(H, dn_cfg.BN) // dn_cols
         lag = min(n_groups - 1, triton.cdiv(programs - comm_programs, group_m * (F + G + D)) + 1)
     # Split mode needs every program resident (compute programs wait on comm programs): ask for a
@@ -852,11 +906,20 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     extra = mb.extra if has_sh else mb.h_ring
     BH = min(pull_cols, triton.next_power_of_2(H))
     xs_buf = mb.xs_ring
+    if tokens is not None:
+        xs_buf, x_pull_slot = tokens
+        if peers is None or comm_programs or x is None or sched.tile_order is None:
+            raise ValueError("the token pull needs the in-kernel peer flags (fwd_peer_flags), no comm programs, "
+                             "x, and a schedule with a tile order (alloc_schedule(order=True))")
+        assert xs_buf.shape == (x_ptrs.numel() * T, H) and xs_buf.is_contiguous()
     if save is not None:
-        xs_buf, gu_save, row_w = save
+        xs_save, gu_save, row_w = save
         R = sched.row_src.numel()
-        assert w_ptrs is not None and xs_buf.shape == (R, H) and gu_save.shape == (R, 2 * I) and row_w.shape == (R,)
-        assert xs_buf.is_contiguous() and gu_save.is_contiguous() and row_w.dtype == torch.float32
+        assert w_ptrs is not None and gu_save.shape == (R, 2 * I) and row_w.shape == (R,)
+        assert gu_save.is_contiguous() and row_w.dtype == torch.float32
+        if tokens is None:
+            xs_buf = xs_save
+            assert xs_buf.shape == (R, H) and xs_buf.is_contiguous()
     else:
         gu_save = row_w = w_ptrs = None
     use_tma = tma and gemm._tma_ok(xs_buf, mb.h_ring, w_gate, w_up, w_down, *((x, sg, su, sd) if has_sh else ()))
@@ -885,6 +948,9 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
     x_rows = x_in if x_in is not None else mb.counters  # (unused without LOCAL_A)
     local_a = bool(local_rows and use_tma and x_in is not None and H % 8 == 0 and x_in.is_contiguous()
                    and x_in.data_ptr() % 16 == 0 and xs_buf.data_ptr() % 16 == 0)
+    if tokens is not None and not local_a:
+        raise ValueError("the token pull gathers A rows like fwd_local_rows: it needs TMA loads, H % 8 == 0 and "
+                         "16-byte aligned, contiguous x and pulled tokens")
     if peers is not None:
         flag_ptrs, my_flags, x_slot, done_slot, done_wait = peers
     else:
@@ -908,6 +974,9 @@ def launch_fwd_megakernel(mb: MegaBuffers, sched, x_ptrs, y_ptrs, err, epoch, ra
         flag_ptrs=flag_ptrs, my_flags=my_flags, done_idx=lay["programs_done"], PEERS=peers is not None,
         X_SLOT=x_slot, DONE_SLOT=done_slot, DONE_WAIT=done_wait, LOCAL_A=local_a, x_rows=x_rows,
         EARLY=bool(early_ticket and use_tma and comm_programs == 0),
+        TOKENS=tokens is not None, tile_order=sched.tile_order if tokens is not None else None,
+        local_tiles=sched.local_tiles if tokens is not None else None, pull_idx=lay["pulled"],
+        X_PULL=x_pull_slot if tokens is not None else 0,
         num_warps=gu_cfg.num_warps, num_stages=gu_cfg.num_stages, **launch_kw)
     return local_a
 

@@ -140,14 +140,17 @@ def schedule_expert_starts(expert_count_ptr, E_local, BM: tl.constexpr, E_PAD: t
 def schedule_place_program(pid, idx_ptrs, counts_ptr, within_ptr, expert_count_ptr, row_src_ptr,
                            row_of_src_ptr, rank, N, W, E_local, n_chunks, BM: tl.constexpr,
                            CHUNK: tl.constexpr, E_PAD: tl.constexpr, HAS_INV: tl.constexpr,
-                           ALIGNED: tl.constexpr, ALIGN_TILES: tl.constexpr = 1):
+                           ALIGNED: tl.constexpr, ALIGN_TILES: tl.constexpr = 1, HAS_W: tl.constexpr = False,
+                           w_ptrs=None, row_w_ptr=None):
     """Write ``row_src`` for the real rows served by ``CHUNK`` entries of one source rank.
 
     ``pid = src * n_chunks + chunk``. Needs ``counts`` (count) and ``within`` / ``expert_count``
     (scan). The chunk's entries are sorted by ``key = e * CHUNK + i`` (non-local ones last);
     an entry at sorted position ``p`` of expert ``e`` is the ``p - excl[e]``-th of its expert in
     the chunk, ``excl[e]`` being the chunk's local entries of experts below ``e``. With
-    ``HAS_INV`` also writes ``row_of_src[flat]`` = row in this rank's routed buffer, or -1.
+    ``HAS_INV`` also writes ``row_of_src[flat]`` = row in this rank's routed buffer, or -1; with
+    ``HAS_W`` also ``row_w[row]``, the entry's router weight (fp32, read through ``w_ptrs``, every
+    rank's published weights [T*k]).
     """
     src = pid // n_chunks
     chunk = pid - src * n_chunks
@@ -173,6 +176,9 @@ def schedule_place_program(pid, idx_ptrs, counts_ptr, within_ptr, expert_count_p
     row = tl.gather(off, tl.where(slocal, se, 0), 0) + ii
     sflat = src * N + chunk * CHUNK + si
     tl.store(row_src_ptr + row, sflat, mask=slocal)
+    if HAS_W:
+        wsrc = tl.load(w_ptrs + src).to(tl.pointer_type(tl.float32))
+        tl.store(row_w_ptr + row, tl.load(wsrc + chunk * CHUNK + si, mask=slocal, other=0.0), mask=slocal)
     if HAS_INV:
         tl.store(row_of_src_ptr + sflat, tl.where(slocal, row, -1), mask=chunk * CHUNK + si < N)
 
@@ -180,10 +186,13 @@ def schedule_place_program(pid, idx_ptrs, counts_ptr, within_ptr, expert_count_p
 @triton.jit
 def schedule_fill_program(fid, expert_count_ptr, expert_start_ptr, num_tiles_ptr, tile_expert_ptr,
                           row_src_ptr, E_local, n_tiles_max, BM: tl.constexpr, TPP: tl.constexpr,
-                          E_PAD: tl.constexpr, ALIGN_TILES: tl.constexpr = 1):
+                          E_PAD: tl.constexpr, ALIGN_TILES: tl.constexpr = 1, ORDER: tl.constexpr = False,
+                          within_ptr=None, src_count_ptr=None, rank=0, W=1, n_chunks=1, tile_order_ptr=None,
+                          local_tiles_ptr=None):
     """Tiles ``[fid*TPP, fid*TPP+TPP)``: ``tile_expert`` and ``-1`` in their padding rows.
 
-    Program 0 also writes ``expert_start`` (``[E_local + 1]``) and ``num_tiles``.
+    Program 0 also writes ``expert_start`` (``[E_local + 1]``) and ``num_tiles``. ORDER: also
+    ``tile_order`` (``schedule_tile_order``) and (program 0) ``local_tiles``.
     """
     ev, cnt, starts, ends = schedule_expert_starts(expert_count_ptr, E_local, BM, E_PAD, ALIGN_TILES)
     total = tl.sum(ends - starts, axis=0)
@@ -205,6 +214,48 @@ def schedule_fill_program(fid, expert_count_ptr, expert_start_ptr, num_tiles_ptr
     rows = r0[:, None] + tl.arange(0, BM)[None, :]
     pad = rows >= real_end[:, None]
     tl.store(row_src_ptr + rows, tl.full([TPP, BM], -1, tl.int32), mask=pad & tmask[:, None])
+    if ORDER:
+        schedule_tile_order(fid, tid, te, sel, ev, cnt, starts, ends, total, within_ptr, src_count_ptr, rank, W,
+                            E_local, n_chunks, tile_order_ptr, local_tiles_ptr, BM)
+
+
+@triton.jit
+def _pick(sel, v):
+    """Per tile, the value of ``v`` [E_PAD] at the tile's expert (``sel``: [tiles, E_PAD] one-hot; 0 if none)."""
+    return tl.sum(tl.where(sel, v[None, :], 0), axis=1)
+
+
+@triton.jit
+def schedule_tile_order(fid, tid, te, sel, ev, cnt, starts, ends, total, within_ptr, src_count_ptr, rank, W,
+                        E_local, n_chunks, tile_order_ptr, local_tiles_ptr, BM: tl.constexpr):
+    """``tile_order[p]`` = the row tile handed out at position p of the forward megakernel's token
+    pull (``MoEConfig.fwd_pull_tokens``): first every tile whose real rows all come from this rank
+    (or that has none), expert by expert, then the others, expert by expert; ``local_tiles`` = how
+    many come first. The others read rows pulled from their ranks, which arrive while the first
+    ones compute. Closed form per expert, no scan over tiles: inside an expert's segment the rows
+    sort by source rank, so this rank's rows are one range ``[lo, lo + cl)`` of it and the tiles
+    holding other rows are those meeting ``[0, lo)`` (tiles ``[0, a1)``) or ``[lo + cl, cnt)``
+    (tiles ``[b0, b1)``). ``tid``, ``te``, ``sel``: the fill program's tiles, their experts (-1 past
+    the end) and its [tiles, experts] one-hot; ``ev .. total``: ``schedule_expert_starts``."""
+    em = ev < E_local
+    lo = tl.load(within_ptr + (rank * n_chunks) * E_local + ev, mask=em, other=0)  # rows before this rank's
+    cl = tl.load(src_count_ptr + ev * W + rank, mask=em, other=0)
+    a1 = (lo + BM - 1) // BM
+    b0 = tl.maximum((lo + cl) // BM, a1)
+    b1 = tl.where(lo + cl < cnt, (cnt + BM - 1) // BM, b0)
+    n_rem = a1 + (b1 - b0)
+    n_loc = (ends - starts) // BM - n_rem
+    n_local = tl.sum(n_loc, axis=0)
+    base_loc = tl.cumsum(n_loc, axis=0) - n_loc
+    base_rem = n_local + tl.cumsum(n_rem, axis=0) - n_rem
+    if fid == 0:
+        tl.store(local_tiles_ptr, n_local)
+    j = tid - _pick(sel, starts) // BM  # tile within its expert's segment
+    ta1, tb0, tb1 = _pick(sel, a1), _pick(sel, b0), _pick(sel, b1)
+    remote = (j < ta1) | ((j >= tb0) & (j < tb1))
+    before = tl.minimum(j, ta1) + tl.maximum(tl.minimum(j, tb1) - tb0, 0)  # other-rank tiles before j
+    pos = tl.where(remote, _pick(sel, base_rem) + before, _pick(sel, base_loc) + j - before)
+    tl.store(tile_order_ptr + pos, tid, mask=(te >= 0) & (tid * BM < total))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,15 +319,18 @@ def _schedule_place_kernel(idx_ptrs, counts_ptr, within_ptr, expert_count_ptr, e
                            num_tiles_ptr, tile_expert_ptr, row_src_ptr, row_of_src_ptr, rank, N, W,
                            E_local, n_chunks, n_place, n_tiles_max, BM: tl.constexpr,
                            CHUNK: tl.constexpr, TPP: tl.constexpr, E_PAD: tl.constexpr,
-                           HAS_INV: tl.constexpr, ALIGNED: tl.constexpr, ALIGN_TILES: tl.constexpr):
+                           HAS_INV: tl.constexpr, ALIGNED: tl.constexpr, ALIGN_TILES: tl.constexpr,
+                           HAS_W: tl.constexpr, w_ptrs, row_w_ptr, ORDER: tl.constexpr, src_count_ptr,
+                           tile_order_ptr, local_tiles_ptr):
     pid = tl.program_id(0)
     if pid < n_place:
         schedule_place_program(pid, idx_ptrs, counts_ptr, within_ptr, expert_count_ptr, row_src_ptr,
                                row_of_src_ptr, rank, N, W, E_local, n_chunks, BM, CHUNK, E_PAD,
-                               HAS_INV, ALIGNED, ALIGN_TILES)
+                               HAS_INV, ALIGNED, ALIGN_TILES, HAS_W, w_ptrs, row_w_ptr)
     else:
         schedule_fill_program(pid - n_place, expert_count_ptr, expert_start_ptr, num_tiles_ptr,
-                              tile_expert_ptr, row_src_ptr, E_local, n_tiles_max, BM, TPP, E_PAD, ALIGN_TILES)
+                              tile_expert_ptr, row_src_ptr, E_local, n_tiles_max, BM, TPP, E_PAD, ALIGN_TILES,
+                              ORDER, within_ptr, src_count_ptr, rank, W, n_chunks, tile_order_ptr, local_tiles_ptr)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,6 +361,11 @@ class ScheduleBuffers:
       src_count    [E_local, W]     real rows of expert e from source rank s
       num_tiles    [1]              expert_start[E_local] // BM
       row_of_src   [W * T * k]      (only with ``inverse=True``) row serving each flat source id, or -1
+      tile_order   [R_max // BM]    (only with ``order=True``) row tile at each position of the forward
+                                    megakernel's token-pull order (``schedule_tile_order``); entries
+                                    past num_tiles unwritten
+      local_tiles  [1]              (only with ``order=True``) tiles with rows from this rank only,
+                                    which come first in ``tile_order``
     Scratch: counts, within [W, n_chunks, E_local]; done [2] (zero between calls: the count
     launch's last programs reset them).
     """
@@ -331,6 +390,8 @@ class ScheduleBuffers:
     within: torch.Tensor
     done: torch.Tensor
     row_of_src: Optional[torch.Tensor] = None
+    tile_order: Optional[torch.Tensor] = None
+    local_tiles: Optional[torch.Tensor] = None
 
     @property
     def n_tiles_max(self) -> int:
@@ -343,20 +404,22 @@ class ScheduleBuffers:
     def outputs(self) -> dict:
         out = {name: getattr(self, name) for name in
                ("row_src", "tile_expert", "expert_start", "expert_count", "src_count", "num_tiles")}
-        if self.row_of_src is not None:
-            out["row_of_src"] = self.row_of_src
+        for name in ("row_of_src", "tile_order", "local_tiles"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
 
 def alloc_schedule(W: int, T: int, k: int, E_local: int, BM: int, device, chunk: Optional[int] = None,
                    fill_rows: int = 2048, inverse: bool = False, align: int = 1,
-                   done: Optional[torch.Tensor] = None) -> ScheduleBuffers:
+                   done: Optional[torch.Tensor] = None, order: bool = False) -> ScheduleBuffers:
     """Allocate the schedule's outputs and scratch for one rank (see :class:`ScheduleBuffers`).
 
     ``chunk``: entries per count/place program (power of two, default :func:`default_chunk`);
     ``fill_rows``: rows per fill program; ``inverse``: also produce ``row_of_src``; ``align``:
     expert segments padded to a multiple of ``align`` tiles (module docstring); ``done``: the count
-    launch's int32 [2] counters, zero (a caller that allocates per call keeps one, to save a memset).
+    launch's int32 [2] counters, zero (a caller that allocates per call keeps one, to save a memset);
+    ``order``: also produce ``tile_order`` and ``local_tiles``.
     """
     assert align >= 1, "align must be >= 1"
     assert W >= 1 and T >= 1 and k >= 1 and E_local >= 1
@@ -385,6 +448,8 @@ def alloc_schedule(W: int, T: int, k: int, E_local: int, BM: int, device, chunk:
         within=torch.empty(W, n_chunks, E_local, **i32),
         done=torch.zeros(2, **i32) if done is None else done,
         row_of_src=torch.empty(W * N, **i32) if inverse else None,
+        tile_order=torch.empty(R_max // BM, **i32) if order else None,
+        local_tiles=torch.empty(1, **i32) if order else None,
     )
 
 
@@ -395,7 +460,8 @@ def schedule_grids(bufs: ScheduleBuffers) -> dict:
 
 
 def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Tensor, rank: int,
-                    aligned: bool = True, num_warps_place: int = 4, ready=None, publish=None) -> None:
+                    aligned: bool = True, num_warps_place: int = 4, ready=None, publish=None,
+                    row_w=None) -> None:
     """Launch the schedule (2 kernels) into the current stream; no host synchronization.
 
     ``idx_ptrs``: int64 ``[W]`` addresses of every rank's int32 ``[T, k]`` topk_idx (contiguous;
@@ -407,6 +473,8 @@ def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Te
     routing and signal it themselves (the epoch in ``ready`` is then the last pass's; the launch
     stores the new one), so no publish launch comes first either. Not under the interpreter, which
     runs one rank's launch at a time: a program waiting for a peer there would never return.
+    ``row_w``: None, or (w_ptrs int64 [W], out fp32 [R_max]): the place launch also writes each real
+    row's router weight, read from every rank's published weights through ``w_ptrs``.
     """
     W, E_local, N = bufs.W, bufs.E_local, bufs.T * bufs.k
     assert idx_ptrs.dtype == torch.int64 and idx_ptrs.numel() == W
@@ -418,6 +486,12 @@ def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Te
     grids = schedule_grids(bufs)
     n_place = grids["count"]
     inv = bufs.row_of_src if bufs.row_of_src is not None else bufs.row_src  # dummy when unused
+    w_ptrs, w_out = (idx_ptrs, bufs.counts) if row_w is None else row_w  # (dummies when unused)
+    if row_w is not None:
+        assert w_ptrs.dtype == torch.int64 and w_ptrs.numel() == W
+        assert w_out.dtype == torch.float32 and w_out.numel() >= bufs.R_max
+    order = bufs.tile_order if bufs.tile_order is not None else bufs.counts
+    local_tiles = bufs.local_tiles if bufs.local_tiles is not None else bufs.counts
     if ready is None:
         my_flags, epoch, slot, budget = bufs.counts, bufs.counts, 0, 0  # unused
     else:
@@ -440,6 +514,8 @@ def launch_schedule(bufs: ScheduleBuffers, idx_ptrs: torch.Tensor, err: torch.Te
         bufs.tile_expert, bufs.row_src, inv, rank, N, W, E_local, bufs.n_chunks, n_place,
         bufs.n_tiles_max, BM=bufs.BM, CHUNK=bufs.CHUNK, TPP=bufs.TPP, E_PAD=E_PAD,
         HAS_INV=bufs.row_of_src is not None, ALIGNED=aligned, ALIGN_TILES=bufs.ALIGN_TILES,
+        HAS_W=row_w is not None, w_ptrs=w_ptrs, row_w_ptr=w_out, ORDER=bufs.tile_order is not None,
+        src_count_ptr=bufs.src_count, tile_order_ptr=order, local_tiles_ptr=local_tiles,
         num_warps=num_warps_place)
 
 
@@ -484,6 +560,12 @@ def schedule_reference(all_idx: torch.Tensor, rank: int, E_local: int, BM: int,
     tile_expert = torch.where((r0 < total) & (r0 < real_end), tile_expert, torch.full_like(tile_expert, -1))
     row_of_src = torch.full((W * N,), -1, dtype=torch.int64)
     row_of_src[pos_s] = rows
+    # token-pull order: tiles whose real rows are all this rank's (or none) first, each class in tile order
+    n_tiles = total // BM
+    src_of_row = torch.where(row_src >= 0, row_src // N, rank)[:n_tiles * BM].reshape(n_tiles, BM)
+    remote = (src_of_row != rank).any(dim=1)
+    tile_order = torch.full((n_tiles_max,), -1, dtype=torch.int64)
+    tile_order[:n_tiles] = torch.cat([torch.nonzero(~remote).flatten(), torch.nonzero(remote).flatten()])
     i32 = torch.int32
     return {
         "row_src": row_src.to(i32),
@@ -493,4 +575,6 @@ def schedule_reference(all_idx: torch.Tensor, rank: int, E_local: int, BM: int,
         "src_count": src_count.to(i32),
         "num_tiles": torch.tensor([total // BM], dtype=i32),
         "row_of_src": row_of_src.to(i32),
+        "tile_order": tile_order.to(i32),  # -1 past num_tiles (the kernel leaves those unwritten)
+        "local_tiles": torch.tensor([int((~remote).sum())], dtype=i32),
     }
