@@ -855,8 +855,24 @@ def test_token_pull_is_bitwise_the_default(W, route, save, half, shared, early, 
     prob = make_problem(W, T, H, I, E_local, k, shared=shared, seed=37, route=route)
     base = dataclasses.replace(MEGA, fwd_tma=True, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m,
                                fwd_half_tiles=half, fwd_align_tiles=2, fwd_early_ticket=early)
+    base = dataclasses.replace(base, fwd_pull_tokens=False)
     pull = dataclasses.replace(base, fwd_pull_tokens=True)
     a, b = _run_tabby(W, T, prob, cfg=base), _run_tabby(W, T, prob, cfg=pull)
     for name in a:
         assert torch.equal(a[name], b[name]), name
     _check(b, _run_reference(prob))
+
+
+def test_token_pull_default_by_rows_per_expert_and_source():
+    """fwd_pull_tokens=None: on where experts average >= PULL_TOKENS_MIN_TILES row tiles from each
+    source rank (most tiles then hold one rank's rows), off where tiles mix ranks; explicit wins."""
+    from tabby.functional.config import PULL_TOKENS_MIN_TILES, MoEConfig
+
+    cfg = MoEConfig()
+    assert cfg.pull_tokens(16384, 8, 128)  # qwen3-30b-a3b 16384: 8 tiles per (expert, source)
+    assert not cfg.pull_tokens(4096, 10, 512)  # qwen3.5-397b 4096: 0.6
+    E = 64
+    edge = PULL_TOKENS_MIN_TILES * cfg.tile_m * E
+    assert cfg.pull_tokens(edge, 1, E) and not cfg.pull_tokens(edge - 1, 1, E)
+    assert not dataclasses.replace(cfg, fwd_pull_tokens=False).pull_tokens(16384, 8, 128)
+    assert dataclasses.replace(cfg, fwd_pull_tokens=True).pull_tokens(4096, 10, 512)

@@ -31,6 +31,14 @@ ALIGN_MAX_TILES = 4
 # (I 2048) 7.46 against 7.17, gpt-oss-120b (I 2880) 1.86 against 1.82 (no autograd).
 TWO_DOWN_COLS_MAX_I = 1024
 
+# fwd_pull_tokens=None pulls the peers' x whole (no fills) where an expert gets at least this many
+# row tiles from each source rank on average (T*k / E global experts >= this * tile_m): then most
+# tiles hold rows of one rank, and the tiles of this rank's rows, handed out first, cover the copy.
+# Below it most tiles mix ranks and wait for the whole copy. Measured (EP2, forward under autograd,
+# back-to-back pairs with the run's drift removed, session 13): qwen3-30b-a3b 16384 (8 tiles) ~2.5%
+# faster; qwen3.5-397b 4096 (0.6 tiles) 30% slower.
+PULL_TOKENS_MIN_TILES = 4
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -170,6 +178,8 @@ class MoEConfig:
                      program spends time on fills, and the kept xs [R, H] of a differentiated forward
                      becomes the tokens [W*T, H] (the backward gathers from them). Needs
                      ``fwd_peer_flags`` and ``fwd_local_rows`` (TMA), no comm programs; else off.
+                     None: on where experts average PULL_TOKENS_MIN_TILES row tiles per source
+                     rank (``pull_tokens``).
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -212,7 +222,7 @@ class MoEConfig:
     fwd_peer_flags: bool = True
     fwd_local_rows: bool = True
     fwd_early_ticket: bool = False
-    fwd_pull_tokens: bool = False
+    fwd_pull_tokens: bool | None = None
     overlap_publish: bool = True
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
@@ -220,6 +230,13 @@ class MoEConfig:
         if self.fwd_tma is not None:
             return bool(self.fwd_tma)
         return 6 * T * k * H * I >= TMA_MIN_FLOP
+
+    def pull_tokens(self, T: int, k: int, E: int) -> bool:
+        """Whether the megakernel pulls the peers' x whole (``fwd_pull_tokens``, or by
+        PULL_TOKENS_MIN_TILES) for T tokens/rank, top-k, E experts over all ranks."""
+        if self.fwd_pull_tokens is not None:
+            return bool(self.fwd_pull_tokens)
+        return T * k >= PULL_TOKENS_MIN_TILES * self.tile_m * E
 
     def mega_warps(self, T: int, k: int, H: int, I: int) -> int:
         """Warps per megakernel program (``fwd_num_warps``, or by FOUR_WARPS_MAX_I) for these sizes."""

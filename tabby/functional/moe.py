@@ -365,7 +365,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     in_kernel = cfg.fwd_peer_flags
     tma = cfg.use_tma(T, topk_idx.shape[1], H, I)
     # the token pull: gate/up gathers rows from x and the peers' x copied whole (no fills)
-    tokens = bool(cfg.fwd_pull_tokens and in_kernel and cfg.fwd_local_rows and tma and cfg.fwd_comm_programs == 0
+    tokens = bool(cfg.pull_tokens(T, k, E_local * ws.world_size) and in_kernel and cfg.fwd_local_rows and tma and cfg.fwd_comm_programs == 0
                   and H % 8 == 0)
     row_w = None
     if save and tokens:  # written by the schedule (there are no fills)
