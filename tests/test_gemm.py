@@ -360,36 +360,6 @@ def test_expert_wgrad_gate_up_strided():
     assert torch.equal(dwg1, dwg)
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_expert_wgrad_gate_up_reads_local_rows_from_x(rank):
-    """With ``local_rows`` the rows of xs from ``rank`` are read from x (the megakernel's
-    fwd_local_rows leaves them unwritten): bitwise the gradients of the fully filled xs, whatever
-    the holes hold; a misaligned x is refused."""
-    H, I, T, k = 48, 40, 20, 2
-    s = Sched(COUNTS["mixed"], BM, W=2, TK=T * k)
-    dgu = s.rows(2 * I, seed=31)
-    xr = [rand(T, H, seed=32 + r) for r in range(2)]  # each rank's input
-    rs = s.row_src_cpu
-    real = rs >= 0
-    src, tok = rs.clamp(min=0) // (T * k), (rs.clamp(min=0) % (T * k)) // k
-    full = torch.zeros(s.R, H, dtype=torch.bfloat16)
-    for r in range(2):
-        sel = real & (src == r)
-        full[sel] = xr[r].cpu()[tok[sel]]
-    holes = full.clone()
-    holes[real & (src == rank)] = float("nan")
-    full, holes = full.to(DEV), holes.to(DEV)
-    assert (real & (src == rank)).any() and (real & (src != rank)).any()
-    ref = gemm.expert_wgrad_gate_up(dgu, full, s.expert_start, s.expert_count, config=WCFG)
-    got = gemm.expert_wgrad_gate_up(dgu, holes, s.expert_start, s.expert_count, config=WCFG,
-                                    local_rows=(s.row_src, xr[rank], T * k, k, rank))
-    for a, b in zip(ref, got):
-        assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        gemm.expert_wgrad_gate_up(dgu, holes, s.expert_start, s.expert_count, config=WCFG,
-                                  local_rows=(s.row_src, torch.cat([xr[rank], xr[rank]], 1)[:, :H], T * k, k, rank))
-
-
 def test_default_configs():
     for kind in (gemm.KIND_GATE_UP, gemm.KIND_DOWN, gemm.KIND_DGRAD_SWIGLU, gemm.KIND_GATE_UP_DGRAD, gemm.KIND_WGRAD):
         for N, K in ((768, 2048), (2048, 768), (40, 48)):

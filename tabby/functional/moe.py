@@ -123,14 +123,17 @@ def _signal_wait(ws, slot, epoch_idx, bump, code, cfg):
                                         ws.world_size, cfg.wait_budget(), ws.err, code, BUMP=bump)
 
 
-def _pull_rows(cfg, sched, src_ptrs, dst, TK, k, w_ptrs=None, ws_out=None):
+def _pull_rows(cfg, sched, src_ptrs, dst, TK, k, w_ptrs=None, ws_out=None, only_rank=None):
+    """Rows of the schedule into dst [R, H] from every rank's [T, H] buffer (``src_ptrs``), with
+    their router weights (``w_ptrs`` -> ``ws_out``); ``only_rank``: only the rows from that rank."""
     H = dst.shape[1]
     with_w = w_ptrs is not None
     comm.pull_rows_kernel[(cfg.comm_programs,)](
         sched.row_src, sched.num_tiles, src_ptrs, dst, H, TK, k,
         w_ptrs if with_w else src_ptrs, ws_out if with_w else dst,
         BR=cfg.pull_rows, BH=min(cfg.pull_cols, triton.next_power_of_2(H)), WITH_WEIGHTS=with_w,
-        TILE_ROWS=cfg.tile_m, ROWS_16B=(H * dst.element_size()) % 16 == 0, num_warps=8)
+        TILE_ROWS=cfg.tile_m, ROWS_16B=(H * dst.element_size()) % 16 == 0, ONLY_RANK=only_rank is not None,
+        rank=only_rank or 0, num_warps=8)
 
 
 def _gemm_cfg(cfg: MoEConfig, kind, N, K):
@@ -418,6 +421,28 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     return y, MegaSaved(sched, x, topk_weights)
 
 
+def _routed_rows_for_wgrad(ws, cfg, sched, xs, x, tokens, TK, k):
+    """The routed rows [R, H] of a forward that kept them partly (``fwd_local_rows``: xs without this
+    rank's rows, filled in here from x) or not at all (``fwd_pull_tokens``: xs is every rank's
+    tokens [W*T, H], rows gathered from them and x into a new buffer); local copies only.
+
+    Why copies and not a weight gradient that gathers its rows: that kernel (built in session 12,
+    since removed) made forward+backward 14-26% slower at every shape of the session-13 matrix but
+    the host-bound qwen3-30b-a3b 4096, where the copy of this rank's rows had cost 0-3.4% (session
+    12's matrix against session 11's)."""
+    W, T, H = ws.world_size, x.shape[0], x.shape[1]
+    if not tokens:
+        table = torch.full((W,), x.data_ptr(), dtype=torch.int64, device=x.device)
+        _pull_rows(cfg, sched, table, xs, TK, k, only_rank=ws.rank)
+        return xs
+    # rank src's rows at xs[src*T:], this rank's at x: an address table of local buffers
+    table = torch.arange(W, dtype=torch.int64, device=x.device) * (T * H * xs.element_size()) + xs.data_ptr()
+    table[ws.rank] = x.data_ptr()
+    rows = xs.new_empty((sched.R_max, H))
+    _pull_rows(cfg, sched, table, rows, TK, k)
+    return rows
+
+
 def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
     """Backward pass on one rank. Returns (dx, d topk_weights [T, k] fp32, dw_gate, dw_up, dw_down).
 
@@ -470,10 +495,10 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
                                     BR=256, TILE_ROWS=cfg.tile_m)
     _stage("bwd:router_grad")
     dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype)
-    # local_x: xs lacks this rank's rows (fwd_local_rows); the weight gradient reads them from x
-    local_rows = None if local_x is None else (sched.row_src, local_x, TK, k, ws.rank, tokens)
+    if local_x is not None:  # the routed rows the weight gradient reads, contiguous
+        xs = _routed_rows_for_wgrad(ws, cfg, sched, xs, local_x, tokens, TK, k)
     dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
-                                               out_dtype=w_gate.dtype, local_rows=local_rows)
+                                               out_dtype=w_gate.dtype)
     _stage("bwd:wgrad")
     _signal_wait(ws, BWD_DONE, BWD, False, sync.ERR_WAIT_PEER_DONE, cfg)
     _stage("bwd:signal+wait")

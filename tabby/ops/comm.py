@@ -93,7 +93,7 @@ def _copy_cols(src_row, dst_row, valid, h0, H, BH: tl.constexpr, KEEP: tl.conste
 def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
                    BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr,
                    STAGES: tl.constexpr = 1, W=1, WP: tl.constexpr = 0, SKIP_EMPTY: tl.constexpr = False,
-                   SKIP_RANK: tl.constexpr = False, rank=0):
+                   SKIP_RANK: tl.constexpr = False, rank=0, ONLY_RANK: tl.constexpr = False):
     """Copy rows ``tile*BR ..`` of the routed buffer from their source ranks.
 
     Row r serves flat source id ``row_src[r] = src*TK + t*k + kk`` (-1: padding, written as zeros):
@@ -109,6 +109,7 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     SKIP_EMPTY: a block of padding rows only (real rows are a prefix, so: its first row < 0) is not
     written at all. SKIP_RANK: rows from ``rank`` are neither read nor written (their weights
     are): the forward megakernel's gate/up tiles read them from x (``MoEConfig.fwd_local_rows``).
+    ONLY_RANK: the other way round, only rows from ``rank`` are copied (the backward fills them in).
     """
     rows = tile * BR + tl.arange(0, BR)
     tab = src_ptrs  # placeholders when WP == 0 (each row's entry is loaded instead)
@@ -122,16 +123,16 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     if SKIP_EMPTY:
         if tl.max(rs, axis=0) >= 0:
             _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH, WITH_WEIGHTS, ROWS_16B,
-                       STAGES, WP, SKIP_RANK, rank)
+                       STAGES, WP, SKIP_RANK, rank, ONLY_RANK)
     else:
         _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH, WITH_WEIGHTS, ROWS_16B,
-                   STAGES, WP, SKIP_RANK, rank)
+                   STAGES, WP, SKIP_RANK, rank, ONLY_RANK)
 
 
 @triton.jit
 def _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH: tl.constexpr,
                WITH_WEIGHTS: tl.constexpr, ROWS_16B: tl.constexpr, STAGES: tl.constexpr, WP: tl.constexpr,
-               SKIP_RANK: tl.constexpr = False, rank=0):
+               SKIP_RANK: tl.constexpr = False, rank=0, ONLY_RANK: tl.constexpr = False):
     """``pull_rows_tile``'s copy of rows ``rows`` whose sources ``rs`` are loaded (tables: see there)."""
     valid = rs >= 0
     src = tl.where(valid, rs // TK, 0)
@@ -159,8 +160,11 @@ def _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH:
         else:
             wbase = tl.load(w_ptrs + src).to(tl.pointer_type(tl.float32))
         wv = tl.load(wbase + tk, mask=valid, other=0.0)
-    if SKIP_RANK:
-        keep = valid & (src == rank)  # rows left as they are
+    if SKIP_RANK or ONLY_RANK:
+        if SKIP_RANK:
+            keep = valid & (src == rank)  # rows left as they are
+        else:
+            keep = ~valid | (src != rank)
         if tl.sum((valid & ~keep).to(tl.int32), axis=0) > 0:  # some row to copy
             _copy_row_cols(src_row, dst_row, valid, H, BH, STAGES, True, keep)
     else:
@@ -192,13 +196,14 @@ def _pick(src, tab, WP: tl.constexpr):
 @triton.jit
 def pull_rows_kernel(row_src, num_tiles_ptr, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
                      BR: tl.constexpr, BH: tl.constexpr, WITH_WEIGHTS: tl.constexpr,
-                     TILE_ROWS: tl.constexpr, ROWS_16B: tl.constexpr):
-    """Persistent pull dispatch over the schedule's used rows (num_tiles * TILE_ROWS of them)."""
+                     TILE_ROWS: tl.constexpr, ROWS_16B: tl.constexpr, ONLY_RANK: tl.constexpr = False, rank=0):
+    """Persistent pull dispatch over the schedule's used rows (num_tiles * TILE_ROWS of them);
+    ONLY_RANK: only the rows from ``rank`` (``pull_rows_tile``)."""
     n_rows = tl.load(num_tiles_ptr) * TILE_ROWS
     n_tiles = tl.cdiv(n_rows, BR)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out, BR, BH, WITH_WEIGHTS, ROWS_16B,
-                       1, 1, 0, False)
+                       1, 1, 0, False, False, rank, ONLY_RANK)
 
 
 @triton.jit

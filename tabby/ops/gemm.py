@@ -907,8 +907,8 @@ def local_row_offsets(rows, rs, xs, x, TK, k, rank, stride, TOKENS: tl.constexpr
     """Element offsets from ``xs`` of routed rows ``rows`` (int64 [R]; ``rs``: their row_src) where
     this rank's rows (``rs // TK == rank``) are read from x [T, stride] instead, row
     ``(rs % TK) // k``, and the others from xs [R', stride]: the megakernel's ``fwd_local_rows``
-    leaves this rank's rows of xs unfilled (its gate/up tiles and the backward's weight gradient
-    read them from x). An offset from one pointer argument, not a pointer per buffer, so the
+    leaves this rank's rows of xs unfilled (its gate/up tiles read them from x; the backward copies
+    them in before its weight gradient). An offset from one pointer argument, not a pointer per buffer, so the
     loads keep their 16-byte vectors: both buffers 16-byte aligned, ``stride`` a multiple of
     16 bytes (the launchers check). TOKENS (the megakernel's ``fwd_pull_tokens``): xs holds every
     rank's tokens [W*T, stride] instead, the others' row ``rs // k`` (= src * T + t); padding rows
@@ -925,49 +925,15 @@ def local_row_offsets(rows, rs, xs, x, TK, k, rank, stride, TOKENS: tl.constexpr
 
 
 @triton.jit
-def _wgrad_gathered_step(acc, a_ptrs, b_ptr, kt, cnt, start, rs, stride_ar, stride_br, offs_k, offs_n,
-                         row_src_ptr, x_ptr, TK, k, rank, BK: tl.constexpr, INTERPRET: tl.constexpr,
-                         TOKENS: tl.constexpr = False):
-    """``_wgrad_step`` with B's rows gathered (``local_row_offsets``) from ``rs``, the row sources of
-    step kt loaded one step earlier; returns the next step's. Loaded a step ahead, the B addresses
-    depend on no load of their own step, and the pipeliner keeps its num_stages - 1 steps of
-    data loads in flight (sm_90 PTX: the same cp.async prologue as without the gather; loading
-    row_src in the step itself left one step in flight)."""
-    rs_next = tl.load(row_src_ptr + start + (kt + 1) * BK + offs_k, mask=offs_k < cnt - (kt + 1) * BK, other=-1)
-    rows = start + kt * BK + offs_k
-    b_ptrs = b_ptr + local_row_offsets(rows, rs, b_ptr, x_ptr, TK, k, rank, stride_br, TOKENS)[:, None] + offs_n[None, :]
-    acc, a_ptrs, _ = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK, INTERPRET)
-    return acc, a_ptrs, rs_next
-
-
-@triton.jit
-def _wgrad_any_step(acc, a_ptrs, b_ptrs, b_ptr, kt, cnt, start, rs, stride_ar, stride_br, offs_k, offs_n,
-                    row_src_ptr, x_ptr, TK, k, rank, BK: tl.constexpr, INTERPRET: tl.constexpr,
-                    B_GATHER: tl.constexpr, TOKENS: tl.constexpr = False):
-    """One K step of ``expert_wgrad_tile``: contiguous B rows, or gathered ones (B_GATHER)."""
-    if B_GATHER:
-        acc, a_ptrs, rs = _wgrad_gathered_step(acc, a_ptrs, b_ptr, kt, cnt, start, rs, stride_ar, stride_br,
-                                               offs_k, offs_n, row_src_ptr, x_ptr, TK, k, rank, BK, INTERPRET,
-                                               TOKENS)
-    else:
-        acc, a_ptrs, b_ptrs = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK, INTERPRET)
-    return acc, a_ptrs, b_ptrs, rs
-
-
-@triton.jit
 def expert_wgrad_tile(e, pid_m, pid_n,
                       a_ptr, stride_ar, b_ptr, stride_br, c_ptr, stride_ce, stride_cm,
                       expert_start_ptr, expert_count_ptr,
                       M: tl.constexpr, N: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
-                      B_GATHER: tl.constexpr = False, row_src_ptr=None, x_ptr=None, TK=1, k=1, rank=0,
-                      TOKENS: tl.constexpr = False):
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
     """C[e][m-tile, n-tile] = A_seg^T @ B_seg over expert e's rows, one program, rows in order.
 
     A [R, >= M] (row stride stride_ar, unit column stride), B [R, >= N] likewise;
     C [E, M, N] (strides stride_ce, stride_cm, 1). An expert with no rows writes zeros.
-    B_GATHER: B's rows from this rank (``row_src``) are read from x instead (``local_row_offsets``;
-    TOKENS: B is every rank's tokens, the other rows gathered from it too).
     """
     start = tl.load(expert_start_ptr + e).to(tl.int64)
     cnt = tl.load(expert_count_ptr + e)
@@ -978,22 +944,15 @@ def expert_wgrad_tile(e, pid_m, pid_n,
     b_ptrs = b_ptr + start * stride_br + (offs_k[:, None] * stride_br + offs_n[None, :])  # [BK, BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     nk = tl.cdiv(cnt, BK)
-    rs = tl.zeros((BK,), tl.int32)
-    if B_GATHER:
-        rs = tl.load(row_src_ptr + start + offs_k, mask=offs_k < cnt, other=-1)
     if INTERPRET:
         # The interpreter (numpy >= 2.4) cannot take range() of a runtime scalar: same steps, a while loop.
         kt = 0
         while kt < nk:
-            acc, a_ptrs, b_ptrs, rs = _wgrad_any_step(acc, a_ptrs, b_ptrs, b_ptr, kt, cnt, start, rs, stride_ar,
-                                                      stride_br, offs_k, offs_n, row_src_ptr, x_ptr, TK, k, rank,
-                                                      BK, INTERPRET, B_GATHER, TOKENS)
+            acc, a_ptrs, b_ptrs = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK, INTERPRET)
             kt += 1
     else:
         for kt in range(0, nk):
-            acc, a_ptrs, b_ptrs, rs = _wgrad_any_step(acc, a_ptrs, b_ptrs, b_ptr, kt, cnt, start, rs, stride_ar,
-                                                      stride_br, offs_k, offs_n, row_src_ptr, x_ptr, TK, k, rank,
-                                                      BK, INTERPRET, B_GATHER, TOKENS)
+            acc, a_ptrs, b_ptrs = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK, INTERPRET)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     cptrs = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :]
@@ -1004,8 +963,7 @@ def expert_wgrad_tile(e, pid_m, pid_n,
 def expert_wgrad_kernel(a_ptr, a2_ptr, stride_ar, b_ptr, stride_br, c_ptr, c2_ptr, stride_ce, stride_cm,
                         expert_start_ptr, expert_count_ptr, M: tl.constexpr, N: tl.constexpr,
                         NUM_PAIRS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        GROUP_M: tl.constexpr, INTERPRET: tl.constexpr, B_GATHER: tl.constexpr = False,
-                        row_src_ptr=None, x_ptr=None, TK=1, k=1, rank=0, TOKENS: tl.constexpr = False):
+                        GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
     """Tiles ordered expert-major (the expert's rows stay in L2), then pair, then grouped (m, n)."""
     # M, N constexpr: with them known, (offs % M) keeps the contiguity the loads need to vectorize
     # (and to be pipelined); a runtime M would make every A and B load element-wise.
@@ -1024,36 +982,25 @@ def expert_wgrad_kernel(a_ptr, a2_ptr, stride_ar, b_ptr, stride_br, c_ptr, c2_pt
         a_sel = a_ptr
         c_sel = c_ptr
     expert_wgrad_tile(e, pid_m, pid_n, a_sel, stride_ar, b_ptr, stride_br, c_sel, stride_ce, stride_cm,
-                      expert_start_ptr, expert_count_ptr, M, N, BM, BN, BK, INTERPRET,
-                      B_GATHER, row_src_ptr, x_ptr, TK, k, rank, TOKENS)
+                      expert_start_ptr, expert_count_ptr, M, N, BM, BN, BK, INTERPRET)
 
 
-def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg, b_local=None):
+def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg):
     E = expert_count.numel()
     N = out.shape[2]
     assert expert_start.dtype == torch.int32 and expert_count.dtype == torch.int32
     assert expert_start.numel() >= E
-    tokens = b_local is not None and len(b_local) > 5 and b_local[5]  # B: the tokens, every row gathered
-    assert a.stride(-1) == 1 and b.stride(-1) == 1 and (tokens or a.shape[0] == b.shape[0])
+    assert a.stride(-1) == 1 and b.stride(-1) == 1 and a.shape[0] == b.shape[0]
     assert out.shape == (E, M, N) and out.stride(-1) == 1
     pairs = 1 if a2 is None else 2
     if pairs == 2:
         assert a2.stride() == a.stride() and out2.stride() == out.stride() and out2.shape == out.shape
     grid = (E * pairs * triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
-    gather = {}
-    if b_local is not None:
-        row_src, x, TK, k, rank = b_local[:5]
-        esize = b.element_size()
-        if not (x.is_contiguous() and x.shape[1] == b.shape[1] and b.stride(0) == x.stride(0)
-                and (b.stride(0) * esize) % 16 == 0 and x.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0):
-            raise ValueError("expert_wgrad: gathered rows need x [T, N] contiguous with B's row stride, "
-                             "16-byte aligned rows")
-        gather = dict(B_GATHER=True, row_src_ptr=row_src, x_ptr=x, TK=TK, k=k, rank=rank, TOKENS=tokens)
     expert_wgrad_kernel[grid](
         a, a2 if pairs == 2 else a, a.stride(0), b, b.stride(0), out, out2 if pairs == 2 else out,
         out.stride(0), out.stride(1), expert_start, expert_count, M, N,
         NUM_PAIRS=pairs, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, INTERPRET=INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **gather)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def expert_wgrad(a: torch.Tensor, b: torch.Tensor, expert_start: torch.Tensor, expert_count: torch.Tensor, *,
@@ -1077,15 +1024,9 @@ def expert_wgrad(a: torch.Tensor, b: torch.Tensor, expert_start: torch.Tensor, e
 def expert_wgrad_gate_up(dgu: torch.Tensor, xs: torch.Tensor, expert_start: torch.Tensor,
                          expert_count: torch.Tensor, *, out_gate: torch.Tensor | None = None,
                          out_up: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                         config: GemmConfig | None = None, local_rows=None):
+                         config: GemmConfig | None = None):
     """dW_gate[e] = dg_seg^T @ xs_seg, dW_up[e] = du_seg^T @ xs_seg (dgu [R, 2I], xs [R, H]) in one
-    launch; returns (dW_gate, dW_up), each [E, I, H].
-
-    ``local_rows`` = (row_src [R] int32, x [T, H], TK, k, rank): the rows of xs from ``rank``
-    (``row_src // TK == rank``) are read from x instead, row ``(row_src % TK) // k``: the forward
-    megakernel's ``fwd_local_rows`` keeps xs without them, and gathering them here costs no copy.
-    A sixth element True (``fwd_pull_tokens``): xs is every rank's tokens [W*T, H] and the other
-    rows are gathered from it too, row ``row_src // k``."""
+    launch; returns (dW_gate, dW_up), each [E, I, H]."""
     I = dgu.shape[1] // 2
     H = xs.shape[1]
     E = expert_count.numel()
@@ -1094,5 +1035,5 @@ def expert_wgrad_gate_up(dgu: torch.Tensor, xs: torch.Tensor, expert_start: torc
         out_gate = torch.empty(E, I, H, dtype=out_dtype, device=dgu.device)
     if out_up is None:
         out_up = torch.empty(E, I, H, dtype=out_dtype, device=dgu.device)
-    _wgrad_launch(dgu[:, :I], dgu[:, I:], xs, expert_start, expert_count, I, out_gate, out_up, cfg, local_rows)
+    _wgrad_launch(dgu[:, :I], dgu[:, I:], xs, expert_start, expert_count, I, out_gate, out_up, cfg)
     return out_gate, out_up
