@@ -158,7 +158,7 @@ class MoEConfig:
                      their A rows through pointers, this rank's straight from x (Hopper's TMA cannot
                      gather rows; the weights still come through TMA). Needs TMA operand loads
                      (``use_tma``), else off. A differentiated forward then keeps xs without this
-                     rank's rows and the backward's weight gradient reads them from x (no copy).
+                     rank's rows and the backward copies them in from x before its weight gradient.
                      Why: about half the routed rows are local at EP2 and a fill part of local rows
                      costs ~11.5 us of a program's time (session 8's trace). Back to back under
                      autograd at EP2 (session 12, with the run's linear clock drift removed): 1.3%
@@ -168,7 +168,8 @@ class MoEConfig:
                      so that the take's and the polls' round trips (~1.2-1.4 us of waits per ticket,
                      the same with no row copies at all: latency, not dependencies; session 8's
                      trace) overlap the epilogue and the release's fence. Needs TMA, else off.
-                     Built in session 12, CPU-tested; NOT yet measured on a GPU: off.
+                     Measured slower (session 13, back-to-back pairs with the drift removed: 1% at
+                     qwen3-30b-a3b 16384, 4% at qwen3.5-397b 4096): off.
     fwd_pull_tokens: the megakernel's dispatch pulls every peer's x whole, once, with a copy engine
                      beside the kernel (``streamops``: stream waits and writes on flags, no SM taken),
                      instead of (token, k) rows by fill tickets; gate/up gathers every A row from x
@@ -237,6 +238,12 @@ class MoEConfig:
         if self.fwd_pull_tokens is not None:
             return bool(self.fwd_pull_tokens)
         return T * k >= PULL_TOKENS_MIN_TILES * self.tile_m * E
+
+    def token_pull_on(self, T: int, k: int, H: int, I: int, E: int) -> bool:
+        """Whether the megakernel forward runs the token pull: ``pull_tokens`` and what it needs
+        (the in-kernel peer flags, local rows through TMA, no comm programs, H % 8 == 0)."""
+        return bool(self.megakernel and self.pull_tokens(T, k, E) and self.fwd_peer_flags and self.fwd_local_rows
+                    and self.use_tma(T, k, H, I) and self.fwd_comm_programs == 0 and H % 8 == 0)
 
     def mega_warps(self, T: int, k: int, H: int, I: int) -> int:
         """Warps per megakernel program (``fwd_num_warps``, or by FOUR_WARPS_MAX_I) for these sizes."""

@@ -368,8 +368,8 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     in_kernel = cfg.fwd_peer_flags
     tma = cfg.use_tma(T, topk_idx.shape[1], H, I)
     # the token pull: gate/up gathers rows from x and the peers' x copied whole (no fills)
-    tokens = bool(cfg.pull_tokens(T, k, E_local * ws.world_size) and in_kernel and cfg.fwd_local_rows and tma and cfg.fwd_comm_programs == 0
-                  and H % 8 == 0)
+    # (x as gate/up gathers it: contiguous, 16-byte aligned; else the fills, as fwd_local_rows falls back)
+    tokens = cfg.token_pull_on(T, k, H, I, E_local * ws.world_size) and x.is_contiguous() and x.data_ptr() % 16 == 0
     row_w = None
     if save and tokens:  # written by the schedule (there are no fills)
         row_w = torch.empty(schedule_capacity(ws.world_size, T, k, E_local, cfg.tile_m, cfg.align_tiles(T, k, E_local)),
@@ -629,6 +629,9 @@ def memory_report(dims, cfg: MoEConfig) -> str:
     kept = R * (2 * H + 4 * I + 4 + 4)  # xs, g|u, row weight, row_src: kept per layer for the backward
     fwd = R * 2 * I  # h
     bwd = R * (2 * H + 4 * I + 2 * I + 4 * 2 + 4 * triton.cdiv(I, 64))  # dys, dg|du, hw, dw rows, dw partials
+    if cfg.token_pull_on(dims.T, dims.k, H, I, dims.E_local * dims.world_size):  # the tokens kept, not xs
+        kept += dims.world_size * dims.T * 2 * H - R * 2 * H
+        bwd += R * 2 * H  # the routed rows gathered from them for the weight gradient
     ring = cfg.ring_rows * 2 * (H + I)
     mode = (f"megakernel forward keeps only the schedule and a {ring / MiB:.1f} MiB ring; its backward "
             f"recomputes the routed rows" if cfg.megakernel and not cfg.fwd_save_for_backward else
