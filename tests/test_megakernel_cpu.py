@@ -774,8 +774,13 @@ def test_local_rows_from_x_are_bitwise_the_filled_ones(W, route, save, half, mon
     prob = make_problem(W, T, H, I, E_local, k, seed=23, route=route)
     base = dataclasses.replace(MEGA, fwd_tma=True, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m,
                                fwd_half_tiles=half, fwd_local_rows=False)
-    local = dataclasses.replace(base, fwd_local_rows=True)
-    a, b = _run_tabby(W, T, prob, cfg=base), _run_tabby(W, T, prob, cfg=local)
+    _assert_bitwise_and_right(W, T, prob, base, fwd_local_rows=True)
+
+
+def _assert_bitwise_and_right(W, T, prob, base, **change):
+    """The layer with ``change`` applied to config ``base`` gives base's y and gradients bitwise,
+    and the reference's within tolerance."""
+    a, b = _run_tabby(W, T, prob, cfg=base), _run_tabby(W, T, prob, cfg=dataclasses.replace(base, **change))
     for name in a:
         assert torch.equal(a[name], b[name]), name
     _check(b, _run_reference(prob))
@@ -827,11 +832,7 @@ def test_early_ticket_is_bitwise_the_default(W, route, save, half, shared, monke
     prob = make_problem(W, T, H, I, E_local, k, shared=shared, seed=29, route=route)
     base = dataclasses.replace(MEGA, fwd_tma=True, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m,
                                fwd_half_tiles=half, fwd_align_tiles=2)
-    early = dataclasses.replace(base, fwd_early_ticket=True)
-    a, b = _run_tabby(W, T, prob, cfg=base), _run_tabby(W, T, prob, cfg=early)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    _check(b, _run_reference(prob))
+    _assert_bitwise_and_right(W, T, prob, base, fwd_early_ticket=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -854,13 +855,9 @@ def test_token_pull_is_bitwise_the_default(W, route, save, half, shared, early, 
     E_local = 2 if W >= 2 else 4
     prob = make_problem(W, T, H, I, E_local, k, shared=shared, seed=37, route=route)
     base = dataclasses.replace(MEGA, fwd_tma=True, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m,
-                               fwd_half_tiles=half, fwd_align_tiles=2, fwd_early_ticket=early)
-    base = dataclasses.replace(base, fwd_pull_tokens=False)
-    pull = dataclasses.replace(base, fwd_pull_tokens=True)
-    a, b = _run_tabby(W, T, prob, cfg=base), _run_tabby(W, T, prob, cfg=pull)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    _check(b, _run_reference(prob))
+                               fwd_half_tiles=half, fwd_align_tiles=2, fwd_early_ticket=early,
+                               fwd_pull_tokens=False)
+    _assert_bitwise_and_right(W, T, prob, base, fwd_pull_tokens=True)
 
 
 def test_token_pull_default_by_rows_per_expert_and_source():

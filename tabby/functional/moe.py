@@ -413,8 +413,8 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     y = _finish_forward(ws, cfg, x, topk_weights, mb.extra[:T] if I_s else None, in_kernel)
     if save:
         xs, gu, row_w = kept
-        # local_a: xs lacks this rank's rows (gate/up read them from x); so does the backward's wgrad
-        # ("tokens": xs is the pulled tokens, every row gathered)
+        # local_a: xs lacks this rank's rows (gate/up read them from x; the backward copies them in);
+        # "tokens": xs is every rank's tokens, the backward gathers the rows from them
         if tokens:
             return y, (sched, xt, gu, row_w, "tokens")
         return y, (sched, xs, gu, row_w, local_a)
@@ -547,7 +547,7 @@ class _TabbyMoEMega(torch.autograd.Function):
         saved = ctx.saved
         if isinstance(saved, MegaSaved):  # x and topk_weights came back through save_for_backward
             saved = MegaSaved(saved.sched, x, topk_weights)
-        elif saved[4]:  # xs lacks this rank's rows (fwd_local_rows): the wgrad reads them from x
+        elif saved[4]:  # xs lacks this rank's rows (fwd_local_rows): the backward copies them in from x
             saved = (*saved[:4], x, saved[4] == "tokens")
         else:
             saved = saved[:4]

@@ -540,7 +540,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     LOCAL_A (``MoEConfig.fwd_local_rows``; with TMA): the fills copy only rows from other ranks, and
     the gate/up tiles gather their A rows through pointers (``_local_a_rows``): this rank's from
     ``x_rows`` (its input), the others from xs; the weights still come through TMA. With SAVE the
-    kept xs then lacks this rank's rows (the backward's weight gradient reads them from x).
+    kept xs then lacks this rank's rows (the backward copies them in from x).
     AHEAD: a compute program takes its next ticket in the shadow of the current one's release fence
     (``sync.signal_take``) rather than after it. (Taking it before starting the current ticket was
     measured, and is much slower: the ticket then waits a whole tile for its program, and the
