@@ -13,7 +13,8 @@ import torch
 import tabby
 from tabby.functional import moe as moe_mod
 from tabby.functional.config import MoEConfig
-from tabby.functional.workspace import FWD, FWD_DONE, FWD_X_READY, TabbyDeviceError, Workspace, WorkspaceKey
+from tabby.functional.workspace import (FWD, FWD_DONE, FWD_X_PULL, FWD_X_READY, TabbyDeviceError, Workspace,
+                                       WorkspaceKey)
 from tabby.ops import gemm, megakernel_fwd, sync
 from tabby.ops.schedule import alloc_schedule, launch_schedule
 
@@ -873,3 +874,30 @@ def test_token_pull_default_by_rows_per_expert_and_source():
     assert cfg.pull_tokens(edge, 1, E) and not cfg.pull_tokens(edge - 1, 1, E)
     assert not dataclasses.replace(cfg, fwd_pull_tokens=False).pull_tokens(16384, 8, 128)
     assert dataclasses.replace(cfg, fwd_pull_tokens=True).pull_tokens(4096, 10, 512)
+
+
+def test_token_pull_wait_is_bounded_and_releases_the_copy_stream():
+    """A copy that never lands (``pulled`` never set: a peer that never publishes) is an error record
+    naming the counter, not a hang; the last program then sets this rank's FWD_X_PULL flags, so a copy
+    stream waiting on them (GPU: ``streamops.wait_geq``, unbounded) goes on. The flags table points
+    elsewhere here, so only that release can set this rank's own flags."""
+    p = _one_rank(route="random")
+    ws = p["ws"]
+    T, H = p["x"].shape
+    k, E_local = 2, 2
+    sched = alloc_schedule(1, T, k, E_local, 16, p["x"].device, order=True)
+    launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, 0)
+    sink = torch.zeros_like(ws.flags)
+    ws.epoch[FWD] = 2
+    megakernel_fwd.launch_fwd_megakernel(
+        p["mb"], sched, ws.ptrs["x_pub"], ws.ptrs["y_in"], ws.err, ws.epoch[FWD:], 0, 50, *p["w"], x=p["x"],
+        gu_cfg=p["gu_cfg"], dn_cfg=p["dn_cfg"], programs=2, tma=True, local_rows=True,
+        peers=(torch.tensor([sink.data_ptr()], dtype=torch.int64), ws.flags, FWD_X_READY, FWD_DONE, False),
+        tokens=(p["x"].new_zeros((T, H)), FWD_X_PULL))
+    lay = megakernel_fwd.counter_layout(p["mb"].n_slots, p["mb"].n_sh, p["mb"].n_tiles)
+    rec = ws.err.tolist()
+    assert rec[0] == sync.ERR_WAIT_PEER_READY and rec[2] == lay["pulled"] and rec[3] == 1
+    assert int(ws.flags[FWD_X_PULL * 1]) == 1  # released by the last program
+    assert int(sink[FWD_X_PULL]) == 1 and int(sink[FWD_DONE]) == 2  # what program 0 and the last one signalled
+    with pytest.raises(TabbyDeviceError, match="timed out"):
+        ws.check_errors()
