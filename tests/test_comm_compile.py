@@ -14,18 +14,22 @@ PATTERNS = ("ld.global.v4", "ld.global.b16", "st.global.v4", "st.global.b16")
 def _ptx_counts():
     from tabby.ops import comm
 
-    const = dict(BR=32, BH=512, WITH_WEIGHTS=True, TILE_ROWS=128, ROWS_16B=True)
     ptrs = {"row_src": "*i32", "num_tiles_ptr": "*i32", "src_ptrs": "*i64", "dst": "*bf16", "w_ptrs": "*i64",
             "ws_out": "*fp32"}
-    ptx = compile_for_sm90(comm.pull_rows_kernel, const, ptrs, divisible=("H", "TK"), num_warps=8).asm["ptx"]
-    for pat in PATTERNS:
-        print(pat, len(re.findall(re.escape(pat) + r"\b", ptx)))
+    # the dispatch (rows with their weights), and the backward's copy of this rank's rows (ONLY_RANK)
+    for name, extra in (("pull", dict(WITH_WEIGHTS=True)), ("only_rank", dict(WITH_WEIGHTS=False, ONLY_RANK=True))):
+        const = dict(BR=32, BH=512, TILE_ROWS=128, ROWS_16B=True, **extra)
+        ptx = compile_for_sm90(comm.pull_rows_kernel, const, ptrs, divisible=("H", "TK"), num_warps=8).asm["ptx"]
+        for pat in PATTERNS:
+            print(name, pat, len(re.findall(re.escape(pat) + r"\b", ptx)))
 
 
 def test_pull_rows_vectorized():
-    counts = {k: int(v) for k, v in (line.split() for line in run_compiled_check(__file__).splitlines())}
-    assert counts["ld.global.v4"] > 0 and counts["st.global.v4"] > 0, counts
-    assert counts["ld.global.b16"] == 0 and counts["st.global.b16"] == 0, counts
+    out = run_compiled_check(__file__).splitlines()
+    for name in ("pull", "only_rank"):
+        counts = {k: int(v) for n, k, v in (line.split() for line in out) if n == name}
+        assert counts["ld.global.v4"] > 0 and counts["st.global.v4"] > 0, (name, counts)
+        assert counts["ld.global.b16"] == 0 and counts["st.global.b16"] == 0, (name, counts)
 
 
 def _signal_wait_ptx():
