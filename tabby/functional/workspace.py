@@ -141,13 +141,17 @@ class Workspace:
         for ``symm``; a copy engine can read it)."""
         if src == self.rank:
             return self.buffers[name]
-        off, shape, dtype = self._layout[name]
-        nbytes = _numel(shape) * dtype.itemsize
-        if self.transport == "threads":
-            raw = self._thread_group.raw[src]
-        else:
-            raw = self._handle.get_buffer(src, (self.symmetric_bytes,), torch.uint8, 0)
-        return raw[off:off + nbytes].view(dtype).view(shape)
+        views = self.__dict__.setdefault("_peer_views", {})  # made once: every forward asks (host time)
+        view = views.get((name, src))
+        if view is None:
+            off, shape, dtype = self._layout[name]
+            nbytes = _numel(shape) * dtype.itemsize
+            if self.transport == "threads":
+                raw = self._thread_group.raw[src]
+            else:
+                raw = self._handle.get_buffer(src, (self.symmetric_bytes,), torch.uint8, 0)
+            view = views[(name, src)] = raw[off:off + nbytes].view(dtype).view(shape)
+        return view
 
     def check_errors(self) -> None:
         """Raise if a kernel recorded an error (a host sync); clears the record."""
