@@ -372,8 +372,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     tokens = cfg.token_pull_on(T, k, H, I, E_local * ws.world_size) and x.is_contiguous() and x.data_ptr() % 16 == 0
     row_w = None
     if save and tokens:  # written by the schedule (there are no fills)
-        row_w = torch.empty(schedule_capacity(ws.world_size, T, k, E_local, cfg.tile_m, cfg.align_tiles(T, k, E_local)),
-                            dtype=torch.float32, device=x.device)
+        row_w = torch.empty(n_tiles * cfg.tile_m, dtype=torch.float32, device=x.device)  # the schedule's R_max
     sched = _publish_and_schedule(ws, cfg, x, topk_idx, topk_weights, E_local, in_kernel,
                                   on_main=mb.counters.zero_, order=tokens, row_w=row_w)
     assert sched.n_tiles_max == n_tiles
@@ -497,6 +496,7 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
     dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype)
     if local_x is not None:  # the routed rows the weight gradient reads, contiguous
         xs = _routed_rows_for_wgrad(ws, cfg, sched, xs, local_x, tokens, TK, k)
+        _stage("bwd:routed_rows")
     dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
                                                out_dtype=w_gate.dtype)
     _stage("bwd:wgrad")

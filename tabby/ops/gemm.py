@@ -903,28 +903,6 @@ def _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK: 
 
 
 @triton.jit
-def local_row_offsets(rows, rs, xs, x, TK, k, rank, stride, TOKENS: tl.constexpr = False):
-    """Element offsets from ``xs`` of routed rows ``rows`` (int64 [R]; ``rs``: their row_src) where
-    this rank's rows (``rs // TK == rank``) are read from x [T, stride] instead, row
-    ``(rs % TK) // k``, and the others from xs [R', stride]: the megakernel's ``fwd_local_rows``
-    leaves this rank's rows of xs unfilled (its gate/up tiles read them from x; the backward copies
-    them in before its weight gradient). An offset from one pointer argument, not a pointer per buffer, so the
-    loads keep their 16-byte vectors: both buffers 16-byte aligned, ``stride`` a multiple of
-    16 bytes (the launchers check). TOKENS (the megakernel's ``fwd_pull_tokens``): xs holds every
-    rank's tokens [W*T, stride] instead, the others' row ``rs // k`` (= src * T + t); padding rows
-    (rs < 0) read its row 0."""
-    mine = (rs >= 0) & (rs // TK == rank)
-    tok = tl.where(mine, (rs % TK) // k, 0).to(tl.int64)
-    ESIZE: tl.constexpr = xs.dtype.element_ty.primitive_bitwidth // 8
-    dx = (x.to(tl.int64, bitcast=True) - xs.to(tl.int64, bitcast=True)) // ESIZE  # x - xs, elements
-    if TOKENS:
-        other = tl.where(rs >= 0, rs // k, 0).to(tl.int64) * stride
-    else:
-        other = rows * stride
-    return tl.multiple_of(tl.where(mine, dx + tok * stride, other), 16 // ESIZE)
-
-
-@triton.jit
 def expert_wgrad_tile(e, pid_m, pid_n,
                       a_ptr, stride_ar, b_ptr, stride_br, c_ptr, stride_ce, stride_cm,
                       expert_start_ptr, expert_count_ptr,

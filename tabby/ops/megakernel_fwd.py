@@ -344,12 +344,22 @@ def _down_cols(blk, c0, e, hh, w_down, sd_e, sd_n, row_src, tile_expert, num_til
 def _local_a_rows(i, row_src, xs, x_rows, TK, k, rank, H: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
                   TOKENS: tl.constexpr = False):
     """Pointers to the A rows of routed row tile i's first R rows (LOCAL_A): a row from this rank
-    in x_rows (the layer's input [T, H]), any other in xs (row i*BM + r: filled, or padding; TOKENS:
-    xs is the pulled tokens [W*T, H], row src*T + t) (``gemm.local_row_offsets``; the launcher checks
-    the alignment it needs)."""
+    (``row_src // TK == rank``) in x_rows (the layer's input [T, H]), row ``(row_src % TK) // k``;
+    any other in xs, row i*BM + r (filled, or padding; TOKENS: xs is every rank's tokens [W*T, H],
+    row ``row_src // k`` = src*T + t, padding rows its row 0). Offsets from the one pointer xs, not
+    a pointer per buffer, so the loads keep their 16-byte vectors: both buffers 16-byte aligned, H a
+    multiple of 8 (the launcher checks)."""
     rows = i * BM + tl.arange(0, R)
     rs = tl.load(row_src + rows)
-    return xs + gemm.local_row_offsets(rows.to(tl.int64), rs, xs, x_rows, TK, k, rank, H, TOKENS)
+    mine = (rs >= 0) & (rs // TK == rank)
+    tok = tl.where(mine, (rs % TK) // k, 0).to(tl.int64)
+    ESIZE: tl.constexpr = xs.dtype.element_ty.primitive_bitwidth // 8
+    dx = (x_rows.to(tl.int64, bitcast=True) - xs.to(tl.int64, bitcast=True)) // ESIZE  # x - xs, elements
+    if TOKENS:
+        other = tl.where(rs >= 0, rs // k, 0).to(tl.int64) * H
+    else:
+        other = rows.to(tl.int64) * H
+    return xs + tl.multiple_of(tl.where(mine, dx + tok * H, other), 16 // ESIZE)
 
 
 @triton.jit
