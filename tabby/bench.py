@@ -197,8 +197,8 @@ def _reference_grads(inp: Inputs, grads, group, errs: ErrorSums, y_ref) -> None:
 class LayerRun:
     """A prepared layer implementation: ``fn(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group=)``."""
 
-    def __init__(self, fn, inp: Inputs, group):
-        self.fn, self.inp, self.group = fn, inp, group
+    def __init__(self, fn, inp: Inputs, group, device_errors=None):
+        self.fn, self.inp, self.group, self.device_errors = fn, inp, group, device_errors
 
     def run_fwd(self):
         self.fn(*self.inp.args(), group=self.group)  # graph built, then dropped
@@ -208,7 +208,15 @@ class LayerRun:
         torch.autograd.grad(y, self.inp.leaves(), self.inp.dy, allow_unused=True)  # returned, not accumulated
 
     def check(self, with_grads: bool) -> dict:
-        return layer_errors(self.fn, self.inp, self.group, with_grads)
+        errors = layer_errors(self.fn, self.inp, self.group, with_grads)
+        self.raise_device_errors()
+        return errors
+
+    def raise_device_errors(self) -> None:
+        """Raise what the layer recorded on the device (a timed-out bounded wait, a bad expert id):
+        its outputs, and any time measured with it, are invalid (a wait that gave up returns early)."""
+        if self.device_errors is not None:
+            self.device_errors()
 
 
 @dataclass
@@ -225,10 +233,11 @@ class LayerImpl:
     # Without a GPU, does EP>1 across gloo processes work? (Tabby's needs GPU symmetric memory;
     # its multi-rank CPU coverage is the thread harness of tests/test_moe_cpu.py.)
     cpu_multiprocess: bool = True  # measured when --impls is not given
+    device_errors: object = None  # raises if the layer recorded an error on the device (host sync)
 
     def prepare(self, inp: Inputs, group):
         fn = self.fn if not self.kwargs else (lambda *a, **kw: self.fn(*a, **kw, **self.kwargs))
-        return LayerRun(fn, inp, group)
+        return LayerRun(fn, inp, group, self.device_errors)
 
 
 class FloorRun:
@@ -317,10 +326,11 @@ def register_tabby() -> None:
         # "tabby": the default config, i.e. the forward megakernel; TABBY_MEGA_VARIANT (`tabby tune`
         # knob syntax, e.g. "M=2,T=0") overrides its knobs. "tabby-sync-free": the separate launches.
         from .functional.config import MoEConfig
+        from .functional.moe import check_errors
         from .tune import parse_variant
 
         register_layer("tabby-sync-free", functools.partial(fn, config=MoEConfig(megakernel=False)),
-                       supports_cpu=True, cpu_multiprocess=False)
+                       supports_cpu=True, cpu_multiprocess=False, device_errors=check_errors)
         try:
             _, knobs = parse_variant("mega:" + os.environ.get("TABBY_MEGA_VARIANT", ""))
         except ValueError as e:
@@ -328,7 +338,7 @@ def register_tabby() -> None:
             return
         cfg = MoEConfig(megakernel=True, **knobs)
         register_layer("tabby", functools.partial(fn, config=cfg) if knobs else fn, supports_cpu=True,
-                       cpu_multiprocess=False)
+                       cpu_multiprocess=False, device_errors=check_errors)
 
 
 def load_plugins() -> None:
@@ -519,6 +529,8 @@ def measure(impl, inp: Inputs, group, cfg: Config, timed: bool) -> list:
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             times, host_ms = time_iterations_and_host(run, cfg.warmup, cfg.iters)
+            if hasattr(prepared, "raise_device_errors"):
+                prepared.raise_device_errors()
             return times, (torch.cuda.max_memory_allocated() - base) / 1e9, host_ms
 
         res, err = attempt(timed_run)

@@ -232,6 +232,21 @@ def test_layer_check_flags_wrong_values_and_gradients(fn, bad):
         assert all(errs[n] > 0.03 for n in bad), errs
 
 
+def test_a_device_error_record_fails_the_check():
+    """A layer that recorded an error on the device (a bounded wait that gave up returns early, with
+    a wrong output) is reported as an error, not only as a wrong value: session 14's token pull
+    gave up on its copy in the bench and the table showed only "NO"."""
+    def timed_out():
+        raise RuntimeError("rank 0: a bounded wait timed out (waited for a peer to publish its inputs)")
+
+    inp = bench.make_inputs(TINY, 32, 1, 0, torch.device("cpu"))
+    cfg = bench.Config(shapes=[TINY], tokens=[32], eps=[1], impls=["x"], passes=["fwd", "fwd+bwd"])
+    ok = bench.measure(bench.LayerImpl("x", moe_torch_a2a), inp, None, cfg, timed=False)
+    assert all(r["correct"] and r["error"] is None for r in ok)
+    bad = bench.measure(bench.LayerImpl("x", moe_torch_a2a, device_errors=timed_out), inp, None, cfg, timed=False)
+    assert all(not r["correct"] and "bounded wait timed out" in r["error"] for r in bad)
+
+
 def test_floor_check():
     inp = bench.make_inputs(TINY, 64, 1, 0, torch.device("cpu"))
     errs = bench.FloorImpl().prepare(inp, None).check(with_grads=True)

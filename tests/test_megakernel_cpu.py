@@ -861,19 +861,18 @@ def test_token_pull_is_bitwise_the_default(W, route, save, half, shared, early, 
     _assert_bitwise_and_right(W, T, prob, base, fwd_pull_tokens=True)
 
 
-def test_token_pull_default_by_rows_per_expert_and_source():
-    """fwd_pull_tokens=None: on where experts average >= PULL_TOKENS_MIN_TILES row tiles from each
-    source rank (most tiles then hold one rank's rows), off where tiles mix ranks; explicit wins."""
-    from tabby.functional.config import PULL_TOKENS_MIN_TILES, MoEConfig
+def test_token_pull_is_opt_in():
+    """The token pull is off by default (its copy stream can sit behind the kernel in one hardware
+    queue: session 14) and, when asked for, runs only where what it needs holds."""
+    from tabby.functional.config import MoEConfig
 
     cfg = MoEConfig()
-    assert cfg.pull_tokens(16384, 8, 128)  # qwen3-30b-a3b 16384: 8 tiles per (expert, source)
-    assert not cfg.pull_tokens(4096, 10, 512)  # qwen3.5-397b 4096: 0.6
-    E = 64
-    edge = PULL_TOKENS_MIN_TILES * cfg.tile_m * E
-    assert cfg.pull_tokens(edge, 1, E) and not cfg.pull_tokens(edge - 1, 1, E)
-    assert not dataclasses.replace(cfg, fwd_pull_tokens=False).pull_tokens(16384, 8, 128)
-    assert dataclasses.replace(cfg, fwd_pull_tokens=True).pull_tokens(4096, 10, 512)
+    args = (16384, 8, 2048, 768, 128)  # qwen3-30b-a3b 16384, where it had been on by default
+    assert not cfg.fwd_pull_tokens and not cfg.token_pull_on(*args)
+    assert dataclasses.replace(cfg, fwd_pull_tokens=True).token_pull_on(*args)
+    assert not dataclasses.replace(cfg, fwd_pull_tokens=True, fwd_local_rows=False).token_pull_on(*args)
+    assert not dataclasses.replace(cfg, fwd_pull_tokens=True, fwd_comm_programs=2).token_pull_on(*args)
+    assert not dataclasses.replace(cfg, fwd_pull_tokens=True).token_pull_on(16384, 8, 2044, 768, 128)  # H % 8
 
 
 def test_token_pull_wait_is_bounded_and_releases_the_copy_stream():

@@ -31,14 +31,6 @@ ALIGN_MAX_TILES = 4
 # (I 2048) 7.46 against 7.17, gpt-oss-120b (I 2880) 1.86 against 1.82 (no autograd).
 TWO_DOWN_COLS_MAX_I = 1024
 
-# fwd_pull_tokens=None pulls the peers' x whole (no fills) where an expert gets at least this many
-# row tiles from each source rank on average (T*k / E global experts >= this * tile_m): then most
-# tiles hold rows of one rank, and the tiles of this rank's rows, handed out first, cover the copy.
-# Below it most tiles mix ranks and wait for the whole copy. Measured (EP2, forward under autograd,
-# back-to-back pairs with the run's drift removed, session 13): qwen3-30b-a3b 16384 (8 tiles) ~2.5%
-# faster; qwen3.5-397b 4096 (0.6 tiles) 30% slower.
-PULL_TOKENS_MIN_TILES = 4
-
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -179,8 +171,13 @@ class MoEConfig:
                      program spends time on fills, and the kept xs [R, H] of a differentiated forward
                      becomes the tokens [W*T, H] (the backward gathers from them). Needs
                      ``fwd_peer_flags`` and ``fwd_local_rows`` (TMA), no comm programs; else off.
-                     None: on where experts average PULL_TOKENS_MIN_TILES row tiles per source
-                     rank (``pull_tokens``).
+                     OFF by default, opt-in only: the copy stream's work sits behind the kernel
+                     whenever the driver maps that stream onto the kernel stream's hardware queue
+                     (CUDA_DEVICE_MAX_CONNECTIONS queues, shared round-robin by every stream of the
+                     process), and the kernel then waits for a copy that cannot start until its
+                     bounded wait gives up: an error record and a wrong output (session 14: the
+                     bench's process, qwen3-30b-a3b 16384, every call). Measured where it does run:
+                     qwen3-30b-a3b 16384 ~2.5% faster, qwen3.5-397b 4096 30% slower (session 13).
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -223,7 +220,7 @@ class MoEConfig:
     fwd_peer_flags: bool = True
     fwd_local_rows: bool = True
     fwd_early_ticket: bool = False
-    fwd_pull_tokens: bool | None = None
+    fwd_pull_tokens: bool = False
     overlap_publish: bool = True
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
@@ -232,17 +229,10 @@ class MoEConfig:
             return bool(self.fwd_tma)
         return 6 * T * k * H * I >= TMA_MIN_FLOP
 
-    def pull_tokens(self, T: int, k: int, E: int) -> bool:
-        """Whether the megakernel pulls the peers' x whole (``fwd_pull_tokens``, or by
-        PULL_TOKENS_MIN_TILES) for T tokens/rank, top-k, E experts over all ranks."""
-        if self.fwd_pull_tokens is not None:
-            return bool(self.fwd_pull_tokens)
-        return T * k >= PULL_TOKENS_MIN_TILES * self.tile_m * E
-
     def token_pull_on(self, T: int, k: int, H: int, I: int, E: int) -> bool:
-        """Whether the megakernel forward runs the token pull: ``pull_tokens`` and what it needs
+        """Whether the megakernel forward runs the token pull: ``fwd_pull_tokens`` and what it needs
         (the in-kernel peer flags, local rows through TMA, no comm programs, H % 8 == 0)."""
-        return bool(self.megakernel and self.pull_tokens(T, k, E) and self.fwd_peer_flags and self.fwd_local_rows
+        return bool(self.megakernel and self.fwd_pull_tokens and self.fwd_peer_flags and self.fwd_local_rows
                     and self.use_tma(T, k, H, I) and self.fwd_comm_programs == 0 and H % 8 == 0)
 
     def mega_warps(self, T: int, k: int, H: int, I: int) -> int:
