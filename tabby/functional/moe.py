@@ -435,8 +435,10 @@ def _routed_rows_for_wgrad(ws, cfg, sched, xs, x, tokens, TK, k):
         _pull_rows(cfg, sched, table, xs, TK, k, only_rank=ws.rank)
         return xs
     # rank src's rows at xs[src*T:], this rank's at x: an address table of local buffers
-    table = torch.arange(W, dtype=torch.int64, device=x.device) * (T * H * xs.element_size()) + xs.data_ptr()
-    table[ws.rank] = x.data_ptr()
+    # (built by device ops only: session 14's GPU sync check found a host sync in this backward when
+    # the table had an element assigned from a Python int)
+    src = torch.arange(W, dtype=torch.int64, device=x.device)
+    table = torch.where(src == ws.rank, x.data_ptr(), src * (T * H * xs.element_size()) + xs.data_ptr())
     rows = xs.new_empty((sched.R_max, H))
     _pull_rows(cfg, sched, table, rows, TK, k)
     return rows
