@@ -1,9 +1,17 @@
-"""Diagnose a wrong forward on the GPU (session 14: qwen3-30b-a3b 16384 EP2 gave y = NaN with the
-token pull on by default). Runs the layer several times per config on the bench's inputs and
-prints, per call, the relative error against moe_reference, the NaN rows of y and the device
-error record. Usage: python3 scripts/diag_pull.py SHAPE T "cfg1;cfg2;..." (tune knob syntax, e.g.
-"" for the default, "PT=0", "PT=1,W=8"; a config is run `REPS` times, the first one with a fresh
-workspace when it is the process's first call).
+"""Diagnose a wrong forward on the GPU, call by call (session 14: the token pull at qwen3-30b-a3b
+16384 EP2 gave y = NaN in the bench's process, not in a fresh one).
+
+    python3 scripts/diag_pull.py SHAPE T "spec1;spec2;..."
+
+A spec is a config in `tabby tune` knob syntax ("" the default, "PT=0", "PT=1,V=8"), optionally
+prefixed "SHAPE@T:" to run another shape first in the same process (its own workspace, streams
+and allocations), e.g. "qwen3-30b-a3b@4096:;qwen3-30b-a3b@16384:PT=1". Each spec runs REPS times
+(env, default 3) forward and backward on the bench's inputs; printed per call: the forward's
+relative error against moe_reference, NaN and wrong rows of y, NaNs in the gradients, the device
+error records; with the token pull, whether the pulled tokens equal the peers' x. At the end every
+SHAPE/T call's y and gradients are compared bitwise with the last spec's first call. POISON_GB=N
+(env) fills N GiB of the caching allocator with NaN before each call (reads of unwritten memory
+then show).
 """
 import os
 import sys

@@ -171,13 +171,16 @@ class MoEConfig:
                      program spends time on fills, and the kept xs [R, H] of a differentiated forward
                      becomes the tokens [W*T, H] (the backward gathers from them). Needs
                      ``fwd_peer_flags`` and ``fwd_local_rows`` (TMA), no comm programs; else off.
-                     OFF by default, opt-in only: the copy stream's work sits behind the kernel
-                     whenever the driver maps that stream onto the kernel stream's hardware queue
-                     (CUDA_DEVICE_MAX_CONNECTIONS queues, shared round-robin by every stream of the
-                     process), and the kernel then waits for a copy that cannot start until its
-                     bounded wait gives up: an error record and a wrong output (session 14: the
-                     bench's process, qwen3-30b-a3b 16384, every call). Measured where it does run:
-                     qwen3-30b-a3b 16384 ~2.5% faster, qwen3.5-397b 4096 30% slower (session 13).
+                     OFF by default, opt-in only. Session 14 found it wrong in the bench's process
+                     (qwen3-30b-a3b 16384, every call): its copies, queued after the launch and
+                     waiting for flags the peers' kernels set, sat behind this rank's kernel where
+                     the driver mapped the copy stream onto the kernel stream's hardware queue
+                     (streams share CUDA_DEVICE_MAX_CONNECTIONS queues), so the kernel's bounded
+                     wait for them gave up: an error record and a wrong output. The copies are now
+                     queued before the launch and wait only for flags the peers' streams set
+                     (``_pull_tokens``); not yet run on a GPU. Measured where it ran: qwen3-30b-a3b
+                     16384 ~2.5% faster, qwen3.5-397b 4096 30% slower (session 13); glm-5 and
+                     gpt-oss-120b 16384 forward 1.15 / 1.13x the floor with it, 1.19 / 1.21 without.
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:

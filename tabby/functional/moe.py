@@ -285,46 +285,46 @@ def moe_forward(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_d
 def _pull_tokens(ws, x, counters, pulled_idx):
     """The token pull (``MoEConfig.fwd_pull_tokens``): every peer's x_pub copied whole into
     xt [W*T, H] (rows src*T ..; this rank's own rows stay unused) by a copy engine, beside the
-    megakernel, then ``counters[pulled_idx]`` set to 1. Returns (xt, issue): call ``issue()`` right
-    after the megakernel's launch (None when already done); it returns the copy's stream, which
-    the caller's stream joins.
+    megakernel, then ``counters[pulled_idx]`` set to 1. Call it after the publish (x_pub written on
+    the current stream) and before the megakernel's launch. Returns (xt, stream): the copy's side
+    stream, which the current stream joins after the launch (None when already done).
 
-    On the GPU, on a side stream forked from the current one here (after the counters' memset):
-    for each peer, a stream wait for its FWD_X_PULL flag (set to 1 by its megakernel when its x_pub
-    is published), the copy, the flag's reset to 0 (the peer sets it again only after this rank's
-    DONE, which waits for ``pulled``), then the counter's write (``streamops``: no SM taken, the
-    kernel holds them all). Queued after the kernel's launch: a stream wait blocks the hardware
-    queue it sits in, which another stream may share (CUDA_DEVICE_MAX_CONNECTIONS), and queued
-    first it could hold back this rank's kernel, whose program 0 sets the flag the peer's copy
-    waits for. Under the interpreter (the peers' x_pub already waited for by the host) the copies
-    run here, in order, before the launch.
+    On the GPU (``streamops``: no SM taken, the kernel holds them all): the current stream sets
+    this rank's FWD_X_PULL flag on every peer (this rank's x_pub is published: the write is fenced
+    after the copy before it). A side stream forked from here (after the counters' memset) then,
+    for each peer, waits for that peer's flag, copies, resets the flag to 0 (the peer sets it again
+    only after this rank's DONE, which waits for ``pulled``) and finally writes the counter.
+    Nothing here waits for a kernel: the flags come from the peers' streams, queued before their
+    launches. So where the driver maps the side stream onto the kernel stream's hardware queue,
+    the copy delays this rank's launch but cannot deadlock with it (session 14: with the flags set
+    by the kernel's program 0 and the copies queued after the launch, the copy sat behind the
+    kernel that waited for it, until its bounded wait gave up). Under the interpreter (the peers'
+    x_pub already waited for by the host) the copies run here, in order.
     """
     T, H = x.shape
     W, rank = ws.world_size, ws.rank
     xt = x.new_empty((W * T, H))
+    peers = [src for src in range(W) if src != rank]
     if INTERPRET or not x.is_cuda:
-        for src in range(W):
-            if src != rank:
-                xt[src * T:(src + 1) * T].copy_(ws.peer_buffer("x_pub", src))
+        for src in peers:
+            xt[src * T:(src + 1) * T].copy_(ws.peer_buffer("x_pub", src))
         counters[pulled_idx] = 1
         return xt, None
+    main = torch.cuda.current_stream(x.device)
+    for dst in peers:  # "my x_pub is published", on every peer
+        streamops.write(main, ws.peer_buffer("flags", dst)[FWD_X_PULL, rank].data_ptr(), 1)
     stream = ws.__dict__.get("_pull_stream")
     if stream is None:
         stream = ws.__dict__["_pull_stream"] = torch.cuda.Stream(device=x.device)
-    stream.wait_stream(torch.cuda.current_stream(x.device))  # before the launch: not after the kernel
-
-    def issue():
-        with torch.cuda.stream(stream):
-            for src in range(W):
-                if src != rank:
-                    flag = ws.flags[FWD_X_PULL, src].data_ptr()
-                    streamops.wait_geq(stream, flag, 1)
-                    xt[src * T:(src + 1) * T].copy_(ws.peer_buffer("x_pub", src))
-                    streamops.write(stream, flag, 0)
-            streamops.write(stream, counters[pulled_idx].data_ptr(), 1)
-        return stream
-
-    return xt, issue
+    stream.wait_stream(main)
+    with torch.cuda.stream(stream):
+        for src in peers:
+            flag = ws.flags[FWD_X_PULL, src].data_ptr()
+            streamops.wait_geq(stream, flag, 1)
+            xt[src * T:(src + 1) * T].copy_(ws.peer_buffer("x_pub", src))
+            streamops.write(stream, flag, 0)
+        streamops.write(stream, counters[pulled_idx].data_ptr(), 1)
+    return xt, stream
 
 
 @dataclass
@@ -376,10 +376,10 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     sched = _publish_and_schedule(ws, cfg, x, topk_idx, topk_weights, E_local, in_kernel,
                                   on_main=mb.counters.zero_, order=tokens, row_w=row_w)
     assert sched.n_tiles_max == n_tiles
-    issue_pull = None
-    if tokens:
+    pull_stream = None
+    if tokens:  # (queued before the launch: see _pull_tokens)
         pulled = megakernel_fwd.counter_layout(mb.n_slots, mb.n_sh, mb.n_tiles)["pulled"]
-        xt, issue_pull = _pull_tokens(ws, x, mb.counters, pulled)
+        xt, pull_stream = _pull_tokens(ws, x, mb.counters, pulled)
     warps = cfg.mega_warps(T, topk_idx.shape[1], H, I)
     programs = cfg.fwd_programs or megakernel_fwd.default_programs(x.device) * (8 // warps)
     gu_cfg, dn_cfg, gus_cfg, dns_cfg = _mega_cfgs(cfg, H, I, I_s, warps)
@@ -404,8 +404,8 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         peers=(ws.ptrs["flags"], ws.flags, FWD_X_READY, FWD_DONE, not INTERPRET) if in_kernel else None,
         local_rows=cfg.fwd_local_rows, early_ticket=cfg.fwd_early_ticket,
         tokens=(xt, FWD_X_PULL) if tokens else None)
-    if issue_pull is not None:  # the copies are done when the kernel is (its last program waited): join
-        torch.cuda.current_stream(x.device).wait_stream(issue_pull())
+    if pull_stream is not None:  # the copies are done when the kernel is (its last program waited): join
+        torch.cuda.current_stream(x.device).wait_stream(pull_stream)
     if trace is not None:
         megakernel_fwd.LAST_TRACE = megakernel_fwd.LAST_TRACE_BY_RANK[ws.rank] = trace
     _stage("fwd:megakernel")

@@ -565,9 +565,12 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     ``streamops``); gate/up gathers every A row from x or those tokens. The routed tiles go in the
     schedule's ``tile_order`` (tiles of this rank's rows only first, ``local_tiles`` of them), so the
     others, which wait for ``pulled``, come when the copy has had time; a ticket's position p
-    (its ring slot) and its tile ``tile_order[p]`` then differ. Program 0 sets flag X_PULL to 1 on
-    every peer (their copy streams wait for it) and no program waits for the peers' x-ready flags:
-    this rank reads no peer's x_pub, and pushes to a peer only from tiles that waited for
+    (its ring slot) and its tile ``tile_order[p]`` then differ. The peers' copy streams wait for
+    flag X_PULL, which the host's stream sets on every peer once x_pub is published, before this
+    launch: nothing the copies wait for comes from a kernel, so a copy stream that shares the
+    kernel stream's hardware queue only delays the launch (session 14: set by program 0, the copy
+    could sit behind the kernel that waited for it). No program waits for the peers' x-ready
+    flags: this rank reads no peer's x_pub, and pushes to a peer only from tiles that waited for
     ``pulled``, which follows the peer's flag. The last program waits for ``pulled`` before DONE
     (the copy reads the peers' x_pub until then).
     """
@@ -576,8 +579,6 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     if PEERS:
         if pid == 0:
             comm._signal_peers(flag_ptrs, epoch, X_SLOT, rank, W)
-            if TOKENS:  # (a flag the peers' copy streams wait for and reset: always 1, no epoch)
-                comm._signal_peers(flag_ptrs, 1, X_PULL, rank, W)
         if not TOKENS:
             comm._wait_peers(my_flags, epoch, X_SLOT, rank, W, wait_budget, err_ptr, _ERR_WAIT_PEER_READY)
             tl.debug_barrier()  # the polling thread's acquire orders every thread's reads of peers' x_pub
