@@ -861,18 +861,37 @@ def test_token_pull_is_bitwise_the_default(W, route, save, half, shared, early, 
     _assert_bitwise_and_right(W, T, prob, base, fwd_pull_tokens=True)
 
 
+def test_token_pull_with_one_rank_s_x_misaligned(monkeypatch):
+    """Every rank takes part in the token pull (the peers' copies wait for its flag), so a rank
+    whose x is not 16-byte aligned gathers from an aligned copy instead of falling back to the
+    fills alone; y and the gradients stay bitwise those of aligned inputs."""
+    _small_tiles(monkeypatch)
+    T, H, I, k, W = 13, 32, 24, 3, 2
+    prob = make_problem(W, T, H, I, 2, k, seed=41, route="random")
+    cfg = dataclasses.replace(MEGA, fwd_tma=True, ring_rows=4 * CFG.tile_m, fwd_pull_tokens=True)
+    a = _run_tabby(W, T, prob, cfg=cfg)
+    pulls = []
+    pull = moe_mod._pull_tokens
+    monkeypatch.setattr(moe_mod, "_pull_tokens", lambda ws, *args: pulls.append(ws.rank) or pull(ws, *args))
+    b = _run_tabby(W, T, prob, cfg=cfg, misaligned={1})
+    assert sorted(pulls) == [0, 1]  # both ranks pulled (the interpreter would not hang on a mismatch)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    _check(b, _run_reference(prob))
+
+
 def test_token_pull_is_opt_in():
-    """The token pull is off by default (its copy stream can sit behind the kernel in one hardware
-    queue: session 14) and, when asked for, runs only where what it needs holds."""
+    """The token pull is off by default (session 14 found it wrong in the bench's process; its
+    reordered copies are not yet measured) and, when asked for, runs only where what it needs holds."""
     from tabby.functional.config import MoEConfig
 
     cfg = MoEConfig()
-    args = (16384, 8, 2048, 768, 128)  # qwen3-30b-a3b 16384, where it had been on by default
+    args = (16384, 8, 2048, 768)  # qwen3-30b-a3b 16384, where it had been on by default
     assert not cfg.fwd_pull_tokens and not cfg.token_pull_on(*args)
     assert dataclasses.replace(cfg, fwd_pull_tokens=True).token_pull_on(*args)
     assert not dataclasses.replace(cfg, fwd_pull_tokens=True, fwd_local_rows=False).token_pull_on(*args)
     assert not dataclasses.replace(cfg, fwd_pull_tokens=True, fwd_comm_programs=2).token_pull_on(*args)
-    assert not dataclasses.replace(cfg, fwd_pull_tokens=True).token_pull_on(16384, 8, 2044, 768, 128)  # H % 8
+    assert not dataclasses.replace(cfg, fwd_pull_tokens=True).token_pull_on(16384, 8, 2044, 768)  # H % 8
 
 
 def test_token_pull_wait_is_bounded_and_releases_the_copy_stream():

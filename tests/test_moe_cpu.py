@@ -15,13 +15,21 @@ from harness import make_problem, rel_err, run_ranks
 CFG = MoEConfig(tile_m=16, pull_rows=16, pull_cols=64, comm_programs=4, megakernel=False)  # the sync-free path
 
 
-def _run_tabby(W, T, prob, cfg=CFG, E_local=None):
+def _run_tabby(W, T, prob, cfg=CFG, E_local=None, misaligned=()):
+    """Every rank's y and gradients, concatenated; ranks in ``misaligned`` get an x that starts
+    one element past a 16-byte boundary (contiguous, not 16-byte aligned)."""
     x, idx, wts, ws, sh, dy = prob
     E_local = ws[0].shape[0] // W
 
     def rank_fn(r, group):
         rows = slice(r * T, (r + 1) * T)
-        xr = x[rows].clone().requires_grad_(True)
+        xr = x[rows].clone()
+        if r in misaligned:
+            buf = xr.new_empty(xr.numel() + 1)
+            buf[1:].copy_(xr.flatten())
+            xr = buf[1:].view(xr.shape)
+            assert xr.is_contiguous() and xr.data_ptr() % 16
+        xr.requires_grad_(True)
         wr = wts[rows].clone().requires_grad_(True)
         wl = [w[r * E_local:(r + 1) * E_local].clone().requires_grad_(True) for w in ws]
         shl = [w.clone().requires_grad_(True) for w in sh] if sh is not None else None

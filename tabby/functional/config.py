@@ -232,7 +232,7 @@ class MoEConfig:
             return bool(self.fwd_tma)
         return 6 * T * k * H * I >= TMA_MIN_FLOP
 
-    def token_pull_on(self, T: int, k: int, H: int, I: int, E: int) -> bool:
+    def token_pull_on(self, T: int, k: int, H: int, I: int) -> bool:
         """Whether the megakernel forward runs the token pull: ``fwd_pull_tokens`` and what it needs
         (the in-kernel peer flags, local rows through TMA, no comm programs, H % 8 == 0)."""
         return bool(self.megakernel and self.fwd_pull_tokens and self.fwd_peer_flags and self.fwd_local_rows

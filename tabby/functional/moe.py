@@ -367,9 +367,12 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     mb = _mega_buffers(ws, cfg, T, H, I, I_s, x.dtype, x.device, n_tiles)
     in_kernel = cfg.fwd_peer_flags
     tma = cfg.use_tma(T, topk_idx.shape[1], H, I)
-    # the token pull: gate/up gathers rows from x and the peers' x copied whole (no fills)
-    # (x as gate/up gathers it: contiguous, 16-byte aligned; else the fills, as fwd_local_rows falls back)
-    tokens = cfg.token_pull_on(T, k, H, I, E_local * ws.world_size) and x.is_contiguous() and x.data_ptr() % 16 == 0
+    # the token pull: gate/up gathers rows from x and the peers' x copied whole (no fills). Every
+    # rank must take part (the peers' copies wait for this rank's flag), so an x that gate/up cannot
+    # gather from (contiguous, 16-byte aligned) is copied, not a reason to fall back alone.
+    tokens = cfg.token_pull_on(T, k, H, I)
+    if tokens and not (x.is_contiguous() and x.data_ptr() % 16 == 0):
+        x = x.contiguous() if not x.is_contiguous() else x.clone()
     row_w = None
     if save and tokens:  # written by the schedule (there are no fills)
         row_w = torch.empty(n_tiles * cfg.tile_m, dtype=torch.float32, device=x.device)  # the schedule's R_max
@@ -437,6 +440,8 @@ def _routed_rows_for_wgrad(ws, cfg, sched, xs, x, tokens, TK, k):
     # rank src's rows at xs[src*T:], this rank's at x: an address table of local buffers
     # (built by device ops only: session 14's GPU sync check found a host sync in this backward when
     # the table had an element assigned from a Python int)
+    if x.data_ptr() % 16:  # the copy reads 16-byte vectors (the forward gathered from an aligned copy too)
+        x = x.clone()
     src = torch.arange(W, dtype=torch.int64, device=x.device)
     table = torch.where(src == ws.rank, x.data_ptr(), src * (T * H * xs.element_size()) + xs.data_ptr())
     rows = xs.new_empty((sched.R_max, H))
@@ -631,7 +636,7 @@ def memory_report(dims, cfg: MoEConfig) -> str:
     kept = R * (2 * H + 4 * I + 4 + 4)  # xs, g|u, row weight, row_src: kept per layer for the backward
     fwd = R * 2 * I  # h
     bwd = R * (2 * H + 4 * I + 2 * I + 4 * 2 + 4 * triton.cdiv(I, 64))  # dys, dg|du, hw, dw rows, dw partials
-    if cfg.token_pull_on(dims.T, dims.k, H, I, dims.E_local * dims.world_size):  # the tokens kept, not xs
+    if cfg.token_pull_on(dims.T, dims.k, H, I):  # the tokens kept, not xs
         kept += dims.world_size * dims.T * 2 * H - R * 2 * H
         bwd += R * 2 * H  # the routed rows gathered from them for the weight gradient
     ring = cfg.ring_rows * 2 * (H + I)
