@@ -45,6 +45,7 @@ and host polls of the x-ready and DONE flags come between the launches.)
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -279,7 +280,7 @@ def moe_forward(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_d
     gemm.down_push(h, w_down, sched.tile_expert, sched.num_tiles, sched.row_src, ws.ptrs["y_in"], TK,
                    config=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I))
     _stage("fwd:down+push")
-    return _finish_forward(ws, cfg, x, topk_weights, extra), (sched, xs, gu, row_w)
+    return _finish_forward(ws, cfg, x, topk_weights, extra), KeptRows(sched, xs, gu, row_w)
 
 
 def _pull_tokens(ws, x, counters, pulled_idx):
@@ -328,6 +329,23 @@ def _pull_tokens(ws, x, counters, pulled_idx):
 
 
 @dataclass
+class KeptRows:
+    """What a forward keeps for the backward when it keeps the routed rows: the schedule, xs
+    [R_max, H], g | u [R_max, 2I] and the rows' router weights [R_max] fp32. ``missing``: "" (xs
+    whole), "local" (``fwd_local_rows``: xs lacks this rank's rows, the backward copies them in
+    from x) or "tokens" (``fwd_pull_tokens``: xs is every rank's tokens [W*T, H], the backward
+    gathers the rows from them and x). ``x``: the layer's input, set by the autograd Function
+    for the backward when something is missing."""
+
+    sched: object
+    xs: torch.Tensor
+    gu: torch.Tensor
+    row_w: torch.Tensor
+    missing: str = ""
+    x: torch.Tensor | None = None
+
+
+@dataclass
 class MegaSaved:
     """What the megakernel forward keeps for the backward: the schedule, x and the router weights."""
 
@@ -356,7 +374,8 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     combine), or with ``fwd_peer_flags`` none of the copies and signal/wait launches (module docstring); dispatch, gate/up, down +
     push and the shared expert run in ONE persistent launch
     over a ring of ``cfg.ring_rows`` rows. Returns (y, saved): with ``save`` the kernel also
-    fills xs, g | u and the row weights as ``moe_forward`` does and ``saved`` is the same tuple;
+    fills xs, g | u and the row weights as ``moe_forward`` does and ``saved`` is a ``KeptRows``
+    (xs partly, or the tokens instead, with local rows or the token pull: ``KeptRows.missing``);
     otherwise a MegaSaved (nothing of the ring is kept; the backward recomputes xs and g, u).
     """
     T, H = x.shape
@@ -415,15 +434,13 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     y = _finish_forward(ws, cfg, x, topk_weights, mb.extra[:T] if I_s else None, in_kernel)
     if save:
         xs, gu, row_w = kept
-        # local_a: xs lacks this rank's rows (gate/up read them from x; the backward copies them in);
-        # "tokens": xs is every rank's tokens, the backward gathers the rows from them
         if tokens:
-            return y, (sched, xt, gu, row_w, "tokens")
-        return y, (sched, xs, gu, row_w, local_a)
+            return y, KeptRows(sched, xt, gu, row_w, "tokens")
+        return y, KeptRows(sched, xs, gu, row_w, "local" if local_a else "")
     return y, MegaSaved(sched, x, topk_weights)
 
 
-def _routed_rows_for_wgrad(ws, cfg, sched, xs, x, tokens, TK, k):
+def _routed_rows_for_wgrad(ws, cfg, kept: KeptRows, TK, k):
     """The routed rows [R, H] of a forward that kept them partly (``fwd_local_rows``: xs without this
     rank's rows, filled in here from x) or not at all (``fwd_pull_tokens``: xs is every rank's
     tokens [W*T, H], rows gathered from them and x into a new buffer); local copies only.
@@ -432,8 +449,9 @@ def _routed_rows_for_wgrad(ws, cfg, sched, xs, x, tokens, TK, k):
     since removed) made forward+backward 14-26% slower at every shape of the session-13 matrix but
     the host-bound qwen3-30b-a3b 4096, where the copy of this rank's rows had cost 0-3.4% (session
     12's matrix against session 11's)."""
+    sched, xs, x = kept.sched, kept.xs, kept.x
     W, T, H = ws.world_size, x.shape[0], x.shape[1]
-    if not tokens:
+    if kept.missing == "local":
         table = torch.full((W,), x.data_ptr(), dtype=torch.int64, device=x.device)
         _pull_rows(cfg, sched, table, xs, TK, k, only_rank=ws.rank)
         return xs
@@ -452,7 +470,8 @@ def _routed_rows_for_wgrad(ws, cfg, sched, xs, x, tokens, TK, k):
 def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
     """Backward pass on one rank. Returns (dx, d topk_weights [T, k] fp32, dw_gate, dw_up, dw_down).
 
-    ``saved``: from ``moe_forward`` (xs, g/u and row weights kept), or a ``MegaSaved`` from
+    ``saved``: a ``KeptRows`` (xs, g/u and row weights kept; from ``moe_forward``, or
+    ``moe_forward_mega`` with ``save``, x set when rows are missing), or a ``MegaSaved`` from
     ``moe_forward_mega`` (only x and topk_weights kept): x and topk_weights are then published
     again with dy, under BWD_READY, and xs, the row weights and g, u are recomputed (pull +
     gate/up). Re-publishing x_pub / w_pub here is safe: a peer reads them only between this
@@ -461,14 +480,9 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
     earlier backward BWD_DONE); the next forward re-publishes x before its FWD_READY.
     """
     recompute = isinstance(saved, MegaSaved)
-    local_x, tokens = None, False
-    if recompute:
-        sched = saved.sched
-    else:
-        sched, xs, gu, row_w = saved[:4]
-        if len(saved) > 4:  # xs lacks this rank's rows: x to fill them from (fwd_local_rows)
-            local_x = saved[4]
-        tokens = len(saved) > 5 and saved[5]  # xs: every rank's tokens (fwd_pull_tokens)
+    sched = saved.sched
+    if not recompute:
+        xs, gu, row_w = saved.xs, saved.gu, saved.row_w
     T, H = dy.shape
     k, TK = sched.k, sched.T * sched.k
     I = w_gate.shape[1]
@@ -501,8 +515,8 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
                                     BR=256, TILE_ROWS=cfg.tile_m)
     _stage("bwd:router_grad")
     dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype)
-    if local_x is not None:  # the routed rows the weight gradient reads, contiguous
-        xs = _routed_rows_for_wgrad(ws, cfg, sched, xs, local_x, tokens, TK, k)
+    if not recompute and saved.missing:  # the routed rows the weight gradient reads, contiguous
+        xs = _routed_rows_for_wgrad(ws, cfg, saved, TK, k)
         _stage("bwd:routed_rows")
     dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
                                                out_dtype=w_gate.dtype)
@@ -554,10 +568,8 @@ class _TabbyMoEMega(torch.autograd.Function):
         saved = ctx.saved
         if isinstance(saved, MegaSaved):  # x and topk_weights came back through save_for_backward
             saved = MegaSaved(saved.sched, x, topk_weights)
-        elif saved[4]:  # xs lacks this rank's rows (fwd_local_rows): the backward copies them in from x
-            saved = (*saved[:4], x, saved[4] == "tokens")
-        else:
-            saved = saved[:4]
+        elif saved.missing:  # the backward copies the missing rows in from x (and the tokens)
+            saved = dataclasses.replace(saved, x=x)
         dx, dtopk, dwg, dwu, dwd = moe_backward(ctx.ws, ctx.cfg, dy, saved, w_gate, w_up, w_down)
         ctx.saved = None
         dsg = dsu = dsd = None
