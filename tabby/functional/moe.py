@@ -45,7 +45,6 @@ and host polls of the x-ready and DONE flags come between the launches.)
 from __future__ import annotations
 
 import time
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -334,8 +333,8 @@ class KeptRows:
     [R_max, H], g | u [R_max, 2I] and the rows' router weights [R_max] fp32. ``missing``: "" (xs
     whole), "local" (``fwd_local_rows``: xs lacks this rank's rows, the backward copies them in
     from x) or "tokens" (``fwd_pull_tokens``: xs is every rank's tokens [W*T, H], the backward
-    gathers the rows from them and x). ``x``: the layer's input, set by the autograd Function
-    for the backward when something is missing."""
+    gathers the rows from them and x). ``x``: the layer's input as the forward's gate/up read it
+    (contiguous, 16-byte aligned), when something is missing."""
 
     sched: object
     xs: torch.Tensor
@@ -390,8 +389,8 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     # rank must take part (the peers' copies wait for this rank's flag), so an x that gate/up cannot
     # gather from (contiguous, 16-byte aligned) is copied, not a reason to fall back alone.
     tokens = cfg.token_pull_on(T, k, H, I)
-    if tokens and not (x.is_contiguous() and x.data_ptr() % 16 == 0):
-        x = x.contiguous() if not x.is_contiguous() else x.clone()
+    if tokens and (not x.is_contiguous() or x.data_ptr() % 16):
+        x = x.clone(memory_format=torch.contiguous_format)
     row_w = None
     if save and tokens:  # written by the schedule (there are no fills)
         row_w = torch.empty(n_tiles * cfg.tile_m, dtype=torch.float32, device=x.device)  # the schedule's R_max
@@ -435,8 +434,8 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     if save:
         xs, gu, row_w = kept
         if tokens:
-            return y, KeptRows(sched, xt, gu, row_w, "tokens")
-        return y, KeptRows(sched, xs, gu, row_w, "local" if local_a else "")
+            return y, KeptRows(sched, xt, gu, row_w, "tokens", x)
+        return y, KeptRows(sched, xs, gu, row_w, "local", x) if local_a else KeptRows(sched, xs, gu, row_w)
     return y, MegaSaved(sched, x, topk_weights)
 
 
@@ -457,9 +456,7 @@ def _routed_rows_for_wgrad(ws, cfg, kept: KeptRows, TK, k):
         return xs
     # rank src's rows at xs[src*T:], this rank's at x: an address table of local buffers
     # (built by device ops only: session 14's GPU sync check found a host sync in this backward when
-    # the table had an element assigned from a Python int)
-    if x.data_ptr() % 16:  # the copy reads 16-byte vectors (the forward gathered from an aligned copy too)
-        x = x.clone()
+    # the table had an element assigned from a Python int; x is 16-byte aligned, as the copy's vectors need)
     src = torch.arange(W, dtype=torch.int64, device=x.device)
     table = torch.where(src == ws.rank, x.data_ptr(), src * (T * H * xs.element_size()) + xs.data_ptr())
     rows = xs.new_empty((sched.R_max, H))
@@ -471,7 +468,7 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
     """Backward pass on one rank. Returns (dx, d topk_weights [T, k] fp32, dw_gate, dw_up, dw_down).
 
     ``saved``: a ``KeptRows`` (xs, g/u and row weights kept; from ``moe_forward``, or
-    ``moe_forward_mega`` with ``save``, x set when rows are missing), or a ``MegaSaved`` from
+    ``moe_forward_mega`` with ``save``), or a ``MegaSaved`` from
     ``moe_forward_mega`` (only x and topk_weights kept): x and topk_weights are then published
     again with dy, under BWD_READY, and xs, the row weights and g, u are recomputed (pull +
     gate/up). Re-publishing x_pub / w_pub here is safe: a peer reads them only between this
@@ -568,8 +565,6 @@ class _TabbyMoEMega(torch.autograd.Function):
         saved = ctx.saved
         if isinstance(saved, MegaSaved):  # x and topk_weights came back through save_for_backward
             saved = MegaSaved(saved.sched, x, topk_weights)
-        elif saved.missing:  # the backward copies the missing rows in from x (and the tokens)
-            saved = dataclasses.replace(saved, x=x)
         dx, dtopk, dwg, dwu, dwd = moe_backward(ctx.ws, ctx.cfg, dy, saved, w_gate, w_up, w_down)
         ctx.saved = None
         dsg = dsu = dsd = None

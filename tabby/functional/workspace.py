@@ -32,7 +32,7 @@ from ..ops import sync
 # Flag slots. A forward signals FWD_READY when its routing (topk_idx, weights) is published and
 # FWD_X_READY when x is, so that the x copy can overlap the schedule (``MoEConfig.overlap_publish``).
 # FWD_X_PULL is no epoch: the megakernel's token pull (``MoEConfig.fwd_pull_tokens``) sets it to 1 on
-# every peer when x is published, and the peer's copy stream waits for 1 and resets it to 0
+# every peer with a stream write once x is published, and the peer's copy stream waits for 1 and resets it to 0
 # (``streamops``: a stream wait compares with a host value, and the epoch lives on the device).
 FWD_READY, FWD_DONE, BWD_READY, BWD_DONE, FWD_X_READY, FWD_X_PULL = range(6)
 N_SLOTS = 6
@@ -122,6 +122,7 @@ class Workspace:
         self.buffers: dict[str, torch.Tensor] = {}
         self.ptrs: dict[str, torch.Tensor] = {}
         self._layout = {name: (offsets[name], shape, dtype) for name, shape, dtype in layout}
+        self._peer_views: dict = {}  # (name, src) -> a peer's buffer (peer_buffer)
         for name, shape, dtype in layout:
             off = offsets[name]
             view = self._raw[off:off + _numel(shape) * dtype.itemsize].view(dtype).view(shape)
@@ -141,7 +142,7 @@ class Workspace:
         for ``symm``; a copy engine can read it)."""
         if src == self.rank:
             return self.buffers[name]
-        views = self.__dict__.setdefault("_peer_views", {})  # made once: every forward asks (host time)
+        views = self._peer_views  # made once: every forward asks (host time)
         view = views.get((name, src))
         if view is None:
             off, shape, dtype = self._layout[name]
