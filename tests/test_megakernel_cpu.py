@@ -281,6 +281,29 @@ def test_megakernel_impossible_wait_is_an_error_record(which, code):
         p["ws"].check_errors()
 
 
+def test_wait_on_index_minus_one_is_no_wait():
+    """``_routed_waits``' index -1 means "no wait": ``_wait`` must not read the word before the
+    counters (session 15: a token-pull tile of this rank's rows, idx1 = -1, whose first polls missed
+    spun there, on another allocation's memory, and timed out by the process's history). The
+    counters now start one always-zero guard word into their allocation, so such a read fails here
+    every time; a real unmet wait still is an error record."""
+    import triton
+
+    @triton.jit
+    def probe(cnt_ptr, err_ptr, idx, target, budget):
+        megakernel_fwd._wait(cnt_ptr, idx, target, budget, err_ptr, sync.ERR_WAIT_TILE, 0, 1)
+
+    mb = megakernel_fwd.alloc_mega(8, 16, 16, 0, 16, 32, torch.bfloat16, torch.device("cpu"), 2)
+    c = mb.counters
+    guard = torch.empty(0, dtype=torch.int32).set_(c.untyped_storage())
+    assert c.storage_offset() == 1 and int(guard[0]) == 0
+    err = torch.zeros(sync.ERR_WORDS, dtype=torch.int32)
+    probe[(1,)](c, err, -1, 1, 50)
+    assert int(err[0]) == sync.ERR_NONE, err.tolist()
+    probe[(1,)](c, err, 3, 1, 50)
+    assert int(err[0]) == sync.ERR_WAIT_TILE and int(err[2]) == 3
+
+
 # ------------------------------------------------------------------------------------------------
 # The ticket / counter protocol under concurrent schedules (a model; the interpreter only ever runs
 # the programs one after another, so it cannot show a race or a deadlock of another interleaving)

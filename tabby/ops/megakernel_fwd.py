@@ -268,8 +268,11 @@ def _ticket_waits(is_sh, kind_s, j, kind, p, nt, G: tl.constexpr, D: tl.constexp
 @triton.jit
 def _wait(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch, TMA: tl.constexpr = False, ready=0):
     """Wait for ``cnt_ptr[idx] >= target`` unless ``ready`` (the ticket's first polls,
-    ``sync.poll2``, already saw every counter of the ticket there)."""
-    if ready == 0:
+    ``sync.poll2``, already saw every counter of the ticket there) or idx < 0 (no wait: the
+    protocol's "none", ``_routed_waits``). Session 15: without the idx check a token-pull tile of
+    this rank's rows (idx1 = -1) whose first polls missed its other counter spun on the word before
+    the counters, another allocation's: right or a timed-out wait by the process's history."""
+    if (ready == 0) & (idx >= 0):
         sync.wait_geq(cnt_ptr + idx, target, wait_budget, err_ptr, code, rank, idx, epoch, "gpu")
     tl.debug_barrier()  # the acquire of the polling thread orders the reads of every thread after it
     if TMA:  # ... and the TMA (async-proxy) reads of what the producer wrote with ordinary stores
@@ -762,7 +765,9 @@ def alloc_mega(T, H, I, I_s, BM, ring_rows, dtype, device, n_tiles: int = 0) -> 
     i32 = dict(dtype=torch.int32, device=device)
     return MegaBuffers(
         n_slots=n_slots, n_sh=n_sh, n_tiles=n_tiles,
-        counters=torch.zeros(lay["total"], **i32),
+        # one guard word before the counters, always 0: a stray wait on index -1 then always times
+        # out with an error record instead of reading a neighbour's memory (session 15)
+        counters=torch.zeros(lay["total"] + 1, **i32)[1:],
         xs_ring=torch.empty(n_slots * BM, H, dtype=dtype, device=device),
         h_ring=torch.empty(n_slots * BM, I, dtype=dtype, device=device),
         h_sh=torch.empty(n_sh * BM, I_s, dtype=dtype, device=device) if I_s else None,
