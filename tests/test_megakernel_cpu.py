@@ -903,18 +903,20 @@ def test_token_pull_with_one_rank_s_x_misaligned(monkeypatch):
     _check(b, _run_reference(prob))
 
 
-def test_token_pull_is_opt_in():
-    """The token pull is off by default (session 14 found it wrong in the bench's process; its
-    reordered copies are not yet measured) and, when asked for, runs only where what it needs holds."""
+def test_token_pull_by_default_only_where_experts_get_many_tiles_per_rank():
+    """On by default where experts average PULL_TOKENS_MIN_TILES row tiles per source rank
+    (qwen3-30b-a3b 16384 EP2: 8), off below (qwen3.5-397b 4096: 0.6); and only where what it needs holds."""
     from tabby.functional.config import MoEConfig
 
     cfg = MoEConfig()
-    args = (16384, 8, 2048, 768)  # qwen3-30b-a3b 16384, where it had been on by default
-    assert not cfg.fwd_pull_tokens and not cfg.token_pull_on(*args)
-    assert dataclasses.replace(cfg, fwd_pull_tokens=True).token_pull_on(*args)
-    assert not dataclasses.replace(cfg, fwd_pull_tokens=True, fwd_local_rows=False).token_pull_on(*args)
-    assert not dataclasses.replace(cfg, fwd_pull_tokens=True, fwd_comm_programs=2).token_pull_on(*args)
-    assert not dataclasses.replace(cfg, fwd_pull_tokens=True).token_pull_on(16384, 8, 2044, 768)  # H % 8
+    args = (16384, 8, 2048, 768, 256)  # qwen3-30b-a3b 16384, 128 experts per rank at EP2
+    assert cfg.fwd_pull_tokens is None and cfg.token_pull_on(*args)
+    assert not cfg.token_pull_on(4096, 10, 4096, 1024, 512)  # qwen3.5-397b 4096
+    assert not dataclasses.replace(cfg, fwd_pull_tokens=False).token_pull_on(*args)
+    assert dataclasses.replace(cfg, fwd_pull_tokens=True).token_pull_on(4096, 10, 4096, 1024, 512)
+    assert not dataclasses.replace(cfg, fwd_local_rows=False).token_pull_on(*args)
+    assert not dataclasses.replace(cfg, fwd_comm_programs=2).token_pull_on(*args)
+    assert not cfg.token_pull_on(16384, 8, 2044, 768, 256)  # H % 8
 
 
 def test_token_pull_wait_is_bounded_and_releases_the_copy_stream():

@@ -31,6 +31,15 @@ ALIGN_MAX_TILES = 4
 # (I 2048) 7.46 against 7.17, gpt-oss-120b (I 2880) 1.86 against 1.82 (no autograd).
 TWO_DOWN_COLS_MAX_I = 1024
 
+# fwd_pull_tokens=None pulls the peers' x whole (no fills) where an expert gets at least this many
+# row tiles from each source rank on average (T*k / E global experts >= this * tile_m): then most
+# tiles hold rows of one rank, and the tiles of this rank's rows, handed out first, cover the copy.
+# Below it most tiles mix ranks and wait for the whole copy. Measured (EP2, forward under autograd,
+# back-to-back pairs with the run's drift removed, session 13): qwen3-30b-a3b 16384 (8 tiles) ~2.5%
+# faster; qwen3.5-397b 4096 (0.6 tiles) 30% slower. Session 15 (one bench each, 16384): glm-5 and
+# gpt-oss-120b forward 1.15 / 1.08x the floor with it, 1.19 / 1.21 without (session 14).
+PULL_TOKENS_MIN_TILES = 4
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -171,16 +180,11 @@ class MoEConfig:
                      program spends time on fills, and the kept xs [R, H] of a differentiated forward
                      becomes the tokens [W*T, H] (the backward gathers from them). Needs
                      ``fwd_peer_flags`` and ``fwd_local_rows`` (TMA), no comm programs; else off.
-                     OFF by default, opt-in only. Session 14 found it wrong in the bench's process
-                     (qwen3-30b-a3b 16384, every call): its copies, queued after the launch and
-                     waiting for flags the peers' kernels set, sat behind this rank's kernel where
-                     the driver mapped the copy stream onto the kernel stream's hardware queue
-                     (streams share CUDA_DEVICE_MAX_CONNECTIONS queues), so the kernel's bounded
-                     wait for them gave up: an error record and a wrong output. The copies are now
-                     queued before the launch and wait only for flags the peers' streams set
-                     (``_pull_tokens``); not yet run on a GPU. Measured where it ran: qwen3-30b-a3b
-                     16384 ~2.5% faster, qwen3.5-397b 4096 30% slower (session 13); glm-5 and
-                     gpt-oss-120b 16384 forward 1.15 / 1.13x the floor with it, 1.19 / 1.21 without.
+                     None: on where experts average PULL_TOKENS_MIN_TILES row tiles per source
+                     rank (``pull_tokens``). Off by default in session 14, after wrong results in
+                     the bench's process: session 15 found the cause, a wait on counter index -1
+                     (the protocol's "no wait") that read the word before the counters
+                     (``megakernel_fwd._wait``), not the copy stream.
     fwd_save_for_backward: when the forward is differentiated, the megakernel also writes the routed
                      rows, their router weights and g | u into full-size buffers (what the sync-free
                      forward keeps), so the backward does not replay dispatch and gate/up; False:
@@ -223,7 +227,7 @@ class MoEConfig:
     fwd_peer_flags: bool = True
     fwd_local_rows: bool = True
     fwd_early_ticket: bool = False
-    fwd_pull_tokens: bool = False
+    fwd_pull_tokens: bool | None = None
     overlap_publish: bool = True
 
     def use_tma(self, T: int, k: int, H: int, I: int) -> bool:
@@ -232,10 +236,17 @@ class MoEConfig:
             return bool(self.fwd_tma)
         return 6 * T * k * H * I >= TMA_MIN_FLOP
 
-    def token_pull_on(self, T: int, k: int, H: int, I: int) -> bool:
-        """Whether the megakernel forward runs the token pull: ``fwd_pull_tokens`` and what it needs
+    def pull_tokens(self, T: int, k: int, E: int) -> bool:
+        """Whether the megakernel pulls the peers' x whole (``fwd_pull_tokens``, or by
+        PULL_TOKENS_MIN_TILES) for T tokens/rank, top-k, E experts over all ranks."""
+        if self.fwd_pull_tokens is not None:
+            return bool(self.fwd_pull_tokens)
+        return T * k >= PULL_TOKENS_MIN_TILES * self.tile_m * E
+
+    def token_pull_on(self, T: int, k: int, H: int, I: int, E: int) -> bool:
+        """Whether the megakernel forward runs the token pull: ``pull_tokens`` and what it needs
         (the in-kernel peer flags, local rows through TMA, no comm programs, H % 8 == 0)."""
-        return bool(self.megakernel and self.fwd_pull_tokens and self.fwd_peer_flags and self.fwd_local_rows
+        return bool(self.megakernel and self.pull_tokens(T, k, E) and self.fwd_peer_flags and self.fwd_local_rows
                     and self.use_tma(T, k, H, I) and self.fwd_comm_programs == 0 and H % 8 == 0)
 
     def mega_warps(self, T: int, k: int, H: int, I: int) -> int:

@@ -388,7 +388,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
     # the token pull: gate/up gathers rows from x and the peers' x copied whole (no fills). Every
     # rank must take part (the peers' copies wait for this rank's flag), so an x that gate/up cannot
     # gather from (contiguous, 16-byte aligned) is copied, not a reason to fall back alone.
-    tokens = cfg.token_pull_on(T, k, H, I)
+    tokens = cfg.token_pull_on(T, k, H, I, E_local * ws.world_size)
     if tokens and (not x.is_contiguous() or x.data_ptr() % 16):
         x = x.clone(memory_format=torch.contiguous_format)
     row_w = None
@@ -643,7 +643,7 @@ def memory_report(dims, cfg: MoEConfig) -> str:
     kept = R * (2 * H + 4 * I + 4 + 4)  # xs, g|u, row weight, row_src: kept per layer for the backward
     fwd = R * 2 * I  # h
     bwd = R * (2 * H + 4 * I + 2 * I + 4 * 2 + 4 * triton.cdiv(I, 64))  # dys, dg|du, hw, dw rows, dw partials
-    if cfg.token_pull_on(dims.T, dims.k, H, I):  # the tokens kept, not xs
+    if cfg.token_pull_on(dims.T, dims.k, H, I, dims.E_local * dims.world_size):  # the tokens kept, not xs
         kept += dims.world_size * dims.T * 2 * H - R * 2 * H
         bwd += R * 2 * H  # the routed rows gathered from them for the weight gradient
     ring = cfg.ring_rows * 2 * (H + I)
