@@ -110,14 +110,15 @@ def test_memory_report_sizes_the_worst_case():
     assert "R_max=270336 rows" in rep and "kept per layer for the backward 1850.1 MiB" in rep
     assert "11.0 MiB ring" in memory_report(d, MoEConfig(megakernel=True, ring_rows=2048,
                                                          fwd_save_for_backward=False))
-    rep = memory_report(d, MoEConfig(megakernel=True, ring_rows=2048))
+    rep = memory_report(d, MoEConfig(megakernel=True, ring_rows=2048, fwd_pull_tokens=False))
     assert "megakernel ring 11.0 MiB" in rep and "keeps 1850.1 MiB per layer" in rep
-    # the token pull (opt-in) keeps every rank's tokens [W*T, H] instead of the routed rows
-    # [R_max, H] (1056 MiB less, 128 MiB more), and gathers the rows in the backward
-    rep = memory_report(d, MoEConfig(megakernel=True, ring_rows=2048, fwd_pull_tokens=True))
+    # the token pull (on by default here: 16 row tiles per expert and source rank) keeps every
+    # rank's tokens [W*T, H] instead of the routed rows [R_max, H] (1056 MiB less, 128 MiB more),
+    # and gathers the rows in the backward
+    rep = memory_report(d, MoEConfig(megakernel=True, ring_rows=2048))
     assert "keeps 922.1 MiB per layer" in rep and "backward transient 3314.4 MiB" in rep
     # experts of few tiles are padded to 2 (fwd_align_tiles): one more tile per expert in the worst case
-    rep = memory_report(d, MoEConfig(megakernel=True, ring_rows=2048, fwd_align_tiles=2))
+    rep = memory_report(d, MoEConfig(megakernel=True, ring_rows=2048, fwd_align_tiles=2, fwd_pull_tokens=False))
     assert "R_max=278528 rows" in rep and "keeps 1906.1 MiB per layer" in rep
 
 
