@@ -295,11 +295,13 @@ def _pull_tokens(ws, x, counters, pulled_idx):
     for each peer, waits for that peer's flag, copies, resets the flag to 0 (the peer sets it again
     only after this rank's DONE, which waits for ``pulled``) and finally writes the counter.
     Nothing here waits for a kernel: the flags come from the peers' streams, queued before their
-    launches. So where the driver maps the side stream onto the kernel stream's hardware queue,
-    the copy delays this rank's launch but cannot deadlock with it (session 14: with the flags set
-    by the kernel's program 0 and the copies queued after the launch, the copy sat behind the
-    kernel that waited for it, until its bounded wait gave up). Under the interpreter (the peers'
-    x_pub already waited for by the host) the copies run here, in order.
+    launches. So however the driver maps the side stream onto hardware queues (a stream wait
+    blocks its queue), the copy can delay this rank's launch but not deadlock with it. The copy
+    from the peer's symmetric memory runs on a copy engine beside the kernel (inferred: it was
+    right with the copies queued after the launch, session 13; a copy of this GPU's own memory is
+    a kernel on the SMs, scripts/diag_copy_engine.py). Session 14's wrong results were not the
+    copy but a stray wait on counter -1 (``megakernel_fwd._wait``, fixed in session 15). Under
+    the interpreter (the peers' x_pub already waited for by the host) the copies run here.
     """
     T, H = x.shape
     W, rank = ws.world_size, ws.rank

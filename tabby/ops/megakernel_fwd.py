@@ -571,8 +571,7 @@ def moe_fwd_megakernel(cnt_ptr, err_ptr, epoch_ptr, rank, wait_budget,
     (its ring slot) and its tile ``tile_order[p]`` then differ. The peers' copy streams wait for
     flag X_PULL, which the host's stream sets on every peer once x_pub is published, before this
     launch: nothing the copies wait for comes from a kernel, so a copy stream that shares the
-    kernel stream's hardware queue only delays the launch (session 14: set by program 0, the copy
-    could sit behind the kernel that waited for it). No program waits for the peers' x-ready
+    kernel stream's hardware queue only delays the launch. No program waits for the peers' x-ready
     flags: this rank reads no peer's x_pub, and pushes to a peer only from tiles that waited for
     ``pulled``, which follows the peer's flag. The last program waits for ``pulled`` before DONE
     (the copy reads the peers' x_pub until then).
