@@ -863,24 +863,27 @@ def test_early_ticket_is_bitwise_the_default(W, route, save, half, shared, monke
 # The peers' x pulled whole, no fills, tiles of this rank's rows first (fwd_pull_tokens)
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("W,route,save,half,shared,early", [
-    (2, "random", True, True, False, False), (2, "one_rank", False, True, False, False),
-    (1, "random", True, False, True, False), (2, "one_expert", True, False, False, True),
-    (3, "random", True, True, False, False), (2, "random", True, True, True, True)])
-def test_token_pull_is_bitwise_the_default(W, route, save, half, shared, early, monkeypatch):
+@pytest.mark.parametrize("W,route,save,half,shared,early,poll", [
+    (2, "random", True, True, False, False, True), (2, "one_rank", False, True, False, False, True),
+    (1, "random", True, False, True, False, True), (2, "one_expert", True, False, False, True, True),
+    (3, "random", True, True, False, False, True), (2, "random", True, True, True, True, True),
+    (2, "random", True, True, False, False, False)])
+def test_token_pull_is_bitwise_the_default(W, route, save, half, shared, early, poll, monkeypatch):
     """Gate/up gathering every A row from x or the peers' copied x (no fills), tiles of this rank's
     rows first, gives y and the gradients of the default bitwise (each tile computes the same rows
     in the same K order; only the ticket order and the rows' source buffers differ). EP1, EP2, EP3
     (a rank with other ranks' rows on both sides of its own), every row from one rank, one expert,
     ring only and saved rows (the backward gathers from the tokens), half tiles, the shared expert,
-    the early ticket, a ring of 4 slots that wraps; checked against the reference too."""
+    the early ticket, a ring of 4 slots that wraps, each wait polled on its own (``poll`` False:
+    the path where a tile of this rank's rows has a wait of index -1 and no first poll, session
+    15's bug); checked against the reference too."""
     _small_tiles(monkeypatch)
     T, H, I, k = 13, 32, 24, 3
     E_local = 2 if W >= 2 else 4
     prob = make_problem(W, T, H, I, E_local, k, shared=shared, seed=37, route=route)
     base = dataclasses.replace(MEGA, fwd_tma=True, fwd_save_for_backward=save, ring_rows=4 * CFG.tile_m,
                                fwd_half_tiles=half, fwd_align_tiles=2, fwd_early_ticket=early,
-                               fwd_pull_tokens=False)
+                               fwd_pull_tokens=False, fwd_poll_together=poll)
     _assert_bitwise_and_right(W, T, prob, base, fwd_pull_tokens=True)
 
 
