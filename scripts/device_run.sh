@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched call on the GPU machine (the device tool): GPU tests, then `tabby bench`.
 # Usage: scripts/device_run.sh STAGE [bench or tune args...]; STAGE is tests, mega, mega-ep2, profile, tune,
-# mega-pick, mega-bench, mega-tune, mega-tma, pull-check, diag, ab (also runs combine unless AB_COMBINE=0), combine, timeline,
+# mega-pick, mega-bench, mega-tune, mega-tma, pull-check, pull-ab (PULL_AB_SHAPES), diag, ab (also runs combine unless AB_COMBINE=0), combine, timeline,
 # bench or all.
 # Knobs (env): MEGA_TIMEOUT, WITH_PROFILE=1 (profile after another stage), PROFILE_{SHAPES,TOKENS,EP,TIMEOUT},
 # TUNE_TIMEOUT, TUNE_SHAPES, TUNE_TOKENS, BENCH_TIMEOUT, AB_SHAPES ("shape:tokens ..."), AB_VARIANTS, AB_EP (2).
@@ -30,6 +30,13 @@ if [ "$stage" = pull-check ]; then  # the token pull where session 14 saw it fai
   TABBY_MEGA_VARIANT=PT=1 timeout ${BENCH_TIMEOUT:-240} python3 -m tabby bench --out "$OUT/res" --tag ep2-pt1 --ep 2 \
     --shapes qwen3-30b-a3b,glm-5,gpt-oss-120b --tokens 16384 --impls floor,tabby --iters 10 --warmup 3 "$@" 2>&1 \
     | tee "$OUT/bench-pt1.log" | grep -E "^\||Error"
+fi
+if [ "$stage" = pull-ab ]; then  # the token pull's worth, fwd and fwd+bwd: benches alternating PT=1 (default) / PT=0
+  for v in PT=1 PT=0 PT=1 PT=0; do
+    TABBY_MEGA_VARIANT=$v timeout ${BENCH_TIMEOUT:-150} python3 -m tabby bench --out "$OUT/res" --tag "pull-ab-${v/=/}" --ep 2 \
+      --shapes ${PULL_AB_SHAPES:-qwen3-30b-a3b} --tokens 16384 --impls floor,tabby --iters 20 --warmup 5 2>&1 \
+      | tee -a "$OUT/pull-ab.log" | grep -E "^\| [a-z]" | grep -v torch
+  done
 fi
 if [ "$stage" = mega ]; then  # the forward megakernel (issue 4): its GPU tests, with fast-failing waits
   TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${MEGA_TIMEOUT:-400} python3 -m pytest -q -rA -p no:cacheprovider --timeout ${MEGA_TIMEOUT:-400} -s \
