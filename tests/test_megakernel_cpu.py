@@ -909,9 +909,12 @@ def test_token_pull_with_one_rank_s_x_misaligned(monkeypatch):
 def test_token_pull_by_default_only_where_experts_get_many_tiles_per_rank():
     """On by default where experts average PULL_TOKENS_MIN_TILES row tiles per source rank
     (qwen3-30b-a3b 16384 EP2: 8), off below (qwen3.5-397b 4096: 0.6); and only where what it needs holds."""
-    from tabby.functional.config import MoEConfig
+    from tabby.functional.config import PULL_TOKENS_MIN_TILES, MoEConfig
 
     cfg = MoEConfig()
+    E = 64
+    edge = PULL_TOKENS_MIN_TILES * cfg.tile_m * E  # tokens x k at the threshold
+    assert cfg.pull_tokens(edge, 1, E) and not cfg.pull_tokens(edge - 1, 1, E)
     args = (16384, 8, 2048, 768, 256)  # qwen3-30b-a3b 16384, 128 experts per rank at EP2
     assert cfg.fwd_pull_tokens is None and cfg.token_pull_on(*args)
     assert not cfg.token_pull_on(4096, 10, 4096, 1024, 512)  # qwen3.5-397b 4096
