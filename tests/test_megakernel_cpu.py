@@ -107,6 +107,21 @@ def test_two_down_cols_by_default_only_for_short_expert_widths():
     assert TWO_DOWN_COLS_MAX_I == 1024 and MoEConfig(fwd_down_cols=4).down_cols(768) == 4
 
 
+def test_small_experts_group_two_row_tiles_by_default():
+    # groups of 2 where H * I <= GROUP_2_MAX_HI (qwen3-30b-a3b), 4 for the larger experts; an explicit
+    # fwd_group_m wins, a ring too small for groups of 2 still gets 1, and no shape keeps the old rule
+    from tabby.functional.config import GROUP_2_MAX_HI
+    from tabby.shapes import SHAPES
+
+    got = {n: MoEConfig().group_m(s.H, s.I) for n, s in SHAPES.items()}
+    assert got == {"kimi-k2": 4, "glm-5": 4, "qwen3.5-397b": 4, "deepseek-v4-pro": 4, "qwen3-30b-a3b": 2,
+                   "gpt-oss-120b": 4}, got
+    assert MoEConfig().group_m() == 4 and GROUP_2_MAX_HI == 2 * 2**20
+    assert MoEConfig().group_m(1024, 2048) == 2 and MoEConfig().group_m(1024, 2049) == 4  # the edge
+    assert MoEConfig(fwd_group_m=4).group_m(2048, 768) == 4
+    assert MoEConfig(ring_rows=256).group_m(2048, 768) == 1  # 2 slots: one group of 2 would be all
+
+
 def test_experts_aligned_to_two_tiles_by_default_only_where_row_tiles_are_grouped():
     # 2 when the ticket order groups row tiles (4 per group from 8 ring slots up), 1 otherwise and
     # on the sync-free path; and only where experts average at most ALIGN_MAX_TILES row tiles (an

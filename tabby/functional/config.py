@@ -40,6 +40,13 @@ TWO_DOWN_COLS_MAX_I = 1024
 # gpt-oss-120b forward 1.15 / 1.08x the floor with it, 1.19 / 1.21 without (session 14).
 PULL_TOKENS_MIN_TILES = 4
 
+# fwd_group_m=None groups 2 row tiles (not 4) where an expert's weight matrices have at most this
+# many elements each (H * I): small experts, whose tickets are short. Measured (EP2, forward under
+# autograd, back-to-back pairs, session 16, docs/perf-notes.md): qwen3-30b-a3b (H*I 1.6M) 16384 2.0-3.7%
+# faster in three pairs, 4096 even; slower with larger experts: glm-5 16384 (12.6M) 3.8-5.4%,
+# gpt-oss-120b 16384 (8.3M) 2-9%, qwen3.5-397b 4096 (4.2M) 2-7%; kimi-k2 and gpt-oss-120b 4096 even.
+GROUP_2_MAX_HI = 2 * 2**20
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -73,7 +80,8 @@ class MoEConfig:
     fwd_group_m:     row tiles per group of the ticket order; gate/up and down tickets go column-major
                      over a group, so the row tiles of one expert read each weight block together
                      (with group_m > 1, fwd_prefetch and fwd_down_lag count groups). None: 4 when the
-                     ring has 8 slots or more (measured: kimi-k2 10.5 -> 8.5 ms with 2, 4 as good).
+                     ring has 8 slots or more (measured: kimi-k2 10.5 -> 8.5 ms with 2, 4 as good),
+                     2 for small experts (H * I <= GROUP_2_MAX_HI, qwen3-30b-a3b).
     fwd_down_bn:     columns of the megakernel's down tiles (None: the standalone kernel's, 256 for
                      H >= 256); 128 halves the down accumulator (measured slower).
     fwd_gate_up_bn:  columns of its gate/up tiles (None: the standalone kernel's, 128); 64 halves the
@@ -267,12 +275,16 @@ class MoEConfig:
             return self.fwd_down_cols
         return 2 if I <= TWO_DOWN_COLS_MAX_I else 1
 
-    def group_m(self) -> int:
+    def group_m(self, H: int | None = None, I: int | None = None) -> int:
         """Row tiles per group of the megakernel's ticket order (``fwd_group_m``, or the launcher's
-        default for the ring's slots)."""
+        default for the ring's slots, at most 2 for small experts: GROUP_2_MAX_HI; H, I None: the
+        ring's default alone)."""
         from ..ops.megakernel_fwd import default_group_m
 
-        return self.fwd_group_m or default_group_m(self.ring_rows // self.tile_m)
+        if self.fwd_group_m:
+            return self.fwd_group_m
+        small = H is not None and I is not None and H * I <= GROUP_2_MAX_HI
+        return default_group_m(self.ring_rows // self.tile_m, max_group=2 if small else 4)
 
     def align_tiles(self, T: int, k: int, E_local: int) -> int:
         """Row tiles each expert's schedule segment is padded to a multiple of (``fwd_align_tiles``,

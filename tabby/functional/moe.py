@@ -420,7 +420,7 @@ def moe_forward_mega(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up
         gu_cfg=gu_cfg, dn_cfg=dn_cfg, gus_cfg=gus_cfg, dns_cfg=dns_cfg,
         programs=programs, comm_programs=cfg.fwd_comm_programs, prefetch=cfg.fwd_prefetch,
         pull_cols=cfg.fwd_pull_cols or cfg.pull_cols, ablate=cfg.fwd_ablate, lag=cfg.fwd_down_lag, fill_split=cfg.fwd_fill_split,
-        group_m=cfg.fwd_group_m, tma=tma, save=kept, w_ptrs=ws.ptrs["w_pub"],
+        group_m=cfg.group_m(H, I), tma=tma, save=kept, w_ptrs=ws.ptrs["w_pub"],
         half_tiles=cfg.fwd_half_tiles, trace=trace, down_cols=cfg.down_cols(I), fill_stages=cfg.fill_stages(warps),
         ticket_ahead=cfg.fwd_ticket_ahead, poll_together=cfg.fwd_poll_together, fill_table=cfg.fwd_fill_table,
         tile_ready=cfg.fwd_tile_ready, zero_counters=False,
@@ -603,7 +603,7 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
         raise MoEInputError(f"MoEConfig: overlap_publish={cfg.overlap_publish!r} must be True or False")
     if cfg.megakernel:
         try:
-            megakernel_fwd.check_order(cfg.ring_rows // cfg.tile_m, cfg.tile_m, cfg.group_m(),
+            megakernel_fwd.check_order(cfg.ring_rows // cfg.tile_m, cfg.tile_m, cfg.group_m(dims.H, dims.I),
                                        cfg.fwd_prefetch, cfg.fwd_down_lag, cfg.fwd_fill_split,
                                        cfg.fwd_pull_cols or cfg.pull_cols)
             if cfg.fwd_fill_stages is not None and cfg.fwd_fill_stages < 1:

@@ -782,10 +782,11 @@ def default_programs(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_group_m(n_slots: int) -> int:
-    """Row tiles per ticket group when not configured: 4 (measured best or near it on kimi-k2,
-    qwen3.5-397b and qwen3-30b-a3b, EP2), or the largest of 2, 1 that leaves two ring groups."""
-    return next((g for g in (4, 2, 1) if n_slots % g == 0 and n_slots // g >= 2), 1)
+def default_group_m(n_slots: int, max_group: int = 4) -> int:
+    """Row tiles per ticket group when not configured: the largest of 4, 2, 1 up to ``max_group``
+    that leaves two ring groups (4: measured best or near it on kimi-k2, qwen3.5-397b, glm-5 and
+    gpt-oss-120b, EP2; ``MoEConfig.group_m`` asks for 2 for small experts)."""
+    return next((g for g in (4, 2, 1) if g <= max_group and n_slots % g == 0 and n_slots // g >= 2), 1)
 
 
 def down_col_tiles(n_cols: int, down_cols: int) -> int:
