@@ -91,14 +91,19 @@ def test_reference_structure():
 # Kernels == reference
 
 
-@pytest.mark.parametrize("W", [1, 2, 4])
-@pytest.mark.parametrize("T,k,E_local,BM,chunk", [
+_ROUTING_CASES = [
     (37, 3, 5, 16, 16),     # odd T, several chunks, N not a multiple of the chunk
     (37, 1, 3, 4, 32),      # k = 1
     (64, 8, 4, 16, None),   # default chunk (one chunk per rank)
     (50, 2, 33, 2, 16),     # E_local not a power of two, > 32 (E_PAD 64)
-    (600, 4, 40, 16, 16),   # 150 chunks per rank: the scan takes two steps of 128 chunks (E_PAD 64) per rank
-])
+    (600, 4, 40, 16, 16),   # 150 chunks per rank: the scan takes two steps of 128 chunks (E_PAD 64)
+]
+
+
+# the 600-token case on one rank only: its two-step scan is the point, and at W = 2 and 4 the
+# interpreter took 23 and 43 s of the CPU suite (session 16) for what the other cases cover
+@pytest.mark.parametrize("W,T,k,E_local,BM,chunk", [(W, *c) for W in (1, 2, 4) for c in _ROUTING_CASES
+                                                    if W == 1 or c[0] != 600])
 def test_random_routing(W, T, k, E_local, BM, chunk):
     gen = torch.Generator().manual_seed(100 * W + T + k)
     all_idx = _random_idx(W, T, k, W * E_local, gen)
