@@ -31,7 +31,7 @@ import torch
 
 from .functional.config import MoEConfig
 
-from .functional import moe as moe_mod
+from .functional import moe as moe_mod, steps as steps_mod
 from .launch import launch
 from .shapes import SHAPES, TINY
 
@@ -96,12 +96,12 @@ def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only
     for it in range(warmup + iters):
         if it == warmup and torch.cuda.is_available():
             torch.cuda.synchronize()
-        moe_mod.STAGE_TIMER = timer if it >= warmup else None
+        steps_mod.STAGE_TIMER = timer if it >= warmup else None
         y = moe_mod.moe(x, inp.topk_idx, inp.topk_weights, *weights, shared=inp.shared, group=group,
                         config=MoEConfig(megakernel=mega))
         if not fwd_only:
             y.backward(inp.dy)
-        moe_mod.STAGE_TIMER = None
+        steps_mod.STAGE_TIMER = None
         if it >= warmup:
             timer.next_iteration()
     samples = timer.iterations()

@@ -1,0 +1,98 @@
+"""The sync-free forward, and what a forward keeps for the backward.
+
+Each pass is a short sequence of launches on the current stream, none of which reads anything
+back to the host (so a forward + backward can be captured in a CUDA graph):
+
+forward, on every rank
+    publish      copy topk_idx, topk_weights into the symmetric buffers
+    signal+wait  FWD_READY to all; every peer's (its routing is readable)   | on a high-priority side
+    schedule     every rank's topk_idx -> routed-row table of the local       | stream, while the current
+                 experts (ops/schedule.py)                                     | one copies x into x_pub
+    signal+wait  join the side stream; FWD_X_READY (every peer's x is readable)
+    dispatch     pull x rows (and router weights) from their source ranks into xs   (ops/comm.py)
+    gate/up      h = silu(xs Wg^T) * (xs Wu^T); g, u saved for the backward          (ops/gemm.py)
+    down         rows of h Wd^T pushed to the origin's y_in[t*k + kk]                (ops/gemm.py)
+    signal+wait  FWD_DONE to every rank; then every peer's FWD_DONE (each pair is one launch)
+    combine      y[t] = sum_kk w[t,kk] y_in[t*k+kk] (fp32, k order) + shared[t]     (ops/combine.py)
+
+backward, mirrored: publish dy; pull dy rows; down dgrad with the SwiGLU backward and the
+router-weight gradient <dy, y_e>; gate/up dgrad whose rows are pushed to the origin's dx_in;
+router-weight gradients pushed to dw_in; per-expert weight gradients (one program per output
+tile over the expert's whole row range); signal and wait; dx summed over k in k order.
+
+Saved for the backward (per call, from PyTorch's caching allocator): the schedule, the
+dispatched rows xs [R, H], g and u [R, 2I] and the router weight of each row: nothing is
+recomputed, at the cost of (H + 2I) * 2 bytes per routed row. The shared expert is plain
+PyTorch outside the Function (its output enters the combine as ``extra``).
+
+With ``MoEConfig(megakernel=True)`` (the default) the forward runs dispatch, gate/up, down +
+push and the shared expert in ONE persistent launch over a ring of ``ring_rows`` rows
+(ops/megakernel_fwd.py; ``moe_forward_mega``). When a backward will follow
+(``fwd_save_for_backward``, on by default) the kernel also fills xs, g | u and the row weights as
+above and the backward is the same; otherwise nothing of the ring is kept, and the backward
+publishes x and topk_weights again with dy and recomputes xs, the row weights and g, u (pull +
+gate/up), then runs the same launches as above. The shared expert then lives inside the Function
+(``_TabbyMoEMega``), whose backward recomputes it with the same torch ops for its gradients.
+With ``fwd_peer_flags`` (the default) the megakernel forward's flags are set and waited for inside
+its kernels: the schedule's count launch publishes this rank's routing, the last of its chunks
+signals FWD_READY, and the peers' chunks wait for theirs; the megakernel signals FWD_X_READY at its
+start and waits for the peers' before its first ticket, and its last program signals FWD_DONE and
+waits for the peers'; the combine follows in stream order. No launch on the forward's critical path
+only copies or signals. (Under the interpreter a kernel cannot wait for another rank's launch, so
+there, with several ranks, the routing copies and signal/wait launches of ``fwd_peer_flags=False``
+and host polls of the x-ready and DONE flags come between the launches.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops import gemm
+from .config import MoEConfig
+from .steps import _finish_forward, _gemm_cfg, _publish_and_schedule, _pull_rows, _stage
+
+
+def moe_forward(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra=None):
+    """Forward pass on one rank. Returns (y [T, H], saved) where saved feeds ``moe_backward``."""
+    T, H = x.shape
+    I, TK = w_gate.shape[1], topk_idx.numel()
+    sched = _publish_and_schedule(ws, cfg, x, topk_idx, topk_weights, w_gate.shape[0])
+    xs = x.new_empty((sched.R_max, H))
+    row_w = torch.empty(sched.R_max, dtype=torch.float32, device=x.device)
+    _pull_rows(cfg, sched, ws.ptrs["x_pub"], xs, TK, sched.k, ws.ptrs["w_pub"], row_w)
+    _stage("fwd:dispatch")
+    h, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, save_gu=True,
+                                config=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H))
+    _stage("fwd:gate_up")
+    gemm.down_push(h, w_down, sched.tile_expert, sched.num_tiles, sched.row_src, ws.ptrs["y_in"], TK,
+                   config=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I))
+    _stage("fwd:down+push")
+    return _finish_forward(ws, cfg, x, topk_weights, extra), KeptRows(sched, xs, gu, row_w)
+
+
+@dataclass
+class KeptRows:
+    """What a forward keeps for the backward when it keeps the routed rows: the schedule, xs
+    [R_max, H], g | u [R_max, 2I] and the rows' router weights [R_max] fp32. ``missing``: "" (xs
+    whole), "local" (``fwd_local_rows``: xs lacks this rank's rows, the backward copies them in
+    from x) or "tokens" (``fwd_pull_tokens``: xs is every rank's tokens [W*T, H], the backward
+    gathers the rows from them and x). ``x``: the layer's input as the forward's gate/up read it
+    (contiguous, 16-byte aligned), when something is missing."""
+
+    sched: object
+    xs: torch.Tensor
+    gu: torch.Tensor
+    row_w: torch.Tensor
+    missing: str = ""
+    x: torch.Tensor | None = None
+
+
+@dataclass
+class MegaSaved:
+    """What the megakernel forward keeps for the backward: the schedule, x and the router weights."""
+
+    sched: object
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+
