@@ -10,32 +10,7 @@ import threading
 
 import torch
 
-from tabby.functional.moe import ThreadRank
-from tabby.functional.workspace import ThreadGroup
-
-
-def run_ranks(W: int, fn, timeout: float = 600.0):
-    """Run ``fn(rank, group)`` in W threads with one ``ThreadGroup``; returns the results by rank."""
-    tg = ThreadGroup(W)
-    results, errors = [None] * W, []
-
-    def body(r):
-        try:
-            results[r] = fn(r, ThreadRank(tg, r))
-        except BaseException as e:  # noqa: BLE001 - re-raised below with the rank
-            errors.append((r, e))
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(W)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    if any(t.is_alive() for t in threads):
-        raise TimeoutError(f"a rank did not finish within {timeout} s")
-    if errors:
-        r, e = errors[0]
-        raise RuntimeError(f"rank {r} failed: {e!r}") from e
-    return results
+from tabby.functional.threads import ThreadGroup, ThreadRank, patch_interpreter_for_threads, run_ranks  # noqa: F401
 
 
 def make_problem(W, T, H, I, E_local, k, shared=False, seed=0, dtype=torch.bfloat16, route="random"):
@@ -67,43 +42,4 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _patch_interpreter_for_threads():
-    """Let interpreted kernels of several threads share CPU memory safely.
-
-    After a launch, triton 3.6's interpreter copies every argument's whole storage back from its
-    host copy. For a CPU tensor the host copy *is* the storage, so this copies memory onto itself;
-    harmless alone, but it races with other ranks' threads writing the same storage (a peer's
-    flag or pushed rows land, then are overwritten by the stale self-copy). Skip self-copies.
-    """
-    from triton.runtime import interpreter
-
-    if getattr(interpreter.GridExecutor, "_tabby_patched", False):
-        return
-    orig = interpreter.GridExecutor._restore_args_dev
-
-    def restore(self, args_dev, args_hst, kwargs, kwargs_hst):
-        keep = [(d, h) for d, h in zip(args_dev, args_hst)
-                if not (hasattr(d, "data_ptr") and hasattr(h, "data_ptr")
-                        and d.untyped_storage().data_ptr() == h.untyped_storage().data_ptr())]
-        kw = {k: v for k, v in kwargs.items()
-              if not (hasattr(v, "data_ptr") and v.untyped_storage().data_ptr()
-                      == kwargs_hst[k].untyped_storage().data_ptr())}
-        orig(self, [d for d, _ in keep], [h for _, h in keep], kw, {k: kwargs_hst[k] for k in kw})
-
-    interpreter.GridExecutor._restore_args_dev = restore
-
-    # The interpreter patches triton.language while a kernel runs and restores it afterwards, so
-    # launches from several threads must not overlap: one lock around every launch. (Waits in the
-    # CPU harness poll from the host between launches; see tabby.functional.moe._wait.)
-    call = interpreter.GridExecutor.__call__
-    lock = threading.RLock()
-
-    def locked_call(self, *args, **kwargs):
-        with lock:
-            return call(self, *args, **kwargs)
-
-    interpreter.GridExecutor.__call__ = locked_call
-    interpreter.GridExecutor._tabby_patched = True
-
-
-_patch_interpreter_for_threads()
+patch_interpreter_for_threads()

@@ -6,38 +6,36 @@ import torch
 
 from ..ops import comm, gemm, sync
 from ..ops.combine import combine_k
-from .config import MoEConfig
 from .workspace import (BWD, BWD_DONE, BWD_READY)
 from .forward import KeptRows, MegaSaved
-from .steps import _debug_check, _gemm_cfg, _pull_rows, _signal_wait, _stage
+from .plan import Plan
+from .probe import Probe, mark
+from .steps import _debug_check, _pull_rows, _signal_wait
 
 
-def _routed_rows_for_wgrad(ws, cfg, kept: KeptRows, TK, k):
-    """The routed rows [R, H] of a forward that kept them partly (``fwd_local_rows``: xs without this
-    rank's rows, filled in here from x) or not at all (``fwd_pull_tokens``: xs is every rank's
-    tokens [W*T, H], rows gathered from them and x into a new buffer); local copies only.
-
-    Why copies and not a weight gradient that gathers its rows: that kernel (built in session 12,
-    since removed) made forward+backward 14-26% slower at every shape of the session-13 matrix but
-    the host-bound qwen3-30b-a3b 4096, where the copy of this rank's rows had cost 0-3.4% (session
-    12's matrix against session 11's)."""
+def _routed_rows_for_wgrad(ws, plan: Plan, kept: KeptRows, TK, k):
+    """The routed rows [R, H] of a forward that kept them partly (local rows: xs without this rank's
+    rows, filled in here from x) or not at all (the token pull: xs is every rank's tokens
+    [W*T, H], rows gathered from them and x into a new buffer); local copies only. A copy, not a
+    weight gradient that gathers its own rows: that measured slower (docs/performance.md, "Local
+    rows")."""
     sched, xs, x = kept.sched, kept.xs, kept.x
     W, T, H = ws.world_size, x.shape[0], x.shape[1]
     if kept.missing == "local":
         table = torch.full((W,), x.data_ptr(), dtype=torch.int64, device=x.device)
-        _pull_rows(cfg, sched, table, xs, TK, k, only_rank=ws.rank)
+        _pull_rows(plan, sched, table, xs, TK, k, only_rank=ws.rank)
         return xs
     # rank src's rows at xs[src*T:], this rank's at x: an address table of local buffers
-    # (built by device ops only: session 14's GPU sync check found a host sync in this backward when
-    # the table had an element assigned from a Python int; x is 16-byte aligned, as the copy's vectors need)
+    # (built by device ops only: assigning an element from a Python int would sync with the host;
+    # x is 16-byte aligned, as the copy's vectors need)
     src = torch.arange(W, dtype=torch.int64, device=x.device)
     table = torch.where(src == ws.rank, x.data_ptr(), src * (T * H * xs.element_size()) + xs.data_ptr())
     rows = xs.new_empty((sched.R_max, H))
-    _pull_rows(cfg, sched, table, rows, TK, k)
+    _pull_rows(plan, sched, table, rows, TK, k)
     return rows
 
 
-def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
+def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe | None = None):
     """Backward pass on one rank. Returns (dx, d topk_weights [T, k] fp32, dw_gate, dw_up, dw_down).
 
     ``saved``: a ``KeptRows`` (xs, g/u and row weights kept; from ``moe_forward``, or
@@ -55,47 +53,46 @@ def moe_backward(ws, cfg: MoEConfig, dy, saved, w_gate, w_up, w_down):
         xs, gu, row_w = saved.xs, saved.gu, saved.row_w
     T, H = dy.shape
     k, TK = sched.k, sched.T * sched.k
-    I = w_gate.shape[1]
-    _stage("bwd:start")
+    mark(probe, "bwd:start")
     if recompute:
         ws.x_pub.copy_(saved.x)
         ws.w_pub.copy_(saved.topk_weights)
     ws.dy_pub.copy_(dy)
-    _signal_wait(ws, BWD_READY, BWD, True, sync.ERR_WAIT_PEER_READY, cfg)
-    _stage("bwd:publish+wait")
+    _signal_wait(ws, BWD_READY, BWD, True, sync.ERR_WAIT_PEER_READY, plan)
+    mark(probe, "bwd:publish+wait")
     if recompute:
         xs = dy.new_empty((sched.R_max, H))
         row_w = torch.empty(sched.R_max, dtype=torch.float32, device=dy.device)
-        _pull_rows(cfg, sched, ws.ptrs["x_pub"], xs, TK, k, ws.ptrs["w_pub"], row_w)
+        _pull_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, k, ws.ptrs["w_pub"], row_w)
         _, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, save_gu=True,
-                                    config=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H))
-        _stage("bwd:recompute")
+                                    config=plan.gemm_config(gemm.KIND_GATE_UP))
+        mark(probe, "bwd:recompute")
 
     dys = dy.new_empty((sched.R_max, H))
-    _pull_rows(cfg, sched, ws.ptrs["dy_pub"], dys, TK, k)
-    _stage("bwd:dispatch_dy")
+    _pull_rows(plan, sched, ws.ptrs["dy_pub"], dys, TK, k)
+    mark(probe, "bwd:dispatch_dy")
     dgu, hw, dw_part = gemm.down_dgrad_swiglu_bwd(dys, w_down, gu, row_w, sched.tile_expert, sched.num_tiles,
-                                                  config=_gemm_cfg(cfg, gemm.KIND_DGRAD_SWIGLU, I, H))
-    _stage("bwd:down_dgrad+swiglu")
+                                                  config=plan.gemm_config(gemm.KIND_DGRAD_SWIGLU))
+    mark(probe, "bwd:down_dgrad+swiglu")
     gemm.gate_up_dgrad_push(dgu, w_gate, w_up, sched.tile_expert, sched.num_tiles, sched.row_src,
-                            ws.ptrs["dx_in"], TK, config=_gemm_cfg(cfg, gemm.KIND_GATE_UP_DGRAD, H, 2 * I))
-    _stage("bwd:gate_up_dgrad+push")
+                            ws.ptrs["dx_in"], TK, config=plan.gemm_config(gemm.KIND_GATE_UP_DGRAD))
+    mark(probe, "bwd:gate_up_dgrad+push")
     dw_rows = gemm.reduce_dw(dw_part)
     comm.push_scalars_kernel[(64,)](dw_rows, sched.row_src, sched.num_tiles, ws.ptrs["dw_in"], TK,
-                                    BR=256, TILE_ROWS=cfg.tile_m)
-    _stage("bwd:router_grad")
+                                    BR=256, TILE_ROWS=plan.tile_m)
+    mark(probe, "bwd:router_grad")
     dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype)
     if not recompute and saved.missing:  # the routed rows the weight gradient reads, contiguous
-        xs = _routed_rows_for_wgrad(ws, cfg, saved, TK, k)
-        _stage("bwd:routed_rows")
+        xs = _routed_rows_for_wgrad(ws, plan, saved, TK, k)
+        mark(probe, "bwd:routed_rows")
     dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
                                                out_dtype=w_gate.dtype)
-    _stage("bwd:wgrad")
-    _signal_wait(ws, BWD_DONE, BWD, False, sync.ERR_WAIT_PEER_DONE, cfg)
-    _stage("bwd:signal+wait")
+    mark(probe, "bwd:wgrad")
+    _signal_wait(ws, BWD_DONE, BWD, False, sync.ERR_WAIT_PEER_DONE, plan)
+    mark(probe, "bwd:signal+wait")
     dx = combine_k(ws.dx_in, T, k, dtype=dy.dtype)
     dtopk = ws.dw_in.view(T, k).clone()
-    _stage("bwd:combine")
-    _debug_check(ws, cfg, dy)
+    mark(probe, "bwd:combine")
+    _debug_check(ws, plan, dy)
     return dx, dtopk, dw_gate, dw_up, dw_down
 

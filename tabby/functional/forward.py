@@ -49,34 +49,36 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import gemm
-from .config import MoEConfig
-from .steps import _finish_forward, _gemm_cfg, _publish_and_schedule, _pull_rows, _stage
+from .plan import Plan
+from .probe import Probe, mark
+from .steps import _finish_forward, _publish_and_schedule, _pull_rows
 
 
-def moe_forward(ws, cfg: MoEConfig, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra=None):
+def moe_forward(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra=None,
+                probe: Probe | None = None):
     """Forward pass on one rank. Returns (y [T, H], saved) where saved feeds ``moe_backward``."""
     T, H = x.shape
-    I, TK = w_gate.shape[1], topk_idx.numel()
-    sched = _publish_and_schedule(ws, cfg, x, topk_idx, topk_weights, w_gate.shape[0])
+    TK = topk_idx.numel()
+    sched = _publish_and_schedule(ws, plan, x, topk_idx, topk_weights, w_gate.shape[0], probe=probe)
     xs = x.new_empty((sched.R_max, H))
     row_w = torch.empty(sched.R_max, dtype=torch.float32, device=x.device)
-    _pull_rows(cfg, sched, ws.ptrs["x_pub"], xs, TK, sched.k, ws.ptrs["w_pub"], row_w)
-    _stage("fwd:dispatch")
+    _pull_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, sched.k, ws.ptrs["w_pub"], row_w)
+    mark(probe, "fwd:dispatch")
     h, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, save_gu=True,
-                                config=_gemm_cfg(cfg, gemm.KIND_GATE_UP, I, H))
-    _stage("fwd:gate_up")
+                                config=plan.gemm_config(gemm.KIND_GATE_UP))
+    mark(probe, "fwd:gate_up")
     gemm.down_push(h, w_down, sched.tile_expert, sched.num_tiles, sched.row_src, ws.ptrs["y_in"], TK,
-                   config=_gemm_cfg(cfg, gemm.KIND_DOWN, H, I))
-    _stage("fwd:down+push")
-    return _finish_forward(ws, cfg, x, topk_weights, extra), KeptRows(sched, xs, gu, row_w)
+                   config=plan.gemm_config(gemm.KIND_DOWN))
+    mark(probe, "fwd:down+push")
+    return _finish_forward(ws, plan, x, topk_weights, extra, probe=probe), KeptRows(sched, xs, gu, row_w)
 
 
 @dataclass
 class KeptRows:
     """What a forward keeps for the backward when it keeps the routed rows: the schedule, xs
     [R_max, H], g | u [R_max, 2I] and the rows' router weights [R_max] fp32. ``missing``: "" (xs
-    whole), "local" (``fwd_local_rows``: xs lacks this rank's rows, the backward copies them in
-    from x) or "tokens" (``fwd_pull_tokens``: xs is every rank's tokens [W*T, H], the backward
+    whole), "local" (local rows: xs lacks this rank's rows, the backward copies them in
+    from x) or "tokens" (the token pull: xs is every rank's tokens [W*T, H], the backward
     gathers the rows from them and x). ``x``: the layer's input as the forward's gate/up read it
     (contiguous, 16-byte aligned), when something is missing."""
 

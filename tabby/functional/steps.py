@@ -1,5 +1,6 @@
 """The launches every pass shares: signal and wait for the peers, publish and schedule, pull
-routed rows, finish with the combine."""
+routed rows, finish with the combine. Each takes the call's ``Plan`` (``plan.py``) and, for the
+tools, an optional ``Probe`` (``probe.py``) whose stage timer marks the stage boundaries."""
 from __future__ import annotations
 
 import time
@@ -7,19 +8,12 @@ import time
 import torch
 import triton
 
-from ..ops import INTERPRET, comm, gemm, sync
+from ..ops import INTERPRET, comm, sync
 from ..ops.combine import combine_k
 from ..ops.schedule import alloc_schedule, launch_schedule
-from .config import MoEConfig
+from .plan import Plan
+from .probe import Probe, mark
 from .workspace import (FWD, FWD_DONE, FWD_READY, FWD_X_READY)
-
-
-STAGE_TIMER = None
-
-
-def _stage(name):
-    if STAGE_TIMER is not None:
-        STAGE_TIMER.mark(name)
 
 
 def _signal(ws, slot, epoch_idx, bump):
@@ -27,10 +21,10 @@ def _signal(ws, slot, epoch_idx, bump):
                                    BUMP=bump)
 
 
-def _wait(ws, slot, epoch_idx, code, cfg):
+def _wait(ws, slot, epoch_idx, code, plan: Plan):
     if INTERPRET:  # CPU harness: poll from the host so other ranks' threads can run their kernels
         ready = torch.zeros(1, dtype=torch.int32)
-        for _ in range(cfg.max_wait_iters):
+        for _ in range(plan.wait_budget):
             comm.count_ready_kernel[(1,)](ws.flags, ws.epoch[epoch_idx:], slot, ws.world_size, ready)
             if int(ready) == ws.world_size:
                 return
@@ -40,65 +34,57 @@ def _wait(ws, slot, epoch_idx, code, cfg):
                                      0, ws.err, code)
         return
     comm.wait_peers_kernel[(1,)](ws.flags, ws.epoch[epoch_idx:], slot, ws.rank, ws.world_size,
-                                 cfg.wait_budget(), ws.err, code)
+                                 plan.wait_budget, ws.err, code)
 
 
-def _signal_wait(ws, slot, epoch_idx, bump, code, cfg):
+def _signal_wait(ws, slot, epoch_idx, bump, code, plan: Plan):
     """``_signal`` then ``_wait``; on the GPU in one launch (``comm.signal_wait_peers_kernel``: a
     Triton launch costs the host ~30-50 us, which small shapes feel)."""
     if INTERPRET:  # the wait polls from the host (see _wait)
         _signal(ws, slot, epoch_idx, bump)
-        _wait(ws, slot, epoch_idx, code, cfg)
+        _wait(ws, slot, epoch_idx, code, plan)
         return
     comm.signal_wait_peers_kernel[(1,)](ws.ptrs["flags"], ws.flags, ws.epoch[epoch_idx:], slot, ws.rank,
-                                        ws.world_size, cfg.wait_budget(), ws.err, code, BUMP=bump)
+                                        ws.world_size, plan.wait_budget, ws.err, code, BUMP=bump)
 
 
-def _pull_rows(cfg, sched, src_ptrs, dst, TK, k, w_ptrs=None, ws_out=None, only_rank=None):
+def _pull_rows(plan: Plan, sched, src_ptrs, dst, TK, k, w_ptrs=None, ws_out=None, only_rank=None):
     """Rows of the schedule into dst [R, H] from every rank's [T, H] buffer (``src_ptrs``), with
     their router weights (``w_ptrs`` -> ``ws_out``); ``only_rank``: only the rows from that rank."""
     H = dst.shape[1]
     with_w = w_ptrs is not None
-    comm.pull_rows_kernel[(cfg.comm_programs,)](
+    comm.pull_rows_kernel[(plan.dispatch_programs,)](
         sched.row_src, sched.num_tiles, src_ptrs, dst, H, TK, k,
         w_ptrs if with_w else src_ptrs, ws_out if with_w else dst,
-        BR=cfg.pull_rows, BH=min(cfg.pull_cols, triton.next_power_of_2(H)), WITH_WEIGHTS=with_w,
-        TILE_ROWS=cfg.tile_m, ROWS_16B=(H * dst.element_size()) % 16 == 0, ONLY_RANK=only_rank is not None,
+        BR=plan.dispatch_rows, BH=min(plan.dispatch_cols, triton.next_power_of_2(H)), WITH_WEIGHTS=with_w,
+        TILE_ROWS=plan.tile_m, ROWS_16B=(H * dst.element_size()) % 16 == 0, ONLY_RANK=only_rank is not None,
         rank=only_rank or 0, num_warps=8)
 
 
-def _gemm_cfg(cfg: MoEConfig, kind, N, K):
-    """The GEMM config of ``kind``: row tiles are the schedule's tiles (cfg.tile_m)."""
-    return gemm.default_config(kind, N, K, BM=cfg.tile_m)
-
-
-
-def _debug_check(ws, cfg: MoEConfig, t):
+def _debug_check(ws, plan: Plan, t):
     """Debug mode: raise at once on a device error (a host sync), except while a CUDA graph is
     captured (a replay runs without the check; call ``check_errors`` after it)."""
-    if cfg.debug and not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if plan.debug and not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
         ws.check_errors()
 
 
-def _side_stream(ws, cfg: MoEConfig, x):
-    """The workspace's side stream for the forward's schedule (None: no overlap), at the device's
+def _side_stream(ws, x):
+    """The workspace's side stream for the forward's schedule (None on the CPU), at the device's
     highest stream priority, so that the block scheduler starts its small launches ahead of the x
     copy's pending blocks."""
-    if not (cfg.overlap_publish and x.is_cuda):
+    if not x.is_cuda:
         return None
-    side = ws.__dict__.get("_side_stream")
-    if side is None:
-        side = ws.__dict__["_side_stream"] = torch.cuda.Stream(device=x.device,
-                                                               priority=torch.cuda.Stream.priority_range()[1])
-    return side
+    if ws.side_stream is None:
+        ws.side_stream = torch.cuda.Stream(device=x.device, priority=torch.cuda.Stream.priority_range()[1])
+    return ws.side_stream
 
 
-def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local, in_kernel=False, on_main=None,
-                          order=False, row_w=None):
+def _publish_and_schedule(ws, plan: Plan, x, topk_idx, topk_weights, E_local, in_kernel=False, on_main=None,
+                          order=False, row_w=None, probe: Probe | None = None):
     """Publish this rank's inputs, wait for every peer's, build the routed-row schedule.
 
     The schedule needs only the routing, so x (T * H * 2 bytes, the bulk of the publish: ~30 us at
-    qwen3-30b-a3b 16384) gets its own flag, FWD_X_READY, and with ``MoEConfig.overlap_publish`` its
+    qwen3-30b-a3b 16384) gets its own flag, FWD_X_READY, and on the GPU its
     copy runs on the current stream while a high-priority side stream signals FWD_READY (the pass's
     new epoch), waits for the peers' and builds the schedule. The current stream then joins the side
     stream, and signals and waits FWD_X_READY (the same epoch) before anything reads x_pub. The
@@ -106,7 +92,7 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
     stream's work. x_pub may be overwritten here: peers stopped reading it before their DONE of the
     last pass, which this rank waited for.
 
-    ``in_kernel`` (``fwd_peer_flags``, the megakernel): the schedule's count launch, on the side
+    ``in_kernel`` (the megakernel): the schedule's count launch, on the side
     stream so that the x copy starts with it, publishes the routing, signals FWD_READY (the last of
     this rank's chunks) and waits for the peers' routing (``launch_schedule(publish=...)``; under
     the interpreter with several ranks the copies and signal/wait come first, as without it), and
@@ -115,29 +101,28 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
     the token pull's order; ``row_w`` (fp32 [R_max]): the schedule also writes the rows' router weights.
     """
     T, k = topk_idx.shape
-    _stage("fwd:start")
+    mark(probe, "fwd:start")
     # the count launch publishes the routing itself (not under the interpreter, where a program
     # waiting for another rank's would never return, unless there is no other rank)
     publish_in_count = in_kernel and (not INTERPRET or ws.world_size == 1)
     if not publish_in_count:
         ws.idx_pub.copy_(topk_idx)
         ws.w_pub.copy_(topk_weights)
-    done = ws.__dict__.get("_schedule_done")
-    if done is None:  # counters that the last program of a launch resets: zeroed once
-        done = ws.__dict__["_schedule_done"] = torch.zeros(2, dtype=torch.int32, device=x.device)
-    sched = alloc_schedule(ws.world_size, T, k, E_local, cfg.tile_m, x.device, align=cfg.align_tiles(T, k, E_local),
-                           done=done, order=order)
-    side = _side_stream(ws, cfg, x)
+    if ws.schedule_done is None:  # counters that the last program of a launch resets: zeroed once
+        ws.schedule_done = torch.zeros(2, dtype=torch.int32, device=x.device)
+    sched = alloc_schedule(ws.world_size, T, k, E_local, plan.tile_m, x.device, align=plan.align_tiles,
+                           done=ws.schedule_done, order=order)
+    side = _side_stream(ws, x)
 
     def schedule():
         if not publish_in_count:  # (in_kernel under the interpreter: the count programs' waits then pass)
-            _signal_wait(ws, FWD_READY, FWD, True, sync.ERR_WAIT_PEER_READY, cfg)
-        _stage("fwd:publish+wait")
-        ready = (ws.flags, ws.epoch[FWD:], FWD_READY, cfg.wait_budget()) if in_kernel else None
+            _signal_wait(ws, FWD_READY, FWD, True, sync.ERR_WAIT_PEER_READY, plan)
+        mark(probe, "fwd:publish+wait")
+        ready = (ws.flags, ws.epoch[FWD:], FWD_READY, plan.wait_budget) if in_kernel else None
         publish = (topk_idx, topk_weights, ws.idx_pub, ws.w_pub, ws.ptrs["flags"]) if publish_in_count else None
         launch_schedule(sched, ws.ptrs["idx_pub"], ws.err, ws.rank, ready=ready, publish=publish,
                         row_w=None if row_w is None else (ws.ptrs["w_pub"], row_w))
-        _stage("fwd:schedule")
+        mark(probe, "fwd:schedule")
 
     if side is None:
         schedule()
@@ -152,22 +137,22 @@ def _publish_and_schedule(ws, cfg: MoEConfig, x, topk_idx, topk_weights, E_local
     if side is not None:
         main.wait_stream(side)
     if not in_kernel or INTERPRET:  # (the interpreter: signalled and polled here; the kernel's repeats it)
-        _signal_wait(ws, FWD_X_READY, FWD, False, sync.ERR_WAIT_PEER_READY, cfg)
-    _stage("fwd:wait_x")
+        _signal_wait(ws, FWD_X_READY, FWD, False, sync.ERR_WAIT_PEER_READY, plan)
+    mark(probe, "fwd:wait_x")
     return sched
 
 
-def _finish_forward(ws, cfg: MoEConfig, x, topk_weights, extra, in_kernel=False):
+def _finish_forward(ws, plan: Plan, x, topk_weights, extra, in_kernel=False, probe: Probe | None = None):
     """Tell every peer its rows are pushed, wait for theirs, combine in k order (``in_kernel``: the
     megakernel signalled and waited already; under the interpreter the host polls here)."""
     T, k = topk_weights.shape
     if not in_kernel:
-        _signal_wait(ws, FWD_DONE, FWD, False, sync.ERR_WAIT_PEER_DONE, cfg)
+        _signal_wait(ws, FWD_DONE, FWD, False, sync.ERR_WAIT_PEER_DONE, plan)
     elif INTERPRET:
-        _wait(ws, FWD_DONE, FWD, sync.ERR_WAIT_PEER_DONE, cfg)
-    _stage("fwd:signal+wait")
+        _wait(ws, FWD_DONE, FWD, sync.ERR_WAIT_PEER_DONE, plan)
+    mark(probe, "fwd:signal+wait")
     y = combine_k(ws.y_in, T, k, w=topk_weights.float().contiguous(), extra=extra, dtype=x.dtype)
-    _stage("fwd:combine")
-    _debug_check(ws, cfg, x)
+    mark(probe, "fwd:combine")
+    _debug_check(ws, plan, x)
     return y
 

@@ -22,16 +22,19 @@ Transports (how the buffers are made and the address tables found):
 """
 from __future__ import annotations
 
-import threading
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from ..ops import sync
+from .threads import ThreadGroup
+
+log = logging.getLogger("tabby")
 
 # Flag slots. A forward signals FWD_READY when its routing (topk_idx, weights) is published and
-# FWD_X_READY when x is, so that the x copy can overlap the schedule (``MoEConfig.overlap_publish``).
-# FWD_X_PULL is no epoch: the megakernel's token pull (``MoEConfig.fwd_pull_tokens``) sets it to 1 on
+# FWD_X_READY when x is, so that the x copy can overlap the schedule.
+# FWD_X_PULL is no epoch: the megakernel's token pull (``Plan.mega.token_pull``) sets it to 1 on
 # every peer with a stream write once x is published, and the peer's copy stream waits for 1 and resets it to 0
 # (``streamops``: a stream wait compares with a host value, and the epoch lives on the device).
 FWD_READY, FWD_DONE, BWD_READY, BWD_DONE, FWD_X_READY, FWD_X_PULL = range(6)
@@ -50,23 +53,6 @@ class WorkspaceKey:
     world_size: int
     dtype: torch.dtype
     device: str
-
-
-class ThreadGroup:
-    """Stands in for a process group in the CPU harness: W threads, one per rank."""
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-        self._barrier = threading.Barrier(world_size)
-        self._bases: dict[int, int] = {}
-        self.raw: dict[int, torch.Tensor] = {}  # each rank's symmetric bytes (Workspace.peer_buffer)
-
-    def exchange(self, rank: int, base: int) -> list[int]:
-        self._bases[rank] = base
-        self._barrier.wait()
-        out = [self._bases[r] for r in range(self.world_size)]
-        self._barrier.wait()
-        return out
 
 
 def _layout(key: WorkspaceKey):
@@ -130,6 +116,25 @@ class Workspace:
             self.ptrs[name] = torch.tensor([b + off for b in bases], dtype=torch.int64, device=device)
         self.epoch = torch.zeros(2, dtype=torch.int32, device=device)
         self.err = torch.zeros(sync.ERR_WORDS, dtype=torch.int32, device=device)
+        # Per-shape state made on first use and kept with the workspace (``free`` drops it):
+        self.plans: dict = {}  # MoEConfig -> Plan (plan.make_plan)
+        self.mega_buffers = None  # the megakernel's ring and counters (ops.megakernel.MegaBuffers)
+        self.schedule_done = None  # int32 [2]: counters the schedule's last program resets
+        self.side_stream = None  # high-priority stream of the forward's schedule (CUDA)
+        self.pull_stream = None  # stream of the token pull's copies (CUDA)
+
+    def free(self) -> None:
+        """Drop the per-shape caches (plans, the megakernel's ring, streams); the symmetric buffers
+        stay until the workspace itself is dropped (``tabby.free_workspaces``)."""
+        self.plans.clear()
+        self.mega_buffers = self.schedule_done = self.side_stream = self.pull_stream = None
+
+    def nbytes(self) -> int:
+        """Bytes this workspace holds on its device: symmetric buffers and cached buffers."""
+        n = self.symmetric_bytes
+        if self.mega_buffers is not None:
+            n += self.mega_buffers.nbytes()
+        return n
 
     def __getattr__(self, name):
         buffers = self.__dict__.get("buffers", {})
@@ -185,7 +190,7 @@ _CACHE: dict = {}
 _GROUPS: dict = {}  # the groups of _CACHE's keys, kept alive (see get_workspace)
 
 
-def get_workspace(key: WorkspaceKey, rank: int, group=None, thread_group=None, verbose=True) -> Workspace:
+def get_workspace(key: WorkspaceKey, rank: int, group=None, thread_group=None) -> Workspace:
     """The cached workspace for this group and shape (created on first use, collectively)."""
     ck = (key, id(group) if group is not None else None, id(thread_group) if thread_group else None, rank)
     # The cache holds the group objects too: an id is unique only while its object lives, and a
@@ -203,8 +208,25 @@ def get_workspace(key: WorkspaceKey, rank: int, group=None, thread_group=None, v
             check_group_agrees(dims, torch.empty(0, dtype=key.dtype, device=key.device), group)
         ws = Workspace(key, rank, group=group, thread_group=thread_group)
         _CACHE[ck] = ws
-        if verbose and rank == 0 and thread_group is None:
-            print(f"[tabby] workspace for T={key.T} H={key.H} k={key.k} E_local={key.E_local} I={key.I} "
-                  f"EP{key.world_size}: {ws.symmetric_bytes / 2**20:.1f} MiB symmetric ({ws.transport})",
-                  flush=True)
+        if rank == 0:
+            log.info("workspace for T=%d H=%d k=%d E_local=%d I=%d EP%d: %.1f MiB symmetric (%s)", key.T, key.H,
+                     key.k, key.E_local, key.I, key.world_size, ws.symmetric_bytes / 2**20, ws.transport)
     return ws
+
+
+def cached_workspaces() -> list[Workspace]:
+    """The workspaces this process holds."""
+    return list(_CACHE.values())
+
+
+def free_workspaces() -> int:
+    """Drop every cached workspace (symmetric buffers, rings, plans) of this process; returns the
+    bytes released on the devices. Call it only when no pass is in flight: with several ranks,
+    every rank must free, and the next call of a shape creates its workspace again (collectively)."""
+    n = 0
+    for ws in _CACHE.values():
+        n += ws.nbytes()
+        ws.free()
+    _CACHE.clear()
+    _GROUPS.clear()
+    return n
