@@ -7,12 +7,13 @@ import pytest
 import torch
 
 import tabby
-from tabby.functional.config import MoEConfig
+from tabby.functional.config import MoEConfig, Tuning
 from tabby.functional.moe import moe
 
 from harness import make_problem, rel_err, run_ranks
 
-CFG = MoEConfig(tile_m=16, pull_rows=16, pull_cols=64, comm_programs=4, megakernel=False)  # the sync-free path
+SMALL = dict(tile_m=16, dispatch_rows=16, dispatch_cols=64, dispatch_programs=4)  # routed tiles and dispatch blocks
+CFG = MoEConfig(megakernel=False, tuning=Tuning(**SMALL))  # the sync-free path
 
 
 def _run_tabby(W, T, prob, cfg=CFG, E_local=None, misaligned=()):
@@ -102,23 +103,29 @@ def test_tabby_cpu_bitwise_deterministic_and_reuses_workspace():
 
 def test_memory_report_sizes_the_worst_case():
     from tabby.functional.moe import memory_report
+    from tabby.functional.plan import make_plan
     from tabby.validate import MoEDims
 
     d = MoEDims(T=16384, H=2048, k=8, E_local=64, I=768, world_size=2, I_shared=0)
-    rep = memory_report(d, MoEConfig(megakernel=False))
+
+    def report(**kw):
+        config = MoEConfig(megakernel=kw.pop("megakernel", True), save_for_backward=kw.pop("save", True),
+                           tuning=Tuning(**kw))
+        return memory_report(make_plan(d, config, torch.device("cpu")))
+
+    rep = report(megakernel=False)
     # Every (token, k) of both ranks plus tile padding per expert, rounded to the tile.
     assert "R_max=270336 rows" in rep and "kept per layer for the backward 1850.1 MiB" in rep
-    assert "11.0 MiB ring" in memory_report(d, MoEConfig(megakernel=True, ring_rows=2048,
-                                                         fwd_save_for_backward=False))
-    rep = memory_report(d, MoEConfig(megakernel=True, ring_rows=2048, fwd_pull_tokens=False))
+    assert "11.0 MiB ring" in report(ring_rows=2048, save=False)
+    rep = report(ring_rows=2048, pull_tokens=False)
     assert "megakernel ring 11.0 MiB" in rep and "keeps 1850.1 MiB per layer" in rep
     # the token pull (on by default here: 16 row tiles per expert and source rank) keeps every
     # rank's tokens [W*T, H] instead of the routed rows [R_max, H] (1056 MiB less, 128 MiB more),
     # and gathers the rows in the backward
-    rep = memory_report(d, MoEConfig(megakernel=True, ring_rows=2048))
+    rep = report(ring_rows=2048)
     assert "keeps 922.1 MiB per layer" in rep and "backward transient 3314.4 MiB" in rep
-    # experts of few tiles are padded to 2 (fwd_align_tiles): one more tile per expert in the worst case
-    rep = memory_report(d, MoEConfig(megakernel=True, ring_rows=2048, fwd_align_tiles=2, fwd_pull_tokens=False))
+    # experts of few tiles padded to 2 (align_tiles): one more tile per expert in the worst case
+    rep = report(ring_rows=2048, align_tiles=2, pull_tokens=False)
     assert "R_max=278528 rows" in rep and "keeps 1906.1 MiB per layer" in rep
 
 
@@ -126,16 +133,15 @@ def test_memory_report_sizes_the_worst_case():
 def test_a_peer_that_never_publishes_x_is_reported(mega, monkeypatch):
     # x has its own ready flag (FWD_X_READY, so that its copy can overlap the schedule): a rank that
     # never raises it must be waited for, boundedly, and named in the error, not read half-copied
-    from tabby.functional import moe as moe_mod
+    from tabby.functional import steps
     from tabby.functional.workspace import FWD_X_READY, N_SLOTS, TabbyDeviceError
 
-    real = moe_mod._signal
-    monkeypatch.setattr(moe_mod, "_signal", lambda ws, slot, *a, **kw: None if (slot == FWD_X_READY and ws.rank == 1)
+    real = steps._signal
+    monkeypatch.setattr(steps, "_signal", lambda ws, slot, *a, **kw: None if (slot == FWD_X_READY and ws.rank == 1)
                         else real(ws, slot, *a, **kw))
     W, T, H, I, E_local, k = 2, 6, 32, 16, 2, 2
     x, idx, wts, ws, _, _ = make_problem(W, T, H, I, E_local, k, seed=7)
-    cfg = MoEConfig(tile_m=16, pull_rows=16, pull_cols=64, comm_programs=4, megakernel=mega, ring_rows=32,
-                    max_wait_iters=20, debug=True)
+    cfg = MoEConfig(megakernel=mega, max_wait_polls=20, debug=True, tuning=Tuning(**SMALL, ring_rows=32))
 
     def rank_fn(r, group):
         rows = slice(r * T, (r + 1) * T)

@@ -46,8 +46,9 @@ def _device_sms(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int = 0) -> Plan:
-    """The plan of a call with these sizes (``I_s``: the shared expert's width, 0 without one)."""
+def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int = 0, sms: int | None = None) -> Plan:
+    """The plan of a call with these sizes (``I_s``: the shared expert's width, 0 without one) on
+    ``device`` (``sms``: plan for a GPU of that many SMs instead, e.g. to inspect a plan on the CPU)."""
     t = config.tuning
     T, H, I, k, E_local, W = dims.T, dims.H, dims.I, dims.k, dims.E_local, dims.world_size
     tile_m = t.tile_m or heuristics.TILE_M
@@ -63,7 +64,7 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     groups = 1
     if config.megakernel:
         try:
-            mega = _mega_plan(dims, config, device, I_s, tile_m)
+            mega = _mega_plan(dims, config, sms if sms is not None else _device_sms(device), I_s, tile_m)
         except ValueError as e:
             raise MoEInputError(f"MoEConfig(megakernel=True) at T={T} H={H} I={I} k={k} E_local={E_local} "
                                 f"EP{W}: {e}") from None
@@ -78,7 +79,7 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
                 dispatch_programs=t.dispatch_programs or heuristics.DISPATCH_PROGRAMS, gemm=gemms, mega=mega)
 
 
-def _mega_plan(dims: MoEDims, config: MoEConfig, device, I_s: int, tile_m: int) -> MegaPlan:
+def _mega_plan(dims: MoEDims, config: MoEConfig, sms: int | None, I_s: int, tile_m: int) -> MegaPlan:
     t = config.tuning
     T, H, I, k, E_local, W = dims.T, dims.H, dims.I, dims.k, dims.E_local, dims.world_size
     if t.tma and not heuristics.tma_possible(H, I, I_s):
@@ -98,7 +99,9 @@ def _mega_plan(dims: MoEDims, config: MoEConfig, device, I_s: int, tile_m: int) 
         n_groups = 1
     else:
         n_groups = n_slots // group
-    grid = t.programs or heuristics.programs(_device_sms(device), warps)
+    grid = t.programs or heuristics.programs(sms, warps)
+    if not 0 <= comm < grid:
+        raise ValueError(f"Tuning(comm_programs={comm}): must be in [0, programs={grid})")
     fill_split = t.fill_split or heuristics.FILL_SPLIT
     n_down_cols = -(-H // dn.BN)
     dcols = heuristics.down_cols(I, n_down_cols, t.down_cols)

@@ -1,0 +1,144 @@
+"""The plan: what the heuristics choose at the benchmark shapes and at each rule's edge, what a
+Tuning override may and may not ask for, and that a plan is made once per shape and config."""
+import dataclasses
+
+import pytest
+import torch
+
+from tabby.functional import heuristics
+from tabby.functional.config import MoEConfig, Tuning
+from tabby.functional.plan import make_plan
+from tabby.validate import MoEDims, MoEInputError
+
+# name: (experts, H, I, k)
+SHAPES = {"kimi-k2": (384, 7168, 2048, 8), "glm-5": (256, 6144, 2048, 8), "qwen3.5-397b": (512, 4096, 1024, 10),
+          "deepseek-v4-pro": (384, 7168, 3072, 6), "qwen3-30b-a3b": (128, 2048, 768, 8),
+          "gpt-oss-120b": (128, 2880, 2880, 4)}
+
+
+def _plan(shape, T, W=2, sms=132, I_s=0, **tuning):
+    E, H, I, k = SHAPES[shape] if isinstance(shape, str) else shape
+    dims = MoEDims(T=T, H=H, k=k, E_local=E // W, I=I, world_size=W, I_shared=I_s)
+    return make_plan(dims, MoEConfig(tuning=Tuning(**tuning)), torch.device("cpu"), I_s=I_s, sms=sms)
+
+
+# (shape, T): (tma, warps, group_m, down_cols, align_tiles, token_pull, fill_stages) at EP2 (the choices
+# the layer made at these shapes before its heuristics moved into one module: the move changed none)
+EXPECTED = {
+    ("kimi-k2", 4096): (True, 8, 4, 1, 2, False, 1), ("kimi-k2", 16384): (True, 8, 4, 1, 1, False, 1),
+    ("glm-5", 4096): (True, 8, 4, 1, 2, False, 1), ("glm-5", 16384): (True, 8, 4, 1, 1, True, 1),
+    ("qwen3.5-397b", 4096): (True, 8, 4, 2, 2, False, 1), ("qwen3.5-397b", 16384): (True, 8, 4, 2, 1, False, 1),
+    ("deepseek-v4-pro", 4096): (True, 8, 4, 1, 2, False, 1), ("deepseek-v4-pro", 16384): (True, 8, 4, 1, 2, False, 1),
+    ("qwen3-30b-a3b", 4096): (False, 8, 2, 2, 2, False, 1), ("qwen3-30b-a3b", 16384): (True, 4, 2, 2, 1, True, 3),
+    ("gpt-oss-120b", 4096): (True, 8, 4, 1, 2, False, 1), ("gpt-oss-120b", 16384): (True, 8, 4, 1, 1, True, 1),
+}
+
+
+@pytest.mark.parametrize("shape,T", list(EXPECTED))
+def test_plans_of_the_benchmark_shapes(shape, T):
+    p = _plan(shape, T)
+    m = p.mega
+    assert (m.tma, m.num_warps, m.group_m, m.down_cols, p.align_tiles, m.token_pull, m.fill_stages) == EXPECTED[shape, T]
+    assert m.local_rows == m.tma and m.half_tiles and m.n_slots == 32 and m.prefetch == m.n_groups // 2
+    assert m.programs == 132 * (8 // m.num_warps) and 1 <= m.down_lag < m.n_groups
+    assert (m.gate_up.BN, m.down.BN) == ((64, 128) if m.num_warps == 4 else (128, 256))
+
+
+def test_tma_from_the_routed_flop_threshold():
+    assert 6 * 4096 * 8 * 2048 * 768 < heuristics.TMA_MIN_FLOP <= 6 * 4096 * 4 * 2880 * 2880
+    assert not heuristics.use_tma(4096, 8, 2048, 768, 0) and heuristics.use_tma(16384, 8, 2048, 768, 0)
+    assert not heuristics.use_tma(16384, 8, 2044, 768, 0)  # a row stride that is no multiple of 16 bytes
+
+
+def test_small_experts_group_two_row_tiles_and_the_rule_s_edge():
+    assert heuristics.group_m(32, 1024, 2048) == 2 and heuristics.group_m(32, 1024, 2049) == 4
+    assert heuristics.group_m(2, 2048, 768) == 1  # two slots: one group of 2 would be the whole ring
+
+
+def test_experts_aligned_to_two_tiles_only_where_they_average_few_tiles():
+    assert heuristics.align_tiles(True, 64, 8, 1, 128, 4) == 2 and heuristics.align_tiles(True, 65, 8, 1, 128, 4) == 1
+    assert heuristics.align_tiles(True, 64, 8, 1, 128, 1) == 1  # no row-tile groups
+    assert heuristics.align_tiles(False, 64, 8, 1, 128, 4) == 1  # the sync-free path pads nothing
+
+
+def test_down_tickets_of_two_column_tiles_for_short_expert_widths():
+    assert [heuristics.down_cols(I, 8) for I in (768, 1024, 2048, 2880)] == [2, 2, 1, 1]
+    assert heuristics.down_cols(768, 3) == 1 and heuristics.down_cols(768, 4, wanted=3) == 2
+
+
+def test_token_pull_from_the_tiles_per_source_rank():
+    E = 64
+    edge = heuristics.PULL_TOKENS_MIN_TILES * heuristics.TILE_M * E
+    assert heuristics.pull_tokens(edge, 1, E, 128) and not heuristics.pull_tokens(edge - 1, 1, E, 128)
+    assert _plan("qwen3-30b-a3b", 16384, pull_tokens=False).mega.token_pull is False
+    assert _plan("qwen3.5-397b", 4096, pull_tokens=True).mega.token_pull is True
+    assert not _plan("qwen3-30b-a3b", 16384, comm_programs=2).mega.token_pull  # needs every program computing
+    assert not _plan("qwen3-30b-a3b", 16384, tma=False).mega.token_pull  # needs the local rows' TMA
+
+
+@pytest.mark.parametrize("tuning,field", [
+    (dict(num_warps=6), "num_warps"), (dict(group_m=3), "group_m"), (dict(ring_rows=128), "ring_rows"),
+    (dict(prefetch=16), "prefetch"), (dict(down_lag=0), "down_lag"), (dict(fill_split=3), "fill_split"),
+    (dict(tma=False, local_rows=True), "local_rows"), (dict(comm_programs=2, pull_tokens=True), "pull_tokens"),
+    (dict(comm_programs=600), "comm_programs"),
+])
+def test_an_impossible_tuning_is_refused_naming_its_field(tuning, field):
+    with pytest.raises(MoEInputError, match=field):
+        _plan("qwen3-30b-a3b", 16384, **tuning)
+
+
+def test_tma_asked_for_where_strides_forbid_it_is_refused():
+    with pytest.raises(MoEInputError, match="tma"):
+        _plan((128, 2044, 768, 8), 4096, tma=True)
+    assert not _plan((128, 2044, 768, 8), 16384).mega.tma  # the heuristic plans without
+
+
+def test_config_and_tuning_check_their_fields_when_built():
+    for bad in (dict(tile_m=0), dict(num_warps="4"), dict(tma=1), dict(prefetch=-1)):
+        with pytest.raises(MoEInputError):
+            Tuning(**bad)
+    for bad in (dict(megakernel=1), dict(debug="yes"), dict(max_wait_ms=0), dict(tuning={"tile_m": 64})):
+        with pytest.raises(MoEInputError):
+            MoEConfig(**bad)
+    t = Tuning.parse("group_m=2, tma=0,ring_rows=2048")
+    assert t == Tuning(group_m=2, tma=False, ring_rows=2048) and Tuning.parse(t.describe()) == t
+    with pytest.raises(MoEInputError, match="early_ticket"):
+        Tuning.parse("early_ticket=1")
+
+
+def test_environment_read_when_a_plan_is_made(monkeypatch):
+    dims = MoEDims(T=8, H=32, k=2, E_local=2, I=16, world_size=1, I_shared=0)
+    monkeypatch.setenv("TABBY_MAX_WAIT_POLLS", "77")
+    monkeypatch.setenv("TABBY_DEBUG", "1")
+    p = make_plan(dims, MoEConfig(), torch.device("cpu"))
+    assert p.wait_budget == 77 and p.debug
+    monkeypatch.delenv("TABBY_DEBUG")
+    assert not make_plan(dims, MoEConfig(), torch.device("cpu")).debug
+    assert make_plan(dims, MoEConfig(max_wait_polls=5, debug=True), torch.device("cpu")).wait_budget == 5
+
+
+def test_a_plan_is_made_once_per_shape_and_config_and_freed_on_request():
+    import tabby
+    from tabby.functional.probe import Probe
+    from tabby.functional.moe import moe_with_probe
+    from tabby.functional.workspace import cached_workspaces, free_workspaces
+
+    g = torch.Generator().manual_seed(0)
+    T, H, I, E, k = 6, 32, 16, 2, 2
+    x = torch.randn(T, H, generator=g).bfloat16()
+    idx = torch.randint(0, E, (T, k), generator=g)
+    w = torch.softmax(torch.randn(T, k, generator=g), 1)
+    experts = [torch.randn(E, I, H, generator=g).bfloat16() / 8, torch.randn(E, I, H, generator=g).bfloat16() / 8,
+               torch.randn(E, H, I, generator=g).bfloat16() / 8]
+    cfg = MoEConfig(tuning=Tuning(tile_m=16, ring_rows=32, programs=3))
+    probes = [Probe(), Probe()]
+    with torch.no_grad():
+        ys = [moe_with_probe(x, idx, w, *experts, config=cfg, probe=p) for p in probes]
+        other = Probe()
+        moe_with_probe(x, idx, w, *experts, config=dataclasses.replace(cfg, megakernel=False), probe=other)
+    assert torch.equal(ys[0], ys[1]) and probes[0].plan is probes[1].plan and other.plan is not probes[0].plan
+    assert probes[0].plan.mega is not None and other.plan.mega is None
+    assert any(ws.mega_buffers is not None for ws in cached_workspaces())
+    assert free_workspaces() > 0 and not cached_workspaces()
+    with torch.no_grad():
+        assert torch.equal(tabby.moe(x, idx, w, *experts, config=cfg), ys[0])  # made again, same answer
