@@ -7,7 +7,7 @@ default; pass fp64 for a tighter oracle) and returns ``x.dtype``.
 
 Expert-parallel over ``torch.distributed`` (any backend with ``all_to_all_single``): expert
 ``e`` lives on rank ``e // E_local``. Rows are processed in one fixed order, expert then source
-rank then token then k (the order of DESIGN.md), both on one process and across ranks, so the
+rank then token then k (the order of docs/design.md), both on one process and across ranks, so the
 EP result equals the single-process result on the concatenated tokens bitwise. Every reduction
 has a fixed order: k contributions are summed in k order, and no atomics are used (gathers and
 scatters are by permutations, whose backward is a permutation too). (The shared expert is

@@ -2,7 +2,7 @@
 
 Each rank's kernels run under the Triton interpreter on CPU tensors; the ranks' launches run
 concurrently in their threads, so a spin-wait in one sees the atomics of another, and pointer
-tables hold the addresses of the other ranks' CPU buffers (DESIGN.md, "Testing without a GPU").
+tables hold the addresses of the other ranks' CPU buffers (docs/design.md, "Testing without a GPU").
 """
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ _ROUTING_CASES = [
 
 
 # the 600-token case on one rank only: its two-step scan is the point, and at W = 2 and 4 the
-# interpreter took 23 and 43 s of the CPU suite (session 16) for what the other cases cover
+# interpreter takes 23 and 43 s there for what the other cases cover
 @pytest.mark.parametrize("W,T,k,E_local,BM,chunk", [(W, *c) for W in (1, 2, 4) for c in _ROUTING_CASES
                                                     if W == 1 or c[0] != 600])
 def test_random_routing(W, T, k, E_local, BM, chunk):

@@ -25,22 +25,12 @@ dispatched rows xs [R, H], g and u [R, 2I] and the router weight of each row: no
 recomputed, at the cost of (H + 2I) * 2 bytes per routed row. The shared expert is plain
 PyTorch outside the Function (its output enters the combine as ``extra``).
 
-With ``MoEConfig(megakernel=True)`` (the default) the forward runs dispatch, gate/up, down +
-push and the shared expert in ONE persistent launch over a ring of ``ring_rows`` rows
-(ops/megakernel_fwd.py; ``moe_forward_mega``). When a backward will follow
-(``fwd_save_for_backward``, on by default) the kernel also fills xs, g | u and the row weights as
-above and the backward is the same; otherwise nothing of the ring is kept, and the backward
-publishes x and topk_weights again with dy and recomputes xs, the row weights and g, u (pull +
-gate/up), then runs the same launches as above. The shared expert then lives inside the Function
-(``_TabbyMoEMega``), whose backward recomputes it with the same torch ops for its gradients.
-With ``fwd_peer_flags`` (the default) the megakernel forward's flags are set and waited for inside
-its kernels: the schedule's count launch publishes this rank's routing, the last of its chunks
-signals FWD_READY, and the peers' chunks wait for theirs; the megakernel signals FWD_X_READY at its
-start and waits for the peers' before its first ticket, and its last program signals FWD_DONE and
-waits for the peers'; the combine follows in stream order. No launch on the forward's critical path
-only copies or signals. (Under the interpreter a kernel cannot wait for another rank's launch, so
-there, with several ranks, the routing copies and signal/wait launches of ``fwd_peer_flags=False``
-and host polls of the x-ready and DONE flags come between the launches.)
+The megakernel forward (``forward_mega.py``, the default) runs dispatch, gate/up, down + push and
+the shared expert in one persistent launch, and sets and waits for the pass's flags inside its
+kernels instead of the signal+wait launches above. When a backward will follow and
+``MoEConfig.save_for_backward`` holds, it keeps what this forward keeps (``KeptRows``), and the
+backward is the same; otherwise it keeps only x and the router weights (``MegaSaved``) and the
+backward recomputes the routed rows and g, u first.
 """
 from __future__ import annotations
 

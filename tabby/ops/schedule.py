@@ -16,8 +16,8 @@ Two launches, both with grids fixed by the shapes (CUDA-graph capturable):
    ``topk_idx`` and writes the histogram of its local experts to ``counts[src, chunk, :]``; bad ids
    go to the error record. The last program to finish (a count in ``done``, acq_rel) then runs the
    **scan**: per expert, the exclusive prefix of ``counts`` in ``(src, chunk)`` order (``within``),
-   plus ``expert_count`` and ``src_count``. (The scan was a launch of its own before session 11:
-   ~10 us and a launch gap on the forward's critical path at qwen3-30b-a3b 16384.)
+   plus ``expert_count`` and ``src_count``. (Folding the scan into the count launch saves a
+   launch and its gap on the forward's critical path.)
 2. **place**  grid ``W * n_chunks + n_fill``: every program derives the padded expert starts
    from ``expert_count`` (a cumsum of ``E_local`` values). Place programs ``(src, chunk)`` write
    the real rows: row = start[e] + within[src, chunk, e] + rank of the entry among same-expert
@@ -229,7 +229,7 @@ def _pick(sel, v):
 def schedule_tile_order(fid, tid, te, sel, ev, cnt, starts, ends, total, within_ptr, src_count_ptr, rank, W,
                         E_local, n_chunks, tile_order_ptr, local_tiles_ptr, BM: tl.constexpr):
     """``tile_order[p]`` = the row tile handed out at position p of the forward megakernel's token
-    pull (``MoEConfig.fwd_pull_tokens``): first every tile whose real rows all come from this rank
+    pull (``MegaPlan.token_pull``): first every tile whose real rows all come from this rank
     (or that has none), expert by expert, then the others, expert by expert; ``local_tiles`` = how
     many come first. The others read rows pulled from their ranks, which arrive while the first
     ones compute. Closed form per expert, no scan over tiles: inside an expert's segment the rows

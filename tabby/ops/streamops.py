@@ -1,6 +1,6 @@
 """Stream memory operations: a CUDA stream waits for, or writes, a 32-bit word in GPU memory.
 
-The forward megakernel's token pull (``MoEConfig.fwd_pull_tokens``) copies every peer's x with a
+The forward megakernel's token pull (``MegaPlan.token_pull``) copies every peer's x with a
 copy engine while the kernel computes: a side stream waits for the peer's "x published" flag,
 copies, resets the flag and sets a counter the kernel polls. A kernel cannot do that wait on the
 side stream: the persistent megakernel holds every SM slot, so a waiting or signalling launch
