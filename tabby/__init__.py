@@ -1,9 +1,18 @@
-"""Tabby: an expert-parallel Mixture-of-Experts layer for Hopper GPUs."""
-from .functional.config import MoEConfig
-from .functional.moe import check_errors, moe
-from .functional.workspace import TabbyDeviceError
-from .reference import moe_reference
-from .validate import MoEDims, MoEInputError, check_inputs
+"""Tabby: an expert-parallel Mixture-of-Experts layer for Hopper GPUs.
 
-__all__ = ["moe", "MoEConfig", "check_errors", "TabbyDeviceError", "moe_reference", "MoEDims", "MoEInputError",
-           "check_inputs"]
+On a machine without a usable GPU, importing tabby selects Triton's interpreter, so that the layer
+runs on CPU tensors (slowly; see tabby/_runtime.py).
+"""
+# The package's version; pyproject.toml reads it from here.
+__version__ = "0.2.0"
+
+# First: chooses compiled or interpreted kernels before any @triton.jit function is defined.
+from . import _runtime  # noqa: E402,F401  isort: skip
+from .functional.config import MoEConfig, Tuning  # noqa: E402
+from .functional.moe import check_errors, moe  # noqa: E402
+from .functional.workspace import TabbyDeviceError, free_workspaces  # noqa: E402
+from .reference import moe_reference  # noqa: E402
+from .validate import MoEDims, MoEInputError, check_inputs  # noqa: E402
+
+__all__ = ["moe", "moe_reference", "MoEConfig", "Tuning", "check_errors", "free_workspaces", "MoEInputError",
+           "TabbyDeviceError", "MoEDims", "check_inputs", "__version__"]
