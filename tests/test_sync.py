@@ -68,16 +68,15 @@ def test_poll2(i1, t1, i2, t2, ok):
 
 
 @triton.jit
-def _signal_take_kernel(cnt, idx, release, out, AHEAD: tl.constexpr):
-    tl.store(out, sync.signal_take(cnt, idx, release, 0, AHEAD, 4))
+def _signal_take_kernel(cnt, idx, release, out):
+    tl.store(out, sync.signal_take(cnt, idx, release, 0, 4))
 
 
-@pytest.mark.parametrize("ahead", [True, False])
 @pytest.mark.parametrize("idx,release", [(1, 1), (2, 0), (-1, 1)])
-def test_signal_take(ahead, idx, release):
+def test_signal_take(idx, release):
     cnt = torch.tensor([7, 5, 3], dtype=torch.int32)  # [0]: the ticket counter
     out = torch.full((1,), -5, dtype=torch.int32)
-    _signal_take_kernel[(1,)](cnt, idx, release, out, AHEAD=ahead)
+    _signal_take_kernel[(1,)](cnt, idx, release, out)
     want = [8, 5, 3]
     if idx >= 0:
         want[idx] += 1

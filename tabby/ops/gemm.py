@@ -52,9 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.tools.tensor_descriptor import TensorDescriptor
-
-from . import INTERPRET, sync
+from . import INTERPRET
 
 
 # --------------------------------------------------------------------------------------------
@@ -74,9 +72,6 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     GROUP_M: int = 8
-    # Load through tensor descriptors (TMA) where the kernel (rows_gemm, one K phase) and the strides
-    # allow. Measured on H200 (non-persistent launches): same speed as pointer loads, so off by default.
-    tma: bool = False
 
     def with_(self, **kw) -> "GemmConfig":
         return replace(self, **kw)
@@ -303,17 +298,14 @@ def _push_rows(acc, pid_m, pid_n, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, N,
 @triton.jit
 def push_col_tiles_tma(blk, c0, e, a_desc, b_desc, row_src_ptr, dst_ptrs_ptr, TK, stride_dm,
                        N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       NC: tl.constexpr, DST_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, a_row_shift=0,
-                       TAKE: tl.constexpr = False, take_ptr=None, take_idx=0, NW: tl.constexpr = 4):
+                       NC: tl.constexpr, DST_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, a_row_shift=0):
     """Column tiles c0 .. c0+NC-1 of row block ``blk`` (rows blk*BM ..) of A @ B[e]^T, each pushed to its
     rows' origins (``_push_rows``), in ONE K loop of NC * cdiv(K, BK) steps through TMA loads.
 
     One loop, not NC tiles one after another: Triton's software pipeline issues the loads of column
     c+1's first K steps before column c's epilogue, so the pipeline fills once per NC columns (the
-    megakernel's down tickets, ``MoEConfig.fwd_down_cols``). a_desc: A [R, K], block [BM, BK], rows from
+    megakernel's down tickets of several column tiles). a_desc: A [R, K], block [BM, BK], rows from
     ``blk * BM + a_row_shift``; b_desc: B [E, N, K], block [1, BN, BK].
-    TAKE (the megakernel's ``fwd_early_ticket``): the next ticket is taken (``sync.take_issue`` on
-    ``take_ptr[take_idx]``) after the K loop, before the last column's push; returns what it gave.
     """
     row0 = blk * BM + a_row_shift
     NK: tl.constexpr = (K + BK - 1) // BK
@@ -326,18 +318,8 @@ def push_col_tiles_tma(blk, c0, e, a_desc, b_desc, row_src_ptr, dst_ptrs_ptr, TK
         b = b_desc.load([e, (c0 + c) * BN, kt * BK]).reshape(BN, BK)
         acc = _dot(a, tl.trans(b), acc, INTERPRET)
         if kt == NK - 1:
-            if TAKE:  # the last column is pushed after the loop, behind the ticket's atomic
-                if c < NC - 1:
-                    _push_rows_store(acc, ref, row_off, valid, c0 + c, N, BN, DST_DTYPE)
-                    acc = tl.zeros((BM, BN), dtype=tl.float32)
-            else:
-                _push_rows_store(acc, ref, row_off, valid, c0 + c, N, BN, DST_DTYPE)
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
-    got = tl.zeros((32 * NW,), tl.int32)
-    if TAKE:
-        got = sync.take_issue(take_ptr, take_idx, NW)
-        _push_rows_store(acc, ref, row_off, valid, c0 + NC - 1, N, BN, DST_DTYPE)
-    return got
+            _push_rows_store(acc, ref, row_off, valid, c0 + c, N, BN, DST_DTYPE)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,8 +337,7 @@ def gate_up_swiglu_tile(pid_m, pid_n,
                         EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
                         n_rows=0, MASK_ROWS: tl.constexpr = False,
                         USE_TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, a_row_shift=0,
-                        TILE_M: tl.constexpr = 0, A_ROWS: tl.constexpr = False, a_rows=None,
-                        TAKE: tl.constexpr = False, take_ptr=None, take_idx=0, NW: tl.constexpr = 4):
+                        TILE_M: tl.constexpr = 0, A_ROWS: tl.constexpr = False, a_rows=None):
     """One (row tile, I-column tile): g = xs @ Wg[e]^T, u = xs @ Wu[e]^T, h = silu(g) * u.
 
     xs [R, H] (row stride stride_xm); Wg, Wu [E, I, H] (strides stride_we, stride_wn, 1);
@@ -372,15 +353,8 @@ def gate_up_swiglu_tile(pid_m, pid_n,
     A_ROWS (with USE_TMA): the tile's A rows are gathered through ``a_rows`` [BM] (a pointer per
     row, to its first element; 16-byte aligned) instead of xs_desc; the weights still come through
     wg_desc / wu_desc (``_gate_up_mainloop_rows_tma``; the megakernel's local rows read from x).
-    TAKE (the megakernel's ``fwd_early_ticket``): the next ticket is taken (``sync.take_issue`` on
-    ``take_ptr[take_idx]``) between the K loop and the epilogue (at once if the tile has no expert);
-    returns what it gave ([32 * NW] int32; zeros without TAKE).
     """
-    got = tl.zeros((32 * NW,), tl.int32)
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
-    if TAKE:
-        if e < 0:
-            got = sync.take_issue(take_ptr, take_idx, NW)
     if e >= 0:
         blk = pid_m  # first row = blk * BM
         if TILE_M > 0:
@@ -395,8 +369,6 @@ def gate_up_swiglu_tile(pid_m, pid_n,
         else:
             acc_g, acc_u = _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_wn,
                                              H, I, BM, BN, BK, EVEN_K, INTERPRET, n_rows, MASK_ROWS)
-        if TAKE:
-            got = sync.take_issue(take_ptr, take_idx, NW)
         offs_m = tl.arange(0, BM)
         rows = row0 + offs_m
         cols = pid_n * BN + tl.arange(0, BN)
@@ -407,7 +379,6 @@ def gate_up_swiglu_tile(pid_m, pid_n,
             gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
             tl.store(gptrs, acc_g.to(gu_ptr.dtype.element_ty), mask=cmask)
             tl.store(gptrs + I, acc_u.to(gu_ptr.dtype.element_ty), mask=cmask)
-    return got
 
 
 @triton.jit
@@ -500,22 +471,10 @@ def gate_up_swiglu_kernel(xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_w
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                           EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, BN), GROUP_M)
-    gate_up_swiglu_tile(pid_m, pid_n, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_wn,
-                        h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr, num_tiles_ptr, H, I,
-                        BM, BN, BK, EVEN_K, SAVE_GU, INTERPRET)
-
-
-def _tma_ok(*ts) -> bool:
-    """Tensor descriptors need 16-byte aligned bases and 16-byte multiple strides (but the last)."""
-    for t in ts:
-        es = t.element_size()
-        if t.data_ptr() % 16 or t.stride(-1) != 1 or any((st * es) % 16 for st in t.stride()[:-1]):
-            return False
-    return True
-
-
-def _desc(t: torch.Tensor, block) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+    gate_up_swiglu_tile(pid_m=pid_m, pid_n=pid_n, xs_ptr=xs_ptr, stride_xm=stride_xm, wg_ptr=wg_ptr, wu_ptr=wu_ptr,
+                        stride_we=stride_we, stride_wn=stride_wn, h_ptr=h_ptr, stride_hm=stride_hm, gu_ptr=gu_ptr,
+                        stride_gum=stride_gum, tile_expert_ptr=tile_expert_ptr, num_tiles_ptr=num_tiles_ptr, H=H, I=I,
+                        BM=BM, BN=BN, BK=BK, EVEN_K=EVEN_K, SAVE_GU=SAVE_GU, INTERPRET=INTERPRET)
 
 
 def _check_rows(name, t, R, BM):
@@ -611,8 +570,7 @@ def rows_gemm_tile(pid_m, pid_n,
 
 
 @triton.jit
-def rows_gemm_kernel(a_desc, b_desc,
-                     a_ptr, a2_ptr, stride_am,
+def rows_gemm_kernel(a_ptr, a2_ptr, stride_am,
                      b_ptr, b2_ptr, stride_be, stride_be2, stride_bo,
                      c_ptr, stride_cm,
                      row_src_ptr, dst_ptrs_ptr, TK, stride_dm,
@@ -620,13 +578,15 @@ def rows_gemm_kernel(a_desc, b_desc,
                      N: tl.constexpr, K: tl.constexpr, K2: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      B_NK: tl.constexpr, TWO_PHASE: tl.constexpr, EVEN_K: tl.constexpr,
-                     PUSH: tl.constexpr, DST_DTYPE: tl.constexpr, USE_TMA: tl.constexpr,
-                     INTERPRET: tl.constexpr):
+                     PUSH: tl.constexpr, DST_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(N, BN), GROUP_M)
-    rows_gemm_tile(pid_m, pid_n, a_desc, b_desc, a_ptr, a2_ptr, stride_am, b_ptr, b2_ptr, stride_be, stride_be2, stride_bo,
-                   c_ptr, stride_cm, row_src_ptr, dst_ptrs_ptr, TK, stride_dm,
-                   tile_expert_ptr, num_tiles_ptr, N, K, K2,
-                   BM, BN, BK, B_NK, TWO_PHASE, EVEN_K, PUSH, DST_DTYPE, USE_TMA, INTERPRET)
+    rows_gemm_tile(pid_m=pid_m, pid_n=pid_n, a_desc=None, b_desc=None, a_ptr=a_ptr, a2_ptr=a2_ptr,
+                   stride_am=stride_am, b_ptr=b_ptr, b2_ptr=b2_ptr, stride_be=stride_be, stride_be2=stride_be2,
+                   stride_bo=stride_bo, c_ptr=c_ptr, stride_cm=stride_cm, row_src_ptr=row_src_ptr,
+                   dst_ptrs_ptr=dst_ptrs_ptr, TK=TK, stride_dm=stride_dm, tile_expert_ptr=tile_expert_ptr,
+                   num_tiles_ptr=num_tiles_ptr, N=N, K=K, K2=K2, BM=BM, BN=BN, BK=BK, B_NK=B_NK,
+                   TWO_PHASE=TWO_PHASE, EVEN_K=EVEN_K, PUSH=PUSH, DST_DTYPE=DST_DTYPE, USE_TMA=False,
+                   INTERPRET=INTERPRET)
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -690,20 +650,14 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
     num_m = R // cfg.BM
     grid = (num_m * triton.cdiv(N, cfg.BN),)
     even_k = K % cfg.BK == 0 and K2 % cfg.BK == 0
-    use_tma = cfg.tma and not two and _tma_ok(a, b)
-    if use_tma:
-        a_desc = _desc(a, [cfg.BM, cfg.BK])
-        b_desc = _desc(b, [1, cfg.BN, cfg.BK] if b_layout == "nk" else [1, cfg.BK, cfg.BN])
-    else:
-        a_desc = b_desc = None
     rows_gemm_kernel[grid](
-        a_desc, b_desc, a, a2 if two else a, a.stride(0),
+        a, a2 if two else a, a.stride(0),
         b, b2 if two else b, b.stride(0), (b2 if two else b).stride(0), b.stride(1),
         c, stride_c, row_src, dst_ptrs, TK, stride_d,
         tile_expert, num_tiles, num_m, N, K, K2,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
         B_NK=(b_layout == "nk"), TWO_PHASE=two, EVEN_K=even_k, PUSH=push,
-        DST_DTYPE=_TL_DTYPES[dst_dtype], USE_TMA=use_tma, INTERPRET=INTERPRET,
+        DST_DTYPE=_TL_DTYPES[dst_dtype], INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return None if push else out
 

@@ -85,42 +85,13 @@ def poll2(cnt_ptr, idx1, target1, idx2, target2, NW: tl.constexpr):
     reduction that broadcasts the result ends in a CTA barrier, which orders every thread's later
     reads after both acquires (as ``wait_geq`` plus its caller's barrier does).
     """
-    return poll2_resolve(poll2_issue(cnt_ptr, idx1, idx2, NW), idx1, target1, idx2, target2, NW)
-
-
-@triton.jit
-def poll2_issue(cnt_ptr, idx1, idx2, NW: tl.constexpr):
-    """``poll2``'s atomics, not waited for: what they read comes back per lane ([32 * NW]; lanes 0
-    and 32), for ``poll2_resolve`` after whatever they should overlap."""
     lane = tl.arange(0, 32 * NW)
     on = ((lane == 0) & (idx1 >= 0)) | ((lane == 32) & (idx2 >= 0))
     idx = tl.where(lane < 32, idx1, idx2)
-    return tl.atomic_add(cnt_ptr + tl.maximum(idx, 0), tl.zeros_like(lane), mask=on, sem="acquire", scope="gpu")
-
-
-@triton.jit
-def poll2_resolve(seen, idx1, target1, idx2, target2, NW: tl.constexpr):
-    """Whether the reads of ``poll2_issue`` saw both targets (the reduction is the CTA barrier that
-    orders every thread's later reads after the acquires)."""
+    seen = tl.atomic_add(cnt_ptr + tl.maximum(idx, 0), tl.zeros_like(lane), mask=on, sem="acquire", scope="gpu")
     lane = tl.arange(0, 32 * NW)
     short = ((lane == 0) & (idx1 >= 0) & (seen < target1)) | ((lane == 32) & (idx2 >= 0) & (seen < target2))
     return tl.max(short.to(tl.int32), axis=0) == 0
-
-
-@triton.jit
-def take_issue(cnt_ptr, ticket_idx, NW: tl.constexpr):
-    """Take a ticket: add 1 to ``cnt_ptr[ticket_idx]`` (relaxed) from lane 64 (NW >= 3), not waited
-    for: the old value comes back in lane 64 of the result ([32 * NW]; ``take_resolve``)."""
-    lane = tl.arange(0, 32 * NW)
-    return tl.atomic_add(cnt_ptr + ticket_idx + tl.zeros_like(lane), tl.full(lane.shape, 1, tl.int32),
-                         mask=lane == 64, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def take_resolve(got, NW: tl.constexpr):
-    """The ticket ``take_issue`` took, in every thread (a reduction: a CTA barrier)."""
-    lane = tl.arange(0, 32 * NW)
-    return tl.max(tl.where(lane == 64, got, -1), axis=0)
 
 
 @triton.jit
@@ -135,25 +106,23 @@ def signal(cnt_ptr, idx, release):
 
 
 @triton.jit
-def signal_take(cnt_ptr, idx, release, ticket_idx, AHEAD: tl.constexpr, NW: tl.constexpr):
+def signal_take(cnt_ptr, idx, release, ticket_idx, NW: tl.constexpr):
     """End a ticket and take the program's next one: add 1 to ``cnt_ptr[idx]`` (idx < 0: no signal)
-    with release semantics (``release`` != 0, as ``add_release``) or relaxed (as ``add_reads_done``);
-    then add 1 to the ticket counter ``cnt_ptr[ticket_idx]`` (relaxed) and return its old value.
+    with release semantics (``release`` != 0, as ``add_release``) or relaxed (as ``add_reads_done``),
+    and add 1 to the ticket counter ``cnt_ptr[ticket_idx]`` (relaxed); returns the ticket's old value.
 
-    AHEAD: the ticket atomic goes out from another warp (lane 64; NW >= 3) right after the barrier,
-    so its round trip overlaps the release's fence instead of following it. The next ticket is then
-    taken before this one's signal lands, which delays it by that fence only: deadlock-free, since
-    the signal waits for nothing but this program's own stores.
+    The ticket atomic goes out from another warp than the signal (lane 64; NW >= 3) right after the
+    barrier, so its round trip overlaps the release's fence instead of following it. The next
+    ticket is then taken before this one's signal lands, which delays that signal by the fence
+    only: deadlock-free, since the signal waits for nothing but this program's own stores.
     """
     tl.debug_barrier()  # every thread's stores issued (release) / reads returned (relaxed)
-    if AHEAD:
-        got = take_issue(cnt_ptr, ticket_idx, NW)
+    lane = tl.arange(0, 32 * NW)
+    got = tl.atomic_add(cnt_ptr + ticket_idx + tl.zeros_like(lane), tl.full(lane.shape, 1, tl.int32),
+                        mask=lane == 64, sem="relaxed", scope="gpu")
     signal(cnt_ptr, idx, release)
-    if AHEAD:
-        nxt = take_resolve(got, NW)
-    else:
-        nxt = tl.atomic_add(cnt_ptr + ticket_idx, 1, sem="relaxed", scope="gpu")
-    return nxt
+    lane = tl.arange(0, 32 * NW)
+    return tl.max(tl.where(lane == 64, got, -1), axis=0)
 
 
 @triton.jit
