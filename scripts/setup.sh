@@ -1,13 +1,27 @@
 #!/usr/bin/env bash
-# Create .venv with Tabby and its test/bench dependencies (idempotent).
-# torch: the CPU build 2.13.0 on the CPU machines; where a CUDA torch is already installed
-# (the GPU image), that one is used as is (--system-site-packages).
+# Create .venv with Tabby (editable) and its test dependencies. Idempotent: once set up, a rerun
+# does nothing until pyproject.toml, this script or the package version changes.
+# Without a GPU: torch 2.13.0, the CPU build (the machine's pip configuration provides it), and
+# triton 3.6.0. Where a CUDA torch is already installed (a GPU image), the venv sees it
+# (--system-site-packages) and Tabby is installed without touching it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PIP=(.venv/bin/python -m pip install -qq --disable-pip-version-check)
 if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  kind=gpu
+else
+  kind=cpu
+fi
+stamp=".venv/.tabby-setup"
+want="$kind $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) $(grep -m1 '^__version__' tabby/__init__.py)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+if [ "$kind" = gpu ]; then
   [ -d .venv ] || python3 -m venv --system-site-packages .venv
-  .venv/bin/pip install -q --no-deps --no-build-isolation -e .
+  "${PIP[@]}" --no-deps --no-build-isolation -e .
 else
   [ -d .venv ] || python3 -m venv .venv
-  .venv/bin/pip install -q torch==2.13.0 -e ".[test]"
+  "${PIP[@]}" "torch==2.13.0" -e ".[test]"
 fi
+echo "$want" > "$stamp"
