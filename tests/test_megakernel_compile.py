@@ -2,141 +2,166 @@
 
 The interpreter runs the kernel's Python; it does not type-check it the way the compiler does
 (e.g. a variable with different types in the branches of an ``if``). So each variant is compiled
-through Triton's whole pipeline (see sm90.py) at the qwen3-30b-a3b shape with the default tiles.
+through Triton's whole pipeline (see sm90.py) at the qwen3-30b-a3b shape, with the tiles the
+heuristics give 4- and 8-warp programs and the arguments the launcher passes (``host.launch``).
 """
+import json
+import os
 import sys
+from typing import NamedTuple
 
 import pytest
 
-from sm90 import compile_for_sm90, run_compiled_check
+from sm90 import Const, compile_args, ptx_hash, run_compiled_check
 
 H, I, IS, BM = 2048, 768, 256, 128
 
 
-DESCS = ["xs_desc", "wg_desc", "wu_desc", "h_desc", "wd_desc", "x_desc", "sg_desc", "su_desc", "hsh_desc", "sd_desc",
-         "xs_half_desc", "h_half_desc"]
+class Variant(NamedTuple):
+    shared: bool = False  # a shared expert (I_s = 256)
+    comm: int = 0  # comm programs
+    tma: bool = False
+    save: bool = False  # a differentiated forward keeps xs, g | u, row weights
+    half: bool = True  # half tiles
+    trace: bool = False  # ticket trace (measurement only)
+    warps: int = 8  # 4: two programs per SM, narrower tiles, 3 stages
+    dn_cols: int = 1  # column tiles per down ticket
+    fill_stages: int = 1
+    local_rows: bool = False
+    tokens: bool = False  # the token pull
+
+    def argv(self):
+        return [str(int(v)) for v in self]
+
+    @classmethod
+    def from_argv(cls, argv):
+        return cls(*(int(a) if isinstance(d, int) and not isinstance(d, bool) else bool(int(a))
+                     for a, d in zip(argv, cls._field_defaults.values())))
 
 
-def _compile(has_shared: bool, comm: int, bn_dn: int = 256, tma: bool = False, save: bool = False, half: bool = True,
-             trace: bool = False, warps: int = 8, dn_cols: int = 1, fill_stages: int = 1, ahead: bool = True,
-             poll2: bool = True, wp: int = 2, tile_ready: bool = True, peers: bool = True, local_a: bool = False,
-             early: bool = False, tokens: bool = False):
-    from tabby.ops import megakernel_fwd as mk
+def plan_of(v: Variant):
+    """The MegaPlan of a variant at the qwen3-30b-a3b shape (32 ring slots in groups of 2, fills of
+    4 parts, 512 columns per fill step)."""
+    from tabby.ops.gemm import GemmConfig
+    from tabby.ops.megakernel import MegaPlan
 
-    # 4 warps (MoEConfig.mega_warps): two programs per SM, 64-column gate/up tiles, 3 stages
-    bn_gu, bn_gus, bn_dns, stages = (64, 64, 128, 3) if warps == 4 else (128, 128, 256, 4)
-    const = dict(NS=32, FS=4, GM=2, ABLATE=0, COMM=comm, HAS_SHARED=has_shared, H=H, I=I, IS=IS if has_shared else 0, BM=BM, BH=512,
-                 BN_GU=bn_gu, BK_GU=64, BN_DN=bn_dn, BK_DN=64, BN_GUS=bn_gus, BK_GUS=64, BN_DNS=bn_dns, BK_DNS=64,
-                 INTERPRET=False, TMA=tma, SAVE=save, HALF=half, TRACE_EV=64 if trace else 0, DN_COLS=dn_cols,
-                 FILL_STAGES=fill_stages, AHEAD=ahead, NW=warps, POLL2=poll2, WP=wp, TILE_READY=tile_ready,
-                 PEERS=peers, X_SLOT=4, DONE_SLOT=1, DONE_WAIT=peers, LOCAL_A=local_a, EARLY=early, TOKENS=tokens,
-                 X_PULL=5)
-    ptrs = {n: "*i32" for n in ["cnt_ptr", "err_ptr", "epoch_ptr", "row_src", "tile_expert", "num_tiles",
-                                "sh_tiles", "sh_n"]}
-    ptrs.update({n: "*i64" for n in ["x_ptrs", "y_ptrs"]})
-    if save:  # what a differentiated forward keeps: router-weight table, row weights, g | u
-        ptrs.update(w_ptrs="*i64", row_w="*fp32", gu_save="*bf16")
+    bn_gu, bn_dn, stages = (64, 128, 3) if v.warps == 4 else (128, 256, 4)
+    gu = GemmConfig(BM=BM, BN=bn_gu, BK=64, num_warps=v.warps, num_stages=stages)
+    dn = GemmConfig(BM=BM, BN=bn_dn, BK=64)
+    return MegaPlan(H=H, I=I, I_s=IS if v.shared else 0, tile_m=BM, n_slots=32, group_m=2, prefetch=8, down_lag=2,
+                    fill_split=4, fill_cols=512, fill_stages=v.fill_stages, programs=132 * 8 // v.warps,
+                    comm_programs=v.comm, num_warps=v.warps, num_stages=stages, gate_up=gu, down=dn,
+                    shared_gate_up=gu if v.shared else None, shared_down=dn if v.shared else None,
+                    down_cols=v.dn_cols, tma=v.tma, half_tiles=v.half, local_rows=v.local_rows,
+                    token_pull=v.tokens)
+
+
+def compile_variant(v: Variant):
+    """Compile the kernel as ``host.launch`` would launch ``plan_of(v)`` at EP2 (flag slots as the
+    workspace's: x ready 4, DONE 1, token pull 5)."""
+    from tabby.ops.megakernel import kernel as K
+    from tabby.ops.megakernel.host import kernel_consts
+
+    plan = plan_of(v)
+    C = kernel_consts(plan, world_size=2, has_shared=v.shared, save=v.save, tokens=v.tokens, x_slot=4, done_slot=1,
+                      x_pull_slot=5, done_wait=True, interpret=False)
+    none = Const(None)
+    if v.tma:  # host tensor descriptors: element type and block shape are part of the signature
+        def desc(*block):
+            return "tensordesc<bf16[%s]>" % ",".join(map(str, block))
+        descs = K.Descs(desc(BM, 64), desc(1, C.BN_GU, 64), desc(1, C.BN_GU, 64), desc(BM, 64),
+                        desc(1, C.BN_DN, 64), *([desc(BM, 64), desc(1, C.BN_GUS, 64), desc(1, C.BN_GUS, 64),
+                                                 desc(BM, 64), desc(1, C.BN_DNS, 64)] if v.shared else [none] * 5),
+                        *([desc(BM // 2, 64), desc(BM // 2, 64)] if v.half else [none] * 2))
     else:
-        const.update(w_ptrs=None, row_w=None, gu_save=None)
-    ptrs["wait_budget"] = "i64"  # nanoseconds: 60 s does not fit an i32
-    ptrs.update(flag_ptrs="*i64", my_flags="*i32")  # fwd_peer_flags: every rank's flags, this rank's
-    ptrs["x_rows"] = "*bf16"  # fwd_local_rows: the layer's input
-    if tokens:  # fwd_pull_tokens: the schedule's tile order, its count of local tiles, the pull's counter
-        ptrs.update(tile_order="*i32", local_tiles="*i32", pull_idx="i32")
-    else:
-        const.update(tile_order=None, local_tiles=None)
-    if trace:  # fwd_trace_events: the ticket trace (clock64 and globaltimer reads)
-        ptrs["trace"] = "*i64"
-    else:
-        const["trace"] = None
-    ptrs.update({n: "*bf16" for n in ["xs_ring", "h_ring", "w_gate", "w_up", "w_down", "x", "s_gate", "s_up",
-                                      "s_down", "h_sh", "extra"]})
-    if tma:  # host tensor descriptors: element type and block shape are part of the signature
-        blocks = [[BM, 64], [1, bn_gu, 64], [1, bn_gu, 64], [BM, 64], [1, bn_dn, 64],
-                  [BM, 64], [1, bn_gus, 64], [1, bn_gus, 64], [BM, 64], [1, bn_dns, 64], [BM // 2, 64], [BM // 2, 64]]
-        ptrs.update({n: "tensordesc<bf16[%s]>" % ",".join(map(str, b)) for n, b in zip(DESCS, blocks)})
-        if not half:  # as the launcher passes them: no half-tile descriptors
-            for n in DESCS[10:]:
-                del ptrs[n]
-                const[n] = None
-    else:
-        const.update({n: None for n in DESCS})
-    # strides multiples of 16, as the JIT specializes them at these shapes (the loads then pipeline)
-    k = compile_for_sm90(mk.moe_fwd_megakernel, const, ptrs, divisible=("wg_e", "wg_n", "wd_e", "wd_n", "TK"),
-                         num_warps=warps, num_stages=stages)  # MoEConfig.fwd_num_stages
+        descs = K.Descs(*[none] * 12)
+    args = dict(
+        sync_args=K.SyncArgs("*i32", "*i32", "*i32", "i32", "i64"),  # the wait budget: 60 s of ns is no i32
+        route=K.RouteArgs("*i32", "*i32", "*i32", "*i64", "*i64", "i32:16", "i32"),
+        # strides multiples of 16, as the JIT specializes them at these shapes (the loads then pipeline)
+        routed=K.RoutedArgs("*bf16", "*bf16", "*bf16", "*bf16", "i32:16", "i32:16", "*bf16", "i32:16", "i32:16"),
+        shared=K.SharedArgs("*bf16", "i32", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*i32", "*i32", "i32"),
+        order=K.OrderArgs("i32", "i32"),
+        descs=descs,
+        saved=K.SavedArgs("*i64", "*fp32", "*bf16") if v.save else K.SavedArgs(none, none, none),
+        trace="*i64" if v.trace else none,
+        peers=K.PeerArgs("i32", "*i64", "*i32", "i32"),
+        x_rows="*bf16",
+        tokens=K.TokenArgs("*i32", "*i32", "i32") if v.tokens else K.TokenArgs(none, none, "i32"),
+        C=Const(C), PROBE=Const(K.ProbeConsts(TRACE_EV=64 if v.trace else 0, ABLATE=0)))
+    return compile_args(K.moe_fwd_megakernel, args, num_warps=v.warps, num_stages=plan.num_stages)
+
+
+def _check(v: Variant):
+    k = compile_variant(v)
     assert "ptx" in k.asm and k.asm.get("cubin")
-    per_sm = 8 // warps  # programs that must fit one SM
+    per_sm = 8 // v.warps  # programs that must fit one SM
     assert k.metadata.shared * per_sm <= 232448, \
         f"{per_sm} x {k.metadata.shared} bytes of shared memory: more than an H100/H200 SM has"
     ttgir = k.asm["ttgir"]
     # every GEMM K loop is software-pipelined: async copies (cp.async or TMA) into shared memory
-    n_async = ttgir.count("async_tma_copy_global_to_local" if tma else "async_copy_global_to_local")
+    n_async = ttgir.count("async_tma_copy_global_to_local" if v.tma else "async_copy_global_to_local")
     assert n_async > 0, "no pipelined loads"
-    if tma:  # the GEMMs load through TMA: ordinary async copies are the fills', only when pipelined
-        # (and, with local_a, the gate/up tiles' gathered A rows; with tokens there are no fills)
+    if v.tma:  # the GEMMs load through TMA: ordinary async copies are the fills', only when pipelined
+        # (and, with local rows, the gate/up tiles' gathered A rows; with the token pull there are no fills)
         n_fill_async = ttgir.count("async_copy_global_to_local")
-        assert (n_fill_async > 0) == (fill_stages > 1 or local_a), f"fill_stages={fill_stages}: {n_fill_async} async copies"
-    print(f"ok shared={has_shared} comm={comm} bn_dn={bn_dn} tma={tma} save={save} half={half} "
-          f"trace={trace} warps={warps} dn_cols={dn_cols} fill_stages={fill_stages} ahead={ahead} poll2={poll2} "
-          f"wp={wp} tile_ready={tile_ready} peers={peers} local_a={local_a} early={early} tokens={tokens} "
-          f"smem={k.metadata.shared} async={n_async}")
+        assert (n_fill_async > 0) == (v.fill_stages > 1 or v.local_rows), \
+            f"fill_stages={v.fill_stages}: {n_fill_async} async copies"
+    print(f"ok {v} smem={k.metadata.shared} async={n_async} ptx={ptx_hash(k.asm['ptx'])}")
 
 
-_DEFAULT_TICKETS = (True, True)  # fwd_ticket_ahead, fwd_poll_together
-_CASES = [c + _DEFAULT_TICKETS for c in [
-    (False, 0, 256, False, False, True, False, 8, 1, 1), (True, 0, 256, False, True, True, True, 8, 1, 1),
-    (True, 16, 256, False, False, False, True, 8, 1, 1), (False, 0, 128, False, False, True, False, 8, 2, 1),
-    (True, 0, 256, True, True, True, False, 8, 1, 1), (False, 0, 256, True, False, False, False, 8, 1, 1),
-    (True, 0, 128, True, True, True, False, 4, 1, 1), (True, 16, 128, True, False, True, False, 4, 1, 1),
-    (True, 0, 256, True, True, True, False, 8, 4, 1), (False, 0, 128, True, True, True, False, 4, 4, 1),
-    (False, 0, 128, True, True, True, True, 4, 2, 1),  # traced, as `tabby tune --trace` runs the TMA defaults
-    # pipelined fills (fwd_fill_stages) at qwen3-30b-a3b's 4-warp and qwen3.5-397b's 8-warp configs
-    (False, 0, 128, True, True, True, False, 4, 2, 3), (True, 0, 256, True, True, True, False, 8, 2, 3),
-    (True, 16, 128, True, False, True, False, 4, 1, 3)]] + [
-    # the next ticket taken after the release, each wait polling on its own (fwd_ticket_ahead /
-    # fwd_poll_together False), at both warp counts
-    (False, 0, 128, True, True, True, False, 4, 2, 3, False, False),
-    (True, 0, 256, True, True, True, False, 8, 2, 1, False, False)] + [
-    # fills that load each row's table entry after its source, counting per ring slot
-    # (fwd_fill_table / fwd_tile_ready False), at qwen3-30b-a3b's differentiated 4-warp config
-    (False, 0, 128, True, True, True, False, 4, 2, 3, True, True, 0, False)] + [
-    # the pass's flags in signal/wait launches around the kernel (fwd_peer_flags False), at
-    # qwen3-30b-a3b's differentiated 4-warp config and qwen3.5-397b's 8-warp one
-    (False, 0, 128, True, True, True, False, 4, 2, 3, True, True, 2, True, False),
-    (True, 0, 256, True, True, True, False, 8, 2, 1, True, True, 2, True, False)] + [
-    # gate/up reading this rank's rows from x (fwd_local_rows), at qwen3-30b-a3b's differentiated
-    # 4-warp config and ring-only, and qwen3.5-397b's 8-warp one
-    (False, 0, 128, True, True, True, False, 4, 2, 3, True, True, 2, True, True, True),
-    (False, 0, 128, True, False, True, False, 4, 2, 3, True, True, 2, True, True, True),
-    (True, 0, 256, True, True, True, False, 8, 2, 1, True, True, 2, True, True, True)] + [
-    # the next ticket taken before a GEMM's epilogue (fwd_early_ticket), at qwen3-30b-a3b's
-    # differentiated 4-warp config and qwen3.5-397b's 8-warp one (shared expert), and traced
-    (False, 0, 128, True, True, True, False, 4, 2, 3, True, True, 2, True, True, True, True),
-    (True, 0, 256, True, True, True, False, 8, 2, 1, True, True, 2, True, True, True, True),
-    (False, 0, 128, True, True, True, True, 4, 2, 3, True, True, 2, True, True, True, True)] + [
-    # the peers' x pulled whole, no fills (fwd_pull_tokens), at qwen3-30b-a3b's differentiated 4-warp
-    # config, ring-only, with the early ticket, and qwen3.5-397b's 8-warp one (shared expert)
-    (False, 0, 128, True, True, True, False, 4, 2, 3, True, True, 2, True, True, True, False, True),
-    (False, 0, 128, True, False, True, False, 4, 2, 3, True, True, 2, True, True, True, False, True),
-    (False, 0, 128, True, True, True, False, 4, 2, 3, True, True, 2, True, True, True, True, True),
-    (True, 0, 256, True, True, True, False, 8, 2, 1, True, True, 2, True, True, True, False, True)]
+V = Variant
+CASES = [
+    V(), V(shared=True, save=True, trace=True), V(shared=True, comm=16, half=False, trace=True), V(dn_cols=2),
+    V(shared=True, tma=True, save=True), V(tma=True, half=False), V(shared=True, tma=True, save=True, warps=4),
+    V(shared=True, comm=16, tma=True, warps=4), V(shared=True, tma=True, save=True, dn_cols=4),
+    V(tma=True, save=True, warps=4, dn_cols=4),
+    V(tma=True, save=True, warps=4, dn_cols=2, trace=True),  # traced, as the tools run the TMA defaults
+    # pipelined fills at qwen3-30b-a3b's 4-warp and qwen3.5-397b's 8-warp configs
+    V(tma=True, save=True, warps=4, dn_cols=2, fill_stages=3),
+    V(shared=True, tma=True, save=True, dn_cols=2, fill_stages=3),
+    V(shared=True, comm=16, tma=True, warps=4, fill_stages=3),
+    # gate/up reading this rank's rows from x, differentiated and ring-only, and qwen3.5-397b's 8-warp one
+    V(tma=True, save=True, warps=4, dn_cols=2, fill_stages=3, local_rows=True),
+    V(tma=True, warps=4, dn_cols=2, fill_stages=3, local_rows=True),
+    V(shared=True, tma=True, save=True, dn_cols=2, local_rows=True),
+    # the peers' x pulled whole, no fills: differentiated, ring-only, and qwen3.5-397b's 8-warp one
+    V(tma=True, save=True, warps=4, dn_cols=2, fill_stages=3, local_rows=True, tokens=True),
+    V(tma=True, warps=4, dn_cols=2, fill_stages=3, local_rows=True, tokens=True),
+    V(shared=True, tma=True, save=True, dn_cols=2, local_rows=True, tokens=True),
+]
 
 
-_CASES = [c + (2, True) if len(c) == 12 else c for c in _CASES]  # default: EP2 tables, per-tile fill counters
-_CASES = [c + (True,) if len(c) == 14 else c for c in _CASES]  # default: flags set and waited in the kernel
-_CASES = [c + (False,) if len(c) == 15 else c for c in _CASES]  # default: local rows filled like the others
-_CASES = [c + (False,) if len(c) == 16 else c for c in _CASES]  # default: the next ticket taken at the end
-_CASES = [c + (False,) if len(c) == 17 else c for c in _CASES]  # default: rows filled by fill tickets
+@pytest.mark.parametrize("v", CASES, ids=[",".join(f"{k}={int(x)}" for k, x in c._asdict().items()
+                                                   if x != Variant._field_defaults[k]) or "base" for c in CASES])
+def test_megakernel_compiles_for_sm90(v):
+    assert "ok" in run_compiled_check(__file__, *v.argv())
 
 
-@pytest.mark.parametrize("has_shared,comm,bn_dn,tma,save,half,trace,warps,dn_cols,fill_stages,ahead,poll2,wp,"
-                         "tile_ready,peers,local_a,early,tokens", _CASES)
-def test_megakernel_compiles_for_sm90(has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols, fill_stages,
-                                      ahead, poll2, wp, tile_ready, peers, local_a, early, tokens):
-    args = (has_shared, comm, bn_dn, tma, save, half, trace, warps, dn_cols, fill_stages, ahead, poll2, wp, tile_ready,
-            peers, local_a, early, tokens)
-    assert "ok" in run_compiled_check(__file__, *(str(int(v)) for v in args))
+PTX_GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "megakernel_ptx.json")
+
+
+def _pinned():
+    with open(PTX_GOLDEN) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name", sorted(_pinned()["variants"]))
+def test_default_variants_keep_their_sm90_ptx(name):
+    """The PTX of the default variants is the PTX the kernel compiled to before its code was split
+    into protocol / tasks / kernel / host (golden/megakernel_ptx.json: sha256 of the instruction
+    stream, ``sm90.normalize_ptx``): a change of the kernel's code shows here, even one that no test
+    of its outputs sees (an ordering, a fence, a register-allocation change)."""
+    import triton
+
+    pinned = _pinned()
+    if triton.__version__ != pinned["triton"]:
+        pytest.skip(f"the pinned PTX is triton {pinned['triton']}'s; this is {triton.__version__}")
+    entry = pinned["variants"][name]
+    out = run_compiled_check(__file__, *Variant(**entry["variant"]).argv())
+    got = out.split("ptx=")[1].split()[0]
+    assert got == entry["sha256"], f"{name}: the kernel's sm_90 PTX changed"
 
 
 if __name__ == "__main__":
-    _compile(*(int(a) if i in (1, 2, 7, 8, 9, 12) else bool(int(a)) for i, a in enumerate(sys.argv[1:19])))
+    _check(Variant.from_argv(sys.argv[1:]))
