@@ -37,9 +37,12 @@ operations autograd runs for ``(silu(x W_g^T) * (x W_u^T)) W_d^T``, in the same 
 
 Limits:
   * no double backward (``moe_backward`` has no autograd formula);
-  * ``moe_backward`` declares ``xs`` mutated: with the megakernel's local rows (GPU, TMA) the
-    backward writes this rank's rows into the kept ``xs`` before the weight gradient. Under
-    ``aot_eager`` functionalization copies ``xs`` for that (inductor re-inplaces it);
+  * with the megakernel's local rows (GPU, TMA) the kept ``xs`` lacks this rank's rows; ``tabby.moe``
+    copies them in at the start of the weight gradient, the operator at the end of the forward
+    (the same copy, moved so that the backward mutates none of its inputs);
+  * the kept tensors' padding rows (and the unused tail of the worst-case buffers) are left
+    uninitialized, so two calls give different bits there (``zero_padding`` zeroes them, for
+    ``opcheck``, which compares every output);
   * the operators have side effects the compiler does not see (the workspace's symmetric buffers
     and flags): every rank must run the same calls in the same order, which the same compiled
     graph on every rank does; a graph that calls the op twice on identical inputs may be
@@ -58,7 +61,7 @@ import torch.nn.functional as F
 
 from ..ops.schedule import ScheduleBuffers, default_chunk, schedule_capacity
 from ..validate import MoEDims, MoEInputError, check_inputs
-from .backward import moe_backward
+from .backward import _routed_rows_for_wgrad, moe_backward
 from .config import MoEConfig, Tuning
 from .forward import KeptRows, MegaSaved, moe_forward
 from .forward_mega import moe_forward_mega
@@ -67,7 +70,7 @@ from .plan import Plan, make_plan
 from .threads import ThreadRank
 from .workspace import WorkspaceKey, get_workspace
 
-__all__ = ["moe", "group_name", "config_string", "parse_config", "resolve_group"]
+__all__ = ["moe", "zero_padding", "group_name", "config_string", "parse_config", "resolve_group"]
 
 # --------------------------------------------------------------------------------------------
 # Non-tensor arguments as strings
@@ -182,6 +185,35 @@ def _missing(plan: Plan) -> str:
     return ""
 
 
+_zero_padding = False
+
+
+class zero_padding:
+    """Context manager for tests: the forward operator zeroes the rows of its kept tensors that
+    hold no routed row (padding and the unused tail of the worst-case buffers), which otherwise
+    hold whatever the allocator left there and differ from call to call (no kernel reads them).
+    ``torch.library.opcheck`` compares every output of two calls, so it needs this; it costs a
+    pass over the kept buffers."""
+
+    def __enter__(self):
+        global _zero_padding
+        self._before, _zero_padding = _zero_padding, True
+
+    def __exit__(self, *exc):
+        global _zero_padding
+        _zero_padding = self._before
+
+
+def _zero_padding_rows(row_src, xs, gu, row_w, rank, T, tokens):
+    pad = row_src < 0
+    gu.masked_fill_(pad[:, None], 0)
+    row_w.masked_fill_(pad, 0)
+    if tokens:  # every rank's tokens; this rank's own block is not copied
+        xs[rank * T:(rank + 1) * T].zero_()
+    else:
+        xs.masked_fill_(pad[:, None], 0)
+
+
 def _shared(s_gate, s_up, s_down):
     return None if s_gate is None else (s_gate, s_up, s_down)
 
@@ -242,7 +274,11 @@ def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
         y, saved = moe_forward(ws, plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra)
     s = saved.sched
     if keep:
+        if saved.missing == "local":  # this rank's rows into xs now, so that the backward changes no input
+            _routed_rows_for_wgrad(ws, plan, saved, dims.T * dims.k, dims.k)
         xs, gu, row_w = saved.xs, saved.gu, saved.row_w
+        if _zero_padding:
+            _zero_padding_rows(s.row_src, xs, gu, row_w, ws.rank, dims.T, saved.missing == "tokens")
     else:
         xs, gu, row_w = x.new_empty((0, dims.H)), x.new_empty((0, 2 * dims.I)), topk_weights.new_empty(0,
                                                                                                       dtype=torch.float32)
@@ -289,7 +325,7 @@ def _shared_backward(dy, x, sg, su, sd):
     return dx, dsg, dsu, dsd
 
 
-@torch.library.custom_op("tabby::moe_backward", mutates_args=("xs",))
+@torch.library.custom_op("tabby::moe_backward", mutates_args=())
 def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
                      w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: torch.Tensor | None,
                      shared_up: torch.Tensor | None, shared_down: torch.Tensor | None, row_src: torch.Tensor,
@@ -310,7 +346,7 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tens
                             expert_start=expert_start, expert_count=expert_count, src_count=None,
                             num_tiles=num_tiles, counts=None, within=None, done=None)
     if _keeps_rows(plan, save):
-        missing = _missing(plan)
+        missing = "tokens" if _missing(plan) == "tokens" else ""  # (the forward completed local rows)
         saved = KeptRows(sched, xs, gu, row_w, missing, x if missing else None)
     else:
         saved = MegaSaved(sched, x, topk_weights_c)
