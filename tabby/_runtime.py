@@ -55,14 +55,14 @@ def _reinterpret_loaded_triton() -> int:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    made: dict[int, InterpretedFunction] = {}
+    made: dict[int, tuple[JITFunction, InterpretedFunction]] = {}  # the old object kept: ids stay unique
 
     def swap(namespace_owner, namespace: dict) -> None:
         for name, value in list(namespace.items()):
             if isinstance(value, JITFunction):
                 if id(value) not in made:
-                    made[id(value)] = InterpretedFunction(value.fn)
-                setattr(namespace_owner, name, made[id(value)])
+                    made[id(value)] = (value, InterpretedFunction(value.fn))
+                setattr(namespace_owner, name, made[id(value)][1])
 
     for mod_name, module in list(sys.modules.items()):
         if not isinstance(module, types.ModuleType):
