@@ -1,0 +1,155 @@
+"""``Experts``: the routed SwiGLU experts of one expert-parallel rank, as an ``nn.Module``."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..functional import custom_op
+from ..functional.config import MoEConfig
+from ..functional.threads import ThreadRank
+from ..validate import MoEInputError
+
+LAYOUTS = ("fused", "separate")
+
+
+def group_rank_size(group) -> tuple[int, int]:
+    """(rank, world size) of an expert-parallel group: None (one rank), a ``ThreadRank`` or a
+    ``torch.distributed`` process group."""
+    if group is None:
+        return 0, 1
+    if isinstance(group, ThreadRank):
+        return group.rank, group.group.world_size
+    import torch.distributed as dist
+
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def skip_invalid_ids(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, first_local: int,
+                     num_local: int):
+    """Routing slots whose expert id is outside ``[0, num_experts)`` (the sentinels of transformers'
+    expert-parallel plan, ``-1`` padding) contribute nothing: their weight becomes 0 and their id a
+    local expert of this rank (spread over the local experts by position, so that the wasted rows
+    cost no communication and no single expert takes them all). Device ops only, no host sync."""
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    slot = torch.arange(topk_idx.numel(), device=topk_idx.device, dtype=topk_idx.dtype).view(topk_idx.shape)
+    fallback = first_local + slot % num_local
+    return torch.where(valid, topk_idx, fallback), topk_weights.masked_fill(~valid, 0)
+
+
+class Experts(nn.Module):
+    """The routed SwiGLU experts of one expert-parallel rank: ``forward(x, topk_idx, topk_weights)``
+    is ``tabby.moe`` (through the registered operator ``torch.ops.tabby.moe``, so that
+    ``torch.compile(fullgraph=True)`` keeps it in one graph).
+
+    Args:
+        num_experts_local: experts held by this rank (``E_local``); the layer has
+            ``num_experts = E_local * world size`` experts, expert ``e`` on rank ``e // E_local``.
+        hidden, intermediate: the model width ``H`` and the expert width ``I``.
+        layout: ``"fused"``: transformers' parameters ``gate_up_proj [E_local, 2I, H]`` (gate rows
+            first) and ``down_proj [E_local, H, I]`` (the halves go to Tabby as views, no copy; the
+            gradient of ``gate_up_proj`` is assembled from the two halves' gradients, one copy);
+            ``"separate"``: ``w_gate``, ``w_up [E_local, I, H]`` and ``w_down [E_local, H, I]``.
+        group: the expert-parallel group (None: one rank; a ``torch.distributed`` process group; a
+            ``tabby.functional.threads.ThreadRank`` for simulated ranks).
+        config: ``tabby.MoEConfig`` (None: the defaults).
+        skip_invalid: map expert ids outside ``[0, num_experts)`` to weight 0 (see
+            ``skip_invalid_ids``); False when the router never makes them (saves two small
+            elementwise launches).
+        init_std: parameters initialized from N(0, init_std^2); None: ``1/sqrt(fan_in)`` scaling.
+        dtype, device: of the parameters (Tabby computes in bf16; other dtypes are cast per call).
+
+    ``x`` may have leading dimensions (``[..., H]``); ``topk_idx`` and ``topk_weights`` then have the
+    same leading dimensions and ``k`` last. The output has ``x``'s shape and dtype.
+    """
+
+    def __init__(self, num_experts_local: int, hidden: int, intermediate: int, *, layout: str = "fused",
+                 group=None, config: MoEConfig | None = None, skip_invalid: bool = True,
+                 init_std: float | None = 0.02, dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise MoEInputError(f"Experts(layout={layout!r}): must be one of {LAYOUTS}")
+        if num_experts_local < 1 or hidden < 1 or intermediate < 1:
+            raise MoEInputError("Experts: num_experts_local, hidden and intermediate must be positive")
+        self.num_experts_local, self.hidden, self.intermediate = num_experts_local, hidden, intermediate
+        self.layout = layout
+        self.group = group
+        self.rank, self.world_size = group_rank_size(group)
+        self._group_name = custom_op.group_name(group)  # the operator's string, made once
+        self.num_experts = num_experts_local * self.world_size
+        self.config = config
+        self.skip_invalid = skip_invalid
+        self.init_std = init_std
+        E, H, I = num_experts_local, hidden, intermediate
+        kw = dict(dtype=dtype, device=device)
+        if layout == "fused":
+            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, **kw))
+            self.down_proj = nn.Parameter(torch.empty(E, H, I, **kw))
+        else:
+            self.w_gate = nn.Parameter(torch.empty(E, I, H, **kw))
+            self.w_up = nn.Parameter(torch.empty(E, I, H, **kw))
+            self.w_down = nn.Parameter(torch.empty(E, H, I, **kw))
+        self.reset_parameters()
+
+    @property
+    def config(self) -> MoEConfig | None:
+        return self._config
+
+    @config.setter
+    def config(self, config: MoEConfig | None) -> None:
+        self._config_string = custom_op.config_string(config)  # (validates it)
+        self._config = config
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for p in self.parameters():
+                std = self.init_std if self.init_std is not None else 1.0 / math.sqrt(p.shape[-1])
+                p.normal_(0.0, std)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts_local={self.num_experts_local}, hidden={self.hidden}, "
+                f"intermediate={self.intermediate}, layout={self.layout!r}, rank={self.rank}, "
+                f"world_size={self.world_size}")
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w_gate, w_up [E_local, I, H], w_down [E_local, H, I]); in the fused layout views of
+        ``gate_up_proj`` with equal strides (what Tabby's kernels need), no copy."""
+        if self.layout == "separate":
+            return self.w_gate, self.w_up, self.w_down
+        return (*split_gate_up(self.gate_up_proj), self.down_proj)
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                shared=None) -> torch.Tensor:
+        """y = sum_j topk_weights[.., j] * expert_{topk_idx[.., j]}(x) (+ shared(x) when ``shared``
+        (w_gate_s [I_s, H], w_up_s [I_s, H], w_down_s [H, I_s]) is given: the shared expert runs
+        inside Tabby's kernel)."""
+        shape = x.shape
+        H = self.hidden
+        x2 = x.reshape(-1, H)
+        k = topk_idx.shape[-1]
+        idx = topk_idx.reshape(-1, k)
+        w = topk_weights.reshape(-1, k)
+        if self.skip_invalid:
+            idx, w = skip_invalid_ids(idx, w, self.num_experts, self.rank * self.num_experts_local,
+                                      self.num_experts_local)
+        w_gate, w_up, w_down = self.weights()
+        dt = torch.bfloat16
+        ws = [t if t.dtype == dt else t.to(dt) for t in (w_gate, w_up, w_down)]
+        if shared is not None:
+            shared = tuple(t if t.dtype == dt else t.to(dt) for t in shared)
+        xin = x2 if x2.dtype == dt else x2.to(dt)
+        y = custom_op.moe(xin, idx, w, *ws, shared=shared, group=self._group_name,
+                           config=self._config_string)
+        return y.to(x.dtype).reshape(shape)
+
+
+def split_gate_up(gate_up_proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves ``[E, I, H]`` of a fused ``gate_up_proj [E, 2I, H]`` (gate rows
+    first), as views with equal strides. Through ``unbind`` (rather than two slices) autograd
+    assembles the fused gradient with one ``stack`` instead of two zero-filled scatters and a sum."""
+    E, I2, H = gate_up_proj.shape
+    if I2 % 2:
+        raise MoEInputError(f"gate_up_proj must be [E, 2I, H], got {tuple(gate_up_proj.shape)}")
+    gate, up = gate_up_proj.unflatten(1, (2, I2 // 2)).unbind(1)
+    return gate, up
