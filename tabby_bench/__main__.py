@@ -1,4 +1,4 @@
-"""``python -m tabby bench ...``: the same as the ``tabby`` command."""
+"""``python -m tabby_bench bench ...``: the same as the ``tabby`` command."""
 import sys
 
 from .cli import main

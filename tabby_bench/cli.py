@@ -1,7 +1,8 @@
-"""Command line: ``tabby bench ...`` and ``tabby profile ...`` (also ``python -m tabby ...``)."""
+"""Command line: ``tabby bench``, ``tabby tune`` and ``tabby profile`` (also ``python -m tabby_bench ...``)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -16,23 +17,48 @@ def _ints(text: str) -> list:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
 
 
+def _tuning(text: str) -> str:
+    """A ``Tuning.parse`` text, checked now and kept as text (the workers parse it again)."""
+    from tabby.functional.config import Tuning
+    from tabby.validate import MoEInputError
+
+    try:
+        return Tuning.parse(text).describe()
+    except MoEInputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tabby", description="Tabby: expert-parallel MoE layer for Hopper GPUs.")
+    p = argparse.ArgumentParser(prog="tabby", description="Tabby's tools: benchmark, variant sweep, stage profile.")
     sub = p.add_subparsers(dest="command")
-    b = sub.add_parser("bench", help="correctness and speed of every implementation on the DESIGN.md shapes",
-                       description="Check every implementation against the fp32 reference and time it. "
-                                   "Without a GPU: the TINY shape on the CPU (errors only, no timings).")
-    b.add_argument("--shapes", type=_list, default=None, help="comma list of shape names (default: all six)")
-    b.add_argument("--tokens", type=_ints, default=[4096, 16384], help="tokens per GPU, comma list (default 4096,16384)")
-    b.add_argument("--ep", type=_ints, default=None, help="EP sizes, comma list (default: the number of GPUs)")
-    b.add_argument("--impls", type=_list, default=None, help="implementations, comma list (default: all registered except opt-in ones)")
-    b.add_argument("--passes", type=_list, default=["fwd", "fwd+bwd"], help="fwd,fwd+bwd (default both)")
+    b = sub.add_parser("bench", help="correctness and speed of every implementation on the benchmark shapes",
+                       description="On GPUs: check every implementation against the fp32 reference and time it "
+                                   "on the benchmark shapes. Without a GPU: check Tabby's two paths, the reference "
+                                   "and torch-a2a on small shapes at EP1, EP2 and EP4 (simulated ranks), forward "
+                                   "and gradients, and that a second run repeats the first bit for bit.")
+    b.add_argument("--shapes", type=_list, default=None,
+                   help="comma list of shape names (default: every benchmark shape; without a GPU the small CPU "
+                        "shapes)")
+    b.add_argument("--tokens", type=_ints, default=None,
+                   help="tokens per GPU, comma list (default 4096,16384; without a GPU 32 per rank)")
+    b.add_argument("--ep", type=_ints, default=None,
+                   help="EP sizes, comma list (default: the number of GPUs; without a GPU 1,2,4 for tiny and 1,2 for "
+                        "tiny-top4)")
+    b.add_argument("--impls", type=_list, default=None,
+                   help="implementations, comma list (default: every registered one)")
+    b.add_argument("--passes", type=_list, default=["fwd", "fwd+bwd"], help="fwd,fwd+bwd (default both; GPU)")
     b.add_argument("--dtype", default="bf16", choices=["bf16"])
-    b.add_argument("--warmup", type=int, default=5, help="untimed iterations (default 5)")
-    b.add_argument("--iters", type=int, default=20, help="timed iterations (default 20)")
-    b.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness checks")
-    b.add_argument("--out", default="bench/results", help="output folder (default bench/results)")
+    b.add_argument("--warmup", type=int, default=5, help="untimed iterations (default 5; GPU)")
+    b.add_argument("--iters", type=int, default=20, help="timed iterations (default 20; GPU)")
+    b.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness checks (GPU)")
+    b.add_argument("--tuning", type=_tuning, default="",
+                   help="a tabby.Tuning for both tabby rows, e.g. 'group_m=2,tma=0' (default: the heuristics)")
+    b.add_argument("--out", default=None, help="output folder (default ~/.cache/tabby/bench)")
     b.add_argument("--tag", default="", help="label in the output file names")
+    b.add_argument("--history", default=None, metavar="PATH",
+                   help="also append the records to this history file (e.g. bench/results/history.jsonl; GPU)")
+    b.add_argument("-v", "--verbose", action="store_true",
+                   help="show the library's INFO log (workspace and memory reports) without a GPU too")
     pr = sub.add_parser("profile", help="time every stage of Tabby's forward and backward",
                         description="Per-stage times (CUDA events between launches), median over iterations, "
                                     "max over ranks. 'tiny' runs on the CPU under the Triton interpreter.")
@@ -41,20 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="profile the default layer (the forward megakernel) instead of the sync-free path")
     pr.add_argument("--fwd-only", action="store_true",
                     help="forward passes only (under autograd, as the bench's forward), no backward")
-    tu = sub.add_parser("tune", help="time the forward megakernel's variants (GPU)",
-                        description="Forward time of megakernel variants (comm programs C, prefetch P, ring rows R, "
-                                    "programs N, down lag L, fill split S, row-tile group M, ablations A) against "
-                                    "the sync-free path and the floor; see tabby/tune.py.")
+    tu = sub.add_parser("tune", help="time Tabby's variants (GPU)",
+                        description="Forward time of Tabby's variants against the sync-free path and the floor. "
+                                    "A variant is floor, sync-free or mega, with tabby.Tuning fields after a colon "
+                                    "(mega:group_m=2,tma=0), save_for_backward=0, or ablate=N (measurement only); "
+                                    "see tabby_bench/tune.py.")
     _one_shape_run_args(tu, "JSON file for the results")
-    tu.add_argument("--variants", type=lambda s: s.split(";"), default=None,
-                    help="semicolon list, e.g. 'sync-free;mega;mega:C=16,R=4096' (default: a sweep)")
+    tu.add_argument("--variants", type=lambda s: [v.strip() for v in s.split(";") if v.strip()], default=None,
+                    help="semicolon list, e.g. 'floor;mega;mega:group_m=2;mega:tma=0;sync-free' (default: a sweep)")
     tu.add_argument("--best-out", default=None,
-                    help="write the best mega variant's knobs (for TABBY_MEGA_VARIANT) to this file")
+                    help="write the best mega variant's Tuning text (for tabby bench --tuning) to this file")
     tu.add_argument("--trace", type=int, default=0, metavar="N",
                     help="after timing each mega variant, run it twice recording up to N tickets per program "
-                         "(the second run's trace: the first compiles the traced kernel) and print where the "
-                         "programs spent their time; with --out, also draw each "
-                         "timeline (trace-*.png beside the JSON) (default 0: off)")
+                         "(the second run's trace) and print where the programs spent their time; with --out, "
+                         "also draw each timeline (trace-*.png beside the JSON) (default 0: off)")
     tu.add_argument("--grad", action="store_true",
                     help="time the forward under autograd with inputs that require grad, as the bench does "
                          "(the megakernel then also keeps what the backward needs)")
@@ -71,45 +97,68 @@ def _one_shape_run_args(sub_parser, out_help: str) -> None:
     sub_parser.add_argument("--out", default=None, help=out_help)
 
 
-def bench_config(args, parser):
-    """Validate the options into a :class:`tabby.bench.Config` (errors go through ``parser.error``)."""
-    import torch
+def _shapes(names, known: dict, parser, where: str) -> list:
+    bad = [n for n in names if n not in known]
+    if bad:
+        parser.error(f"unknown shape(s) {', '.join(bad)}; {where}: {', '.join(known)}")
+    return [known[n] for n in names]
 
+
+def bench_config(args, parser, gpus: int):
+    """Validate the options into a :class:`tabby_bench.bench.Config` (errors go through ``parser.error``)."""
     from . import bench
-    from .shapes import SHAPES
+    from .impls import IMPLS, default_impls
+    from .records import PASSES
 
-    names = args.shapes or list(SHAPES)
-    bad = [n for n in names if n not in SHAPES]
-    if bad:
-        parser.error(f"unknown shape(s) {', '.join(bad)}; known: {', '.join(SHAPES)}")
-    impls = args.impls or [n for n, impl in bench.IMPLS.items() if getattr(impl, "in_default", True)]
-    bad = [n for n in impls if n not in bench.IMPLS]
-    if bad:
-        parser.error(f"unknown implementation(s) {', '.join(bad)}; registered: {', '.join(bench.IMPLS)}")
-    bad = [p for p in args.passes if p not in bench.PASSES]
+    if gpus:
+        from .shapes import SHAPES
+
+        shapes = _shapes(args.shapes or list(SHAPES), SHAPES, parser, "known")
+        tokens, eps = args.tokens or [4096, 16384], args.ep or [gpus]
+        impls = args.impls or default_impls()
+        bad = [n for n in impls if n not in IMPLS]
+        if bad:
+            parser.error(f"unknown implementation(s) {', '.join(bad)}; registered: {', '.join(IMPLS)}")
+        if max(eps) > gpus:
+            parser.error(f"--ep {max(eps)} needs {max(eps)} GPUs, found {gpus}")
+    else:
+        from .cpu_demo import CPU_IMPLS, CPU_SHAPES, CPU_TOKENS, GPU_ONLY
+
+        shapes = _shapes(args.shapes or list(CPU_SHAPES), CPU_SHAPES, parser, "without a GPU the CPU shapes")
+        tokens, eps = args.tokens or list(CPU_TOKENS), args.ep  # None: each shape's CPU_EPS
+        impls = args.impls or list(CPU_IMPLS)
+        bad = [n for n in impls if n not in CPU_IMPLS + GPU_ONLY]
+        if bad:
+            parser.error(f"unknown implementation(s) {', '.join(bad)}; without a GPU: {', '.join(CPU_IMPLS)}")
+        bad = [s.name for s in shapes for ep in eps or () if s.E % ep]
+        if bad:
+            parser.error(f"--ep {','.join(map(str, eps))}: the experts of {', '.join(sorted(set(bad)))} do not "
+                         f"divide evenly")
+    bad = [p for p in args.passes if p not in PASSES]
     if bad or not args.passes:
         parser.error(f"--passes takes fwd and/or fwd+bwd, got {','.join(args.passes)}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    eps = args.ep or [max(gpus, 1)]
-    if gpus and max(eps) > gpus:
-        parser.error(f"--ep {max(eps)} needs {max(eps)} GPUs, found {gpus}")
-    if min(eps) < 1 or any(t < 1 for t in args.tokens) or args.iters < 1 or args.warmup < 0:
+    if min(eps or [1]) < 1 or any(t < 1 for t in tokens) or args.iters < 1 or args.warmup < 0:
         parser.error("--ep and --tokens must be positive, --iters >= 1, --warmup >= 0")
-    return bench.Config(shapes=[SHAPES[n] for n in names], tokens=args.tokens, eps=eps, impls=impls,
-                        passes=args.passes, dtype=args.dtype, warmup=args.warmup, iters=args.iters,
-                        check=args.check, out=args.out, tag=args.tag)
+    return bench.Config(shapes=shapes, tokens=tokens, eps=eps, impls=impls, passes=args.passes, dtype=args.dtype,
+                        warmup=args.warmup, iters=args.iters, check=args.check, out=args.out, tag=args.tag,
+                        tuning=args.tuning, history=args.history)
 
 
 def main(argv=None) -> int:
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not gpus:  # Tabby's kernels then run under the Triton interpreter (set before tabby is imported)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from . import log
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    log.configure(info=bool(gpus) or getattr(args, "verbose", False))
     if args.command == "profile":
         from . import profile
-        from .profile import PROFILE_SHAPES
 
-        bad = [n for n in args.shapes if n not in PROFILE_SHAPES]
-        if bad:
-            parser.error(f"unknown shape(s) {', '.join(bad)}; known: {', '.join(PROFILE_SHAPES)}")
+        _shapes(args.shapes, profile.PROFILE_SHAPES, parser, "known")
         profile.run(args.shapes, args.tokens, args.ep, args.iters, args.warmup, args.out, mega=args.mega,
                     fwd_only=args.fwd_only)
         return 0
@@ -117,9 +166,7 @@ def main(argv=None) -> int:
         from . import tune
         from .shapes import SHAPES
 
-        bad = [n for n in args.shapes if n not in SHAPES]
-        if bad:
-            parser.error(f"unknown shape(s) {', '.join(bad)}")
+        _shapes(args.shapes, SHAPES, parser, "known")
         try:
             for v in args.variants or []:
                 tune.parse_variant(v)
@@ -133,8 +180,8 @@ def main(argv=None) -> int:
         return 2
     from . import bench
 
-    bench.run(bench_config(args, parser))
-    return 0
+    result = bench.run(bench_config(args, parser, gpus))
+    return 1 if result.get("failed") else 0
 
 
 if __name__ == "__main__":

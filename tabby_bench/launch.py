@@ -25,7 +25,7 @@ import traceback
 from datetime import timedelta
 
 # Multicast (NVLS) can take a shared host's GPUs out of service; never let NCCL, PyTorch's
-# symmetric memory or NVSHMEM use it (DESIGN.md).
+# symmetric memory or NVSHMEM use it (docs/design.md).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 for _k, _v in SAFE_ENV.items():
     os.environ.setdefault(_k, _v)

@@ -4,7 +4,7 @@
   splits, ``torch._grouped_mm``).
 - ``torch-symm`` (:func:`moe_torch_symm`): the sync-free PyTorch path over NVSHMEM symmetric memory
   (``all_to_all_vdev_2d`` / ``all_to_all_vdev_2d_offset``), as torchtitan does it.
-- the compute-only floor (:mod:`tabby.anchors.floor`): the same routed rows through
+- the compute-only floor (:mod:`tabby_bench.anchors.floor`): the same routed rows through
   ``torch._grouped_mm`` on one GPU, no communication, no permutation.
 """
 from .torch_a2a import moe_torch_a2a

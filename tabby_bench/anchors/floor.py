@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..reference import expert_segments, swiglu_mlp
+from tabby.reference import expert_segments, swiglu_mlp
 from .torch_a2a import dispatch_rows, grouped_swiglu, route_plan, shared_swiglu
 
 

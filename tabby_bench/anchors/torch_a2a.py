@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..validate import MoEInputError, check_inputs
+from tabby.validate import MoEInputError, check_inputs
 
 
 def group_size(group) -> int:

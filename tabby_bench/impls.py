@@ -1,0 +1,161 @@
+"""The implementations the benchmark measures, by name (:data:`IMPLS`).
+
+An implementation's ``prepare(inputs, group)`` runs outside timing and returns an object with
+``run_fwd()``, ``run_fwdbwd()`` and ``check(with_grads) -> {name: relative error}``.
+
+Registered here: ``floor`` (the compute-only floor), the anchors ``torch-a2a`` and ``torch-symm``,
+``tabby`` (``tabby.moe``, the forward megakernel) and ``tabby-sync-free`` (the path of separate
+launches). :func:`register_tabby` registers both Tabby rows again with a ``Tuning`` (the
+bench's ``--tuning``). Modules named in the environment variable TABBY_BENCH_PLUGINS are imported
+and may :func:`register` more (spawned workers import this module afresh, so a registration must
+happen when some module is imported).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+import tabby
+from tabby.functional.config import MoEConfig, Tuning
+
+from .anchors.floor import floor_errors, floor_forward, floor_fwdbwd, prepare_floor
+from .anchors.torch_a2a import moe_torch_a2a
+from .anchors.torch_symm import moe_torch_symm
+from .check import layer_errors
+from .shapes import Inputs
+
+
+class LayerRun:
+    """A prepared layer implementation: ``fn(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group=)``."""
+
+    def __init__(self, fn, inp: Inputs, group, device_errors=None):
+        self.fn, self.inp, self.group, self.device_errors = fn, inp, group, device_errors
+
+    def run_fwd(self):
+        self.fn(*self.inp.args(), group=self.group)  # graph built, then dropped
+
+    def run_fwdbwd(self):
+        y = self.fn(*self.inp.args(), group=self.group)
+        torch.autograd.grad(y, self.inp.leaves(), self.inp.dy, allow_unused=True)  # returned, not accumulated
+
+    def check(self, with_grads: bool) -> dict:
+        errors = layer_errors(self.fn, self.inp, self.group, with_grads)
+        self.raise_device_errors()
+        return errors
+
+    def raise_device_errors(self) -> None:
+        """Raise what the layer recorded on the device (a timed-out bounded wait, a bad expert id):
+        its outputs, and any time measured with it, are invalid (a wait that gave up returns early)."""
+        if self.device_errors is not None:
+            self.device_errors()
+
+
+@dataclass
+class LayerImpl:
+    """An implementation with moe_reference's signature."""
+
+    name: str
+    fn: object
+    anchor: bool = False
+    supports_cpu: bool = True
+    isolate: bool = False  # run in worker processes of its own
+    in_default: bool = True
+    device_errors: object = None  # raises if the layer recorded an error on the device (host sync)
+    tuning: str = ""  # the tabby.Tuning it runs with, as Tuning.describe() writes it
+
+    def prepare(self, inp: Inputs, group):
+        return LayerRun(self.fn, inp, group, self.device_errors)
+
+
+class FloorRun:
+    def __init__(self, problem):
+        self.p = problem
+
+    def run_fwd(self):
+        floor_forward(self.p)
+
+    def run_fwdbwd(self):
+        floor_fwdbwd(self.p)
+
+    def check(self, with_grads: bool) -> dict:
+        return floor_errors(self.p, with_grads)
+
+
+@dataclass
+class FloorImpl:
+    """The compute-only floor; its routing (a collective) happens in prepare, outside timing."""
+
+    name: str = "floor"
+    anchor: bool = False
+    supports_cpu: bool = True
+    isolate: bool = False
+    in_default: bool = True
+    tuning: str = ""
+
+    def prepare(self, inp: Inputs, group):
+        return FloorRun(prepare_floor(inp.x, inp.topk_idx, inp.w_gate, inp.w_up, inp.w_down, inp.shared, group,
+                                      generator=inp.generator))
+
+
+@dataclass
+class BrokenImpl:
+    """Stands for an implementation that could not be set up, so the failure shows up in the results."""
+
+    name: str
+    reason: str
+    anchor: bool = False
+    supports_cpu: bool = True
+    isolate: bool = False
+    in_default: bool = True
+    tuning: str = ""
+
+    def prepare(self, inp, group):
+        raise RuntimeError(self.reason)
+
+
+IMPLS: dict = {}
+
+
+def register(impl) -> None:
+    """Add (or replace) an implementation under ``impl.name``."""
+    IMPLS[impl.name] = impl
+
+
+def register_layer(name: str, fn, **kw) -> None:
+    """Register a function with moe_reference's signature (``group=`` keyword) as ``name``."""
+    register(LayerImpl(name, fn, **kw))
+
+
+def register_tabby(tuning: Tuning | None = None) -> None:
+    """Register "tabby" (the default config: the forward megakernel) and "tabby-sync-free" (the path of
+    separate launches), both with ``tuning`` (None: the heuristics decide everything)."""
+    tuning = tuning or Tuning()
+    for name, megakernel in (("tabby", True), ("tabby-sync-free", False)):
+        config = MoEConfig(megakernel=megakernel, tuning=tuning)
+        register_layer(name, functools.partial(tabby.moe, config=config), device_errors=tabby.check_errors,
+                       tuning=tuning.describe())
+
+
+def load_plugins() -> None:
+    """Import the modules named in TABBY_BENCH_PLUGINS (comma list); they call :func:`register`."""
+    import importlib
+
+    for name in filter(None, (n.strip() for n in os.environ.get("TABBY_BENCH_PLUGINS", "").split(","))):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 -- show up as a failed implementation, not a crash
+            register(BrokenImpl(name, f"importing plugin {name} failed: {type(e).__name__}: {e}"))
+
+
+register(FloorImpl())
+register_layer("torch-a2a", moe_torch_a2a, anchor=True)
+register_layer("torch-symm", moe_torch_symm, anchor=True, supports_cpu=False, isolate=True)
+register_tabby()
+load_plugins()
+
+
+def default_impls() -> list:
+    return [n for n, impl in IMPLS.items() if getattr(impl, "in_default", True)]
