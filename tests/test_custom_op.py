@@ -1,0 +1,142 @@
+"""torch.ops.tabby.moe: the registered operator against tabby.moe (bitwise), torch.library.opcheck,
+torch.compile(fullgraph=True) of a block that calls it (one graph holding the operator; the same
+bits as eager), the recompute path, and the group/config strings."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch._dynamo.backends.debugging import aot_eager
+
+import tabby
+from tabby.functional import custom_op as co
+from tabby.functional.config import MoEConfig, Tuning
+from tabby.functional.threads import ThreadGroup, ThreadRank
+from tabby.nn import Experts
+
+CFG = MoEConfig(megakernel=False, tuning=Tuning(tile_m=16, dispatch_rows=16, dispatch_cols=64, dispatch_programs=4))
+# The megakernel with a short ring and few programs: the interpreter's time goes with the tickets.
+MEGA = MoEConfig(tuning=Tuning(ring_rows=256, programs=2, dispatch_programs=4))
+T, H, I, E, K, I_S = 16, 64, 32, 8, 2, 48
+
+
+def problem(seed, shared=True):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(torch.bfloat16)  # noqa: E731
+    vals, idx = torch.randn(T, E, generator=g).topk(K, dim=1)
+    sh = (r(I_S, H), r(I_S, H), r(H, I_S)) if shared else None
+    return r(T, H), idx, vals.softmax(dim=1), (r(E, I, H), r(E, I, H), r(E, H, I)), sh, r(T, H)
+
+
+def run(fn, prob, config, **kw):
+    """y and every gradient of one forward + backward through ``fn`` (tabby.moe's signature)."""
+    x, idx, w, ws, sh, dy = prob
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, *ws)]
+    sl = [t.clone().requires_grad_(True) for t in sh] if sh is not None else None
+    y = fn(leaves[0], idx, leaves[1], *leaves[2:], shared=sl, config=config, **kw)
+    y.backward(dy)
+    return [y] + [t.grad for t in leaves] + ([t.grad for t in sl] if sl else [])
+
+
+@pytest.mark.parametrize("config", [
+    None, MoEConfig(megakernel=False), CFG, MoEConfig(save_for_backward=False, debug=True, max_wait_ms=5.5),
+    MoEConfig(tuning=Tuning(group_m=2, tma=False, pull_tokens=True), max_wait_polls=100),
+])
+def test_config_string_round_trip(config):
+    text = co.config_string(config)
+    assert co.parse_config(text) == (config or MoEConfig())
+    assert co.config_string(None) == "" and co.config_string(MoEConfig()) == ""
+
+
+def test_group_names():
+    assert co.group_name(None) == "" and co.resolve_group("") is None
+    tg = ThreadGroup(2)
+    ranks = [ThreadRank(tg, 0), ThreadRank(tg, 1)]
+    names = [co.group_name(r) for r in ranks]
+    assert names[0] != names[1] and [co.resolve_group(n) for n in names] == ranks
+    with pytest.raises(tabby.MoEInputError):
+        co.resolve_group("tabby.threads:0:0")
+
+
+def test_megakernel_bitwise_as_tabby_moe():
+    """The default path (the megakernel, shared expert in the kernel): the operator's y and every
+    gradient, the shared expert's included, are tabby.moe's bits."""
+    prob = problem(0)
+    want = run(tabby.moe, prob, MEGA)
+    got = run(co.moe, prob, MEGA)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), i
+    ref = tabby.moe_reference(prob[0], prob[1], prob[2], *prob[3], shared=prob[4])
+    assert ((got[0].float() - ref.float()).norm() / ref.float().norm()) < 2e-2
+
+
+def test_sync_free_path_and_recompute():
+    """The path of separate launches, through the operator with save=False (the forward keeps no
+    routed rows, the backward recomputes them): tabby.moe's bits (which keeps them); the same
+    without grad."""
+    prob = problem(1, shared=False)
+    want = run(tabby.moe, prob, CFG)
+
+    x, idx, w, ws, _, dy = prob
+    cstr = co.config_string(CFG)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, *ws)]
+    out = torch.ops.tabby.moe(leaves[0], idx, leaves[1], *leaves[2:], None, None, None, "", cstr, False)
+    assert all(t.numel() == 0 for t in out[6:])  # nothing kept: the backward recomputes the rows
+    out[0].backward(dy)
+    for i, (a, b) in enumerate(zip([out[0]] + [t.grad for t in leaves], want)):
+        assert torch.equal(a, b), i
+    with torch.no_grad():
+        y = co.moe(x, idx, w, *ws, config=CFG)
+    assert torch.equal(y, want[0])
+
+
+def test_opcheck():
+    x, idx, w, ws, sh, _ = problem(2)
+    args = (x, idx, w.requires_grad_(), *(t.requires_grad_() for t in ws), *(t.requires_grad_() for t in sh), "",
+            co.config_string(CFG), True)
+    with co.zero_padding():  # opcheck compares every output, the kept buffers' padding rows too
+        result = torch.library.opcheck(torch.ops.tabby.moe.default, args, test_utils=(
+            "test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+class Block(torch.nn.Module):
+    """A residual MoE block: norm, router (softmax top-k), Tabby's experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(H, dtype=torch.bfloat16)
+        self.router = torch.nn.Linear(H, E, bias=False, dtype=torch.bfloat16)
+        self.experts = Experts(E, H, I, layout="fused", config=CFG)
+
+    def forward(self, x):
+        h = self.norm(x)
+        w, idx = F.softmax(self.router(h).float(), dim=-1).topk(K, dim=-1)
+        return x + self.experts(h, idx, w / w.sum(-1, keepdim=True))
+
+
+def test_compile_fullgraph_no_graph_break():
+    torch.manual_seed(3)
+    block = Block()
+    x = torch.randn(2, T // 2, H).bfloat16()
+
+    def step(fn):
+        xl = x.clone().requires_grad_(True)
+        y = fn(xl)
+        y.float().square().sum().backward()
+        grads = [xl.grad] + [p.grad.clone() for p in block.parameters()]
+        block.zero_grad(set_to_none=True)
+        return [y.detach()] + grads
+
+    want = step(block)
+    graphs = []
+
+    def counting_aot_eager(gm, example_inputs):  # fullgraph=True raises on a graph break; count too
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    got = step(torch.compile(block, fullgraph=True, backend=counting_aot_eager))
+    assert len(graphs) == 1
+    assert any(n.target in (torch.ops.tabby.moe, torch.ops.tabby.moe.default) for n in graphs[0].graph.nodes)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), i
+    torch._dynamo.reset()
