@@ -15,4 +15,3 @@ def configure(info: bool = True) -> None:
         handler.setFormatter(logging.Formatter("[tabby] %(message)s"))
         handler._tabby_bench = True
         log.addHandler(handler)
-        log.propagate = False
