@@ -14,9 +14,11 @@ import sys
 import pytest
 import torch
 
-from tabby import bench
-from tabby.launch import launch
-from tabby.shapes import Shape
+from tabby_bench.bench import ep_group
+from tabby_bench.check import TOLERANCE
+from tabby_bench.impls import IMPLS
+from tabby_bench.launch import launch
+from tabby_bench.shapes import Shape, make_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -24,15 +26,15 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two G
 QWEN_LIKE = Shape("qwen3-30b-a3b-small", 128, 2048, 768, 8)
 FEW_EXPERTS = Shape("few-experts", 16, 2048, 768, 8, I_shared=512)
 T = 2048
-TOL = bench.TOLERANCE["bf16"]
+TOL = TOLERANCE["bf16"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _check(rank, world, impl_name, shape, tokens):
     """Every rank: build inputs, run the benchmark's correctness check; rank 0 returns the errors."""
-    inp = bench.make_inputs(shape, tokens, world, rank, torch.device("cuda", rank))
-    group = bench.ep_group(world, rank, world)
-    return bench.IMPLS[impl_name].prepare(inp, group).check(with_grads=True)
+    inp = make_inputs(shape, tokens, world, rank, torch.device("cuda", rank))
+    group = ep_group(world, rank, world)
+    return IMPLS[impl_name].prepare(inp, group).check(with_grads=True)
 
 
 def _assert_close(errs):
@@ -57,8 +59,8 @@ def _symm_twice(rank, world):
     """Two calls in a row on cached buffers, then a different T: results must not depend on stale data."""
     outs = []
     for tokens in (T, T, T // 2):
-        inp = bench.make_inputs(QWEN_LIKE, tokens, world, rank, torch.device("cuda", rank))
-        outs.append(bench.IMPLS["torch-symm"].prepare(inp, torch.distributed.group.WORLD).check(with_grads=True))
+        inp = make_inputs(QWEN_LIKE, tokens, world, rank, torch.device("cuda", rank))
+        outs.append(IMPLS["torch-symm"].prepare(inp, torch.distributed.group.WORLD).check(with_grads=True))
     return outs
 
 
@@ -69,7 +71,7 @@ def test_torch_symm_reuses_buffers():
 
 
 def test_move_rows_kernel_matches_torch():
-    from tabby.anchors.torch_symm import move_rows
+    from tabby_bench.anchors.torch_symm import move_rows
 
     dev = torch.device("cuda")
     src = torch.randn(300, 2880, device=dev).to(torch.bfloat16)
@@ -87,9 +89,10 @@ def test_move_rows_kernel_matches_torch():
 
 def test_bench_command_on_gpu(tmp_path):
     out = tmp_path / "res"
-    proc = subprocess.run([sys.executable, "-m", "tabby", "bench", "--shapes", "qwen3-30b-a3b", "--tokens", "2048",
-                           "--warmup", "1", "--iters", "3", "--impls", "floor,torch-a2a,torch-symm",
-                           "--out", str(out), "--tag", "test"], capture_output=True, text=True, timeout=600, cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "tabby_bench", "bench", "--shapes", "qwen3-30b-a3b", "--tokens",
+                           "2048", "--warmup", "1", "--iters", "3", "--impls", "floor,torch-a2a,torch-symm,tabby",
+                           "--out", str(out), "--tag", "test", "--history", str(tmp_path / "history.jsonl")],
+                          capture_output=True, text=True, timeout=600, cwd=REPO,
                           env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (path,) = glob.glob(str(out / "*-test-*.json"))
@@ -100,3 +103,5 @@ def test_bench_command_on_gpu(tmp_path):
         assert r["correct"] is True and r["ms"] > 0 and r["tflops"] > 0, r
     assert recs["floor", "fwd"]["ratio_to_floor"] == pytest.approx(1.0)
     assert os.path.exists(path[:-5] + ".png") and os.path.exists(path[:-5] + ".md")
+    history = (tmp_path / "history.jsonl").read_text().splitlines()
+    assert len(history) == len(res["records"]) and json.loads(history[0])["commit"]

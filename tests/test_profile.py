@@ -1,7 +1,20 @@
-"""`tabby profile`: every stage of both passes is timed (CPU: wall clock under the interpreter)."""
+"""`tabby profile`: every stage of both passes is timed (CPU: wall clock under the interpreter), and
+the megakernel's ticket trace is read (tabby_bench.trace)."""
 import json
+import logging
 
-from tabby.cli import main
+import pytest
+
+from tabby_bench.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _restore_tabby_log():
+    log = logging.getLogger("tabby")
+    saved = log.level, list(log.handlers)
+    yield
+    log.setLevel(saved[0])
+    log.handlers[:] = saved[1]
 
 
 def test_profile_tiny_cpu(tmp_path, capsys):
@@ -20,19 +33,16 @@ def test_profile_tiny_cpu(tmp_path, capsys):
 
 
 def test_profile_mega_tiny_cpu(tmp_path):
-    # --mega: the default layer, whose forward is the megakernel between publish/schedule and combine
+    # --mega: the default layer, whose forward is the megakernel between publish/schedule and combine;
+    # --fwd-only: no backward stages (the backward is the one test_profile_tiny_cpu times)
     out = tmp_path / "stages.json"
-    assert main(["profile", "--mega", "--shapes", "tiny", "--tokens", "8", "--iters", "1", "--warmup", "0",
-                 "--out", str(out)]) == 0
-    row = json.loads(out.read_text())["rows"][0]
-    fwd = {k for k in row["stages_ms"] if k.startswith("fwd:")}
-    assert row["megakernel"] is True
-    assert fwd == {"fwd:publish+wait", "fwd:schedule", "fwd:wait_x", "fwd:megakernel", "fwd:signal+wait", "fwd:combine"}
-    # --fwd-only: the same forward stages and no backward ones
-    assert main(["profile", "--mega", "--fwd-only", "--shapes", "tiny", "--tokens", "8", "--iters", "2",
+    assert main(["profile", "--mega", "--fwd-only", "--shapes", "tiny", "--tokens", "8", "--iters", "1",
                  "--warmup", "0", "--out", str(out)]) == 0
     row = json.loads(out.read_text())["rows"][0]
-    assert set(row["stages_ms"]) == fwd and row["fwd_only"] is True and all(v > 0 for v in row["stages_ms"].values())
+    assert row["megakernel"] is True and row["fwd_only"] is True
+    assert set(row["stages_ms"]) == {"fwd:publish+wait", "fwd:schedule", "fwd:wait_x", "fwd:megakernel",
+                                     "fwd:signal+wait", "fwd:combine"}
+    assert all(v > 0 for v in row["stages_ms"].values())
 
 
 def _synthetic_trace():
@@ -40,9 +50,8 @@ def _synthetic_trace():
     program 1 at 1 GHz, starting 500 ns later, with one fill."""
     import torch
 
-    from tabby.ops.megakernel_fwd import TRACE_HEAD
+    from tabby_bench.trace import HEAD as H0
 
-    H0 = TRACE_HEAD.value
     tr = torch.zeros(2, H0 + 4 * 3, dtype=torch.int64)
     tr[0, :5] = torch.tensor([2, 1000, 2000, 0, 2000])
     tr[0, H0:H0 + 8] = torch.tensor([1, 100, 300, 1100, 2, 1300, 1300, 1700])
@@ -52,7 +61,7 @@ def _synthetic_trace():
 
 
 def test_trace_events_convert_cycles_per_program():
-    from tabby.profile import trace_events
+    from tabby_bench.trace import trace_events
 
     (span0, ev0), (span1, ev1) = trace_events(_synthetic_trace())
     assert span0[:3] == (0.0, 1.0, 2.0) and span1[:3] == (0.5, 1.5, 1.0)
@@ -62,7 +71,7 @@ def test_trace_events_convert_cycles_per_program():
 
 
 def test_summarize_trace_reads_times_per_kind():
-    from tabby.profile import format_trace, summarize_trace
+    from tabby_bench.trace import format_trace, summarize_trace
 
     s = summarize_trace(_synthetic_trace())
     assert s["tickets"] == 3 and s["overflow"] == 0 and abs(s["span_us"] - 1.5) < 1e-9
@@ -78,7 +87,7 @@ def test_summarize_trace_reads_times_per_kind():
 
 
 def test_plot_trace_draws_a_timeline(tmp_path):
-    from tabby.profile import plot_trace
+    from tabby_bench.trace import plot_trace
 
     out = tmp_path / "trace.png"
     plot_trace(_synthetic_trace(), str(out), "synthetic")

@@ -1,28 +1,39 @@
-"""`tabby tune`'s variant parsing (the timing itself needs a GPU)."""
-import pytest
+"""`tabby tune`'s variants (Tuning text) and its ticket-trace helper (the timing itself needs a GPU)."""
+import logging
 
-from tabby import cli
-from tabby.tune import DEFAULT_VARIANTS, parse_variant
+import pytest
+import torch
+
+from tabby.functional.config import MoEConfig, Tuning
+from tabby_bench import cli
+from tabby_bench.tune import DEFAULT_VARIANTS, best_mega_variant, parse_variant
+
+
+@pytest.fixture(autouse=True)
+def _restore_tabby_log():
+    log = logging.getLogger("tabby")
+    saved = log.level, list(log.handlers)
+    yield
+    log.setLevel(saved[0])
+    log.handlers[:] = saved[1]
 
 
 def test_parse_variant():
-    assert parse_variant("mega:C=16,R=4096") == ("mega", {"fwd_comm_programs": 16, "ring_rows": 4096})
-    assert parse_variant("sync-free") == ("sync-free", {})
-    assert parse_variant("mega:A=1") == ("mega", {"fwd_ablate": 1})
-    assert parse_variant("mega:T=1,Y=64") == ("mega", {"fwd_tma": 1, "tile_m": 64})
-    assert parse_variant("sync-free:Y=64") == ("sync-free", {"tile_m": 64})
-    assert parse_variant("mega:E=1,J=3") == ("mega", {"fwd_align_tiles": 1, "fwd_fill_stages": 3})
-    assert parse_variant("mega:X=0,G=0,O=0") == ("mega", {"fwd_ticket_ahead": 0, "fwd_poll_together": 0,
-                                                        "overlap_publish": 0})
-    assert parse_variant("mega:F=0,I=0") == ("mega", {"fwd_fill_table": 0, "fwd_tile_ready": 0})
-    assert parse_variant("mega:H=0") == ("mega", {"fwd_peer_flags": 0})
-    assert parse_variant("mega:LR=1") == ("mega", {"fwd_local_rows": 1})
+    v = parse_variant("mega:group_m=2,tma=0")
+    assert v.kind == "mega" and v.config == MoEConfig(tuning=Tuning(group_m=2, tma=False)) and v.ablate == 0
+    assert v.tuning_text == "group_m=2,tma=0"
+    v = parse_variant("sync-free:dispatch_rows=64")
+    assert v.config == MoEConfig(megakernel=False, tuning=Tuning(dispatch_rows=64))
+    v = parse_variant("mega:ablate=1,ring_rows=8192")
+    assert v.ablate == 1 and v.config.tuning == Tuning(ring_rows=8192)
+    assert parse_variant("mega:save_for_backward=0").config == MoEConfig(save_for_backward=False)
+    assert parse_variant("floor").config is None and parse_variant("mega").config == MoEConfig()
     for v in DEFAULT_VARIANTS:
         parse_variant(v)
 
 
-@pytest.mark.parametrize("bad", ["mega:Q=1,Oops=2", "mega:h=1", "mega:C=x", "fast", "floor:C=1", "floor:Y=64",
-                                 "sync-free:M=2"])
+@pytest.mark.parametrize("bad", ["mega:tile_ready=0", "mega:group_m=x", "mega:M=2", "fast", "floor:tile_m=64",
+                                 "sync-free:ablate=1", "mega:ablate=-1", "mega:tma=2"])
 def test_bad_variants_are_rejected(bad):
     with pytest.raises(ValueError):
         parse_variant(bad)
@@ -30,14 +41,12 @@ def test_bad_variants_are_rejected(bad):
 
 def test_cli_rejects_bad_variant(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["tune", "--variants", "mega:h=1"])
-    assert "bad knob" in capsys.readouterr().err
+        cli.main(["tune", "--variants", "mega:early_ticket=1"])
+    assert "early_ticket" in capsys.readouterr().err
 
 
 def test_tune_needs_a_gpu(monkeypatch):
-    import torch
-
-    from tabby import tune
+    from tabby_bench import tune
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a GPU"):
@@ -49,63 +58,38 @@ def _res(rows):
 
 
 def test_best_mega_variant_by_geometric_mean_over_runs():
-    from tabby.tune import best_mega_variant
-
-    a = _res([("sync-free", 10.0, True), ("mega", 9.0, True), ("mega:M=2", 6.0, True), ("mega:A=1", 1.0, None),
-              ("mega:B=128", 5.0, False)])  # ablations and wrong outputs never win
-    b = _res([("sync-free", 10.0, True), ("mega", 9.0, True), ("mega:M=2", 12.0, True), ("mega:A=1", 1.0, None),
-              ("mega:B=128", 5.0, True)])
-    assert best_mega_variant([a]) == "M=2"
-    assert best_mega_variant([a, b]) == "M=2"  # 0.6 * 1.2 = 0.72 < 0.9 * 0.9 = 0.81
-    c = _res([("sync-free", 10.0, True), ("mega", 9.0, True), ("mega:M=2", None, None)])  # M=2 failed here
+    a = _res([("sync-free", 10.0, True), ("mega", 9.0, True), ("mega:group_m=2", 6.0, True),
+              ("mega:ablate=1", 1.0, None), ("mega:tma=0", 5.0, False), ("mega:save_for_backward=0", 2.0, True)])
+    b = _res([("sync-free", 10.0, True), ("mega", 9.0, True), ("mega:group_m=2", 12.0, True),
+              ("mega:ablate=1", 1.0, None), ("mega:tma=0", 5.0, True), ("mega:save_for_backward=0", 2.0, True)])
+    # ablations, wrong outputs and a config outside Tuning never win
+    assert best_mega_variant([a]) == "group_m=2"
+    assert best_mega_variant([a, b]) == "group_m=2"  # 0.6 * 1.2 = 0.72 < 0.9 * 0.9 = 0.81
+    c = _res([("sync-free", 10.0, True), ("mega", 9.0, True), ("mega:group_m=2", None, None)])  # failed here
     assert best_mega_variant([a, b, c]) == ""  # plain "mega" (the defaults) is the only one that ran everywhere
-    assert best_mega_variant([_res([("sync-free", 10.0, True), ("mega:A=2", 1.0, None)])]) is None
+    assert best_mega_variant([_res([("sync-free", 10.0, True), ("mega:ablate=2", 1.0, None)])]) is None
 
 
-def test_bench_mega_variant_from_the_environment(monkeypatch):
-    from tabby import bench
-
-    monkeypatch.setenv("TABBY_MEGA_VARIANT", "M=2,B=128")
-    bench.register_tabby()
-    cfg = bench.IMPLS["tabby"].fn.keywords["config"]
-    assert cfg.megakernel and cfg.fwd_group_m == 2 and cfg.fwd_down_bn == 128
-    assert not bench.IMPLS["tabby-sync-free"].fn.keywords["config"].megakernel
-    monkeypatch.setenv("TABBY_MEGA_VARIANT", "h=1")
-    bench.register_tabby()
-    with pytest.raises(RuntimeError, match="TABBY_MEGA_VARIANT"):
-        bench.IMPLS["tabby"].prepare(None, None)
-    monkeypatch.delenv("TABBY_MEGA_VARIANT")
-    bench.register_tabby()
-    from tabby.functional.config import MoEConfig
-
-    # no knobs: tabby.moe with its default config, which is the megakernel
-    assert not getattr(bench.IMPLS["tabby"].fn, "keywords", None) and MoEConfig().megakernel
-
-
-def test_trace_variant_summarizes_and_draws_a_real_trace(tmp_path, monkeypatch):
+def test_trace_variant_summarizes_and_draws_a_real_trace(tmp_path):
     # --trace's helper on a CPU run of the megakernel (interpreted: clocks read 0, so only the
-    # ticket counts mean anything): summary and timeline from the trace the launch left
-    import torch
+    # ticket counts mean anything): summary and timeline from the trace the probe brings back
+    from tabby.functional.moe import moe_with_probe
+    from tabby_bench import tune
+    from tabby_bench.shapes import TINY, make_routing, make_weights
 
-    import tabby
-    from tabby import tune
-    from tabby.functional.config import MoEConfig
-    from tabby.shapes import TINY, make_routing, make_weights
-
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     g = torch.Generator().manual_seed(0)
     T = 12
     x = torch.randn(T, TINY.H, generator=g).bfloat16()
     idx, wts = make_routing(T, TINY.E, TINY.k, generator=g)
     ws, sh = make_weights(TINY, TINY.E, generator=g)
-    cfg = MoEConfig(tile_m=16, megakernel=True, fwd_programs=2, ring_rows=64)
+    cfg = MoEConfig(tuning=Tuning(tile_m=16, programs=2, ring_rows=64))
 
-    def run(c):
+    def run(probe):
         with torch.no_grad():
-            return tabby.moe(x, idx, wts, *ws, shared=sh, config=c)
+            return moe_with_probe(x, idx, wts, *ws, shared=sh, config=cfg, probe=probe)
 
     plot = tmp_path / "trace.png"
-    s = tune._trace_variant(run, cfg, 64, str(plot), "tiny")
+    s = tune._trace_variant(run, 64, 0, str(plot), "tiny")
     assert s["programs"] == 2 and s["tickets"] > 0 and s["kinds"]["gate/up"]["n"] > 0
     assert s["kinds"]["shared gate/up"]["n"] > 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
