@@ -3,13 +3,14 @@ orders, against a plain HBM copy of the same bytes (the ceiling). One GPU, ~10 s
 
     python scripts/combine_bench.py
 
-Every variant gives the same bits (checked here too); the fastest should become combine_k's default.
+Every variant gives the same bits (checked here too); combine_k's defaults are the fastest measured
+(docs/performance.md, "Combine").
 """
 import torch
 import triton.testing
 
 from tabby.ops.combine import combine_k
-from tabby.shapes import SHAPES
+from tabby_bench.shapes import SHAPES
 
 VARIANTS = [  # (tokens, columns) per program, column blocks adjacent in launch order, warps
     ((16, 256), False, 4), ((16, 256), True, 4), ((8, 512), True, 4), ((4, 1024), True, 4),

@@ -4,8 +4,9 @@
 
 Every rank first enqueues a long GPU sleep, then ``--calls`` forwards: the launch queue then never
 drains, so the host's time per call is its own (no waiting on the GPU), measured plainly and then
-again under cProfile (rank 0's top functions printed; cProfile inflates Python time). Why: at
-qwen3-30b-a3b 4096 the host's ~0.8-1.4 ms per forward reached the GPU's 0.87 ms (session 9).
+again under cProfile (rank 0's top functions printed; cProfile inflates Python time). Where a
+forward is short (qwen3-30b-a3b 4096), the host's time per call can reach the GPU's
+(docs/performance.md, "Host overhead").
 """
 import argparse
 import cProfile
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-from tabby.launch import launch
+from tabby_bench.launch import launch
 
 
 def _host_ms(fwd, calls, sleep_cycles):
@@ -33,11 +34,10 @@ def worker(rank, world, shape, T, calls, top):
     import torch.distributed as dist
 
     import tabby
-    from tabby import bench
-    from tabby.shapes import SHAPES
+    from tabby_bench.shapes import SHAPES, make_inputs
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    inp = bench.make_inputs(SHAPES[shape], T, world, rank, dev)
+    inp = make_inputs(SHAPES[shape], T, world, rank, dev)
     group = dist.group.WORLD if world > 1 else None
 
     def fwd():

@@ -18,31 +18,31 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tabby import bench  # noqa: E402
-from tabby.functional import moe as moe_mod  # noqa: E402
-from tabby.launch import launch  # noqa: E402
-from tabby.shapes import SHAPES  # noqa: E402
+from tabby_bench.launch import launch  # noqa: E402
+from tabby_bench.shapes import SHAPES, make_inputs  # noqa: E402
 
 
-def _rank(rank, world, shape_name, T, n_fwd, config_kw):
+def _rank(rank, world, shape_name, T, n_fwd, megakernel, tuning):
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from tabby.functional.config import MoEConfig
+    import tabby
+    from tabby.functional.config import MoEConfig, Tuning
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    inp = bench.make_inputs(SHAPES[shape_name], T, world, rank, dev)
+    inp = make_inputs(SHAPES[shape_name], T, world, rank, dev)
     group = dist.group.WORLD if world > 1 else None
-    cfg = MoEConfig(**config_kw)
+    cfg = MoEConfig(megakernel=megakernel, tuning=Tuning.parse(tuning))
 
     def fwd():
-        return moe_mod.moe(inp.x, inp.topk_idx, inp.topk_weights, inp.w_gate, inp.w_up, inp.w_down,
-                           shared=inp.shared, group=group, config=cfg)
+        return tabby.moe(inp.x, inp.topk_idx, inp.topk_weights, inp.w_gate, inp.w_up, inp.w_down,
+                         shared=inp.shared, group=group, config=cfg)
 
     for _ in range(5):
         fwd()
     torch.cuda.synchronize()
-    dist.barrier()
+    if world > 1:
+        dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n_fwd):
             fwd()
@@ -78,14 +78,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-30b-a3b")
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--ep", type=int, default=None, help="EP size (default: every GPU)")
     ap.add_argument("--n-fwd", type=int, default=5)
-    ap.add_argument("--megakernel", type=int, default=1)
+    ap.add_argument("--megakernel", type=int, default=1, help="1: the forward megakernel, 0: the sync-free path")
+    ap.add_argument("--tuning", default="", help="a tabby Tuning, e.g. 'group_m=2,tma=0' (default: the heuristics)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    per_rank = launch(_rank, a.shape, a.tokens, a.n_fwd, dict(megakernel=bool(a.megakernel)), nprocs=a.ep)
-    result = dict(shape=a.shape, tokens=a.tokens, ep=a.ep, commit=os.environ.get("TABBY_GIT_COMMIT", "unknown"),
-                  ranks=[])
+    a.ep = a.ep or torch.cuda.device_count()
+    per_rank = launch(_rank, a.shape, a.tokens, a.n_fwd, bool(a.megakernel), a.tuning, nprocs=a.ep)
+    result = dict(shape=a.shape, tokens=a.tokens, ep=a.ep, megakernel=bool(a.megakernel), tuning=a.tuning,
+                  commit=os.environ.get("TABBY_GIT_COMMIT", "unknown"), ranks=[])
     for rank, kernels in enumerate(per_rank):
         fwds = per_forward(kernels, a.n_fwd)
         mid = fwds[len(fwds) // 2]
