@@ -1,0 +1,148 @@
+"""Tabby as an experts backend of HuggingFace transformers (5.x).
+
+transformers' MoE models (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, ...) keep their routed
+experts in one module with ``gate_up_proj [E, 2I, H]`` (gate rows first) and
+``down_proj [E, H, I]``, whose forward is looked up by name in ``transformers.integrations.moe.
+ExpertsInterface`` (``experts_implementation=...`` at load, or ``model.set_experts_implementation``)::
+
+    import tabby.integrations.transformers as tabby_hf
+    tabby_hf.register()                          # adds "tabby" to the registry
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16, experts_implementation="tabby")
+
+The backend reads ``gate_up_proj`` and ``down_proj`` from the module (the gate and up halves go to
+Tabby as views, no copy) and runs ``torch.ops.tabby.moe``, so ``torch.compile(fullgraph=True)``
+keeps the experts in the graph. Routing slots whose expert id is outside the module's experts
+(the sentinels that transformers' own expert-parallel plan writes, or -1) contribute nothing.
+Tabby computes in bf16: other dtypes are cast per call (a copy of the weights each call; load the
+model in bf16). Experts that are not SwiGLU with concatenated, untransposed weights and no bias
+(e.g. gpt-oss) run transformers' ``grouped_mm`` instead, with a warning.
+
+Expert parallelism through Tabby's own dispatch (every rank its own tokens; the experts sharded
+over ``group``; no replicated tokens, no all-reduce of the outputs): ``shard_experts(model,
+group)`` keeps rank r's ``E / W`` experts of every experts module, and the backend then passes the
+router's global expert ids and the group to Tabby. Use it *instead of* transformers' tensor/expert
+parallel plan (``tp_plan``). The rest of the model is replicated over ``group``: wrap it for data
+parallelism as usual, with the experts left out of the data-parallel reduction over ``group``
+(each rank's experts are its own; their gradients already hold every rank's tokens), e.g. FSDP2::
+
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, experts_implementation="tabby")
+    tabby_hf.shard_experts(model, ep_group)
+    for layer in model.model.layers:            # experts: sharded over the data-parallel replicas
+        fully_shard(layer.mlp.experts, mesh=dp_mesh)   # of the expert-parallel group (if any)
+    fully_shard(model, mesh=world_mesh, ignored_params=expert_params)  # the rest over every rank
+
+Each rank must make the same Tabby calls in the same order (same number of layers and steps;
+the token count per rank may differ only between steps, not between ranks).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from ..functional import custom_op
+from ..functional.config import MoEConfig
+from ..nn.convert import local_experts
+from ..nn.experts import group_rank_size, skip_invalid_ids, split_gate_up
+
+log = logging.getLogger("tabby")
+
+NAME = "tabby"
+_config_string = ""
+_warned: set = set()
+
+
+def _supported(module: nn.Module) -> str | None:
+    """Why the module's experts are not Tabby's SwiGLU (None: they are)."""
+    from transformers.integrations.moe import _default_apply_gate  # (imported already: register)
+
+    if not getattr(module, "has_gate", True):
+        return "experts without a gate projection"
+    if getattr(module, "has_bias", False):
+        return "experts with biases"
+    if getattr(module, "is_transposed", False):
+        return "transposed expert weights"
+    if not getattr(module, "is_concatenated", True):
+        return "interleaved gate/up weights"
+    apply_gate = getattr(type(module), "_apply_gate", _default_apply_gate)
+    if apply_gate is not _default_apply_gate:
+        return "a custom gating function"
+    act = getattr(module, "act_fn", None)
+    if act is not None and not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+        return f"activation {type(act).__name__} (Tabby's experts are SwiGLU)"
+    if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
+        return "no gate_up_proj / down_proj parameters"
+    return None
+
+
+def tabby_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"tabby"`` entry of transformers' ``ExpertsInterface``: ``[T, H]`` -> ``[T, H]``."""
+    why = _supported(self)
+    if why is not None:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        key = (type(self).__name__, why)
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("tabby experts backend: %s has %s; using transformers' grouped_mm for it",
+                        type(self).__name__, why)
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    gate_up, down = self.gate_up_proj, self.down_proj
+    rank, world = getattr(self, "tabby_rank_size", (0, 1))
+    E_local = gate_up.shape[0]
+    idx, weights = skip_invalid_ids(top_k_index, top_k_weights, E_local * world, rank * E_local, E_local)
+    bf16 = torch.bfloat16
+    w_gate, w_up = split_gate_up(gate_up if gate_up.dtype == bf16 else gate_up.to(bf16))
+    w_down = down if down.dtype == bf16 else down.to(bf16)
+    x = hidden_states if hidden_states.dtype == bf16 else hidden_states.to(bf16)
+    y = custom_op.moe(x, idx, weights, w_gate, w_up, w_down, group=getattr(self, "tabby_group_name", ""),
+                      config=getattr(self, "tabby_config_string", _config_string))
+    return y.to(hidden_states.dtype)
+
+
+def register(config: MoEConfig | None = None, name: str = NAME) -> None:
+    """Add ``name`` ("tabby") to transformers' experts registry (``ExpertsInterface``), so that
+    ``experts_implementation="tabby"`` (``from_pretrained``, ``from_config``,
+    ``set_experts_implementation``) runs every experts module through Tabby. ``config``: the
+    ``tabby.MoEConfig`` of every call (None: the defaults; per module: ``set_config``)."""
+    global _config_string
+    from transformers.integrations.moe import ExpertsInterface
+
+    _config_string = custom_op.config_string(config)
+    ExpertsInterface.register(name, tabby_experts_forward)
+
+
+def experts_modules(model: nn.Module):
+    """The experts modules of a transformers model (those with ``gate_up_proj`` and ``down_proj``
+    parameters that choose their forward through ``experts_implementation``)."""
+    for m in model.modules():
+        if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and isinstance(
+                getattr(m, "down_proj", None), nn.Parameter) and hasattr(m, "has_gate"):
+            yield m
+
+
+def set_config(model: nn.Module, config: MoEConfig | None) -> None:
+    """Use ``config`` for the Tabby calls of every experts module of ``model``."""
+    text = custom_op.config_string(config)
+    for m in experts_modules(model):
+        m.tabby_config_string = text
+
+
+def shard_experts(model: nn.Module, group) -> nn.Module:
+    """Expert parallelism through Tabby: every experts module of ``model`` keeps only this rank's
+    ``E / W`` experts (``gate_up_proj`` and ``down_proj`` sliced, ``[r E/W, (r+1) E/W)``) and
+    passes the router's global expert ids and ``group`` (a process group, or a ``ThreadRank`` of
+    simulated ranks) to Tabby. Every rank must hold the same full weights before the call (same
+    seed or checkpoint). Returns the model."""
+    rank, world = group_rank_size(group)
+    name = custom_op.group_name(group)
+    for m in experts_modules(model):
+        with torch.no_grad():
+            for pname in ("gate_up_proj", "down_proj"):
+                p = getattr(m, pname)
+                setattr(m, pname, nn.Parameter(local_experts(p.detach(), rank, world).clone(),
+                                               requires_grad=p.requires_grad))
+        m.tabby_group, m.tabby_group_name, m.tabby_rank_size = group, name, (rank, world)
+    return model
