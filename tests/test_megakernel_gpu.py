@@ -1,11 +1,11 @@
 """The forward megakernel (MoEConfig(megakernel=True)) on the GPU. Skips without a GPU.
 
-Run on 2 x H200 in session 2 (bench/results/mega-tests-*.log); the kernels themselves are also
-tested under the interpreter in test_megakernel_cpu.py. Per config (the defaults; split mode with
-1, 16 and half the grid's communication programs; a small ring that wraps; pointer loads with a
-recomputing backward): values and gradients against the reference,
-y bitwise equal to the sync-free path's, bitwise determinism, no host sync, CUDA-graph replay, and
-the forward time of both paths (printed, not asserted).
+The kernels themselves are also tested under the interpreter in test_megakernel_cpu.py. Per
+config (the defaults; TMA with 4- and 8-warp programs; comm programs: 1, 16 and half the grid; a
+small ring that wraps; down tickets of 4 column tiles; pointer loads with a recomputing backward;
+every row filled; the token pull): values and gradients against the reference, y bitwise equal to
+the sync-free path's, bitwise determinism, no host sync, CUDA-graph replay, and the forward time
+of both paths (printed, not asserted).
 """
 import dataclasses
 import functools
@@ -31,31 +31,32 @@ def _sm_count():
 
 
 def _configs():
-    from tabby.functional.config import MoEConfig
+    from tabby.functional.config import MoEConfig, Tuning
+
+    def mega(**tuning):
+        return MoEConfig(megakernel=True, tuning=Tuning(**tuning))
 
     return {
-        # the defaults: groups of 4 row tiles, saved rows (pointer loads at these sizes: fwd_tma=None)
-        "merged": MoEConfig(megakernel=True),
-        "merged-tma": MoEConfig(megakernel=True, fwd_tma=True, fwd_pull_cols=2048),  # 4 warps at I <= 768
+        # the defaults: groups of row tiles, saved rows (pointer loads at these sizes: no TMA)
+        "merged": mega(),
+        "merged-tma": mega(tma=True),  # 4-warp programs at I <= 768, local rows
         # with TMA and I <= 768 the defaults run two 4-warp programs per SM; one 8-warp program per SM
-        "tma-8warps": MoEConfig(megakernel=True, fwd_tma=True, fwd_num_warps=8),
-        "split16": MoEConfig(megakernel=True, fwd_comm_programs=16, fwd_tma=True),
-        # one communication program, and half the grid
-        "split1": MoEConfig(megakernel=True, fwd_comm_programs=1),
-        "split-half": MoEConfig(megakernel=True, fwd_comm_programs=_sm_count() // 2),
-        "small-ring": MoEConfig(megakernel=True, ring_rows=256, fwd_prefetch=1, fwd_tma=True),
+        "tma-8warps": mega(tma=True, num_warps=8),
+        "split16": mega(comm_programs=16, tma=True),
+        # one comm program, and half the grid
+        "split1": mega(comm_programs=1),
+        "split-half": mega(comm_programs=_sm_count() // 2),
+        "small-ring": mega(ring_rows=256, prefetch=1, tma=True),
         # down tickets of 4 column tiles in one K loop (TMA); the defaults run 2 at I <= 1024, so
         # "merged" covers 2 with pointer loads (one column tile after another)
-        "down-cols4": MoEConfig(megakernel=True, fwd_tma=True, fwd_num_warps=8, fwd_down_cols=4),
+        "down-cols4": mega(tma=True, num_warps=8, down_cols=4),
         # pointer loads, and a backward that replays dispatch and gate/up
-        "recompute": MoEConfig(megakernel=True, fwd_tma=False, fwd_save_for_backward=False),
+        "recompute": MoEConfig(megakernel=True, save_for_backward=False, tuning=Tuning(tma=False)),
         # every row filled, gate/up reading them all through TMA (with TMA the default reads this
-        # rank's rows from x: fwd_local_rows)
-        "fill-local-rows": MoEConfig(megakernel=True, fwd_tma=True, fwd_local_rows=False),
-        # the next ticket taken before a GEMM's epilogue, polled before the release (off by default)
-        "early-ticket": MoEConfig(megakernel=True, fwd_tma=True, fwd_early_ticket=True),
+        # rank's rows from x: local rows)
+        "fill-local-rows": mega(tma=True, local_rows=False),
         # the peers' x pulled whole by a copy engine beside the kernel, no fills (stream memory ops)
-        "pull-tokens": MoEConfig(megakernel=True, fwd_tma=True, fwd_pull_tokens=True),
+        "pull-tokens": mega(tma=True, pull_tokens=True),
     }
 
 

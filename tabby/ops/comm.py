@@ -53,9 +53,8 @@ def wait_peers_kernel(my_flags, epoch_ptr, slot, rank, W, wait_budget, err_ptr, 
 @triton.jit
 def signal_wait_peers_kernel(flag_ptrs, my_flags, epoch_ptr, slot, rank, W, wait_budget, err_ptr, code,
                              BUMP: tl.constexpr):
-    """``signal_peers_kernel`` then ``wait_peers_kernel`` in one launch: a Triton launch costs the
-    host ~30-50 us (cProfile at qwen3-30b-a3b 4096, where the host's ~0.8-1.4 ms per forward reached
-    the GPU's time), and every pass signals and waits two or three times."""
+    """``signal_peers_kernel`` then ``wait_peers_kernel`` in one launch: every pass signals and
+    waits two or three times, and each Triton launch costs host time, which small shapes feel."""
     epoch = _epoch(epoch_ptr, BUMP)
     _signal_peers(flag_ptrs, epoch, slot, rank, W)
     _wait_peers(my_flags, epoch, slot, rank, W, wait_budget, err_ptr, code)
@@ -105,10 +104,10 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     the registers of one block hold; 1: one block of loads, then its stores.
     WP > 0 (a power of two >= W, the number of ranks): the address tables are loaded whole, in the
     same round trip as ``row_src``, and each row picks its entry in registers; WP = 0: each row's
-    entry is loaded after its ``row_src`` (one more dependent round trip, ~1-2 us under load).
+    entry is loaded after its ``row_src`` (one more dependent round trip).
     SKIP_EMPTY: a block of padding rows only (real rows are a prefix, so: its first row < 0) is not
     written at all. SKIP_RANK: rows from ``rank`` are neither read nor written (their weights
-    are): the forward megakernel's gate/up tiles read them from x (``MoEConfig.fwd_local_rows``).
+    are): the forward megakernel's gate/up tiles read them from x (its plan's ``local_rows``).
     ONLY_RANK: the other way round, only rows from ``rank`` are copied (the backward fills them in).
     """
     rows = tile * BR + tl.arange(0, BR)
@@ -122,11 +121,11 @@ def pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out,
     rs = tl.load(row_src + rows)
     if SKIP_EMPTY:
         if tl.max(rs, axis=0) >= 0:
-            _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH, WITH_WEIGHTS, ROWS_16B,
-                       STAGES, WP, SKIP_RANK, rank, ONLY_RANK)
+            _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH=BH, WITH_WEIGHTS=WITH_WEIGHTS,
+                       ROWS_16B=ROWS_16B, STAGES=STAGES, WP=WP, SKIP_RANK=SKIP_RANK, rank=rank, ONLY_RANK=ONLY_RANK)
     else:
-        _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH, WITH_WEIGHTS, ROWS_16B,
-                   STAGES, WP, SKIP_RANK, rank, ONLY_RANK)
+        _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH=BH, WITH_WEIGHTS=WITH_WEIGHTS,
+                   ROWS_16B=ROWS_16B, STAGES=STAGES, WP=WP, SKIP_RANK=SKIP_RANK, rank=rank, ONLY_RANK=ONLY_RANK)
 
 
 @triton.jit
@@ -166,9 +165,9 @@ def _pull_rows(rows, rs, src_ptrs, tab, dst, H, TK, k, w_ptrs, wtab, ws_out, BH:
         else:
             keep = ~valid | (src != rank)
         if tl.sum((valid & ~keep).to(tl.int32), axis=0) > 0:  # some row to copy
-            _copy_row_cols(src_row, dst_row, valid, H, BH, STAGES, True, keep)
+            _copy_row_cols(src_row, dst_row, valid, H, BH=BH, STAGES=STAGES, KEEP=True, keep=keep)
     else:
-        _copy_row_cols(src_row, dst_row, valid, H, BH, STAGES)
+        _copy_row_cols(src_row, dst_row, valid, H, BH=BH, STAGES=STAGES)
     if WITH_WEIGHTS:
         tl.store(ws_out + rows, wv)
 
@@ -180,10 +179,10 @@ def _copy_row_cols(src_row, dst_row, valid, H, BH: tl.constexpr, STAGES: tl.cons
     STAGES > 1."""
     if STAGES > 1:
         for h0 in tl.range(0, H, BH, num_stages=STAGES):
-            _copy_cols(src_row, dst_row, valid, h0, H, BH, KEEP, keep)
+            _copy_cols(src_row, dst_row, valid, h0, H, BH=BH, KEEP=KEEP, keep=keep)
     else:
         for h0 in range(0, H, BH):
-            _copy_cols(src_row, dst_row, valid, h0, H, BH, KEEP, keep)
+            _copy_cols(src_row, dst_row, valid, h0, H, BH=BH, KEEP=KEEP, keep=keep)
 
 
 @triton.jit
@@ -202,8 +201,9 @@ def pull_rows_kernel(row_src, num_tiles_ptr, src_ptrs, dst, H, TK, k, w_ptrs, ws
     n_rows = tl.load(num_tiles_ptr) * TILE_ROWS
     n_tiles = tl.cdiv(n_rows, BR)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out, BR, BH, WITH_WEIGHTS, ROWS_16B,
-                       1, 1, 0, False, False, rank, ONLY_RANK)
+        pull_rows_tile(tile, row_src, src_ptrs, dst, H, TK, k, w_ptrs, ws_out, BR=BR, BH=BH, WITH_WEIGHTS=WITH_WEIGHTS,
+                       ROWS_16B=ROWS_16B, STAGES=1, W=1, WP=0, SKIP_EMPTY=False, SKIP_RANK=False, rank=rank,
+                       ONLY_RANK=ONLY_RANK)
 
 
 @triton.jit

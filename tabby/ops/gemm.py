@@ -39,10 +39,7 @@ Notes for callers of the tile functions (the megakernel):
 - Each tile function checks ``tile_expert`` / ``num_tiles`` itself and does nothing for an unused
   tile; ``grouped_tile`` maps a linear id to (m, n) in L2-friendly groups of GROUP_M row tiles.
 
-Measured on one H200 (non-persistent thin kernels, triton 3.6, 64 local experts, H=2048,
-I=768, 65536 routed rows): gate_up_swiglu 556 TFLOP/s, down_push 481 (local store 546),
-down_dgrad_swiglu_bwd 379, gate_up_dgrad_push 558 (local 616), expert_wgrad 533-600;
-torch._grouped_mm on the same rows 577, dense mm 722. Run-to-run spread is about +-8%.
+The tiles of ``default_config`` are measured choices (docs/performance.md, "GEMM tiles").
 """
 from __future__ import annotations
 
@@ -93,7 +90,7 @@ def default_config(kind: str = KIND_DOWN, N: int | None = None, K: int | None = 
     are free). ``M`` is only used by ``KIND_WGRAD`` (rows of each C[e]).
     """
     if kind == KIND_GATE_UP:
-        # A 128x64 + 2 x (128x64) B per stage = 48 KB; 3 stages = 144 KB (4 measured no faster).
+        # A 128x64 + 2 x (128x64) B per stage = 48 KB; 3 stages = 144 KB
         BN = 128 if N is None or N > 64 else 64
         return GemmConfig(BM=BM, BN=BN, BK=64, num_warps=8, num_stages=3, GROUP_M=8)
     if kind == KIND_DGRAD_SWIGLU:
@@ -104,7 +101,7 @@ def default_config(kind: str = KIND_DOWN, N: int | None = None, K: int | None = 
         stages = 3 if BN == 256 else 4
         return GemmConfig(BM=BM, BN=BN, BK=64, num_warps=8, num_stages=stages, GROUP_M=8)
     if kind == KIND_WGRAD:
-        # K runs over an expert's rows; BK=32 with 4 stages measured best (BN=256).
+        # K runs over an expert's rows: BK=32 with 4 stages
         BN = 256 if N is None or N >= 256 else max(16, triton.next_power_of_2(N))
         return GemmConfig(BM=128, BN=BN, BK=32, num_warps=8, num_stages=4, GROUP_M=8)
     raise ValueError(f"unknown GEMM kind {kind!r}")
@@ -559,10 +556,13 @@ def rows_gemm_tile(pid_m, pid_n,
         if TILE_M > 0:
             blk = pid_m * (TILE_M // BM)
         if USE_TMA:
-            acc = _rows_mainloop_tma(blk, pid_n, e, a_desc, b_desc, K, BM, BN, BK, B_NK, INTERPRET, a_row_shift)
+            acc = _rows_mainloop_tma(blk, pid_n, e, a_desc, b_desc, K=K, BM=BM, BN=BN, BK=BK, B_NK=B_NK,
+                                     INTERPRET=INTERPRET, a_row_shift=a_row_shift)
         else:
-            acc = _rows_mainloop(blk, pid_n, e, a_ptr, a2_ptr, stride_am, b_ptr, b2_ptr, stride_be, stride_be2,
-                                 stride_bo, N, K, K2, BM, BN, BK, B_NK, TWO_PHASE, EVEN_K, INTERPRET)
+            acc = _rows_mainloop(blk, pid_n, e, a_ptr=a_ptr, a2_ptr=a2_ptr, stride_am=stride_am, b_ptr=b_ptr,
+                                 b2_ptr=b2_ptr, stride_be=stride_be, stride_be2=stride_be2, stride_bo=stride_bo, N=N,
+                                 K=K, K2=K2, BM=BM, BN=BN, BK=BK, B_NK=B_NK, TWO_PHASE=TWO_PHASE, EVEN_K=EVEN_K,
+                                 INTERPRET=INTERPRET)
         if PUSH:
             _push_rows(acc, blk, pid_n, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, N, BM, BN, DST_DTYPE)
         else:
@@ -722,8 +722,10 @@ def down_dgrad_swiglu_tile(pid_m, pid_n,
     """
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
     if e >= 0:
-        acc = _rows_mainloop(pid_m, pid_n, e, dys_ptr, dys_ptr, stride_dym, wd_ptr, wd_ptr, stride_we, stride_we, stride_wh,
-                             I, H, 0, BM, BN, BK, False, False, EVEN_K, INTERPRET)
+        acc = _rows_mainloop(pid_m, pid_n, e, a_ptr=dys_ptr, a2_ptr=dys_ptr, stride_am=stride_dym, b_ptr=wd_ptr,
+                             b2_ptr=wd_ptr, stride_be=stride_we, stride_be2=stride_we, stride_bo=stride_wh, N=I, K=H,
+                             K2=0, BM=BM, BN=BN, BK=BK, B_NK=False, TWO_PHASE=False, EVEN_K=EVEN_K,
+                             INTERPRET=INTERPRET)
         rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
         w = tl.load(ws_ptr + rows)
         if EPI_SPLIT:

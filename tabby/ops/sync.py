@@ -89,7 +89,6 @@ def poll2(cnt_ptr, idx1, target1, idx2, target2, NW: tl.constexpr):
     on = ((lane == 0) & (idx1 >= 0)) | ((lane == 32) & (idx2 >= 0))
     idx = tl.where(lane < 32, idx1, idx2)
     seen = tl.atomic_add(cnt_ptr + tl.maximum(idx, 0), tl.zeros_like(lane), mask=on, sem="acquire", scope="gpu")
-    lane = tl.arange(0, 32 * NW)
     short = ((lane == 0) & (idx1 >= 0) & (seen < target1)) | ((lane == 32) & (idx2 >= 0) & (seen < target2))
     return tl.max(short.to(tl.int32), axis=0) == 0
 
@@ -121,7 +120,6 @@ def signal_take(cnt_ptr, idx, release, ticket_idx, NW: tl.constexpr):
     got = tl.atomic_add(cnt_ptr + ticket_idx + tl.zeros_like(lane), tl.full(lane.shape, 1, tl.int32),
                         mask=lane == 64, sem="relaxed", scope="gpu")
     signal(cnt_ptr, idx, release)
-    lane = tl.arange(0, 32 * NW)
     return tl.max(tl.where(lane == 64, got, -1), axis=0)
 
 
