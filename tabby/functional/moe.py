@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from ..ops import check_device
 from ..ops.schedule import schedule_capacity
 from ..validate import MoEDims, MoEInputError, check_inputs
 from .backward import moe_backward
@@ -135,6 +136,7 @@ def _moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
     rank, W, pg, tg = _group_info(group)
     dims = check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, world_size=W,
                         check_ids=False, dtypes=(torch.bfloat16,))
+    check_device(x.device)
     if W > 1 and tg is None and x.device.type != "cuda":
         raise MoEInputError("Tabby across processes needs CUDA tensors (GPU symmetric memory); on the CPU "
                             "run one rank, or simulated ranks (tabby.functional.threads.run_ranks)")
