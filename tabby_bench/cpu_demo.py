@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -251,13 +250,13 @@ def _collective_cases(rank: int, world: int, cases: list, progress: _Progress) -
         progress.emit(_record(case, result, err, time.perf_counter() - t0))
 
 
-def _tabby_case(case: Case) -> tuple:
+def _tabby_case(case: Case, tuning: str = "") -> dict:
     import tabby
-    from tabby.functional.config import MoEConfig
+    from tabby.functional.config import MoEConfig, Tuning
     from tabby.functional.threads import run_ranks
 
     problem = make_problem(case.shape, case.T, case.ep)
-    config = MoEConfig(megakernel=case.impl == "tabby")
+    config = MoEConfig(megakernel=case.impl == "tabby", tuning=Tuning.parse(tuning))
 
     def fn(*args, **kw):
         return tabby.moe(*args, **kw, config=config)
@@ -268,14 +267,14 @@ def _tabby_case(case: Case) -> tuple:
     return compare(whole, problem.reference())
 
 
-def cpu_worker(rank: int, world: int, collective: list, mine: list, tmp: str, total: int) -> None:
+def cpu_worker(rank: int, world: int, collective: list, mine: list, tmp: str, total: int, tuning: str) -> None:
     _quiet()
     progress = _Progress(tmp, rank, total)
     _collective_cases(rank, world, collective, progress)
     for case in mine[rank]:
         t0 = time.perf_counter()
         try:
-            result, err = _tabby_case(case), None
+            result, err = _tabby_case(case, tuning), None
         except Exception as e:  # noqa: BLE001 -- recorded, the others go on
             result, err = None, f"{type(e).__name__}: {e}"[:2000]
         progress.emit(_record(case, result, err, time.perf_counter() - t0))
@@ -333,11 +332,13 @@ def run(cfg) -> dict:
           flush=True)
     if skipped:
         print(f"(not on the CPU: {', '.join(skipped)} need a GPU)", flush=True)
+    if cfg.tuning:
+        print(f"tabby rows with Tuning({cfg.tuning})", flush=True)
     threads = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     os.environ.update({k: "1" for k in threads})  # one thread per worker process: they share the cores
     try:
         with tempfile.TemporaryDirectory(prefix="tabby-bench-cpu-") as tmp:
-            launch(cpu_worker, collective, mine, tmp, len(cases), nprocs=world, cpu=True)
+            launch(cpu_worker, collective, mine, tmp, len(cases), cfg.tuning, nprocs=world, cpu=True)
             records = []
             for name in sorted(os.listdir(tmp)):
                 if name.startswith("records-"):
@@ -355,7 +356,8 @@ def run(cfg) -> dict:
     result = dict(schema="tabby-bench/1", mode="cpu", **info,
                   config=dict(shapes=[s.name for s in cfg.shapes], tokens=cfg.tokens,
                               ep=sorted({c.ep for c in cases}), impls=impls,
-                              passes=["fwd+bwd"], dtype="bf16", tolerance=TOLERANCE["bf16"], reference="fp64"),
+                              passes=["fwd+bwd"], dtype="bf16", tolerance=TOLERANCE["bf16"], reference="fp64",
+                              tuning=cfg.tuning),
                   dense_matmul=None, dense_matmul_tflops=None, records=records)
     out = cfg.out or default_out_dir()
     os.makedirs(out, exist_ok=True)
@@ -364,7 +366,8 @@ def run(cfg) -> dict:
     table = format_table(records)
     legend = (f"Errors: relative (Frobenius) against moe_reference in fp64 on the whole problem, forward (y) and "
               f"the worst gradient; correct: every error <= {TOLERANCE['bf16']:g} (bf16). repeat: a second forward "
-              f"and backward gives the same bits.")
+              f"and backward gives the same bits. reference: moe_reference over the ranks (fp32 math, bf16 "
+              f"results: the rounding floor).")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(stem + ".md", "w") as f:
