@@ -140,3 +140,46 @@ def test_compile_fullgraph_no_graph_break():
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), i
     torch._dynamo.reset()
+
+
+def test_selective_checkpointing_names_the_op():
+    """Selective activation checkpointing with a policy that saves torch.ops.tabby.moe: the
+    recomputation in the backward reruns the rest of the block but not Tabby's forward, and the
+    gradients are the same bits."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.tabby.moe.default:
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.tabby.moe.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(4)
+    block = Block()
+    x = torch.randn(T, H).bfloat16()
+
+    def step(checkpointed):
+        xl = x.clone().requires_grad_(True)
+        with Count():
+            if checkpointed:
+                y = checkpoint(block, xl, use_reentrant=False,
+                               context_fn=lambda: create_selective_checkpoint_contexts(policy))
+            else:
+                y = block(xl)
+            y.float().square().sum().backward()
+        grads = [y.detach(), xl.grad] + [p.grad.clone() for p in block.parameters()]
+        block.zero_grad(set_to_none=True)
+        return grads
+
+    want = step(False)
+    Count.calls = 0
+    got = step(True)
+    assert Count.calls == 1  # saved, not recomputed
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), i
