@@ -8,7 +8,7 @@ Two operators, both opaque to the compiler:
         -> (y, row_src, tile_expert, expert_start, expert_count, num_tiles, xs, gu, row_w)
     torch.ops.tabby.moe_backward(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate?, shared_up?,
                                  shared_down?, row_src, tile_expert, expert_start, expert_count,
-                                 num_tiles, xs!, gu, row_w, group: str, config: str, save: bool)
+                                 num_tiles, xs, gu, row_w, group: str, config: str, save: bool)
         -> (dx, d topk_weights, dw_gate, dw_up, dw_down, dw_gate_s, dw_up_s, dw_down_s)
 
 The forward returns, besides y, everything its backward needs as tensors: the routed-row schedule
@@ -33,7 +33,10 @@ only its schedule and the backward recomputes the routed rows (as ``MoEConfig(sa
 False)`` does); the result is the same either way.
 
 The shared expert's gradients are computed inside ``moe_backward`` with explicit formulas: the
-operations autograd runs for ``(silu(x W_g^T) * (x W_u^T)) W_d^T``, in the same order.
+operations autograd runs for ``(silu(x W_g^T) * (x W_u^T)) W_d^T``, in the same order, so y and
+every gradient are ``tabby.moe``'s bits on the megakernel path (the default). On the path of
+separate launches ``tabby.moe`` differentiates the shared expert outside its autograd Function,
+and dx (only dx) then differs from the operator's in the rounding of its three-term sum.
 
 Limits:
   * no double backward (``moe_backward`` has no autograd formula);
@@ -100,7 +103,8 @@ def resolve_group(name: str):
         try:
             return _THREAD_RANKS[name]
         except KeyError:
-            raise MoEInputError(f"unknown simulated-rank group {name!r} (made by group_name in this process?)") from None
+            raise MoEInputError(f"unknown simulated-rank group {name!r} (not made by group_name in this "
+                                f"process)") from None
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name)
@@ -280,8 +284,8 @@ def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
         if _zero_padding:
             _zero_padding_rows(s.row_src, xs, gu, row_w, ws.rank, dims.T, saved.missing == "tokens")
     else:
-        xs, gu, row_w = x.new_empty((0, dims.H)), x.new_empty((0, 2 * dims.I)), topk_weights.new_empty(0,
-                                                                                                      dtype=torch.float32)
+        xs, gu = x.new_empty((0, dims.H)), x.new_empty((0, 2 * dims.I))
+        row_w = torch.empty(0, dtype=torch.float32, device=x.device)
     return y, s.row_src, s.tile_expert, s.expert_start, s.expert_count, s.num_tiles, xs, gu, row_w
 
 
@@ -421,7 +425,8 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
     break (``group``: None, a process group or a ``ThreadRank``; converted to its name)."""
     if shared is not None:
         if not (isinstance(shared, (tuple, list)) and len(shared) == 3):
-            raise MoEInputError("shared must be None or a tuple (w_gate_s [I_s, H], w_up_s [I_s, H], w_down_s [H, I_s])")
+            raise MoEInputError("shared must be None or a tuple (w_gate_s [I_s, H], w_up_s [I_s, H], "
+                                "w_down_s [H, I_s])")
         sg, su, sd = shared
     else:
         sg = su = sd = None
