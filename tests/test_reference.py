@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from tabby import MoEInputError, moe_reference
-from tabby.shapes import TINY, make_routing, make_weights
+from tabby_bench.shapes import TINY, make_routing, make_weights
 
 
 def _inputs(T, E_local, W=1, H=24, I=40, k=3, dtype=torch.float64, shared=True, seed=0):

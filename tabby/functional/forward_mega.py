@@ -29,7 +29,7 @@ def _pull_tokens(ws, x, counters, pulled_idx):
     launches. So however the driver maps the side stream onto hardware queues (a stream wait
     blocks its queue), the copy can delay this rank's launch but not deadlock with it. A copy from
     a peer's symmetric memory runs on a copy engine beside the kernel (a copy of this GPU's own
-    memory would be a kernel on the SMs, scripts/diag_copy_engine.py). Under the interpreter (the
+    memory would be a kernel on the SMs; docs/performance.md, "Token pull"). Under the interpreter (the
     peers' x_pub already waited for by the host) the copies run here.
     """
     T, H = x.shape

@@ -8,7 +8,7 @@ behind it could be starved. The driver's stream memory operations (``cuStreamWai
 ``cuStreamWriteValue32``; what NVSHMEM's on-stream signal ops use) run in the stream's front end
 and take no SM. They are captured into CUDA graphs as memory-operation nodes. (The copy itself
 is a plain ``copy_`` from the peer's symmetric memory, which the driver runs on a copy engine; a
-copy within this GPU's own memory would be a kernel on the SMs: scripts/diag_copy_engine.py.)
+copy within this GPU's own memory would be a kernel on the SMs: docs/performance.md, "Token pull".)
 
 Reached through ctypes (libcuda), with the current stream's handle: no new dependency.
 """
