@@ -15,15 +15,15 @@ def _signal_peers(flag_ptrs, epoch, slot, rank, W):
     """Set flag ``[slot, rank]`` to ``epoch`` on every rank (release, system scope)."""
     for p in range(W):
         flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))
-        sync.store_release(flags + slot * W + rank, epoch, "sys")
+        sync.store_release(flags + slot * W + rank, epoch, SCOPE="sys")
 
 
 @triton.jit
 def _wait_peers(my_flags, epoch, slot, rank, W, wait_budget, err_ptr, code):
     """Wait until every rank has set flag ``[slot, src]`` of this rank to at least ``epoch`` (bounded)."""
     for src in range(W):
-        sync.wait_geq(my_flags + slot * W + src, epoch, wait_budget, err_ptr, code, rank, slot * W + src,
-                      epoch, "sys")
+        sync.wait_geq(my_flags + slot * W + src, epoch, budget=wait_budget, err_ptr=err_ptr, code=code, rank=rank,
+                      index=slot * W + src, epoch=epoch, SCOPE="sys")
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def count_ready_kernel(my_flags, epoch_ptr, slot, W, out):
     epoch = tl.load(epoch_ptr)
     n = 0
     for src in range(W):
-        n += (sync.load_acquire(my_flags + slot * W + src, "sys") >= epoch).to(tl.int32)
+        n += (sync.load_acquire(my_flags + slot * W + src, SCOPE="sys") >= epoch).to(tl.int32)
     tl.store(out, n)
 
 

@@ -352,11 +352,12 @@ def moe_fwd_megakernel(sync_args, route, routed, shared, order, descs, saved, tr
     done = tl.atomic_add(cnt_ptr + peers.done_idx, 1, sem="acq_rel", scope="sys")
     if done == tl.num_programs(0) - 1:
         if C.TOKENS:  # the copy engine reads the peers' x_pub until it sets ``pulled``
-            seen = sync.wait_geq(cnt_ptr + tokens.pull_idx, 1, sync_args.wait_budget, sync_args.err,
-                                 _ERR_WAIT_PEER_READY, sync_args.rank, tokens.pull_idx, epoch, "sys")
+            seen = sync.wait_geq(cnt_ptr + tokens.pull_idx, target=1, budget=sync_args.wait_budget,
+                                 err_ptr=sync_args.err, code=_ERR_WAIT_PEER_READY, rank=sync_args.rank,
+                                 index=tokens.pull_idx, epoch=epoch, SCOPE="sys")
             if seen < 1:  # a peer never published (error recorded): release the copy stream's waits
                 for src in range(peers.W):
-                    sync.store_release(peers.my_flags + C.X_PULL * peers.W + src, 1, "sys")
+                    sync.store_release(peers.my_flags + C.X_PULL * peers.W + src, value=1, SCOPE="sys")
         comm._signal_peers(peers.flag_ptrs, epoch, C.DONE_SLOT, sync_args.rank, peers.W)
         if C.DONE_WAIT:
             comm._wait_peers(peers.my_flags, epoch, C.DONE_SLOT, sync_args.rank, peers.W, sync_args.wait_budget,

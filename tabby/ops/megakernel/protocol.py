@@ -148,7 +148,7 @@ def decode_ticket(t, sh_total, n_sh, nt, pre, lag, F: tl.constexpr, G: tl.conste
     (``routed_task``: kind, position p in the routed order, column or fill part n)."""
     is_sh = t < sh_total
     if HAS_SHARED:
-        kind_s, j, n_s = decode(t, n_sh, 0, GS, DS, 1)
+        kind_s, j, n_s = decode(t, n=n_sh, F=0, G=GS, D=DS, L=1)
     else:
         kind_s, j, n_s = 0, 0, 0
     kind, i, n = routed_task(t - sh_total, nt, pre, lag, F, G, D, GM)
@@ -229,7 +229,8 @@ def wait_counter(cnt_ptr, idx, target, wait_budget, err_ptr, code, rank, epoch, 
     and, with TMA, a proxy fence for the async-proxy (TMA) reads of rows written with ordinary stores.
     """
     if (ready == 0) & (idx >= 0):
-        sync.wait_geq(cnt_ptr + idx, target, wait_budget, err_ptr, code, rank, idx, epoch, "gpu")
+        sync.wait_geq(cnt_ptr + idx, target, budget=wait_budget, err_ptr=err_ptr, code=code, rank=rank, index=idx,
+                      epoch=epoch, SCOPE="gpu")
     tl.debug_barrier()
     if TMA:
         sync.fence_proxy_async()

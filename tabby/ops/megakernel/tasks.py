@@ -6,7 +6,7 @@ waits for what its ticket reads (``protocol``), unless the ticket's first polls 
 there (``ready``), and leaves the ticket's signal to the kernel (``sync.signal_take``), except a
 comm program's fill, which signals itself.
 
-Arguments: the kernel's argument tuples as they came (``kernel.py``: ``sync``, ``route``,
+Arguments: the kernel's argument tuples as they came (``kernel.py``: ``sync_args``, ``route``,
 ``routed``, ``shared``, ``descs``, ``saved``, ``tokens``), the pass's ``epoch``, and the launch's
 constants ``C`` (``kernel.MegaConsts``) and instrumentation ``PROBE`` (``kernel.ProbeConsts``).
 
@@ -68,8 +68,8 @@ def fill(i, part, sync_args, epoch, route, xs, saved, W, rec, ready, tr_base, C:
     if C.TMA:  # the gate/up tiles read these rows through TMA (the async proxy)
         sync.fence_proxy_async()
     if SIGNAL:
-        sync.add_release(sync_args.counters + routed_signal(kind=0, i=i, p=i, NS=C.NS, TR=C.TR, tr_base=tr_base), 1,
-                         "gpu")
+        sync.add_release(sync_args.counters + routed_signal(kind=0, i=i, p=i, NS=C.NS, TR=C.TR, tr_base=tr_base),
+                         value=1, SCOPE="gpu")
 
 
 @triton.jit
