@@ -82,7 +82,7 @@ def compile_variant(v: Variant):
         routed=K.RoutedArgs("*bf16", "*bf16", "*bf16", "*bf16", "i32:16", "i32:16", "*bf16", "i32:16", "i32:16"),
         shared=K.SharedArgs("*bf16", "i32", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*i32", "*i32", "i32"),
         order=K.OrderArgs("i32", "i32"),
-        descs=descs,
+        **dict(zip(DESC_PARAMS, descs)),
         saved=K.SavedArgs("*i64", "*fp32", "*bf16") if v.save else K.SavedArgs(none, none, none),
         trace="*i64" if v.trace else none,
         peers=K.PeerArgs("i32", "*i64", "*i32", "i32"),
@@ -92,9 +92,26 @@ def compile_variant(v: Variant):
     return compile_args(K.moe_fwd_megakernel, args, num_warps=v.warps, num_stages=plan.num_stages)
 
 
+DESC_PARAMS = ("xs_desc", "wg_desc", "wu_desc", "h_desc", "wd_desc", "x_desc", "sg_desc", "su_desc", "hsh_desc",
+               "sd_desc", "xs_half_desc", "h_half_desc")
+
+
+def check_launcher(k):
+    """Triton's CUDA launcher accepts the compiled kernel's signature: it expands each host tensor
+    descriptor into its TMA map, which it finds only among the top-level arguments (a descriptor
+    inside a tuple fails its count when the launcher is built, at the first launch on a GPU)."""
+    from triton.backends.nvidia.driver import make_launcher
+
+    src = k.src
+    arg_idx = lambda x: (src.fn.arg_names.index(x),) if isinstance(x, str) else x  # noqa: E731
+    constants = {arg_idx(i): v for i, v in src.constants.items()}
+    make_launcher(constants, dict(src.signature), getattr(k.metadata, "tensordesc_meta", None))
+
+
 def _check(v: Variant):
     k = compile_variant(v)
     assert "ptx" in k.asm and k.asm.get("cubin")
+    check_launcher(k)
     per_sm = 8 // v.warps  # programs that must fit one SM
     assert k.metadata.shared * per_sm <= 232448, \
         f"{per_sm} x {k.metadata.shared} bytes of shared memory: more than an H100/H200 SM has"
@@ -111,22 +128,12 @@ def _check(v: Variant):
 
 
 V = Variant
-CASES = [
-    V(), V(shared=True, save=True, trace=True), V(shared=True, comm=16, half=False, trace=True), V(dn_cols=2),
-    V(shared=True, tma=True, save=True), V(tma=True, half=False), V(shared=True, tma=True, save=True, warps=4),
-    V(shared=True, comm=16, tma=True, warps=4), V(shared=True, tma=True, save=True, dn_cols=4),
-    V(tma=True, save=True, warps=4, dn_cols=4),
+CASES = [  # the default variants' PTX is pinned below; these cover every other part of the kernel once
+    V(), V(shared=True, comm=16, half=False, trace=True), V(shared=True, tma=True, save=True),
     V(tma=True, save=True, warps=4, dn_cols=2, trace=True),  # traced, as the tools run the TMA defaults
-    # pipelined fills at qwen3-30b-a3b's 4-warp and qwen3.5-397b's 8-warp configs
-    V(tma=True, save=True, warps=4, dn_cols=2, fill_stages=3),
     V(shared=True, tma=True, save=True, dn_cols=2, fill_stages=3),
     V(shared=True, comm=16, tma=True, warps=4, fill_stages=3),
-    # gate/up reading this rank's rows from x, differentiated and ring-only, and qwen3.5-397b's 8-warp one
     V(tma=True, save=True, warps=4, dn_cols=2, fill_stages=3, local_rows=True),
-    V(tma=True, warps=4, dn_cols=2, fill_stages=3, local_rows=True),
-    V(shared=True, tma=True, save=True, dn_cols=2, local_rows=True),
-    # the peers' x pulled whole, no fills: differentiated, ring-only, and qwen3.5-397b's 8-warp one
-    V(tma=True, save=True, warps=4, dn_cols=2, fill_stages=3, local_rows=True, tokens=True),
     V(tma=True, warps=4, dn_cols=2, fill_stages=3, local_rows=True, tokens=True),
     V(shared=True, tma=True, save=True, dn_cols=2, local_rows=True, tokens=True),
 ]

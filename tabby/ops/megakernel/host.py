@@ -259,7 +259,7 @@ def launch(plan: MegaPlan, bufs: MegaBuffers, sched, *, x: torch.Tensor, w_gate:
                    w_down.stride(1)),
         shared_args,
         OrderArgs(plan.prefetch, plan.down_lag),
-        descs,
+        *descs,  # top-level arguments: the launcher expands no descriptor inside a tuple
         saved,
         trace,
         PeerArgs(W, peers.flag_ptrs, peers.my_flags, lay.programs_done),

@@ -251,12 +251,18 @@ class ProbeConsts(NamedTuple):
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def moe_fwd_megakernel(sync_args, route, routed, shared, order, descs, saved, trace, peers, x_rows, tokens,
+def moe_fwd_megakernel(sync_args, route, routed, shared, order,
+                       xs_desc, wg_desc, wu_desc, h_desc, wd_desc, x_desc, sg_desc, su_desc, hsh_desc, sd_desc,
+                       xs_half_desc, h_half_desc, saved, trace, peers, x_rows, tokens,
                        C: tl.constexpr, PROBE: tl.constexpr):
     """One persistent launch of the routed forward and the shared expert (module docstring).
-    Arguments: ``SyncArgs``, ``RouteArgs``, ``RoutedArgs``, ``SharedArgs``, ``OrderArgs``,
-    ``Descs``, ``SavedArgs`` (or Nones), the trace (int64 or None), ``PeerArgs``, x_rows (the layer's
-    input, read with LOCAL_A), ``TokenArgs``, ``MegaConsts``, ``ProbeConsts``."""
+    Arguments: ``SyncArgs``, ``RouteArgs``, ``RoutedArgs``, ``SharedArgs``, ``OrderArgs``, the
+    twelve fields of ``Descs`` (or Nones), ``SavedArgs`` (or Nones), the trace (int64 or None),
+    ``PeerArgs``, x_rows (the layer's input, read with LOCAL_A), ``TokenArgs``, ``MegaConsts``,
+    ``ProbeConsts``. The tensor descriptors are parameters of their own, not a tuple: Triton's
+    launcher expands a host descriptor into its TMA map only at the top level of the arguments."""
+    descs = Descs(xs_desc, wg_desc, wu_desc, h_desc, wd_desc, x_desc, sg_desc, su_desc, hsh_desc, sd_desc,
+                  xs_half_desc, h_half_desc)
     pid = tl.program_id(0)
     cnt_ptr = sync_args.counters
     epoch = tl.load(sync_args.epoch)
