@@ -226,8 +226,9 @@ def test_padding_tiles_of_aligned_experts_change_nothing(save, monkeypatch):
     _small_tiles(monkeypatch)
     W, T, prob, counts = _ragged_problem()
     assert any(-(-c // BM) % 2 for c in counts), counts  # align 2 pads some expert
-    ys = [_run_y(W, T, prob, mega(align_tiles=a)) for a in (1, 2, 3)]
-    assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
+    if save:  # (the forward alone once)
+        ys = [_run_y(W, T, prob, mega(align_tiles=a)) for a in (1, 3)]
+        assert torch.equal(ys[0], ys[1])
     _check(_run_tabby(W, T, prob, cfg=with_(mega(align_tiles=3), save_for_backward=save)), _run_reference(prob))
 
 
@@ -240,8 +241,7 @@ def test_pipelined_fill_loop_gives_the_same_rows(monkeypatch):
     W, T, H, I, E_local, k = 2, 24, 48, 40, 2, 2
     prob = make_problem(W, T, H, I, E_local, k, seed=5, route="random")
     y0 = _run_y(W, T, prob, CFG)
-    for stages in (1, 3):
-        assert torch.equal(y0, _run_y(W, T, prob, mega(fill_stages=stages))), stages
+    assert torch.equal(y0, _run_y(W, T, prob, mega(fill_stages=3)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -304,7 +304,7 @@ def test_trace_tells_fills_of_remote_rows_from_local_ones(monkeypatch):
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("W,route,save,align", [(2, "random", True, 1), (2, "one_rank", False, 1),
-                                                (1, "random", True, 2), (2, "one_expert", True, 1)])
+                                                (1, "random", True, 2)])
 def test_local_rows_from_x_are_bitwise_the_filled_ones(W, route, save, align, monkeypatch):
     """Gate/up gathering this rank's rows from x (and the fills copying only the others') gives the
     same y and, with saved rows, the same gradients, bitwise: the backward fills the missing rows
@@ -319,8 +319,7 @@ def test_local_rows_from_x_are_bitwise_the_filled_ones(W, route, save, align, mo
 
 
 @pytest.mark.parametrize("W,route,save,shared", [(2, "random", True, False), (2, "one_rank", False, False),
-                                                 (1, "random", True, True), (2, "one_expert", True, False),
-                                                 (3, "random", True, False), (2, "random", True, True)])
+                                                 (1, "random", True, True), (3, "random", True, False)])
 def test_token_pull_is_bitwise_the_default(W, route, save, shared, monkeypatch):
     """Gate/up gathering every A row from x or the peers' copied x (no fills), tiles of this rank's
     rows first, gives y and the gradients of the fills bitwise (each tile computes the same rows in

@@ -79,7 +79,6 @@ CASES = {
     "ep2-one-expert": (2, 6, 32, 16, 2, 2, False, "one_expert"),
     "ep2-one-rank": (2, 8, 32, 16, 2, 2, False, "one_rank"),
     "ep4": (4, 5, 32, 16, 2, 2, False, "random"),
-    "ep8": (8, 3, 32, 16, 1, 2, False, "random"),
 }
 
 
