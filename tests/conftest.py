@@ -2,12 +2,25 @@
 
 TRITON_INTERPRET must be set before any ``@triton.jit`` function is defined, so it is set here,
 before the test modules import ``tabby.ops``.
+Also: the tools' command line sets up the "tabby" logger; every test leaves it as it found it.
 """
+import logging
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 requires_gpu = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _restore_tabby_log():
+    """The tools' command line sets up the "tabby" logger; later tests see it as it was."""
+    log = logging.getLogger("tabby")
+    saved = log.level, list(log.handlers)
+    yield
+    log.setLevel(saved[0])
+    log.handlers[:] = saved[1]

@@ -6,7 +6,6 @@ tables hold the addresses of the other ranks' CPU buffers (docs/design.md, "Test
 """
 from __future__ import annotations
 
-import threading
 
 import torch
 

@@ -11,18 +11,6 @@ from tabby_bench.check import TOLERANCE
 from tabby_bench.shapes import SHAPES, TINY, flops, make_inputs
 
 
-@pytest.fixture(autouse=True)
-def _restore_tabby_log():
-    """The command line sets up the "tabby" logger; later tests see it as it was."""
-    import logging
-
-    log = logging.getLogger("tabby")
-    saved = log.level, list(log.handlers)
-    yield
-    log.setLevel(saved[0])
-    log.handlers[:] = saved[1]
-
-
 # ----------------------------------------------------------------------------------------------
 # The reference check must be able to fail
 # ----------------------------------------------------------------------------------------------

@@ -15,18 +15,6 @@ from tabby_bench.shapes import Shape
 SMALL = Shape("small", 4, 32, 16, 2, I_shared=16)
 
 
-@pytest.fixture(autouse=True)
-def _restore_tabby_log():
-    """The command line sets up the "tabby" logger; later tests see it as it was."""
-    import logging
-
-    log = logging.getLogger("tabby")
-    saved = log.level, list(log.handlers)
-    yield
-    log.setLevel(saved[0])
-    log.handlers[:] = saved[1]
-
-
 def test_a_problem_split_over_ranks_reassembles_to_the_reference():
     # the reference on each rank's part (one process per rank: group None sees only its experts when
     # ep == 1) reassembles to the whole problem's y and gradients

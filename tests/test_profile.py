@@ -1,20 +1,9 @@
 """`tabby profile`: every stage of both passes is timed (CPU: wall clock under the interpreter), and
 the megakernel's ticket trace is read (tabby_bench.trace)."""
 import json
-import logging
 
-import pytest
 
 from tabby_bench.cli import main
-
-
-@pytest.fixture(autouse=True)
-def _restore_tabby_log():
-    log = logging.getLogger("tabby")
-    saved = log.level, list(log.handlers)
-    yield
-    log.setLevel(saved[0])
-    log.handlers[:] = saved[1]
 
 
 def test_profile_tiny_cpu(tmp_path, capsys):

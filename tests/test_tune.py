@@ -1,5 +1,4 @@
 """`tabby tune`'s variants (Tuning text) and its ticket-trace helper (the timing itself needs a GPU)."""
-import logging
 
 import pytest
 import torch
@@ -7,15 +6,6 @@ import torch
 from tabby.functional.config import MoEConfig, Tuning
 from tabby_bench import cli
 from tabby_bench.tune import DEFAULT_VARIANTS, best_mega_variant, parse_variant
-
-
-@pytest.fixture(autouse=True)
-def _restore_tabby_log():
-    log = logging.getLogger("tabby")
-    saved = log.level, list(log.handlers)
-    yield
-    log.setLevel(saved[0])
-    log.handlers[:] = saved[1]
 
 
 def test_parse_variant():
