@@ -7,6 +7,8 @@ width, I_s shared-expert width, k experts per token, E_local experts per rank, E
 """
 from __future__ import annotations
 
+import triton
+
 from ..ops import gemm
 
 TILE_M = 128  # rows per routed row tile: the GEMMs' BM (docs/performance.md "GEMM tiles")
@@ -136,4 +138,4 @@ def half_tiles(tile_m: int, interpret: bool) -> bool:
 
 def fill_cols(H: int) -> int:
     """Columns one copy step moves: FILL_COLS, or H rounded up to a power of two if narrower."""
-    return min(FILL_COLS, 1 << max(H - 1, 0).bit_length())
+    return min(FILL_COLS, triton.next_power_of_2(H))

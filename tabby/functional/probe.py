@@ -26,10 +26,6 @@ class Probe:
     trace: torch.Tensor | None = None
     plan: object | None = None
 
-    def mark(self, name: str) -> None:
-        if self.stage_timer is not None:
-            self.stage_timer.mark(name)
-
 
 def mark(probe: Probe | None, name: str) -> None:
     """``probe.mark(name)`` when there is a probe."""
