@@ -4,6 +4,7 @@
 #   tests   the GPU tests (tests/test_*_gpu.py; bounded waits fail fast, device errors checked per pass)
 #   bench   the EP1 matrix: floor, tabby and tabby-sync-free on the six shapes at 4096 and 16384 tokens
 #           (extra args go to `tabby bench` after these and override them, e.g. --ep 2 --impls ...)
+#   train   the end-to-end training benchmark (tabby train; extra args go to it)
 #   all     tests, then bench
 # Logs and results go under $OUT (default /tmp/tabby-out); TABBY_GIT_COMMIT names the commit where the
 # tree has no .git.
@@ -13,7 +14,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-/tmp/tabby-out}
 mkdir -p "$OUT/res"
 stage=${1:-all}; shift || true
-case "$stage" in tests|bench|all) ;; *) echo "unknown stage '$stage': tests, bench or all" >&2; exit 2;; esac
+case "$stage" in tests|bench|train|all) ;; *) echo "unknown stage '$stage': tests, bench, train or all" >&2; exit 2;; esac
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/machine.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/machine.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" >> "$OUT/machine.txt"
@@ -29,6 +30,11 @@ if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 -m tabby_bench bench --ep 1 \
     --shapes qwen3-30b-a3b,gpt-oss-120b,deepseek-v4-pro,kimi-k2,glm-5,qwen3.5-397b --tokens 4096,16384 \
     --impls floor,tabby,tabby-sync-free --iters 10 --warmup 3 --out "$OUT/res" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$stage" = train ]; then
+  mkdir -p "$OUT/train"
+  python3 -m tabby_bench train --out "$OUT/train" "$@" 2>&1 | tee "$OUT/train.log" | grep -v " step " | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 exit $status

@@ -29,7 +29,7 @@ def _tuning(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tabby", description="Tabby's tools: benchmark, variant sweep, stage profile.")
+    p = argparse.ArgumentParser(prog="tabby", description="Tabby's tools: benchmark, variant sweep, stage profile, end-to-end training.")
     sub = p.add_subparsers(dest="command")
     b = sub.add_parser("bench", help="correctness and speed of every implementation on the benchmark shapes",
                        description="On GPUs: check every implementation against the fp32 reference and time it "
@@ -84,7 +84,62 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--grad", action="store_true",
                     help="time the forward under autograd with inputs that require grad, as the bench does "
                          "(the megakernel then also keeps what the backward needs)")
+    tr = sub.add_parser("train", help="end-to-end training of a transformers MoE model, Tabby vs grouped_mm",
+                        description="Train a transformers MoE model (Qwen3-MoE- or DeepSeek-V3-shaped) on a generated "
+                                    "corpus with each experts backend and step mode; report tokens/s, MFU, peak "
+                                    "memory, the MoE blocks' share of the step, the loss curves and whether two "
+                                    "Tabby runs agree bit for bit. Without a GPU: --models tiny-qwen3-moe, eager.")
+    tr.add_argument("--models", type=_list, default=None,
+                    help="comma list (default qwen3-moe,deepseek-v3-16b; without a GPU tiny-qwen3-moe)")
+    tr.add_argument("--experts", type=_list, default=["grouped_mm", "tabby"],
+                    help="experts backends, comma list (default grouped_mm,tabby)")
+    tr.add_argument("--modes", type=_list, default=None,
+                    help="eager, compile, graph (the whole step as a CUDA graph); default eager,compile,graph "
+                         "(without a GPU eager)")
+    tr.add_argument("--steps", type=int, default=None, help="steps of the eager runs (default 200; CPU 4)")
+    tr.add_argument("--mode-steps", type=int, default=None, help="steps of the compile and graph runs (default 60)")
+    tr.add_argument("--tokens", type=int, default=None, help="tokens per step (default 16384; CPU 64)")
+    tr.add_argument("--seq-len", type=int, default=None, help="sequence length (default 4096; CPU 32)")
+    tr.add_argument("--lr", type=float, default=3e-4)
+    tr.add_argument("--warmup", type=int, default=None, help="steps left out of tokens/s (default 10; CPU 1)")
+    tr.add_argument("--log-every", type=int, default=10, help="progress line every N steps")
+    tr.add_argument("--no-repeat", dest="repeat", action="store_false",
+                    help="skip the second Tabby run (bitwise check) and the baseline's second seed (its noise)")
+    tr.add_argument("--tabby-config", default="", help="a tabby.MoEConfig text, e.g. 'megakernel=0' (default: the "
+                                                         "defaults)")
+    tr.add_argument("--out", default=None, help="output folder (default ~/.cache/tabby/bench)")
+    tr.add_argument("--tag", default="", help="label in the output file names")
+    tr.add_argument("--profile", action="store_true",
+                    help="also write each eager run's GPU kernels (2 steps, torch.profiler) to kernels-*.txt in --out")
     return p
+
+
+def train_config(args, parser, gpus: int):
+    """Validate the options into a :class:`tabby_bench.train.TrainConfig`."""
+    from .train import BACKENDS, MODELS, MODES, TrainConfig
+
+    models = args.models or (["qwen3-moe", "deepseek-v3-16b"] if gpus else ["tiny-qwen3-moe"])
+    modes = args.modes or (list(MODES) if gpus else ["eager"])
+    for what, given, known in (("model", models, MODELS), ("experts backend", args.experts, BACKENDS),
+                               ("mode", modes, MODES)):
+        bad = [g for g in given if g not in known]
+        if bad or not given:
+            parser.error(f"unknown {what}(s) {', '.join(bad) or '(none given)'}; known: {', '.join(known)}")
+    if not gpus and modes != ["eager"]:
+        parser.error("without a GPU only --modes eager runs (compile and graph need CUDA)")
+    cpu = not gpus
+    cfg = TrainConfig(models=models, backends=args.experts, modes=modes,
+                      steps=args.steps or (4 if cpu else 200), mode_steps=args.mode_steps or (4 if cpu else 60),
+                      tokens=args.tokens or (64 if cpu else 16384), seq_len=args.seq_len or (32 if cpu else 4096),
+                      lr=args.lr, warmup_steps=args.warmup if args.warmup is not None else (1 if cpu else 10),
+                      log_every=args.log_every, repeat=args.repeat, out=args.out, tag=args.tag,
+                      tabby_config=args.tabby_config,
+                      profile_dir=(args.out or None) if args.profile and gpus else None)
+    if cfg.steps < 2 or cfg.mode_steps < 2 or cfg.tokens < 1 or cfg.seq_len < 1 or cfg.warmup_steps < 0:
+        parser.error("--steps and --mode-steps must be >= 2, --tokens and --seq-len positive, --warmup >= 0")
+    if cfg.tokens % min(cfg.seq_len, cfg.tokens):
+        parser.error(f"--tokens {cfg.tokens} must be a multiple of --seq-len {cfg.seq_len}")
+    return cfg
 
 
 def _one_shape_run_args(sub_parser, out_help: str) -> None:
@@ -175,6 +230,11 @@ def main(argv=None) -> int:
         tune.run(args.shapes, args.tokens, args.ep, args.variants, args.warmup, args.iters, args.out, args.best_out,
                  args.trace, args.grad)
         return 0
+    if args.command == "train":
+        from . import train
+
+        result = train.run(train_config(args, parser, gpus))
+        return 1 if result.get("failed") else 0
     if args.command != "bench":
         parser.print_help()
         return 2

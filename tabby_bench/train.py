@@ -1,0 +1,559 @@
+"""``tabby train``: end-to-end training of a transformers MoE model, Tabby's experts against
+transformers' own (``grouped_mm``), on one GPU (or the CPU with a tiny model).
+
+Every run trains the same model from the same seed on the same batches of a generated corpus
+(:func:`make_corpus`: a fixed random order-2 Markov language, learnable, with a known best
+possible loss), AdamW, gradients clipped to norm 1. A run is (model, experts backend, step mode,
+init seed); its record holds every step's loss and gradient norm, the steady-state tokens/s,
+MFU, peak memory and the MoE blocks' share of the step. The suite of one model:
+
+  * each (backend, mode) at seed 0: the speed and the loss curves;
+  * Tabby eager at seed 0 once more: two runs must agree bit for bit (loss and grad norm);
+  * the baseline eager at seed 1: the spread between two honest runs (the baseline's
+    run-to-run noise), which Tabby's distance from the baseline is compared with.
+
+Step modes: ``eager``; ``compile`` (``torch.compile`` of the model); ``graph`` (the whole step:
+forward, backward, clipping and the optimizer, captured once as a CUDA graph and replayed).
+
+Output (``--out``): ``train-*.json`` (machine, date, commit, every run and step), ``.md`` (the
+table) and ``-loss.png`` (the curves).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .records import default_out_dir, file_stem, machine_info, markdown_table
+
+# Dense bf16 tensor-core peak by GPU (vendor figures, no sparsity), for MFU.
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H20": 148.0, "A100": 312.0, "B200": 2250.0}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A transformers MoE model: the config class's name and its fields."""
+    name: str
+    family: str  # "qwen3_moe" or "deepseek_v3"
+    fields: dict
+    about: str
+
+
+MODELS = {
+    "qwen3-moe": ModelSpec("qwen3-moe", "qwen3_moe", dict(
+        hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=2048,
+        tie_word_embeddings=False, max_position_embeddings=8192),
+        "Qwen3-30B-A3B layers (H 2048, E 128, k 8, I 768, 32 heads), 4 layers, vocabulary 2048"),
+    "deepseek-v3-16b": ModelSpec("deepseek-v3-16b", "deepseek_v3", dict(
+        hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16,
+        n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408, n_shared_experts=2,
+        intermediate_size=10944, first_k_dense_replace=0, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        vocab_size=2048, tie_word_embeddings=False, max_position_embeddings=8192),
+        "DeepSeek-V3-16B layers (H 2048, E 64, k 6, I 1408, 2 shared experts, MLA, sigmoid router with "
+        "expert bias), 4 layers, vocabulary 2048"),
+    "tiny-qwen3-moe": ModelSpec("tiny-qwen3-moe", "qwen3_moe", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], vocab_size=128, tie_word_embeddings=False,
+        max_position_embeddings=256),
+        "a tiny Qwen3-MoE for the CPU (H 64, E 8, k 2, I 32, 2 layers)"),
+}
+BACKENDS = ("grouped_mm", "tabby")
+MODES = ("eager", "compile", "graph")
+
+
+@dataclass
+class TrainConfig:
+    models: list = field(default_factory=lambda: ["qwen3-moe"])
+    backends: list = field(default_factory=lambda: list(BACKENDS))
+    modes: list = field(default_factory=lambda: ["eager"])
+    steps: int = 200
+    mode_steps: int = 60  # steps of the compile and graph runs (speed and a working step, not curves)
+    tokens: int = 16384  # per step (per GPU)
+    seq_len: int = 4096
+    lr: float = 3e-4
+    warmup_steps: int = 10  # steps excluded from the tokens/s (compilation, allocator, clocks)
+    log_every: int = 10
+    repeat: bool = True  # Tabby eager twice (bitwise) and the baseline at a second seed (noise)
+    attribute_steps: int = 5  # eager steps timed per MoE block after the run (its share of the step)
+    out: str | None = None
+    tag: str = ""
+    profile_dir: str | None = None  # write each eager run's kernel table here
+    tabby_config: str = ""  # a tabby.MoEConfig text (custom_op.config_string), "" for the defaults
+
+
+# ---------------------------------------------------------------------------------------------
+# The corpus
+
+
+def make_corpus(vocab: int, n_tokens: int, seq_len: int, seed: int = 1234, contexts: int = 4096,
+                branching: int = 16) -> tuple:
+    """``(tokens [n_seq, seq_len] int64, entropy)``: sequences of a fixed random order-2 Markov
+    language over ``vocab`` tokens. The next token given the last two is drawn from ``branching``
+    candidates (a random set per hashed context, one of ``contexts``) with Zipf(1) weights, so a
+    model that learns the table reaches a cross-entropy of ``entropy`` nats (the language's
+    entropy rate, returned), far below log(vocab). Same arguments, same tokens, on any machine."""
+    g = torch.Generator().manual_seed(seed)
+    n_seq = max(1, -(-n_tokens // seq_len))
+    cand = torch.stack([torch.randperm(vocab, generator=g)[:branching] for _ in range(contexts)])
+    p = 1.0 / torch.arange(1, branching + 1, dtype=torch.float64)
+    p = p / p.sum()
+    entropy = float(-(p * p.log()).sum())
+    cdf = p.cumsum(0).float()
+    cdf[-1] = 1.0
+    toks = torch.empty(n_seq, seq_len, dtype=torch.int64)
+    toks[:, :2] = torch.randint(0, vocab, (n_seq, 2), generator=g)
+    u = torch.rand(n_seq, seq_len, generator=g)
+    for t in range(2, seq_len):
+        ctx = (toks[:, t - 2] * 7919 + toks[:, t - 1] * 104729) % contexts
+        pick = torch.searchsorted(cdf, u[:, t].contiguous()).clamp_max(branching - 1)
+        toks[:, t] = cand[ctx, pick]
+    return toks, entropy
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+def build_model(spec: ModelSpec, backend: str, seed: int, device: torch.device):
+    """The model in bf16 on ``device``, initialised from ``seed``, its experts run by ``backend``."""
+    import transformers
+
+    cls = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+           "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}[spec.family]
+    cfg = getattr(transformers, cls[0])(**spec.fields)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = getattr(transformers, cls[1])(cfg).to(torch.bfloat16)
+    model.set_experts_implementation(backend)
+    model.train()
+    return model
+
+
+def moe_blocks(model) -> list:
+    """The sparse MoE blocks (router, experts and shared experts) of a transformers model."""
+    from tabby.integrations.transformers import experts_modules
+
+    experts = set(map(id, experts_modules(model)))
+    return [m for m in model.modules() if any(id(c) in experts for c in m.children())]
+
+
+def flops_per_token(model, spec: ModelSpec, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x the parameters one token uses (the embedding lookup aside;
+    routed experts counted k / E) + the causal attention's 6 x layers x heads x head dim x seq_len
+    (the score and value products, forward and backward, half the square)."""
+    from tabby.integrations.transformers import experts_modules
+
+    cfg = model.config
+    routed = sum(p.numel() for m in experts_modules(model) for p in m.parameters())
+    dense = sum(p.numel() for p in model.parameters()) - routed - model.get_input_embeddings().weight.numel()
+    E = cfg.num_experts if spec.family == "qwen3_moe" else cfg.n_routed_experts
+    active = dense + routed * cfg.num_experts_per_tok / E
+    if spec.family == "qwen3_moe":
+        attn_dim = cfg.num_attention_heads * cfg.head_dim  # q.k and p.v both over head_dim
+        attn = 6 * cfg.num_hidden_layers * attn_dim * seq_len
+    else:  # MLA: q.k over nope + rope dims, p.v over v_head_dim
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        attn = 3 * cfg.num_hidden_layers * cfg.num_attention_heads * (qk + cfg.v_head_dim) * seq_len
+    return 6 * active + attn
+
+
+# ---------------------------------------------------------------------------------------------
+# One run
+
+
+@dataclass
+class Run:
+    model: str
+    backend: str
+    mode: str
+    seed: int
+    steps: int
+    loss: list = field(default_factory=list)
+    grad_norm: list = field(default_factory=list)
+    tokens_per_s: float | None = None
+    step_ms: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    peak_mem_gb: float | None = None
+    moe_ms: float | None = None  # the MoE blocks' forward + backward per step (eager attribution)
+    moe_share: float | None = None
+    setup_s: float | None = None
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend} {self.mode} seed {self.seed}"
+
+
+class Stepper:
+    """One training step of ``model`` on a batch, in the run's mode. ``step(ids)`` returns the
+    step's (loss, grad norm) as device tensors (no host synchronization)."""
+
+    def __init__(self, model, mode: str, lr: float, device: torch.device):
+        self.model, self.mode = model, mode
+        cuda = device.type == "cuda"
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.1, fused=cuda,
+                                     capturable=(mode == "graph"))
+        self.forward = torch.compile(model) if mode == "compile" else model
+        self.graph = None
+        self.static_ids = None
+
+    def _step(self, ids):
+        loss = self.forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(self.params, 1.0, foreach=True)
+        self.opt.step()
+        return loss.detach(), gn.detach()
+
+    def step(self, ids):
+        if self.mode != "graph":
+            out = self._step(ids)
+            self.opt.zero_grad(set_to_none=True)
+            return out
+        if self.graph is None:
+            self._capture(ids)
+        self.static_ids.copy_(ids)
+        self.graph.replay()
+        return self.static_loss.clone(), self.static_gn.clone()
+
+    def _capture(self, ids):
+        """Capture the whole step. The first step is taken eagerly on a side stream (it makes the
+        optimizer state, the gradients' first allocation and every lazy workspace), the captured
+        step replaces it: the run's first recorded step is the first replay."""
+        self.static_ids = ids.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        snapshot = [p.detach().clone() for p in self.params]
+        with torch.cuda.stream(side):
+            self._step(self.static_ids)
+            self.opt.zero_grad(set_to_none=True)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.no_grad():  # undo the warm-up step: the replays start from the initial weights
+            for p, s in zip(self.params, snapshot):
+                p.copy_(s)
+            for st in self.opt.state.values():
+                for k, v in st.items():
+                    if torch.is_tensor(v):
+                        v.zero_()
+        del snapshot
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_loss, self.static_gn = self._step(self.static_ids)
+
+
+def attribute_moe(model, stepper: Stepper, batches, steps: int) -> float | None:
+    """Milliseconds per step in the MoE blocks (forward + backward), from CUDA events recorded by
+    module hooks over ``steps`` eager steps (the backward interval: from the block's output
+    gradient to its input gradient, which holds the router's and the experts' gradients)."""
+    if not torch.cuda.is_available() or not steps:
+        return None
+    blocks = moe_blocks(model)
+    pairs, handles = [], []
+
+    def ev():
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    for b in blocks:
+        state = {}
+        handles.append(b.register_forward_pre_hook(lambda m, a, s=state: s.__setitem__("f", ev())))
+        handles.append(b.register_forward_hook(lambda m, a, o, s=state: pairs.append((s.pop("f"), ev()))))
+        handles.append(b.register_full_backward_pre_hook(lambda m, g, s=state: s.__setitem__("b", ev())))
+        handles.append(b.register_full_backward_hook(lambda m, gi, go, s=state: pairs.append((s.pop("b"), ev()))))
+    eager = Stepper(model, "eager", 0.0, next(model.parameters()).device)  # lr 0: the weights stay
+    try:
+        for i in range(steps):
+            eager.step(batches(i))
+        torch.cuda.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(a.elapsed_time(b) for a, b in pairs) / steps
+
+
+def train_one(spec: ModelSpec, backend: str, mode: str, seed: int, steps: int, cfg: TrainConfig, corpus,
+              device: torch.device, flops_tok: list) -> Run:
+    """Train one run; progress lines while it runs."""
+    run = Run(spec.name, backend, mode, seed, steps)
+    t0 = time.perf_counter()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = build_model(spec, backend, seed, device)
+    if not flops_tok:
+        flops_tok.append(flops_per_token(model, spec, cfg.seq_len))
+    rows = max(1, cfg.tokens // cfg.seq_len)
+    seq = min(cfg.seq_len, cfg.tokens)
+
+    def batch(i):
+        start = (i * rows) % max(1, corpus.shape[0] - rows + 1)
+        return corpus[start:start + rows, :seq].to(device, non_blocking=True)
+
+    stepper = Stepper(model, mode, cfg.lr, device)
+    losses, norms = [], []
+    warm = min(cfg.warmup_steps, max(0, steps - 1))
+    t_start = None
+    name = f"[{spec.name} {run.label}]"
+    for i in range(steps):
+        if i == warm:
+            if cuda:
+                torch.cuda.synchronize()
+            t_start = time.perf_counter()
+            run.setup_s = t_start - t0
+        loss, gn = stepper.step(batch(i))
+        losses.append(loss)
+        norms.append(gn)
+        if (i + 1) % cfg.log_every == 0 or i + 1 == steps:
+            now = time.perf_counter()
+            done = i + 1 - warm
+            rate = (done * rows * seq / (now - t_start)) if t_start is not None and done > 0 else None
+            eta = (steps - i - 1) * (now - t_start) / done if rate else None
+            print(f"{name} step {i + 1}/{steps} loss {loss.item():.4f} grad norm {gn.item():.3f}"
+                  + (f" | {rate:,.0f} tok/s | ETA {eta:.0f} s" if rate else ""), flush=True)
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t_start
+    timed = steps - warm
+    run.step_ms = elapsed / timed * 1e3
+    run.tokens_per_s = timed * rows * seq / elapsed
+    run.loss = torch.stack(losses).float().cpu().tolist()
+    run.grad_norm = torch.stack(norms).float().cpu().tolist()
+    run.tflops = flops_tok[0] * run.tokens_per_s / 1e12
+    if cuda:
+        run.peak_mem_gb = torch.cuda.max_memory_allocated() / 1e9
+        peak = gpu_peak_tflops()
+        run.mfu = run.tflops / peak if peak else None
+        if mode == "eager" and cfg.attribute_steps:
+            run.moe_ms = attribute_moe(model, stepper, batch, cfg.attribute_steps)
+            run.moe_share = run.moe_ms / run.step_ms if run.moe_ms is not None else None
+        if mode == "eager" and cfg.profile_dir:
+            profile_kernels(stepper, batch, os.path.join(cfg.profile_dir, f"kernels-{spec.name}-{backend}.txt"))
+    del stepper, model
+    return run
+
+
+def profile_kernels(stepper: Stepper, batches, path: str, steps: int = 2) -> None:
+    """The GPU kernels of ``steps`` eager steps, by total time (torch.profiler), to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            stepper.step(batches(i))
+        torch.cuda.synchronize()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f"GPU kernels of {steps} eager steps, by total time\n")
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
+
+
+def gpu_peak_tflops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    for key, v in PEAK_BF16_TFLOPS.items():
+        if key in name.split() or f" {key} " in f" {name} ".replace("-", " "):
+            return v
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The suite and its report
+
+
+def suite_runs(cfg: TrainConfig) -> list:
+    """(backend, mode, seed, steps) of one model, in the order they run."""
+    runs = []
+    for mode in cfg.modes:
+        for backend in cfg.backends:
+            runs.append((backend, mode, 0, cfg.steps if mode == "eager" else cfg.mode_steps))
+    if cfg.repeat and "eager" in cfg.modes:
+        if "tabby" in cfg.backends:
+            runs.append(("tabby", "eager", 0, cfg.steps))
+        base = [b for b in cfg.backends if b != "tabby"]
+        if base:
+            runs.append((base[0], "eager", 1, cfg.steps))
+    return runs
+
+
+def smooth(xs: list, window: int = 10) -> list:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= window:
+            acc -= xs[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def compare(runs: list) -> dict:
+    """Per model: Tabby's speedup over the baseline per mode, the loss agreement (first step;
+    smoothed curves against the baseline's seed-to-seed spread) and the bitwise repeat."""
+    out = {}
+    for model in dict.fromkeys(r.model for r in runs):
+        rs = [r for r in runs if r.model == model and r.error is None]
+        c = {}
+
+        def find(backend, mode, seed=0, nth=0):
+            m = [r for r in rs if r.backend == backend and r.mode == mode and r.seed == seed]
+            return m[nth] if len(m) > nth else None
+
+        base_name = next((r.backend for r in rs if r.backend != "tabby"), None)
+        speed = {}
+        for mode in MODES:
+            t, b = find("tabby", mode), find(base_name, mode) if base_name else None
+            if t and b:
+                speed[mode] = t.tokens_per_s / b.tokens_per_s
+        bests = {bk: max((r.tokens_per_s for r in rs if r.backend == bk), default=None) for bk in BACKENDS}
+        if bests.get("tabby") and base_name and bests.get(base_name):
+            speed["best"] = bests["tabby"] / bests[base_name]
+        c["speedup"] = speed
+        t0, t1 = find("tabby", "eager"), find("tabby", "eager", nth=1)
+        if t0 and t1:
+            c["bitwise_repeat"] = t0.loss == t1.loss and t0.grad_norm == t1.grad_norm
+        b0, b1 = (find(base_name, "eager"), find(base_name, "eager", seed=1)) if base_name else (None, None)
+        if t0 and b0:
+            n = min(len(t0.loss), len(b0.loss))
+            c["first_loss"] = {"tabby": t0.loss[0], base_name: b0.loss[0],
+                               "rel_diff": abs(t0.loss[0] - b0.loss[0]) / abs(b0.loss[0])}
+            st, sb = smooth(t0.loss[:n]), smooth(b0.loss[:n])
+            c["max_smoothed_diff_vs_baseline"] = max(abs(a - b) for a, b in zip(st, sb))
+            c["final_loss"] = {"tabby": st[-1], base_name: sb[-1]}
+            if b1:
+                s1 = smooth(b1.loss[:n])
+                c["baseline_seed_spread"] = max(abs(a - b) for a, b in zip(sb, s1))
+                c["within_baseline_noise"] = c["max_smoothed_diff_vs_baseline"] <= c["baseline_seed_spread"]
+        out[model] = c
+    return out
+
+
+def table(runs: list) -> str:
+    head = ["model", "experts", "mode", "seed", "steps", "tokens/s", "ms/step", "TFLOP/s", "MFU", "peak GB",
+            "MoE ms", "MoE share", "first loss", "last loss (avg 10)"]
+    rows = []
+    for r in runs:
+        if r.error:
+            rows.append([r.model, r.backend, r.mode, str(r.seed), str(r.steps), "error: " + r.error[:60]]
+                        + ["-"] * (len(head) - 6))
+            continue
+
+        def f(v, fmt):
+            return "-" if v is None else format(v, fmt)
+
+        rows.append([r.model, r.backend, r.mode, str(r.seed), str(r.steps), f(r.tokens_per_s, ",.0f"),
+                     f(r.step_ms, ".1f"), f(r.tflops, ".1f"), f(r.mfu and 100 * r.mfu, ".1f") + ("%" if r.mfu else ""),
+                     f(r.peak_mem_gb, ".1f"), f(r.moe_ms, ".1f"),
+                     f(r.moe_share and 100 * r.moe_share, ".0f") + ("%" if r.moe_share else ""),
+                     f(r.loss[0] if r.loss else None, ".4f"), f(sum(r.loss[-10:]) / len(r.loss[-10:]), ".4f")])
+    return markdown_table(head, rows, right={3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13})
+
+
+def plot(runs: list, entropy: dict, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    models = list(dict.fromkeys(r.model for r in runs))
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        seen = set()
+        for r in runs:
+            if r.model != model or r.error or not r.loss:
+                continue
+            label = r.label + (" (repeat)" if r.label in seen else "")
+            seen.add(r.label)
+            ax.plot(range(1, len(r.loss) + 1), r.loss, lw=1.0, alpha=0.85, label=label,
+                    ls="--" if "(repeat)" in label else "-")
+        if model in entropy:
+            ax.axhline(entropy[model], color="gray", lw=0.8, ls=":", label="corpus entropy (best possible)")
+        ax.set_title(model)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train the suite of every model; write JSON, the table and the loss chart; return the result."""
+    import tabby.integrations.transformers as tabby_hf
+    from tabby.functional import custom_op
+
+    unknown = [m for m in cfg.models if m not in MODELS]
+    if unknown:
+        raise ValueError(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and any(m != "eager" for m in cfg.modes):
+        raise ValueError("without a GPU only --modes eager runs (compile and graph need CUDA)")
+    tabby_hf.register(custom_op.parse_config(cfg.tabby_config) if cfg.tabby_config else None)
+    info = machine_info()
+    info["peak_bf16_tflops"] = gpu_peak_tflops()
+    print(f"tabby train: {info['machine']}; torch {info['torch']}, triton {info['triton']}, commit "
+          f"{info['git_commit']}; {cfg.tokens} tokens/step, seq {cfg.seq_len}", flush=True)
+    runs, entropy, flops = [], {}, {}
+    for name in cfg.models:
+        spec = MODELS[name]
+        seq = min(cfg.seq_len, cfg.tokens)
+        rows = max(1, cfg.tokens // cfg.seq_len)
+        corpus, entropy[name] = make_corpus(spec.fields["vocab_size"], max(cfg.steps, cfg.mode_steps) * rows * seq,
+                                            seq)
+        print(f"{name}: {spec.about}; corpus {corpus.numel():,} tokens, entropy {entropy[name]:.3f} nats/token",
+              flush=True)
+        flops_tok: list = []
+        for backend, mode, seed, steps in suite_runs(cfg):
+            try:
+                r = train_one(spec, backend, mode, seed, steps, cfg, corpus, device, flops_tok)
+            except Exception as e:  # noqa: BLE001 -- a failed run is reported in the table, the rest go on
+                r = Run(name, backend, mode, seed, steps, error=f"{type(e).__name__}: {e}")
+                print(f"[{name} {r.label}] FAILED: {r.error[:500]}", flush=True)
+            runs.append(r)
+            if device.type == "cuda":
+                import gc
+
+                gc.collect()
+                tabby_free()
+                torch.cuda.empty_cache()
+        flops[name] = flops_tok[0] if flops_tok else None
+    result = dict(format="tabby-train/1", **info, config=asdict(cfg), flops_per_token=flops, corpus_entropy=entropy,
+                  runs=[dict(asdict(r), label=r.label) for r in runs], comparison=compare(runs))
+    text = table(runs)
+    print("\n" + text, flush=True)
+    for model, c in result["comparison"].items():
+        print(f"{model}: {json.dumps(c)}", flush=True)
+    out = cfg.out or default_out_dir()
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, file_stem(info, cfg.tag).replace("bench-", "train-", 1))
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(f"# tabby train: {info['machine']}, commit {info['git_commit']}, {info['date']}\n\n{text}\n")
+    drawn = plot(runs, entropy, stem + "-loss.png")
+    print(f"wrote {stem}.json, {stem}.md" + (f", {stem}-loss.png" if drawn else ""), flush=True)
+    result["files"] = [stem + ".json", stem + ".md"] + ([stem + "-loss.png"] if drawn else [])
+    result["failed"] = any(r.error for r in runs) or any(
+        c.get("bitwise_repeat") is False for c in result["comparison"].values())
+    if any(math.isnan(x) for r in runs for x in r.loss):
+        result["failed"] = True
+    return result
+
+
+def tabby_free():
+    import tabby
+
+    tabby.free_workspaces()
