@@ -22,6 +22,11 @@ class MoEInputError(ValueError):
     """Bad input to an MoE layer: wrong shape, dtype, device, expert id or group."""
 
 
+class TabbyMemoryError(MoEInputError):
+    """The layer's buffers for this shape do not fit in the device memory that is free; raised
+    before anything is allocated, with the GiB needed and free and the settings that lower it."""
+
+
 @dataclass(frozen=True)
 class MoEDims:
     T: int  # tokens on this rank
@@ -105,18 +110,40 @@ _DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bflo
                 torch.float8_e4m3fn: 5}
 
 
-def check_group_agrees(dims: MoEDims, x: torch.Tensor, group) -> None:
-    """Raise on every rank if the ranks of ``group`` disagree on shapes or dtype (one small all_gather)."""
+GROUP_FIELDS = ("T", "H", "k", "E_local", "I", "I_shared", "dtype", "fits")
+
+
+def group_descriptor(dims: MoEDims, dtype: torch.dtype, fits: bool = True) -> list[int]:
+    """What every rank of a group must agree on (``GROUP_FIELDS``), as ints; ``fits``: this rank
+    has the device memory for the call's buffers (``tabby.functional.moe``'s memory check)."""
+    return [dims.T, dims.H, dims.k, dims.E_local, dims.I, dims.I_shared, _DTYPE_CODES.get(dtype, 0), int(fits)]
+
+
+def compare_group_descriptors(rows: list[list[int]], rank: int, shortfall: str | None = None) -> None:
+    """Raise the same error on every rank when the ranks' descriptors (``group_descriptor``, one per
+    rank in rank order) differ: ``MoEInputError`` when shapes or dtype differ, else
+    ``TabbyMemoryError`` when a rank lacks memory (``shortfall``: this rank's own message)."""
+    shapes = [r[:-1] for r in rows]
+    if any(r != shapes[0] for r in shapes):
+        table = "; ".join(f"rank {i}: " + ", ".join(f"{n}={v}" for n, v in zip(GROUP_FIELDS, r))
+                          for i, r in enumerate(shapes))
+        raise MoEInputError(f"ranks of the expert-parallel group disagree on the layer's shapes: {table}")
+    short = [i for i, r in enumerate(rows) if not r[-1]]
+    if short:
+        if rows[rank][-1] or shortfall is None:
+            raise TabbyMemoryError(f"rank(s) {short} of the expert-parallel group lack the device memory for this "
+                                   f"layer's buffers (their error says how much); no rank allocated them")
+        raise TabbyMemoryError(shortfall)
+
+
+def check_group_agrees(dims: MoEDims, x: torch.Tensor, group, fits: bool = True, shortfall: str | None = None) -> None:
+    """Raise on every rank if the ranks of ``group`` disagree on shapes or dtype, or (``fits``
+    False on some rank) one of them lacks memory: one small all_gather."""
     import torch.distributed as dist
 
-    desc = [dims.T, dims.H, dims.k, dims.E_local, dims.I, dims.I_shared, _DTYPE_CODES.get(x.dtype, 0)]
     dev = x.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor(desc, dtype=torch.int64, device=dev)
+    mine = torch.tensor(group_descriptor(dims, x.dtype, fits), dtype=torch.int64, device=dev)
     world = dist.get_world_size(group)
     allv = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(allv, mine, group=group)
-    names = ("T", "H", "k", "E_local", "I", "I_shared", "dtype")
-    rows = [v.tolist() for v in allv]
-    if any(r != rows[0] for r in rows):
-        table = "; ".join(f"rank {i}: " + ", ".join(f"{n}={v}" for n, v in zip(names, r)) for i, r in enumerate(rows))
-        raise MoEInputError(f"ranks of the expert-parallel group disagree on the layer's shapes: {table}")
+    compare_group_descriptors([v.tolist() for v in allv], dist.get_rank(group), shortfall)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ import triton
 
 from ..ops import check_device
 from ..ops.schedule import schedule_capacity
-from ..validate import MoEDims, MoEInputError, check_inputs
+from ..validate import MoEDims, MoEInputError, TabbyMemoryError, check_inputs
 from .backward import moe_backward
 from .config import MoEConfig
 from .forward import MegaSaved, moe_forward
@@ -24,7 +25,8 @@ from .forward_mega import moe_forward_mega
 from .plan import Plan, make_plan
 from .probe import Probe
 from .threads import ThreadRank
-from .workspace import WorkspaceKey, cached_workspaces, get_workspace
+from .workspace import (TabbyDeviceError, WorkspaceKey, cached_workspaces, get_workspace, peek_workspace,
+                        workspace_bytes)
 
 log = logging.getLogger("tabby")
 
@@ -116,17 +118,62 @@ def moe_with_probe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
     return _moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config, probe)
 
 
-def _plan_for(ws, dims: MoEDims, config: MoEConfig, I_s: int, device) -> Plan:
-    """The cached plan of this workspace for ``config`` and ``I_s`` (the environment variables the
-    config defers to are part of the key: they are read at each call)."""
-    key = (config, I_s, os.environ.get("TABBY_MAX_WAIT_MS"), os.environ.get("TABBY_MAX_WAIT_POLLS"),
-           os.environ.get("TABBY_DEBUG"))
-    plan = ws.plans.get(key)
+def _plan_key(config: MoEConfig, I_s: int):
+    """The key of a plan in its workspace: the config and ``I_s``, and the environment variables the
+    config defers to (they are read at each call)."""
+    return (config, I_s, os.environ.get("TABBY_MAX_WAIT_MS"), os.environ.get("TABBY_MAX_WAIT_POLLS"),
+            os.environ.get("TABBY_DEBUG"))
+
+
+def _workspace_and_plan(key: WorkspaceKey, dims: MoEDims, config: MoEConfig, I_s: int, device, rank, pg, tg):
+    """The cached workspace of this group and shape and its plan for ``config`` and ``I_s``.
+
+    Where either is new, the memory the call needs is first compared with what the device has free
+    (``check_memory``); a workspace is created only when every rank of the group agrees on the shapes
+    and has the memory (``get_workspace``), so that no rank waits for a peer that gave up."""
+    ws = peek_workspace(key, rank, group=pg, thread_group=tg)
+    if ws is not None:
+        return ws, _plan_for(ws, dims, config, I_s, device)
+    plan = make_plan(dims, config, device, I_s)
+    shortfall = memory_shortfall(plan, device, new_workspace=key)
+    ws = get_workspace(key, rank, group=pg, thread_group=tg, fits=shortfall is None, shortfall=shortfall,
+                       join_timeout_s=config.resolved_max_wait_ms() / 1e3)
+    return ws, _plan_for(ws, dims, config, I_s, device, plan)
+
+
+def _plan_for(ws, dims: MoEDims, config: MoEConfig, I_s: int, device, plan: Plan | None = None) -> Plan:
+    """The cached plan of ``ws`` for ``config`` and ``I_s``. A new one (``plan``: made already and
+    its memory checked) is checked against the free device memory first (``TabbyMemoryError``)."""
+    key = _plan_key(config, I_s)
+    cached = ws.plans.get(key)
+    if cached is not None:
+        return cached
     if plan is None:
-        plan = ws.plans[key] = make_plan(dims, config, device, I_s)
-        if ws.rank == 0:
-            log.info("%s", memory_report(plan))
+        plan = make_plan(dims, config, device, I_s)
+        shortfall = memory_shortfall(plan, device)
+        if shortfall is not None:
+            raise TabbyMemoryError(shortfall)
+    ws.plans[key] = plan
+    if ws.rank == 0:
+        log.info("%s", memory_report(plan))
     return plan
+
+
+class _EmptyMoE(torch.autograd.Function):
+    """The layer on a rank with no tokens (T = 0): y [0, H]; dx [0, H], router-weight gradients
+    [0, k] and zero weight gradients (no token reaches an expert when every rank has T = 0, which
+    the group's shape agreement requires)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down):
+        ctx.like = (x, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down)
+        return x.new_empty((0, x.shape[1]))
+
+    @staticmethod
+    def backward(ctx, dy):
+        grads = tuple(None if t is None else torch.zeros_like(t) for t in ctx.like)
+        ctx.like = None
+        return grads
 
 
 def _moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config, probe):
@@ -140,12 +187,14 @@ def _moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
     if W > 1 and tg is None and x.device.type != "cuda":
         raise MoEInputError("Tabby across processes needs CUDA tensors (GPU symmetric memory); on the CPU "
                             "run one rank, or simulated ranks (tabby.functional.threads.run_ranks)")
-    if dims.T == 0:
-        raise MoEInputError("x has no tokens (T = 0)")
     key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device))
-    ws = get_workspace(key, rank, group=pg, thread_group=tg)
     I_s = shared[0].shape[0] if shared is not None else 0
-    plan = _plan_for(ws, dims, config, I_s, x.device)
+    if dims.T == 0:
+        if W > 1:  # take part in the group's shape agreement (made once per shape): a peer with tokens is reported
+            get_workspace(key, rank, group=pg, thread_group=tg, join_timeout_s=config.resolved_max_wait_ms() / 1e3)
+        sh = tuple(shared) if shared is not None else (None, None, None)
+        return _EmptyMoE.apply(x, topk_weights, w_gate, w_up, w_down, *sh)
+    ws, plan = _workspace_and_plan(key, dims, config, I_s, x.device, rank, pg, tg)
     if probe is not None:
         probe.plan = plan
     if plan.megakernel:
@@ -163,11 +212,30 @@ def _moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
                            w_down, extra, ws, plan, probe)
 
 
-def memory_report(plan: Plan) -> str:
-    """Worst-case routed-buffer sizes of a plan (every (token, k) of every rank to this rank)."""
+@dataclass(frozen=True)
+class MemoryNeeds:
+    """Worst-case bytes of one call of a plan on one rank (every (token, k) of every rank routed
+    to this rank's experts)."""
+
+    R_max: int  # routed rows the buffers are sized for
+    kept: int  # what a differentiated forward keeps for the backward (per layer)
+    forward: int  # the forward's transient routed rows (the sync-free path's h)
+    backward: int  # the backward's transient buffers (with the recomputed rows when nothing is kept)
+    ring: int  # the megakernel's ring (0 on the sync-free path)
+    recompute: bool  # the megakernel keeps nothing: its backward recomputes the routed rows
+
+    def peak(self) -> int:
+        """Bytes of one differentiated call at its high point: the ring, what the forward keeps,
+        and the larger of the passes' transients."""
+        held = 0 if self.recompute else self.kept
+        return self.ring + held + max(self.forward, self.backward)
+
+
+def memory_needs(plan: Plan) -> MemoryNeeds:
+    """The worst-case buffer sizes of a plan (``MemoryNeeds``)."""
     d = plan.dims
     R = schedule_capacity(d.world_size, d.T, d.k, d.E_local, plan.tile_m, plan.align_tiles)
-    H, I, MiB = d.H, d.I, 2 ** 20
+    H, I = d.H, d.I
     kept = R * (2 * H + 4 * I + 4 + 4)  # xs, g|u, row weight, row_src: kept per layer for the backward
     fwd = R * 2 * I  # h
     bwd = R * (2 * H + 4 * I + 2 * I + 4 * 2 + 4 * triton.cdiv(I, 64))  # dys, dg|du, hw, dw rows, dw partials
@@ -176,19 +244,75 @@ def memory_report(plan: Plan) -> str:
         kept += d.world_size * d.T * 2 * H - R * 2 * H
         bwd += R * 2 * H  # the routed rows gathered from them for the weight gradient
     recompute = mega is not None and not plan.save_for_backward
-    if mega is None:
-        mode = f"kept per layer for the backward {kept / MiB:.1f} MiB, forward transient {fwd / MiB:.1f} MiB"
+    ring = mega.ring_rows * 2 * (H + I) if mega is not None else 0
+    return MemoryNeeds(R_max=R, kept=kept, forward=fwd if mega is None else 0,
+                       backward=bwd + (kept if recompute else 0), ring=ring, recompute=recompute)
+
+
+def memory_report(plan: Plan) -> str:
+    """Worst-case routed-buffer sizes of a plan (every (token, k) of every rank to this rank)."""
+    d = plan.dims
+    n = memory_needs(plan)
+    MiB = 2 ** 20
+    if plan.mega is None:
+        mode = (f"kept per layer for the backward {n.kept / MiB:.1f} MiB, forward transient "
+                f"{n.forward / MiB:.1f} MiB")
     else:
-        ring = mega.ring_rows * 2 * (H + I)
-        mode = (f"megakernel forward keeps only the schedule and a {ring / MiB:.1f} MiB ring; its backward "
-                f"recomputes the routed rows" if recompute else
-                f"megakernel ring {ring / MiB:.1f} MiB; a differentiated forward keeps {kept / MiB:.1f} MiB per "
+        mode = (f"megakernel forward keeps only the schedule and a {n.ring / MiB:.1f} MiB ring; its backward "
+                f"recomputes the routed rows" if n.recompute else
+                f"megakernel ring {n.ring / MiB:.1f} MiB; a differentiated forward keeps {n.kept / MiB:.1f} MiB per "
                 f"layer for the backward (without autograd: only the ring)")
-    return (f"T={d.T} H={H} I={I} k={d.k} E_local={d.E_local} EP{d.world_size}: routed rows sized for the worst "
-            f"case: R_max={R} rows; {mode}; backward transient {(bwd + (kept if recompute else 0)) / MiB:.1f} MiB")
+    return (f"T={d.T} H={d.H} I={d.I} k={d.k} E_local={d.E_local} EP{d.world_size}: routed rows sized for the worst "
+            f"case: R_max={n.R_max} rows; {mode}; backward transient {n.backward / MiB:.1f} MiB")
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation on ``device`` can use: free in the driver plus what PyTorch's caching
+    allocator holds unused; None where it is not known (CPU tensors: no check)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def memory_shortfall(plan: Plan, device, new_workspace: WorkspaceKey | None = None) -> str | None:
+    """None if one call of ``plan`` fits in the free memory of ``device`` (``free_device_bytes``),
+    else the message of the ``TabbyMemoryError`` to raise: GiB needed and free, and what lowers it.
+    ``new_workspace``: the key of a workspace the call would also create (its symmetric buffers)."""
+    free = free_device_bytes(torch.device(device))
+    if free is None:
+        return None
+    n = memory_needs(plan)
+    sym = workspace_bytes(new_workspace) if new_workspace is not None else 0
+    need = sym + n.peak()
+    if need <= free:
+        return None
+    d, GiB = plan.dims, 2 ** 30
+    ways = [f"fewer tokens per call (the routed rows are sized for every token of every rank: T={d.T} x k={d.k} "
+            f"x EP{d.world_size})"]
+    if plan.mega is not None and plan.save_for_backward:
+        ways.append(f"MoEConfig(save_for_backward=False) (the megakernel forward then keeps only its ring, "
+                    f"{n.kept / GiB:.2f} GiB less per layer; the backward recomputes the routed rows)")
+    if plan.mega is None:
+        ways.append("MoEConfig(megakernel=True, save_for_backward=False) (keeps only a ring in the forward)")
+    if plan.mega is not None:
+        ways.append(f"a smaller ring, Tuning(ring_rows=...) (now {plan.mega.ring_rows} rows, {n.ring / GiB:.2f} GiB)")
+    ways.append("tabby.free_workspaces() to release the buffers of shapes no longer used")
+    return (f"tabby.moe at T={d.T} H={d.H} I={d.I} k={d.k} E_local={d.E_local} EP{d.world_size} on {device} needs "
+            f"{need / GiB:.2f} GiB (worst case, R_max={n.R_max} routed rows: kept for the backward "
+            f"{(0 if n.recompute else n.kept) / GiB:.2f} GiB, transient {max(n.forward, n.backward) / GiB:.2f} GiB, "
+            f"ring {n.ring / GiB:.2f} GiB, symmetric buffers {sym / GiB:.2f} GiB) but {free / GiB:.2f} GiB are free. "
+            f"To lower it: " + "; ".join(ways))
 
 
 def check_errors():
-    """Raise ``TabbyDeviceError`` if any cached workspace of this process recorded an error (host sync)."""
+    """Raise ``TabbyDeviceError`` if any cached workspace of this process recorded an error (host
+    sync). Every record is read and cleared; the error names each one."""
+    found = []
     for ws in cached_workspaces():
-        ws.check_errors()
+        try:
+            ws.check_errors()
+        except TabbyDeviceError as e:
+            found.append(str(e))
+    if found:
+        raise TabbyDeviceError("; ".join(found))

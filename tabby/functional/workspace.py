@@ -69,6 +69,21 @@ def _layout(key: WorkspaceKey):
     ]
 
 
+def _offsets(layout):
+    """Each buffer's byte offset in the symmetric allocation (256-byte aligned) and the total bytes."""
+    offsets, total = {}, 0
+    for name, shape, dtype in layout:
+        total = (total + 255) // 256 * 256
+        offsets[name] = total
+        total += _numel(shape) * dtype.itemsize
+    return offsets, (total + 255) // 256 * 256
+
+
+def workspace_bytes(key: WorkspaceKey) -> int:
+    """Bytes of the symmetric allocation of a workspace of ``key`` (what ``Workspace`` allocates)."""
+    return _offsets(_layout(key))[1]
+
+
 class Workspace:
     """Symmetric buffers, their address tables, epoch counters and the error record of one rank."""
 
@@ -76,12 +91,7 @@ class Workspace:
         self.key, self.rank, self.world_size = key, rank, key.world_size
         device = torch.device(key.device)
         layout = _layout(key)
-        offsets, total = {}, 0
-        for name, shape, dtype in layout:
-            total = (total + 255) // 256 * 256  # keep every buffer 256-byte aligned
-            offsets[name] = total
-            total += _numel(shape) * dtype.itemsize
-        total = (total + 255) // 256 * 256
+        offsets, total = _offsets(layout)
         self.symmetric_bytes = total
         if thread_group is not None:
             self.transport = "threads"
@@ -172,7 +182,9 @@ class Workspace:
                                    f"topk_idx is outside [0, E={expected}); the call's output is invalid")
         raise TabbyDeviceError(f"rank {rank}: a bounded wait timed out ({what}): flag {index} expected >= "
                                f"{expected}, last saw {seen} (epoch {epoch}). A peer did not take part in the "
-                               f"call, or ran a different sequence of MoE calls; outputs of this call are invalid")
+                               f"call, or ran a different sequence of MoE calls; outputs of this call are invalid. The "
+                               f"ranks' pass counts may now differ: call tabby.free_workspaces() on every rank before "
+                               f"the next call")
 
 
 class TabbyDeviceError(RuntimeError):
@@ -190,28 +202,65 @@ _CACHE: dict = {}
 _GROUPS: dict = {}  # the groups of _CACHE's keys, kept alive (see get_workspace)
 
 
-def get_workspace(key: WorkspaceKey, rank: int, group=None, thread_group=None) -> Workspace:
-    """The cached workspace for this group and shape (created on first use, collectively)."""
-    ck = (key, id(group) if group is not None else None, id(thread_group) if thread_group else None, rank)
+def peek_workspace(key: WorkspaceKey, rank: int, group=None, thread_group=None) -> Workspace | None:
+    """The cached workspace for this group and shape, or None (nothing is created)."""
+    return _CACHE.get(_cache_key(key, rank, group, thread_group))
+
+
+def _cache_key(key, rank, group, thread_group):
+    return (key, id(group) if group is not None else None, id(thread_group) if thread_group else None, rank)
+
+
+def get_workspace(key: WorkspaceKey, rank: int, group=None, thread_group=None, fits: bool = True,
+                  shortfall: str | None = None, join_timeout_s: float | None = None) -> Workspace:
+    """The cached workspace for this group and shape (created on first use, collectively).
+
+    Creation first checks, collectively, that every rank has the same shapes and the memory for
+    the call (``fits``; ``shortfall``: this rank's message if not), raising the same error on every
+    rank otherwise. ``join_timeout_s``: how long simulated ranks wait for each other there (a
+    process group waits as long as its own timeout)."""
+    ck = _cache_key(key, rank, group, thread_group)
     # The cache holds the group objects too: an id is unique only while its object lives, and a
     # test's thread group, once collected, could hand its id (and its stale workspace, at a later
     # epoch) to the next one.
     _GROUPS[ck] = (group, thread_group)
     ws = _CACHE.get(ck)
     if ws is None:
-        if group is not None and key.world_size > 1:
-            # Ranks that disagree on shapes would wait for each other forever: check once, here.
-            from ..validate import MoEDims, check_group_agrees
+        from ..validate import MoEDims, TabbyMemoryError, check_group_agrees, compare_group_descriptors, group_descriptor
 
-            dims = MoEDims(T=key.T, H=key.H, k=key.k, E_local=key.E_local, I=key.I, world_size=key.world_size,
-                           I_shared=0)
-            check_group_agrees(dims, torch.empty(0, dtype=key.dtype, device=key.device), group)
+        dims = MoEDims(T=key.T, H=key.H, k=key.k, E_local=key.E_local, I=key.I, world_size=key.world_size,
+                       I_shared=0)
+        if thread_group is not None and key.world_size > 1:
+            rows = _thread_group_gather(thread_group, rank, group_descriptor(dims, key.dtype, fits), join_timeout_s)
+            compare_group_descriptors(rows, rank, shortfall)
+        elif group is not None and key.world_size > 1:
+            # Ranks that disagree on shapes would wait for each other forever: check once, here.
+            check_group_agrees(dims, torch.empty(0, dtype=key.dtype, device=key.device), group, fits, shortfall)
+        elif not fits:
+            raise TabbyMemoryError(shortfall or "the layer's buffers do not fit in the free device memory")
         ws = Workspace(key, rank, group=group, thread_group=thread_group)
         _CACHE[ck] = ws
         if rank == 0:
             log.info("workspace for T=%d H=%d k=%d E_local=%d I=%d EP%d: %.1f MiB symmetric (%s)", key.T, key.H,
                      key.k, key.E_local, key.I, key.world_size, ws.symmetric_bytes / 2**20, ws.transport)
     return ws
+
+
+def _thread_group_gather(tg: ThreadGroup, rank: int, value, timeout_s: float | None) -> list:
+    """Every simulated rank's ``value`` in rank order (``ThreadGroup.exchange``, with a bound on the
+    wait): a rank that does not join within ``timeout_s`` breaks the group's barrier, and every rank
+    waiting in it raises ``TabbyDeviceError``; the group cannot be used after that."""
+    import threading
+
+    tg._bases[rank] = value
+    try:
+        tg._barrier.wait(timeout_s)
+        out = [tg._bases[r] for r in range(tg.world_size)]
+        tg._barrier.wait(timeout_s)
+    except threading.BrokenBarrierError:
+        raise TabbyDeviceError(f"rank {rank}: a peer did not join the first call of this shape within "
+                               f"{timeout_s} s (MoEConfig.max_wait_ms); the simulated group is broken") from None
+    return out
 
 
 def cached_workspaces() -> list[Workspace]:
