@@ -1,0 +1,230 @@
+"""FP8 quantization kernels: the recipe of ``tabby/reference_fp8.py`` (the definition; these agree
+with it bit for bit, values and scales).
+
+- ``quantize_rows``: activations [M, K] -> E4M3 [M, K] + fp32 scales [M, ceil(K/128)], per 1x128.
+- ``quantize_blocks``: weights [E, N, K] -> E4M3 [E, N, K] + fp32 scales
+  [E, ceil(N/128), ceil(K/128)], per 128x128 block.
+- ``mxfp8_to_blocks``: MXFP8 weights (E4M3 + one E8M0 scale per 1x32 along K) -> the 128x128
+  layout, exactly, or ``ValueError`` (when exact: ``reference_fp8``'s docstring).
+
+Scales are fp32 powers of two ``2^j``, ``j`` the smallest integer with ``amax <= 448 * 2^j``,
+``j >= -126``; the tile's values are ``e4m3(x * 2^-j)``, exact scaling then one rounding to
+nearest even, no saturation needed. The jit helpers (``scale_exponent``, ``exp2_int``,
+``to_e4m3``, ``quantize_tile_rows``) are what GEMM epilogues call to quantize their outputs.
+
+Under the interpreter, Triton 3.6's fp32 -> fp8 conversion does not round to nearest even (it
+rounds half away from zero within a binade and truncates below E4M3's normals) but converts a
+value already on the E4M3 grid exactly: ``to_e4m3`` rounds in fp32 arithmetic there first.
+Compiled for sm_90 the hardware conversion (round to nearest even) is used.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import INTERPRET
+
+BLOCK = 128  # channels per activation tile; rows and columns per weight block
+MX_GROUP = 32
+E4M3 = torch.float8_e4m3fn
+
+
+@triton.jit
+def scale_exponent(amax):
+    """int32 j: the smallest integer with amax <= 448 * 2^j, at least -126 (amax >= 0 fp32).
+    From the bits: amax = 1.m * 2^ea, 448 = 1.75 * 2^8, so j = ea - 8 (+1 when 1.m > 1.75)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    ea = ((bits >> 23) & 0xFF) - 127
+    j = ea - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return tl.maximum(j, -126)
+
+
+@triton.jit
+def exp2_int(j):
+    """fp32 2^j for int32 j in [-126, 127] (exact, from the bits)."""
+    return ((j + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_e4m3(v, INTERPRET: tl.constexpr):
+    """fp32 v (|v| <= 448) -> E4M3, round to nearest even."""
+    if INTERPRET:
+        # onto the E4M3 grid in fp32: quantum 2^(e-3) for a value in binade e, 2^-9 below 2^-6;
+        # v / q is exact and below 16 in magnitude, and adding then subtracting 1.5 * 2^23
+        # rounds it to an integer, to nearest even
+        # (on the magnitude; the sign bit is put back from the bits: -0.0 stays -0.0)
+        bits = v.to(tl.int32, bitcast=True)
+        e = tl.maximum((bits >> 23) & 0xFF, 127 - 6)
+        q = ((e - 3) << 23).to(tl.float32, bitcast=True)
+        r = tl.abs(v) / q
+        r = ((r + 12582912.0) - 12582912.0) * q
+        v = (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_tile_rows(x, INTERPRET: tl.constexpr):
+    """fp32 x [BM, 128] (one 1x128 tile per row) -> (E4M3 [BM, 128], fp32 scales [BM])."""
+    j = scale_exponent(tl.max(tl.abs(x), axis=1))
+    return to_e4m3(x * exp2_int(-j)[:, None], INTERPRET), exp2_int(j)
+
+
+@triton.jit
+def quantize_rows_kernel(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_sm, M, num_tiles_ptr,
+                         K: tl.constexpr, BR: tl.constexpr, TILE_ROWS: tl.constexpr, GATED: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    """Rows pid(0)*BR.. of x, K tile pid(1). GATED: rows in row tiles (of TILE_ROWS) past
+    num_tiles are skipped (the routed-row buffers, whose used length is a device scalar)."""
+    pid = tl.program_id(0)
+    kb = tl.program_id(1)
+    row0 = pid * BR
+    if GATED:
+        if row0 // TILE_ROWS >= tl.load(num_tiles_ptr):
+            return
+    rows = row0 + tl.arange(0, BR)
+    cols = kb * 128 + tl.arange(0, 128)
+    m = (rows < M)[:, None] & (cols < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    q, s = quantize_tile_rows(x, INTERPRET)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=m)
+    tl.store(s_ptr + rows64 * stride_sm + kb, s, mask=rows < M)
+
+
+def quantize_rows(x: torch.Tensor, *, num_tiles: torch.Tensor | None = None, tile_rows: int = 128,
+                  out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None):
+    """x [M, K] (bf16/fp16/fp32, unit column stride) -> (q [M, K] E4M3, scales [M, ceil(K/128)] fp32),
+    per 1x128 tile. ``num_tiles`` (int32 [1] on the device): only rows of the first
+    ``num_tiles * tile_rows`` are quantized (the rest of ``out`` is left as it was)."""
+    M, K = x.shape
+    assert x.stride(-1) == 1
+    nk = triton.cdiv(K, BLOCK)
+    if out is None:
+        out = torch.empty(M, K, dtype=E4M3, device=x.device)
+    if scale_out is None:
+        scale_out = torch.empty(M, nk, dtype=torch.float32, device=x.device)
+    assert out.shape == (M, K) and out.stride(-1) == 1 and scale_out.shape == (M, nk)
+    if M == 0 or K == 0:
+        return out, scale_out
+    BR = 32
+    assert tile_rows % BR == 0
+    gated = num_tiles is not None
+    quantize_rows_kernel[(triton.cdiv(M, BR), nk)](
+        x, x.stride(0), out, out.stride(0), scale_out, scale_out.stride(0), M,
+        num_tiles if gated else scale_out, K=K, BR=BR, TILE_ROWS=tile_rows, GATED=gated, INTERPRET=INTERPRET,
+        num_warps=4)
+    return out, scale_out
+
+
+@triton.jit
+def quantize_blocks_kernel(w_ptr, stride_we, stride_wn, q_ptr, stride_qe, stride_qn, s_ptr, stride_se,
+                           stride_sn, N, K, INTERPRET: tl.constexpr):
+    """One 128x128 block (expert pid(0), row block pid(1), column block pid(2))."""
+    e = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    kb = tl.program_id(2)
+    rows = nb * 128 + tl.arange(0, 128)
+    cols = kb * 128 + tl.arange(0, 128)
+    m = (rows < N)[:, None] & (cols < K)[None, :]
+    w = tl.load(w_ptr + e * stride_we + rows[:, None] * stride_wn + cols[None, :], mask=m, other=0.0)
+    w = w.to(tl.float32)
+    j = scale_exponent(tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+    q = to_e4m3(w * exp2_int(-j), INTERPRET)
+    tl.store(q_ptr + e * stride_qe + rows[:, None] * stride_qn + cols[None, :], q, mask=m)
+    tl.store(s_ptr + e * stride_se + nb * stride_sn + kb, exp2_int(j))
+
+
+def quantize_blocks(w: torch.Tensor, *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None):
+    """Weights w [E, N, K] (or [N, K]) -> (q E4M3 of w's shape, scales [E, ceil(N/128), ceil(K/128)] fp32)."""
+    squeeze = w.dim() == 2
+    w3 = w[None] if squeeze else w
+    E, N, K = w3.shape
+    assert w3.stride(-1) == 1
+    nb, kb = triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK)
+    if out is None:
+        out = torch.empty(E, N, K, dtype=E4M3, device=w.device)
+    if scale_out is None:
+        scale_out = torch.empty(E, nb, kb, dtype=torch.float32, device=w.device)
+    out3 = out[None] if out.dim() == 2 else out
+    s3 = scale_out[None] if scale_out.dim() == 2 else scale_out
+    assert out3.shape == (E, N, K) and out3.stride(-1) == 1 and s3.shape == (E, nb, kb) and s3.stride(-1) == 1
+    if E and nb and kb:
+        quantize_blocks_kernel[(E, nb, kb)](w3, w3.stride(0), w3.stride(1), out3, out3.stride(0), out3.stride(1),
+                                            s3, s3.stride(0), s3.stride(1), N, K, INTERPRET=INTERPRET, num_warps=8)
+    if squeeze:
+        return out3[0], s3[0]
+    return out3, s3
+
+
+@triton.jit
+def mxfp8_to_blocks_kernel(q_ptr, stride_qe, stride_qn, e8_ptr, stride_e8e, stride_e8n,
+                           o_ptr, stride_oe, stride_on, s_ptr, stride_se, stride_sn, bad_ptr, N, K,
+                           INTERPRET: tl.constexpr):
+    """One 128x128 block: S = the largest of its E8M0 group scales; each group's values times
+    2^-(e_max - e), checked to be exact (bad[e, nb, kb] = the count of values that are not)."""
+    e = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    kb = tl.program_id(2)
+    rows = nb * 128 + tl.arange(0, 128)
+    grp = kb * 4 + tl.arange(0, 4)
+    gm = (rows < N)[:, None] & (grp < K // 32)[None, :]
+    ge = tl.load(e8_ptr + e * stride_e8e + rows[:, None] * stride_e8n + grp[None, :], mask=gm, other=0).to(tl.int32)
+    e_max = tl.max(tl.max(ge, axis=1), axis=0)
+    nan_scales = tl.sum(tl.sum((ge == 255).to(tl.int32), axis=1), axis=0)
+    # d >= 18 leaves no nonzero E4M3 value exact; clamped, 2^-d stays an fp32 normal
+    d = tl.minimum(e_max - ge, 30)  # [128, 4]
+    f = ((127 - d) << 23).to(tl.float32, bitcast=True)
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (128, 4, 32)), (128, 128))
+    cols = kb * 128 + tl.arange(0, 128)
+    m = (rows < N)[:, None] & (cols < K)[None, :]
+    v8 = tl.load(q_ptr + e * stride_qe + rows[:, None] * stride_qn + cols[None, :], mask=m, other=0.0)
+    nan_vals = (v8.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F  # E4M3's NaN, from the bits
+    v = v8.to(tl.float32) * f  # exact: a power of two >= 2^-30 times |v| <= 448
+    o = to_e4m3(v, INTERPRET)
+    inexact = ((o.to(tl.float32) != v) | nan_vals) & m
+    nbad = tl.sum(tl.sum(inexact.to(tl.int32), axis=1), axis=0) + nan_scales
+    tl.store(o_ptr + e * stride_oe + rows[:, None] * stride_on + cols[None, :], o, mask=m)
+    # 2^(e_max - 127); e_max = 0 is 2^-127, an fp32 subnormal (bits 0x400000)
+    s = tl.where(e_max > 0, e_max << 23, 0x400000).to(tl.float32, bitcast=True)
+    tl.store(s_ptr + e * stride_se + nb * stride_sn + kb, s)
+    tl.store(bad_ptr + (e * tl.num_programs(1) + nb) * tl.num_programs(2) + kb, nbad)
+
+
+def mxfp8_to_blocks(q: torch.Tensor, e8m0: torch.Tensor):
+    """MXFP8 weights (q [E, N, K] or [N, K] E4M3, e8m0 [..., N, K/32] uint8, ``2^(e - 127)`` per 1x32
+    group along K) -> (q' E4M3 of q's shape, scales [..., ceil(N/128), ceil(K/128)] fp32) with
+    ``q' * s == q * 2^(e8m0 - 127)`` exactly, elementwise.
+
+    Each 128x128 block's scale is its largest group scale; a group ``d`` binades below it is
+    re-expressed as ``v * 2^-d``, exact iff that is an E4M3 value (it stays >= 2^-6, or it is a
+    multiple of 2^-9; zeros always). Raises ``ValueError`` naming the count and the first block
+    when any value of any block is not exact, a value is NaN or a scale is 255 (NaN): one scale
+    per 128x128 block leaves no finer scale to keep. Reads the verdict back to the host (a one-time
+    conversion, not part of a training step).
+    """
+    squeeze = q.dim() == 2
+    q3, e3 = (q[None], e8m0[None]) if squeeze else (q, e8m0)
+    E, N, K = q3.shape
+    if K % MX_GROUP:
+        raise ValueError(f"MXFP8 import: K={K} is not a multiple of {MX_GROUP}")
+    if tuple(e3.shape) != (E, N, K // MX_GROUP) or e3.dtype != torch.uint8 or q3.dtype != E4M3:
+        raise ValueError(f"MXFP8 import: expected q [E, N, K] float8_e4m3fn and e8m0 [E, N, K/32] uint8, got "
+                         f"{tuple(q3.shape)} {q3.dtype} and {tuple(e3.shape)} {e3.dtype}")
+    assert q3.stride(-1) == 1 and e3.stride(-1) == 1
+    nb, kb = triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK)
+    out = torch.empty(E, N, K, dtype=E4M3, device=q.device)
+    scale = torch.empty(E, nb, kb, dtype=torch.float32, device=q.device)
+    bad = torch.zeros(E, nb, kb, dtype=torch.int32, device=q.device)
+    if E and nb and kb:
+        mxfp8_to_blocks_kernel[(E, nb, kb)](q3, q3.stride(0), q3.stride(1), e3, e3.stride(0), e3.stride(1),
+                                            out, out.stride(0), out.stride(1), scale, scale.stride(0),
+                                            scale.stride(1), bad, N, K, INTERPRET=INTERPRET, num_warps=8)
+    if bool(bad.any()):
+        first = bad.nonzero()[0].tolist()
+        raise ValueError(f"MXFP8 import: {int(bad.sum())} values cannot be expressed exactly against their "
+                         f"128x128 block's largest scale (or are NaN; first block [e, n/128, k/128] = {first}); "
+                         f"requantize the dequantized weights (quantize_blocks) if the rounding is acceptable")
+    if squeeze:
+        return out[0], scale[0]
+    return out, scale
