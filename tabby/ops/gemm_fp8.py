@@ -1,0 +1,296 @@
+"""FP8 expert GEMMs over the routed-row buffer, with fp32 promotion per K block of 128.
+
+The layout contract is gemm.py's (routed rows ``[R, K]`` grouped by local expert, each expert's
+segment padded to the tile height ``BM``; ``tile_expert``, ``num_tiles``, ``row_src``), and so
+are the tile schedule (``grouped_tile``: GROUP_M row tiles per column sweep), the row tiles'
+experts (``_row_tile_expert``: an unused tile computes and stores nothing) and the epilogues'
+stores and pushes (``_store_rows``, ``_push_rows``): imported from there, not repeated.
+
+Operands are the recipe's (tabby/reference_fp8.py):
+- A: E4M3 rows ``aq [R, K]`` with fp32 scales ``a_scale [R, ceil(K/128)]`` (1x128 tiles);
+- B: E4M3 weights ``bq [E, N, K]`` (nn.Linear layout: A @ B^T) with fp32 scales
+  ``b_scale [E, ceil(N/128), ceil(K/128)]`` (128x128 blocks).
+
+Main loop, for each K block ``kb`` of 128 (the quantization block, so BK = 128):
+``part = tl.dot(a_fp8, b_fp8^T)`` into a fresh fp32 tile, then ``acc += part * (a_scale[rows, kb]
+* b_scale[e, col block, kb])``. Hopper's FP8 MMA keeps about 14 bits while it accumulates; the
+promotion bounds that to 128 products. ``tl.dot_scaled`` is not used: on sm_90 it is emulated.
+Deterministic like gemm.py: one program per output tile, K blocks in order, no atomics.
+
+Kernels:
+1. ``gate_up_swiglu_fp8``: g = A @ Wg[e]^T, u = A @ Wu[e]^T, h = silu(g) * u in fp32; g | u
+   stored bf16 (for the backward); h quantized per 1x128 in the epilogue (BN = 128: a tile row
+   is one 1x128 tile) into ``hq [R, I]`` E4M3 + ``h_scale [R, I/128]``.
+2. ``rows_gemm_fp8`` / ``down_push_fp8``: A @ B[e]^T stored locally or pushed row by row to
+   the origin (bf16).
+
+Under the interpreter Triton 3.6's fp8 ``tl.dot`` works as it is (it widens E4M3 to fp16,
+exactly, and multiplies in fp32), so no upcast is needed there (unlike gemm.py's bf16 ``_dot``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import INTERPRET
+from .fp8 import BLOCK, E4M3, quantize_tile_rows
+from .gemm import (_TL_DTYPES, GemmConfig, _check_schedule, _push_rows, _row_tile_expert, _store_rows,
+                   grouped_tile)
+
+KIND_GATE_UP = "gate_up"
+KIND_ROWS = "rows"
+
+
+def default_config_fp8(kind: str, N: int | None = None, BM: int = 128) -> GemmConfig:
+    """Tiles of the FP8 GEMMs: BK is the quantization block (128); gate/up's BN is 128 (one h tile
+    per tile row). ``BM`` is the schedule's tile height."""
+    if kind == KIND_GATE_UP:
+        # A 128x128 + 2 x (128x128) B, one byte each: 48 KB per stage
+        return GemmConfig(BM=BM, BN=128, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
+    if kind == KIND_ROWS:
+        BN = 256 if N is None or N >= 256 else max(16, triton.next_power_of_2(N))
+        return GemmConfig(BM=BM, BN=BN, BK=BLOCK, num_warps=8, num_stages=4 if BN <= 128 else 3, GROUP_M=8)
+    raise ValueError(f"unknown FP8 GEMM kind {kind!r}")
+
+
+@triton.jit
+def _fp8_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm,
+                  b_ptr, stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn,
+                  N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  EVEN_K: tl.constexpr):
+    """fp32 [BM, BN] = A[row0 : row0+BM, :K] @ B[e][cols of tile pid_n, :K]^T with fp32 promotion
+    per K block of 128 (see the module docstring). Columns past N read B modulo N (in bounds);
+    the caller masks them at the store."""
+    offs_m = tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    offs_n = cols % N
+    offs_k = tl.arange(0, 128)
+    a_ptrs = a_ptr + row0 * stride_am + (offs_m[:, None] * stride_am + offs_k[None, :])
+    b_ptrs = b_ptr + e.to(tl.int64) * stride_be + (offs_n[:, None] * stride_bn + offs_k[None, :])
+    as_ptrs = as_ptr + (row0 + offs_m) * stride_asm
+    bs_ptrs = bs_ptr + e.to(tl.int64) * stride_bse + (offs_n // 128) * stride_bsn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    NK: tl.constexpr = (K + 127) // 128
+    for kb in range(0, NK):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = offs_k < K - kb * 128
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
+        part = tl.dot(a, tl.trans(b))
+        sa = tl.load(as_ptrs + kb)
+        sb = tl.load(bs_ptrs + kb)
+        acc += part * (sa[:, None] * sb[None, :])
+        a_ptrs += 128
+        b_ptrs += 128
+    return acc
+
+
+@triton.jit
+def _fp8_gate_up_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm,
+                          wg_ptr, wu_ptr, stride_we, stride_wn, gs_ptr, us_ptr, stride_wse, stride_wsn,
+                          H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp32 (g, u) [BM, 128] of row tile row0 and I-column tile pid_n (128 columns: one weight
+    block row, so each K block has one scale per weight)."""
+    offs_m = tl.arange(0, BM)
+    offs_n = (pid_n * 128 + tl.arange(0, 128)) % I
+    offs_k = tl.arange(0, 128)
+    a_ptrs = a_ptr + row0 * stride_am + (offs_m[:, None] * stride_am + offs_k[None, :])
+    w_off = e.to(tl.int64) * stride_we + (offs_n[:, None] * stride_wn + offs_k[None, :])
+    bg_ptrs = wg_ptr + w_off
+    bu_ptrs = wu_ptr + w_off
+    as_ptrs = as_ptr + (row0 + offs_m) * stride_asm
+    ws_off = e.to(tl.int64) * stride_wse + pid_n * stride_wsn
+    acc_g = tl.zeros((BM, 128), dtype=tl.float32)
+    acc_u = tl.zeros((BM, 128), dtype=tl.float32)
+    NK: tl.constexpr = (H + 127) // 128
+    for kb in range(0, NK):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            bg = tl.load(bg_ptrs)
+            bu = tl.load(bu_ptrs)
+        else:
+            kmask = offs_k < H - kb * 128
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            bg = tl.load(bg_ptrs, mask=kmask[None, :], other=0.0)
+            bu = tl.load(bu_ptrs, mask=kmask[None, :], other=0.0)
+        pg = tl.dot(a, tl.trans(bg))
+        pu = tl.dot(a, tl.trans(bu))
+        sa = tl.load(as_ptrs + kb)
+        sg = tl.load(gs_ptr + ws_off + kb)
+        su = tl.load(us_ptr + ws_off + kb)
+        acc_g += pg * (sa * sg)[:, None]
+        acc_u += pu * (sa * su)[:, None]
+        a_ptrs += 128
+        bg_ptrs += 128
+        bu_ptrs += 128
+    return acc_g, acc_u
+
+
+@triton.jit
+def gate_up_swiglu_fp8_tile(pid_m, pid_n, a_ptr, stride_am, as_ptr, stride_asm,
+                            wg_ptr, wu_ptr, stride_we, stride_wn, gs_ptr, us_ptr, stride_wse, stride_wsn,
+                            hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
+                            tile_expert_ptr, num_tiles_ptr,
+                            H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, EVEN_K: tl.constexpr,
+                            SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr):
+    """One (row tile, 128 I-columns): g, u with fp32 promotion; h = silu(g) * u quantized per
+    1x128 (hq, h_scale[:, pid_n]); g | u bf16 into gu [R, 2I] when SAVE_GU. Unused tiles store nothing."""
+    e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
+    if e >= 0:
+        row0 = pid_m.to(tl.int64) * BM
+        acc_g, acc_u = _fp8_gate_up_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm, wg_ptr, wu_ptr,
+                                             stride_we, stride_wn, gs_ptr, us_ptr, stride_wse, stride_wsn,
+                                             H, I, BM, EVEN_K)
+        rows = row0 + tl.arange(0, BM)
+        cols = pid_n * 128 + tl.arange(0, 128)
+        cmask = (cols < I)[None, :]
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        h = tl.where(cmask, h, 0.0)  # columns past I take no part in the tile's scale
+        hq, hs = quantize_tile_rows(h, INTERPRET)
+        tl.store(hq_ptr + rows[:, None] * stride_hm + cols[None, :], hq, mask=cmask)
+        tl.store(hs_ptr + rows * stride_hsm + pid_n, hs)
+        if SAVE_GU:
+            gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
+            tl.store(gptrs, acc_g.to(gu_ptr.dtype.element_ty), mask=cmask)
+            tl.store(gptrs + I, acc_u.to(gu_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def gate_up_swiglu_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm,
+                              wg_ptr, wu_ptr, stride_we, stride_wn, gs_ptr, us_ptr, stride_wse, stride_wsn,
+                              hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
+                              tile_expert_ptr, num_tiles_ptr, num_m,
+                              H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP_M: tl.constexpr,
+                              EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, 128), GROUP_M)
+    gate_up_swiglu_fp8_tile(pid_m, pid_n, a_ptr, stride_am, as_ptr, stride_asm, wg_ptr, wu_ptr, stride_we,
+                            stride_wn, gs_ptr, us_ptr, stride_wse, stride_wsn, hq_ptr, stride_hm, hs_ptr,
+                            stride_hsm, gu_ptr, stride_gum, tile_expert_ptr, num_tiles_ptr, H, I, BM,
+                            EVEN_K, SAVE_GU, INTERPRET)
+
+
+def _check_fp8_rows(name, q, s, R):
+    if q.dtype != E4M3 or q.shape[0] != R or q.stride(-1) != 1:
+        raise ValueError(f"{name} must be float8_e4m3fn [R={R}, K] with a unit last stride, got "
+                         f"{q.dtype} {tuple(q.shape)}")
+    if s.dtype != torch.float32 or tuple(s.shape) != (R, triton.cdiv(q.shape[1], BLOCK)):
+        raise ValueError(f"{name}'s scales must be fp32 [R, ceil(K/128)] = {(R, triton.cdiv(q.shape[1], BLOCK))}, "
+                         f"got {s.dtype} {tuple(s.shape)}")
+
+
+def _check_fp8_weights(name, q, s):
+    E, N, K = q.shape
+    want = (E, triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK))
+    if q.dtype != E4M3 or q.stride(-1) != 1:
+        raise ValueError(f"{name} must be float8_e4m3fn [E, N, K] with a unit last stride, got {q.dtype}")
+    if s.dtype != torch.float32 or tuple(s.shape) != want or s.stride(-1) != 1:
+        raise ValueError(f"{name}'s scales must be fp32 {want}, got {s.dtype} {tuple(s.shape)}")
+
+
+def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *,
+                       hq=None, h_scale=None, gu=None, save_gu: bool = True, config: GemmConfig | None = None):
+    """Returns (hq [R, I] E4M3, h_scale [R, I/128] fp32, gu [R, 2I] bf16 or None).
+
+    aq [R, H] E4M3 with a_scale [R, ceil(H/128)]; wg_q, wu_q [E, I, H] E4M3 with scales
+    [E, ceil(I/128), ceil(H/128)] (same strides). I must be a multiple of 128 (h's 1x128 tiles
+    are the kernel's column tiles). Rows of unused tiles are left untouched.
+    """
+    R, H = aq.shape
+    E, I, H2 = wg_q.shape
+    if H2 != H or wu_q.shape != wg_q.shape or wu_q.stride() != wg_q.stride() or wu_scale.stride() != wg_scale.stride():
+        raise ValueError("w_gate and w_up must be [E, I, H] with the same strides, H matching the rows")
+    if I % BLOCK:
+        raise ValueError(f"I={I} must be a multiple of {BLOCK}")
+    _check_fp8_rows("aq", aq, a_scale, R)
+    _check_fp8_weights("wg_q", wg_q, wg_scale)
+    _check_fp8_weights("wu_q", wu_q, wu_scale)
+    cfg = config or default_config_fp8(KIND_GATE_UP)
+    if cfg.BN != BLOCK or cfg.BK != BLOCK:
+        raise ValueError(f"gate_up_swiglu_fp8 needs BN = BK = {BLOCK}, got {cfg}")
+    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
+    if hq is None:
+        hq = torch.empty(R, I, dtype=E4M3, device=aq.device)
+    if h_scale is None:
+        h_scale = torch.empty(R, I // BLOCK, dtype=torch.float32, device=aq.device)
+    save_gu = save_gu or gu is not None
+    if save_gu and gu is None:
+        gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device)
+    gu_arg = gu if save_gu else h_scale
+    num_m = R // cfg.BM
+    gate_up_swiglu_fp8_kernel[(num_m * (I // BLOCK),)](
+        aq, aq.stride(0), a_scale, a_scale.stride(0), wg_q, wu_q, wg_q.stride(0), wg_q.stride(1),
+        wg_scale, wu_scale, wg_scale.stride(0), wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0),
+        gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, H, I, BM=cfg.BM, GROUP_M=cfg.GROUP_M,
+        EVEN_K=(H % BLOCK == 0), SAVE_GU=save_gu, INTERPRET=INTERPRET, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return hq, h_scale, (gu if save_gu else None)
+
+
+@triton.jit
+def rows_gemm_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm, b_ptr, stride_be, stride_bn,
+                         bs_ptr, stride_bse, stride_bsn, c_ptr, stride_cm,
+                         row_src_ptr, dst_ptrs_ptr, TK, stride_dm,
+                         tile_expert_ptr, num_tiles_ptr, num_m,
+                         N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PUSH: tl.constexpr,
+                         DST_DTYPE: tl.constexpr):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(N, BN), GROUP_M)
+    e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
+    if e >= 0:
+        acc = _fp8_mainloop(pid_m.to(tl.int64) * BM, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm, b_ptr,
+                            stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn, N, K, BM, BN, EVEN_K)
+        if PUSH:
+            _push_rows(acc, pid_m, pid_n, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, N, BM, BN, DST_DTYPE)
+        else:
+            _store_rows(acc, pid_m, pid_n, c_ptr, stride_cm, N, BM, BN)
+
+
+def rows_gemm_fp8(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None, out_dtype=torch.bfloat16,
+                  row_src=None, dst_ptrs=None, TK=None, dst_stride=None, dst_dtype=torch.bfloat16,
+                  config: GemmConfig | None = None):
+    """Routed-row FP8 GEMM: for each used row tile m (expert e), ``A[m-tile] @ B[e]^T`` with fp32
+    promotion per K block. aq [R, K] E4M3 + a_scale [R, ceil(K/128)]; bq [E, N, K] E4M3 + b_scale
+    [E, ceil(N/128), ceil(K/128)]. Epilogue as gemm.rows_gemm: pushed (``dst_ptrs``, ``row_src``,
+    ``TK``; returns None) or stored into ``out`` [R, N] (``out_dtype``; returned)."""
+    R, K = aq.shape
+    E, N, Kb = bq.shape
+    if Kb != K:
+        raise ValueError(f"A has K={K}, B has {Kb}")
+    _check_fp8_rows("aq", aq, a_scale, R)
+    _check_fp8_weights("bq", bq, b_scale)
+    cfg = config or default_config_fp8(KIND_ROWS, N)
+    if cfg.BK != BLOCK:
+        raise ValueError(f"rows_gemm_fp8 needs BK = {BLOCK}, got {cfg}")
+    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
+    push = dst_ptrs is not None
+    if push:
+        assert row_src is not None and TK is not None
+        assert dst_ptrs.dtype == torch.int64 and row_src.dtype == torch.int32 and row_src.numel() == R
+        c, stride_c = aq, 0
+        stride_d = N if dst_stride is None else dst_stride
+    else:
+        if out is None:
+            out = torch.empty(R, N, dtype=out_dtype, device=aq.device)
+        assert out.shape == (R, N) and out.stride(-1) == 1
+        c, stride_c = out, out.stride(0)
+        row_src = dst_ptrs = tile_expert  # unused
+        TK, stride_d = 1, 0
+    num_m = R // cfg.BM
+    rows_gemm_fp8_kernel[(num_m * triton.cdiv(N, cfg.BN),)](
+        aq, aq.stride(0), a_scale, a_scale.stride(0), bq, bq.stride(0), bq.stride(1), b_scale, b_scale.stride(0),
+        b_scale.stride(1), c, stride_c, row_src, dst_ptrs, TK, stride_d, tile_expert, num_tiles, num_m, N, K,
+        BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M, EVEN_K=(K % BLOCK == 0), PUSH=push,
+        DST_DTYPE=_TL_DTYPES[dst_dtype], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return None if push else out
+
+
+def down_push_fp8(hq, h_scale, wd_q, wd_scale, tile_expert, num_tiles, row_src, dst_ptrs, TK, *,
+                  dst_stride=None, config: GemmConfig | None = None):
+    """Down projection in FP8, each row of h[m-tile] @ Wd[e]^T pushed bf16 to its origin
+    (``dst_ptrs[row_src[r] // TK]`` row ``row_src[r] % TK``), as gemm.down_push."""
+    rows_gemm_fp8(hq, h_scale, wd_q, wd_scale, tile_expert, num_tiles, row_src=row_src, dst_ptrs=dst_ptrs, TK=TK,
+                  dst_stride=dst_stride, config=config)

@@ -1,0 +1,225 @@
+"""FP8 routed-row GEMMs (tabby/ops/gemm_fp8.py) against the recipe's plain PyTorch GEMM
+(tabby/reference_fp8.py: the same quantized operands, fp32 promotion per K block of 128) and
+against fp32 on the unquantized operands. Interpreter on the CPU, compiled on a GPU.
+
+``python tests/test_fp8_gemm.py`` (with CUDA) measures the FP8 GEMMs against gemm.py's bf16 ones."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tabby import reference_fp8 as ref  # noqa: E402
+from tabby.ops import gemm, gemm_fp8  # noqa: E402
+from tabby.ops.fp8 import quantize_blocks, quantize_rows  # noqa: E402
+from tabby.ops.gemm import GemmConfig  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+# fp32 sums in another order (CPU); Hopper's FP8 MMA keeps ~14 bits within a K block (GPU)
+TIGHT = 1e-3 if CUDA else 1e-6
+# bf16 outputs against the reference rounded to bf16: the interpreter's fp32 -> bf16 cast truncates
+TIGHT_BF16 = 8e-3
+
+
+class Sched:
+    """Routed rows of ``counts`` per expert, each segment padded to BM, ``extra`` unused tiles."""
+
+    def __init__(self, counts, BM, TK=4096, extra=1, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        starts, s = [], 0
+        for c in counts:
+            starts.append(s)
+            s += -(-c // BM) * BM
+        self.used, self.R = s, s + extra * BM
+        te = torch.full((self.R // BM,), -1, dtype=torch.int32)
+        row_src = torch.full((self.R,), -1, dtype=torch.int32)
+        ids = torch.randperm(TK, generator=g)[:sum(counts)].to(torch.int32)
+        j = 0
+        self.segments = []
+        for e, (st, c) in enumerate(zip(starts, counts)):
+            te[st // BM:(st + -(-c // BM) * BM) // BM] = e
+            row_src[st:st + c] = ids[j:j + c]
+            j += c
+            self.segments.append((e, st, c))
+        self.TK, self.BM = TK, BM
+        self.tile_expert = te.to(DEV)
+        self.num_tiles = torch.tensor([self.used // BM], dtype=torch.int32, device=DEV)
+        self.row_src = row_src.to(DEV)
+        self.row_src_cpu = row_src
+
+
+def rand(*shape, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("K,N,BN", [(256, 192, 128), (200, 96, 64), (384, 256, 256)])
+def test_rows_gemm_fp8_store(K, N, BN):
+    BM = 16 if not CUDA else 128
+    counts = [37, 0, 16, 5] if not CUDA else [300, 0, 128, 5]
+    sch = Sched(counts, BM, seed=K)
+    E = len(counts)
+    a = rand(sch.R, K, seed=1)
+    b = rand(E, N, K, seed=2, scale=K ** -0.5)
+    aq, as_ = quantize_rows(a.to(DEV))
+    bq, bs = quantize_blocks(b.to(DEV))
+    sentinel = -7.0
+    out = torch.full((sch.R, N), sentinel, dtype=torch.float32, device=DEV)
+    cfg = GemmConfig(BM=BM, BN=BN, BK=128, num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
+    gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, out=out, config=cfg)
+    out = out.cpu()
+    aqc, asc, bqc, bsc = aq.cpu(), as_.cpu(), bq.cpu(), bs.cpu()
+    for e, st, c in sch.segments:
+        if c == 0:
+            continue
+        want = ref.fp8_gemm_ref(aqc[st:st + c], asc[st:st + c], bqc[e], bsc[e])
+        assert rel(out[st:st + c], want) < TIGHT
+        # against fp32 on the unquantized operands: E4M3's rounding, a few per cent
+        assert rel(out[st:st + c], a[st:st + c].float() @ b[e].float().t()) < 6e-2
+    assert bool((out[sch.used:] == sentinel).all())  # unused tiles are not written
+
+
+def test_rows_gemm_fp8_push():
+    BM = 16 if not CUDA else 128
+    counts = [20, 33] if not CUDA else [200, 333]
+    K, N = 256, 128
+    W, TKr = 2, 64 if not CUDA else 512
+    sch = Sched(counts, BM, TK=W * TKr, seed=3)
+    a = rand(sch.R, K, seed=4)
+    b = rand(2, N, K, seed=5, scale=0.06)
+    aq, as_ = quantize_rows(a.to(DEV))
+    bq, bs = quantize_blocks(b.to(DEV))
+    dst = [torch.zeros(TKr, N, dtype=torch.bfloat16, device=DEV) for _ in range(W)]
+    ptrs = torch.tensor([d.data_ptr() for d in dst], dtype=torch.int64, device=DEV)
+    cfg = GemmConfig(BM=BM, BN=128, BK=128, num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
+    gemm_fp8.down_push_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, sch.row_src, ptrs, TKr, config=cfg)
+    got = torch.zeros(W * TKr, N, dtype=torch.bfloat16)
+    for w in range(W):
+        got[w * TKr:(w + 1) * TKr] = dst[w].cpu()
+    for e, st, c in sch.segments:
+        want = ref.fp8_gemm_ref(aq.cpu()[st:st + c], as_.cpu()[st:st + c], bq.cpu()[e], bs.cpu()[e])
+        assert rel(got[sch.row_src_cpu[st:st + c].long()], want.to(torch.bfloat16)) < TIGHT_BF16
+
+
+def test_gate_up_swiglu_fp8():
+    BM = 16 if not CUDA else 128
+    counts = [21, 0, 40] if not CUDA else [210, 0, 400]
+    H, I = 256, 256
+    sch = Sched(counts, BM, seed=6)
+    E = len(counts)
+    x = rand(sch.R, H, seed=7)
+    wg, wu = rand(E, I, H, seed=8, scale=H ** -0.5), rand(E, I, H, seed=9, scale=H ** -0.5)
+    xq, xs = quantize_rows(x.to(DEV))
+    (gq, gs), (uq, us) = quantize_blocks(wg.to(DEV)), quantize_blocks(wu.to(DEV))
+    hq = torch.zeros(sch.R, I, dtype=torch.float8_e4m3fn, device=DEV)
+    hs = torch.full((sch.R, I // 128), -1.0, device=DEV)
+    gu = torch.zeros(sch.R, 2 * I, dtype=torch.bfloat16, device=DEV)
+    cfg = GemmConfig(BM=BM, BN=128, BK=128, num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
+    gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles, hq=hq, h_scale=hs, gu=gu,
+                                config=cfg)
+    hq, hs, gu = hq.cpu(), hs.cpu(), gu.cpu()
+    xqc, xsc = xq.cpu(), xs.cpu()
+    for e, st, c in sch.segments:
+        if c == 0:
+            continue
+        g = ref.fp8_gemm_ref(xqc[st:st + c], xsc[st:st + c], gq.cpu()[e], gs.cpu()[e])
+        u = ref.fp8_gemm_ref(xqc[st:st + c], xsc[st:st + c], uq.cpu()[e], us.cpu()[e])
+        assert rel(gu[st:st + c, :I], g.to(torch.bfloat16)) < TIGHT_BF16
+        assert rel(gu[st:st + c, I:], u.to(torch.bfloat16)) < TIGHT_BF16
+        rq, rs = ref.quantize_rows_ref(torch.nn.functional.silu(g) * u)
+        got = ref.dequantize_rows_ref(hq[st:st + c], hs[st:st + c])
+        want = ref.dequantize_rows_ref(rq, rs)
+        # the same quantization of (almost) the same fp32 h: equal but for rare neighbours
+        assert (hq[st:st + c].view(torch.uint8) != rq.view(torch.uint8)).float().mean() < (2e-2 if CUDA else 1e-3)
+        assert rel(got, want) < (1e-2 if CUDA else 1e-3)
+        x32 = x[st:st + c].float()
+        h32 = torch.nn.functional.silu(x32 @ wg[e].float().t()) * (x32 @ wu[e].float().t())
+        assert rel(got, h32) < 8e-2
+    assert bool((hs[sch.used:] == -1).all())
+
+
+def test_config_checks():
+    sch = Sched([3], 16)
+    a = torch.zeros(sch.R, 256, dtype=torch.float8_e4m3fn, device=DEV)
+    s = torch.ones(sch.R, 2, device=DEV)
+    w = torch.zeros(1, 200, 256, dtype=torch.float8_e4m3fn, device=DEV)
+    ws = torch.ones(1, 2, 2, device=DEV)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        gemm_fp8.gate_up_swiglu_fp8(a, s, w, ws, w, ws, sch.tile_expert, sch.num_tiles,
+                                    config=GemmConfig(BM=16, BN=128, BK=128))
+    with pytest.raises(ValueError, match="scales"):
+        gemm_fp8.rows_gemm_fp8(a, s[:, :1], w, ws, sch.tile_expert, sch.num_tiles,
+                               config=GemmConfig(BM=16, BN=128, BK=128))
+
+
+# --------------------------------------------------------------------------------------------
+# Benchmark (GPU): python tests/test_fp8_gemm.py
+# --------------------------------------------------------------------------------------------
+
+def _bench(fn, iters=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return sorted(ts)[len(ts) // 2]
+
+
+def bench(T=16384, k=8, E=128, H=2048, I=768, configs=None):
+    """TFLOP/s of the gate/up and down GEMMs, FP8 (+ each stage's quantization of its A) and bf16,
+    at T*k routed rows spread evenly over E experts."""
+    rows = T * k
+    per = rows // E
+    sch = Sched([per] * E, 128, TK=rows, extra=0)
+    x = torch.randn(sch.R, H, device=DEV, dtype=torch.bfloat16)
+    wg = torch.randn(E, I, H, device=DEV, dtype=torch.bfloat16) * H ** -0.5
+    wu = torch.randn(E, I, H, device=DEV, dtype=torch.bfloat16) * H ** -0.5
+    wd = torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * I ** -0.5
+    h = torch.randn(sch.R, I, device=DEV, dtype=torch.bfloat16)
+    xq, xs = quantize_rows(x)
+    (gq, gs), (uq, us), (dq, ds) = quantize_blocks(wg), quantize_blocks(wu), quantize_blocks(wd)
+    hq, hs = quantize_rows(h)
+    te, nt = sch.tile_expert, sch.num_tiles
+    fl_gu, fl_dn = 2 * rows * H * 2 * I, 2 * rows * I * H
+    out = {}
+    t = _bench(lambda: gemm.gate_up_swiglu(x, wg, wu, te, nt, save_gu=True))
+    out["bf16 gate_up"] = fl_gu / t / 1e9
+    t = _bench(lambda: gemm.down_local(h, wd, te, nt))
+    out["bf16 down"] = fl_dn / t / 1e9
+    for name, cfg_gu, cfg_dn in configs or [("default", None, None)]:
+        t = _bench(lambda: gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, te, nt, config=cfg_gu))
+        out[f"fp8 gate_up {name}"] = fl_gu / t / 1e9
+        tq = _bench(lambda: quantize_rows(x))
+        out[f"fp8 gate_up {name} + quantize x"] = fl_gu / (t + tq) / 1e9
+        t = _bench(lambda: gemm_fp8.rows_gemm_fp8(hq, hs, dq, ds, te, nt, config=cfg_dn))
+        out[f"fp8 down {name}"] = fl_dn / t / 1e9
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    C = GemmConfig
+    variants = [("default", None, None),
+                ("s3/bn128", C(BN=128, BK=128, num_stages=3), C(BN=128, BK=128, num_stages=4)),
+                ("s5/w4", C(BN=128, BK=128, num_stages=5, num_warps=8), C(BN=256, BK=128, num_stages=4)),
+                ("g16", C(BN=128, BK=128, num_stages=4, GROUP_M=16), C(BN=128, BK=128, num_stages=5, GROUP_M=16))]
+    for H, I in ((2048, 768), (7168, 2048)):
+        res = bench(H=H, I=I, configs=variants)
+        print(f"T*k=131072 rows, E=128, H={H}, I={I}: " + "; ".join(f"{k} {v:.0f}" for k, v in res.items()),
+              flush=True)
+    sys.exit(0)
