@@ -12,8 +12,9 @@ from .functional.config import MoEConfig, Tuning  # noqa: E402
 from .functional.moe import check_errors, moe  # noqa: E402
 from .functional.workspace import TabbyDeviceError, free_workspaces  # noqa: E402
 from .reference import moe_reference  # noqa: E402
+from .reference_fp8 import moe_reference_fp8  # noqa: E402
 from .validate import MoEDims, MoEInputError, TabbyMemoryError, check_inputs  # noqa: E402
 from . import nn  # noqa: E402
 
-__all__ = ["moe", "moe_reference", "MoEConfig", "Tuning", "check_errors", "free_workspaces", "MoEInputError",
-           "TabbyDeviceError", "TabbyMemoryError", "MoEDims", "check_inputs", "nn", "__version__"]
+__all__ = ["moe", "moe_reference", "moe_reference_fp8", "MoEConfig", "Tuning", "check_errors", "free_workspaces",
+           "MoEInputError", "TabbyDeviceError", "TabbyMemoryError", "MoEDims", "check_inputs", "nn", "__version__"]

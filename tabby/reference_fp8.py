@@ -205,45 +205,48 @@ def moe_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=No
     fp8_gemm(hq, quantize_blocks(W_down[e]))`` rounded to bf16; ``y[t] = sum_k w[t, k] * y_e`` in
     fp32 in k order, plus the shared expert in plain bf16 PyTorch; y in x.dtype.
 
-    Gradients: those of the layer in fp32 evaluated at the FP8 forward's activations (g, u and
-    y_e carry the FP8 values forward and the fp32 graph's gradient backward), which is what Tabby's
-    FP8 forward with its bf16 backward computes. With expert parallelism Tabby's result on a rank
-    equals this on that rank's tokens with every rank's experts (quantization is per token and per
-    weight block, independent of the rank).
+    Gradients: those of the fp32 layer with g and u set to the FP8 forward's values (bf16, as kept),
+    which is what Tabby's FP8 forward with its bf16 backward computes: the routed output carries
+    the FP8 values forward and the fp32 graph's gradient backward (so the router-weight gradient
+    is ``<dy, down(silu(g) * u)>`` in high precision, not ``<dy, y_e>`` of the FP8 down GEMM).
+    With expert parallelism Tabby's result on a rank equals this on that rank's tokens with every
+    rank's experts (quantization is per token and per weight block, independent of the rank).
     """
     dims = check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
     T, H, k, E = dims.T, dims.H, dims.k, dims.E_local
     flat_e = topk_idx.reshape(-1).long()
-    y_rows = x.new_zeros((T * k, H), dtype=torch.float32)
     xf = x.float()
     xq, xs = quantize_rows_ref(x.detach())
     rows_all = torch.arange(T * k, device=x.device)
-    outs = [None] * E
+    idx, vals, graphs = [], [], []
     for e in range(E):
         rows = rows_all[flat_e == e]
         if rows.numel() == 0:
             continue
         tok = rows // k
-        wg, wu, wd = (w[e].float() for w in (w_gate, w_up, w_down))
         (gq, gs), (uq, us), (dq, ds) = (quantize_blocks_ref(w[e].detach()) for w in (w_gate, w_up, w_down))
         g8 = fp8_gemm_ref(xq[tok], xs[tok], gq, gs)
         u8 = fp8_gemm_ref(xq[tok], xs[tok], uq, us)
-        h8 = F.silu(g8) * u8
-        hq, hs = quantize_rows_ref(h8)
-        y8 = fp8_gemm_ref(hq, hs, dq, ds).to(torch.bfloat16).float()
-        # the backward's graph: g, u as the layer keeps them (bf16), its own h
-        g = _straight_through(g8.to(torch.bfloat16).float(), xf[tok] @ wg.t())
-        u = _straight_through(u8.to(torch.bfloat16).float(), xf[tok] @ wu.t())
-        h = F.silu(g) * u
-        outs[e] = (rows, _straight_through(y8, h @ wd.t()))
-    idx = [o[0] for o in outs if o is not None]
-    if idx:
-        y_rows = y_rows.index_put((torch.cat(idx),), torch.cat([o[1] for o in outs if o is not None]))
-    y_rep = y_rows.view(T, k, H)
-    w = topk_weights.float()
-    y = w[:, 0, None] * y_rep[:, 0]
-    for j in range(1, k):
-        y = y + w[:, j, None] * y_rep[:, j]
+        hq, hs = quantize_rows_ref(F.silu(g8) * u8)
+        idx.append(rows)
+        vals.append(fp8_gemm_ref(hq, hs, dq, ds).to(torch.bfloat16).float())
+        # the backward's graph: g, u as the layer keeps them (bf16), its own h and y_e
+        g = _straight_through(g8.to(torch.bfloat16).float(), xf[tok] @ w_gate[e].float().t())
+        u = _straight_through(u8.to(torch.bfloat16).float(), xf[tok] @ w_up[e].float().t())
+        graphs.append((F.silu(g) * u) @ w_down[e].float().t())
+
+    def combine(parts):
+        rows = x.new_zeros((T * k, H), dtype=torch.float32)
+        if parts:
+            rows = rows.index_put((torch.cat(idx),), torch.cat(parts))
+        rows = rows.view(T, k, H)
+        w = topk_weights.float()
+        acc = w[:, 0, None] * rows[:, 0]
+        for j in range(1, k):
+            acc = acc + w[:, j, None] * rows[:, j]
+        return acc
+
+    y = _straight_through(combine(vals), combine(graphs))
     if shared is not None:
         sg, su, sd = shared
         y = y + ((F.silu(x @ sg.t()) * (x @ su.t())) @ sd.t()).float()

@@ -107,8 +107,8 @@ def quantize_rows(x: torch.Tensor, *, num_tiles: torch.Tensor | None = None, til
     assert out.shape == (M, K) and out.stride(-1) == 1 and scale_out.shape == (M, nk)
     if M == 0 or K == 0:
         return out, scale_out
-    BR = 32
-    assert tile_rows % BR == 0
+    BR = 32 if tile_rows % 32 == 0 else 16  # a block of rows lies in one row tile
+    assert tile_rows % BR == 0, f"tile_rows={tile_rows} must be a multiple of 16"
     gated = num_tiles is not None
     quantize_rows_kernel[(triton.cdiv(M, BR), nk)](
         x, x.stride(0), out, out.stride(0), scale_out, scale_out.stride(0), M,
