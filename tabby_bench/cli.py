@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--mode-steps", type=int, default=None, help="steps of the compile and graph runs (default 60)")
     tr.add_argument("--tokens", type=int, default=None, help="tokens per step (default 16384; CPU 64)")
     tr.add_argument("--seq-len", type=int, default=None, help="sequence length (default 4096; CPU 32)")
-    tr.add_argument("--lr", type=float, default=3e-4)
+    tr.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, constant (default 1e-3)")
     tr.add_argument("--warmup", type=int, default=None, help="steps left out of tokens/s (default 10; CPU 1)")
     tr.add_argument("--log-every", type=int, default=10, help="progress line every N steps")
     tr.add_argument("--no-repeat", dest="repeat", action="store_false",
@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", default=None, help="output folder (default ~/.cache/tabby/bench)")
     tr.add_argument("--tag", default="", help="label in the output file names")
     tr.add_argument("--profile", action="store_true",
-                    help="also write each eager run's GPU kernels (2 steps, torch.profiler) to kernels-*.txt in --out")
+                    help="also write each run's GPU time by operator and kernel (2 steps, torch.profiler) to kernels-*.txt "
+                         "in --out")
     return p
 
 
@@ -137,6 +138,14 @@ def train_config(args, parser, gpus: int):
                       profile_dir=(args.out or None) if args.profile and gpus else None)
     if cfg.steps < 2 or cfg.mode_steps < 2 or cfg.tokens < 1 or cfg.seq_len < 1 or cfg.warmup_steps < 0:
         parser.error("--steps and --mode-steps must be >= 2, --tokens and --seq-len positive, --warmup >= 0")
+    if cfg.tabby_config:
+        from tabby.functional.custom_op import parse_config
+        from tabby.validate import MoEInputError
+
+        try:
+            parse_config(cfg.tabby_config)
+        except (MoEInputError, ValueError) as e:
+            parser.error(f"--tabby-config: {e}")
     if cfg.tokens % min(cfg.seq_len, cfg.tokens):
         parser.error(f"--tokens {cfg.tokens} must be a multiple of --seq-len {cfg.seq_len}")
     return cfg

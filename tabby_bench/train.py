@@ -8,7 +8,9 @@ init seed); its record holds every step's loss and gradient norm, the steady-sta
 MFU, peak memory and the MoE blocks' share of the step. The suite of one model:
 
   * each (backend, mode) at seed 0: the speed and the loss curves;
-  * Tabby eager at seed 0 once more: two runs must agree bit for bit (loss and grad norm);
+  * Tabby eager at seed 0 twice more with ``torch.use_deterministic_algorithms(True)`` (the
+    rest of the model deterministic too: attention's backward, the embedding's): the two runs
+    must agree bit for bit in every step's loss and gradient norm;
   * the baseline eager at seed 1: the spread between two honest runs (the baseline's
     run-to-run noise), which Tabby's distance from the baseline is compared with.
 
@@ -78,7 +80,7 @@ class TrainConfig:
     mode_steps: int = 60  # steps of the compile and graph runs (speed and a working step, not curves)
     tokens: int = 16384  # per step (per GPU)
     seq_len: int = 4096
-    lr: float = 3e-4
+    lr: float = 1e-3
     warmup_steps: int = 10  # steps excluded from the tokens/s (compilation, allocator, clocks)
     log_every: int = 10
     repeat: bool = True  # Tabby eager twice (bitwise) and the baseline at a second seed (noise)
@@ -93,16 +95,19 @@ class TrainConfig:
 # The corpus
 
 
-def make_corpus(vocab: int, n_tokens: int, seq_len: int, seed: int = 1234, contexts: int = 4096,
-                branching: int = 16) -> tuple:
-    """``(tokens [n_seq, seq_len] int64, entropy)``: sequences of a fixed random order-2 Markov
-    language over ``vocab`` tokens. The next token given the last two is drawn from ``branching``
-    candidates (a random set per hashed context, one of ``contexts``) with Zipf(1) weights, so a
-    model that learns the table reaches a cross-entropy of ``entropy`` nats (the language's
-    entropy rate, returned), far below log(vocab). Same arguments, same tokens, on any machine."""
+def make_corpus(vocab: int, n_tokens: int, seq_len: int, seed: int = 1234, branching: int = 16,
+                orders: int = 4) -> tuple:
+    """``(tokens [n_seq, seq_len] int64, entropy)``: sequences of a fixed random language over
+    ``vocab`` tokens. The next token is one of ``branching`` candidates of the last token (a random
+    set per token) drawn with Zipf(1) weights; which candidate gets which weight is one of
+    ``orders`` random orders chosen by the token before last. A model learns the candidates from
+    the last token (a bigram table) and the weights from the last two (attention to the token
+    before), down to ``entropy`` nats per token (the language's entropy rate, returned; far below
+    log(vocab)). Same arguments, same tokens, on any machine."""
     g = torch.Generator().manual_seed(seed)
     n_seq = max(1, -(-n_tokens // seq_len))
-    cand = torch.stack([torch.randperm(vocab, generator=g)[:branching] for _ in range(contexts)])
+    cand = torch.stack([torch.randperm(vocab, generator=g)[:branching] for _ in range(vocab)])
+    order = torch.stack([torch.randperm(branching, generator=g) for _ in range(orders)])
     p = 1.0 / torch.arange(1, branching + 1, dtype=torch.float64)
     p = p / p.sum()
     entropy = float(-(p * p.log()).sum())
@@ -112,9 +117,9 @@ def make_corpus(vocab: int, n_tokens: int, seq_len: int, seed: int = 1234, conte
     toks[:, :2] = torch.randint(0, vocab, (n_seq, 2), generator=g)
     u = torch.rand(n_seq, seq_len, generator=g)
     for t in range(2, seq_len):
-        ctx = (toks[:, t - 2] * 7919 + toks[:, t - 1] * 104729) % contexts
-        pick = torch.searchsorted(cdf, u[:, t].contiguous()).clamp_max(branching - 1)
-        toks[:, t] = cand[ctx, pick]
+        rank = torch.searchsorted(cdf, u[:, t].contiguous()).clamp_max(branching - 1)
+        slot = order[toks[:, t - 2] % orders, rank]
+        toks[:, t] = cand[toks[:, t - 1], slot]
     return toks, entropy
 
 
@@ -176,6 +181,7 @@ class Run:
     mode: str
     seed: int
     steps: int
+    deterministic: bool = False
     loss: list = field(default_factory=list)
     grad_norm: list = field(default_factory=list)
     tokens_per_s: float | None = None
@@ -190,7 +196,7 @@ class Run:
 
     @property
     def label(self) -> str:
-        return f"{self.backend} {self.mode} seed {self.seed}"
+        return f"{self.backend} {self.mode} seed {self.seed}" + (" deterministic" if self.deterministic else "")
 
 
 class Stepper:
@@ -210,7 +216,9 @@ class Stepper:
     def _step(self, ids):
         loss = self.forward(input_ids=ids, labels=ids).loss
         loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(self.params, 1.0, foreach=True)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        gn = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        torch.nn.utils.clip_grads_with_norm_(self.params, 1.0, gn, foreach=True)
         self.opt.step()
         return loss.detach(), gn.detach()
 
@@ -281,10 +289,19 @@ def attribute_moe(model, stepper: Stepper, batches, steps: int) -> float | None:
     return sum(a.elapsed_time(b) for a, b in pairs) / steps
 
 
-def train_one(spec: ModelSpec, backend: str, mode: str, seed: int, steps: int, cfg: TrainConfig, corpus,
-              device: torch.device, flops_tok: list) -> Run:
+def train_one(spec: ModelSpec, backend: str, mode: str, seed: int, steps: int, deterministic: bool,
+              cfg: TrainConfig, corpus, device: torch.device, flops_tok: list) -> Run:
     """Train one run; progress lines while it runs."""
-    run = Run(spec.name, backend, mode, seed, steps)
+    run = Run(spec.name, backend, mode, seed, steps, deterministic)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        return _train(run, spec, cfg, corpus, device, flops_tok)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _train(run: Run, spec: ModelSpec, cfg: TrainConfig, corpus, device: torch.device, flops_tok: list) -> Run:
+    backend, mode, seed, steps = run.backend, run.mode, run.seed, run.steps
     t0 = time.perf_counter()
     cuda = device.type == "cuda"
     if cuda:
@@ -337,24 +354,31 @@ def train_one(spec: ModelSpec, backend: str, mode: str, seed: int, steps: int, c
         if mode == "eager" and cfg.attribute_steps:
             run.moe_ms = attribute_moe(model, stepper, batch, cfg.attribute_steps)
             run.moe_share = run.moe_ms / run.step_ms if run.moe_ms is not None else None
-        if mode == "eager" and cfg.profile_dir:
-            profile_kernels(stepper, batch, os.path.join(cfg.profile_dir, f"kernels-{spec.name}-{backend}.txt"))
+        if cfg.profile_dir:
+            profile_kernels(stepper, batch, os.path.join(cfg.profile_dir, f"kernels-{spec.name}-{backend}-{mode}.txt"))
     del stepper, model
     return run
 
 
 def profile_kernels(stepper: Stepper, batches, path: str, steps: int = 2) -> None:
-    """The GPU kernels of ``steps`` eager steps, by total time (torch.profiler), to ``path``."""
+    """GPU time of ``steps`` steps (torch.profiler) to ``path``: by operator, then by kernel."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
         for i in range(steps):
             stepper.step(batches(i))
         torch.cuda.synchronize()
+    events = prof.key_averages()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        f.write(f"GPU kernels of {steps} eager steps, by total time\n")
-        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
+        f.write(f"{steps} {stepper.mode} steps: operators by their own GPU time\n")
+        f.write(events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70))
+        kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: -e.self_device_time_total)
+        total = sum(e.self_device_time_total for e in kernels)
+        f.write(f"\n{steps} {stepper.mode} steps: kernels, {total / 1e3 / steps:.1f} ms per step\n")
+        for e in kernels[:40]:
+            f.write(f"{e.self_device_time_total / 1e3 / steps:9.2f} ms/step {e.count // steps:6d}x  {e.key[:160]}\n")
 
 
 def gpu_peak_tflops() -> float | None:
@@ -372,17 +396,17 @@ def gpu_peak_tflops() -> float | None:
 
 
 def suite_runs(cfg: TrainConfig) -> list:
-    """(backend, mode, seed, steps) of one model, in the order they run."""
+    """(backend, mode, seed, steps, deterministic) of one model, in the order they run."""
     runs = []
     for mode in cfg.modes:
         for backend in cfg.backends:
-            runs.append((backend, mode, 0, cfg.steps if mode == "eager" else cfg.mode_steps))
+            runs.append((backend, mode, 0, cfg.steps if mode == "eager" else cfg.mode_steps, False))
     if cfg.repeat and "eager" in cfg.modes:
         if "tabby" in cfg.backends:
-            runs.append(("tabby", "eager", 0, cfg.steps))
+            runs += [("tabby", "eager", 0, cfg.steps, True)] * 2
         base = [b for b in cfg.backends if b != "tabby"]
         if base:
-            runs.append((base[0], "eager", 1, cfg.steps))
+            runs.append((base[0], "eager", 1, cfg.steps, False))
     return runs
 
 
@@ -404,8 +428,9 @@ def compare(runs: list) -> dict:
         rs = [r for r in runs if r.model == model and r.error is None]
         c = {}
 
-        def find(backend, mode, seed=0, nth=0):
-            m = [r for r in rs if r.backend == backend and r.mode == mode and r.seed == seed]
+        def find(backend, mode, seed=0, nth=0, det=False):
+            m = [r for r in rs if r.backend == backend and r.mode == mode and r.seed == seed
+                 and r.deterministic == det]
             return m[nth] if len(m) > nth else None
 
         base_name = next((r.backend for r in rs if r.backend != "tabby"), None)
@@ -418,9 +443,10 @@ def compare(runs: list) -> dict:
         if bests.get("tabby") and base_name and bests.get(base_name):
             speed["best"] = bests["tabby"] / bests[base_name]
         c["speedup"] = speed
-        t0, t1 = find("tabby", "eager"), find("tabby", "eager", nth=1)
-        if t0 and t1:
-            c["bitwise_repeat"] = t0.loss == t1.loss and t0.grad_norm == t1.grad_norm
+        d0, d1 = find("tabby", "eager", det=True), find("tabby", "eager", nth=1, det=True)
+        if d0 and d1:
+            c["bitwise_repeat"] = d0.loss == d1.loss and d0.grad_norm == d1.grad_norm
+        t0 = find("tabby", "eager")
         b0, b1 = (find(base_name, "eager"), find(base_name, "eager", seed=1)) if base_name else (None, None)
         if t0 and b0:
             n = min(len(t0.loss), len(b0.loss))
@@ -438,24 +464,24 @@ def compare(runs: list) -> dict:
 
 
 def table(runs: list) -> str:
-    head = ["model", "experts", "mode", "seed", "steps", "tokens/s", "ms/step", "TFLOP/s", "MFU", "peak GB",
+    head = ["model", "experts", "mode", "det", "seed", "steps", "tokens/s", "ms/step", "TFLOP/s", "MFU", "peak GB",
             "MoE ms", "MoE share", "first loss", "last loss (avg 10)"]
     rows = []
     for r in runs:
         if r.error:
-            rows.append([r.model, r.backend, r.mode, str(r.seed), str(r.steps), "error: " + r.error[:60]]
-                        + ["-"] * (len(head) - 6))
+            rows.append([r.model, r.backend, r.mode, "yes" if r.deterministic else "", str(r.seed), str(r.steps),
+                         "error: " + r.error[:60]] + ["-"] * (len(head) - 7))
             continue
 
         def f(v, fmt):
             return "-" if v is None else format(v, fmt)
 
-        rows.append([r.model, r.backend, r.mode, str(r.seed), str(r.steps), f(r.tokens_per_s, ",.0f"),
+        rows.append([r.model, r.backend, r.mode, "yes" if r.deterministic else "", str(r.seed), str(r.steps), f(r.tokens_per_s, ",.0f"),
                      f(r.step_ms, ".1f"), f(r.tflops, ".1f"), f(r.mfu and 100 * r.mfu, ".1f") + ("%" if r.mfu else ""),
                      f(r.peak_mem_gb, ".1f"), f(r.moe_ms, ".1f"),
                      f(r.moe_share and 100 * r.moe_share, ".0f") + ("%" if r.moe_share else ""),
                      f(r.loss[0] if r.loss else None, ".4f"), f(sum(r.loss[-10:]) / len(r.loss[-10:]), ".4f")])
-    return markdown_table(head, rows, right={3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13})
+    return markdown_table(head, rows, right=set(range(4, len(head))))
 
 
 def plot(runs: list, entropy: dict, path: str) -> bool:
@@ -498,6 +524,9 @@ def run(cfg: TrainConfig) -> dict:
     unknown = [m for m in cfg.models if m not in MODELS]
     if unknown:
         raise ValueError(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    # cuBLAS is deterministic with a fixed workspace (needed by the deterministic runs; set for every
+    # run so that all share one cuBLAS configuration; read when cuBLAS starts)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and any(m != "eager" for m in cfg.modes):
         raise ValueError("without a GPU only --modes eager runs (compile and graph need CUDA)")
@@ -516,11 +545,11 @@ def run(cfg: TrainConfig) -> dict:
         print(f"{name}: {spec.about}; corpus {corpus.numel():,} tokens, entropy {entropy[name]:.3f} nats/token",
               flush=True)
         flops_tok: list = []
-        for backend, mode, seed, steps in suite_runs(cfg):
+        for backend, mode, seed, steps, det in suite_runs(cfg):
             try:
-                r = train_one(spec, backend, mode, seed, steps, cfg, corpus, device, flops_tok)
+                r = train_one(spec, backend, mode, seed, steps, det, cfg, corpus, device, flops_tok)
             except Exception as e:  # noqa: BLE001 -- a failed run is reported in the table, the rest go on
-                r = Run(name, backend, mode, seed, steps, error=f"{type(e).__name__}: {e}")
+                r = Run(name, backend, mode, seed, steps, det, error=f"{type(e).__name__}: {e}")
                 print(f"[{name} {r.label}] FAILED: {r.error[:500]}", flush=True)
             runs.append(r)
             if device.type == "cuda":
