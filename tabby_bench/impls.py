@@ -5,10 +5,11 @@ An implementation's ``prepare(inputs, group)`` runs outside timing and returns a
 
 Registered here: ``floor`` (the compute-only floor), the anchors ``torch-a2a`` and ``torch-symm``,
 ``tabby`` (``tabby.moe``, the forward megakernel) and ``tabby-sync-free`` (the path of separate
-launches). :func:`register_tabby` registers both Tabby rows again with a ``Tuning`` (the
-bench's ``--tuning``). Modules named in the environment variable TABBY_BENCH_PLUGINS are imported
-and may :func:`register` more (spawned workers import this module afresh, so a registration must
-happen when some module is imported).
+launches); outside the default set, the FP8 rows ``torch-fp8`` (anchor) and ``tabby-fp8``.
+:func:`register_tabby` registers both Tabby rows again with a ``Tuning`` (the bench's ``--tuning``).
+Modules named in the environment variable TABBY_BENCH_PLUGINS are imported and may
+:func:`register` more (spawned workers import this module afresh, so a registration must happen
+when some module is imported).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tabby.functional.config import MoEConfig, Tuning
 
 from .anchors.floor import floor_errors, floor_forward, floor_fwdbwd, prepare_floor
 from .anchors.torch_a2a import moe_torch_a2a
+from .anchors.torch_fp8 import moe_torch_fp8
 from .anchors.torch_symm import moe_torch_symm
 from .check import layer_errors
 from .shapes import Inputs
@@ -154,6 +156,11 @@ register(FloorImpl())
 register_layer("torch-a2a", moe_torch_a2a, anchor=True)
 register_layer("torch-symm", moe_torch_symm, anchor=True, supports_cpu=False, isolate=True)
 register_tabby()
+# FP8 rows, outside the default matrix (the check's bf16 tolerance is not theirs): torch-a2a with
+# torch._scaled_grouped_mm, and Tabby's FP8 layer (the path of separate launches)
+register_layer("torch-fp8", moe_torch_fp8, anchor=True, supports_cpu=False, in_default=False)
+register_layer("tabby-fp8", functools.partial(tabby.moe, config=MoEConfig(megakernel=False, precision="fp8")),
+               device_errors=tabby.check_errors, in_default=False)
 load_plugins()
 
 
