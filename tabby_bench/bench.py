@@ -112,6 +112,17 @@ def measure(impl, inp: Inputs, group, cfg: Config, timed: bool) -> list:
 # Workers
 # ----------------------------------------------------------------------------------------------
 
+
+def release_implementation() -> None:
+    """Free what one implementation held before the next is measured: Tabby's cached workspaces
+    (symmetric buffers, rings, plans), then unreachable objects and the caching allocator's free
+    blocks. Collective with several ranks: every rank calls it at the same point of the loop."""
+    import tabby
+
+    tabby.free_workspaces()
+    free_memory()
+
+
 def phases(cfg: Config) -> list:
     """Groups of implementations that share worker processes: the others first, then each isolated one."""
     normal = [n for n in cfg.impls if not IMPLS[n].isolate]
@@ -203,7 +214,7 @@ def gpu_worker(rank: int, world: int, cfg: Config, impl_names: list, path: str, 
                                 for p in cfg.passes]
                     else:
                         recs = measure(impl, inp, group, cfg, timed=True)
-                        free_memory()
+                        release_implementation()
                         if impl.name == "floor" and n < len(impls) - 1:
                             held = recs
                             continue
@@ -211,7 +222,7 @@ def gpu_worker(rank: int, world: int, cfg: Config, impl_names: list, path: str, 
                         sink.emit(r)
                 if held is not None:
                     again = measure(IMPLS["floor"], inp, group, dataclasses.replace(cfg, check=False), timed=True)
-                    free_memory()
+                    release_implementation()
                     for r in bracket_floor(held, again):
                         sink.emit(r)
                 del inp

@@ -126,23 +126,26 @@ def _plan_key(config: MoEConfig, I_s: int):
             os.environ.get("TABBY_DEBUG"))
 
 
-def _workspace_and_plan(key: WorkspaceKey, dims: MoEDims, config: MoEConfig, I_s: int, device, rank, pg, tg):
+def _workspace_and_plan(key: WorkspaceKey, dims: MoEDims, config: MoEConfig, I_s: int, device, rank, pg, tg,
+                        differentiated: bool = True):
     """The cached workspace of this group and shape and its plan for ``config`` and ``I_s``.
 
     Where either is new, the memory the call needs is first compared with what the device has free
     (``check_memory``); a workspace is created only when every rank of the group agrees on the shapes
-    and has the memory (``get_workspace``), so that no rank waits for a peer that gave up."""
+    and has the memory (``get_workspace``), so that no rank waits for a peer that gave up. The
+    check counts the backward when the call is ``differentiated`` (the first call of a plan decides)."""
     ws = peek_workspace(key, rank, group=pg, thread_group=tg)
     if ws is not None:
-        return ws, _plan_for(ws, dims, config, I_s, device)
+        return ws, _plan_for(ws, dims, config, I_s, device, differentiated=differentiated)
     plan = make_plan(dims, config, device, I_s)
-    shortfall = memory_shortfall(plan, device, new_workspace=key)
+    shortfall = memory_shortfall(plan, device, new_workspace=key, differentiated=differentiated)
     ws = get_workspace(key, rank, group=pg, thread_group=tg, fits=shortfall is None, shortfall=shortfall,
                        join_timeout_s=config.resolved_max_wait_ms() / 1e3)
     return ws, _plan_for(ws, dims, config, I_s, device, plan)
 
 
-def _plan_for(ws, dims: MoEDims, config: MoEConfig, I_s: int, device, plan: Plan | None = None) -> Plan:
+def _plan_for(ws, dims: MoEDims, config: MoEConfig, I_s: int, device, plan: Plan | None = None,
+              differentiated: bool = True) -> Plan:
     """The cached plan of ``ws`` for ``config`` and ``I_s``. A new one (``plan``: made already and
     its memory checked) is checked against the free device memory first (``TabbyMemoryError``)."""
     key = _plan_key(config, I_s)
@@ -151,7 +154,7 @@ def _plan_for(ws, dims: MoEDims, config: MoEConfig, I_s: int, device, plan: Plan
         return cached
     if plan is None:
         plan = make_plan(dims, config, device, I_s)
-        shortfall = memory_shortfall(plan, device)
+        shortfall = memory_shortfall(plan, device, differentiated=differentiated)
         if shortfall is not None:
             raise TabbyMemoryError(shortfall)
     ws.plans[key] = plan
@@ -195,7 +198,9 @@ def _moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
             get_workspace(key, rank, group=pg, thread_group=tg, join_timeout_s=config.resolved_max_wait_ms() / 1e3)
         sh = tuple(shared) if shared is not None else (None, None, None)
         return _EmptyMoE.apply(x, topk_weights, w_gate, w_up, w_down, *sh)
-    ws, plan = _workspace_and_plan(key, dims, config, I_s, x.device, rank, pg, tg)
+    differentiated = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ())))
+    ws, plan = _workspace_and_plan(key, dims, config, I_s, x.device, rank, pg, tg, differentiated)
     if probe is not None:
         probe.plan = plan
     if config.precision == "fp8":  # the FP8 experts on the path of separate launches (fp8.py)
@@ -227,11 +232,18 @@ class MemoryNeeds:
     ring: int  # the megakernel's ring (0 on the sync-free path)
     recompute: bool  # the megakernel keeps nothing: its backward recomputes the routed rows
 
-    def peak(self) -> int:
-        """Bytes of one differentiated call at its high point: the ring, what the forward keeps,
-        and the larger of the passes' transients."""
-        held = 0 if self.recompute else self.kept
-        return self.ring + held + max(self.forward, self.backward)
+    def held(self) -> int:
+        """Bytes a differentiated call holds from its forward to its backward: the ring, and the
+        routed rows unless the backward recomputes them."""
+        return self.ring + (0 if self.recompute else self.kept)
+
+    def peak(self, differentiated: bool = True) -> int:
+        """Bytes of one call at its high point: without autograd the ring and the forward's
+        transient; differentiated, what it holds and the larger of the passes' transients (a
+        backward that recomputes the routed rows makes them again: the same peak, held less long)."""
+        if not differentiated:
+            return self.ring + self.forward
+        return self.held() + max(self.forward, self.backward)
 
 
 def memory_needs(plan: Plan) -> MemoryNeeds:
@@ -278,34 +290,40 @@ def free_device_bytes(device: torch.device) -> int | None:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def memory_shortfall(plan: Plan, device, new_workspace: WorkspaceKey | None = None) -> str | None:
+def memory_shortfall(plan: Plan, device, new_workspace: WorkspaceKey | None = None,
+                     differentiated: bool = True) -> str | None:
     """None if one call of ``plan`` fits in the free memory of ``device`` (``free_device_bytes``),
     else the message of the ``TabbyMemoryError`` to raise: GiB needed and free, and what lowers it.
-    ``new_workspace``: the key of a workspace the call would also create (its symmetric buffers)."""
+    ``new_workspace``: the key of a workspace the call would also create (its symmetric buffers);
+    ``differentiated``: the call's backward counts too (``MemoryNeeds.peak``)."""
     free = free_device_bytes(torch.device(device))
     if free is None:
         return None
     n = memory_needs(plan)
     sym = workspace_bytes(new_workspace) if new_workspace is not None else 0
-    need = sym + n.peak()
+    need = sym + n.peak(differentiated)
     if need <= free:
         return None
     d, GiB = plan.dims, 2 ** 30
     ways = [f"fewer tokens per call (the routed rows are sized for every token of every rank: T={d.T} x k={d.k} "
             f"x EP{d.world_size})"]
-    if plan.mega is not None and plan.save_for_backward:
-        ways.append(f"MoEConfig(save_for_backward=False) (the megakernel forward then keeps only its ring, "
-                    f"{n.kept / GiB:.2f} GiB less per layer; the backward recomputes the routed rows)")
-    if plan.mega is None:
-        ways.append("MoEConfig(megakernel=True, save_for_backward=False) (keeps only a ring in the forward)")
+    if differentiated and plan.mega is not None and plan.save_for_backward:
+        ways.append(f"MoEConfig(save_for_backward=False) (each layer then holds only its ring between its forward "
+                    f"and backward, {n.kept / GiB:.2f} GiB less per layer, where other layers' kept rows take "
+                    f"the memory; the backward recomputes the rows)")
+    if differentiated and plan.mega is None:
+        ways.append("MoEConfig(megakernel=True, save_for_backward=False) (each layer holds only a ring between its "
+                    "forward and backward)")
     if plan.mega is not None:
         ways.append(f"a smaller ring, Tuning(ring_rows=...) (now {plan.mega.ring_rows} rows, {n.ring / GiB:.2f} GiB)")
     ways.append("tabby.free_workspaces() to release the buffers of shapes no longer used")
+    parts = (f"held from forward to backward {n.held() / GiB:.2f} GiB (ring {n.ring / GiB:.2f}), transient "
+             f"{max(n.forward, n.backward) / GiB:.2f} GiB" if differentiated else
+             f"ring {n.ring / GiB:.2f} GiB, transient {n.forward / GiB:.2f} GiB")
     return (f"tabby.moe at T={d.T} H={d.H} I={d.I} k={d.k} E_local={d.E_local} EP{d.world_size} on {device} needs "
-            f"{need / GiB:.2f} GiB (worst case, R_max={n.R_max} routed rows: kept for the backward "
-            f"{(0 if n.recompute else n.kept) / GiB:.2f} GiB, transient {max(n.forward, n.backward) / GiB:.2f} GiB, "
-            f"ring {n.ring / GiB:.2f} GiB, symmetric buffers {sym / GiB:.2f} GiB) but {free / GiB:.2f} GiB are free. "
-            f"To lower it: " + "; ".join(ways))
+            f"{need / GiB:.2f} GiB for a {'differentiated ' if differentiated else ''}call (worst case, "
+            f"R_max={n.R_max} routed rows: {parts}, symmetric buffers {sym / GiB:.2f} GiB) but {free / GiB:.2f} GiB "
+            f"are free. To lower it: " + "; ".join(ways))
 
 
 def check_errors():

@@ -1,0 +1,140 @@
+"""The memory check before a shape's buffers: what the layer needs (``memory_needs``, the worst
+case of ``memory_report``) against what the device has free (``free_device_bytes``, monkeypatched
+here: on the CPU there is no check). A call that cannot fit raises ``tabby.TabbyMemoryError`` (an
+``MoEInputError``) before anything is allocated, saying how many GiB are needed and free and which
+settings lower it; at EP > 1 every rank raises, so that no rank waits for one that gave up.
+"""
+import re
+import threading
+
+import pytest
+import torch
+
+import tabby
+from tabby import MoEConfig, MoEInputError, TabbyMemoryError, Tuning
+from tabby.functional import moe as moe_mod
+from tabby.functional.plan import make_plan
+from tabby.functional.threads import run_ranks
+from tabby.functional.workspace import WorkspaceKey, cached_workspaces, workspace_bytes
+from tabby.validate import MoEDims
+
+GiB = 2 ** 30
+
+
+def _args(T, H, I, E_local, k, W=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    idx = torch.randint(E_local * W, (T, k), generator=g)
+    wts = torch.rand(T, k, generator=g)
+    ws = [torch.zeros(E_local, I, H, dtype=torch.bfloat16), torch.zeros(E_local, I, H, dtype=torch.bfloat16),
+          torch.zeros(E_local, H, I, dtype=torch.bfloat16)]
+    return x, idx, wts, *ws
+
+
+def test_cpu_has_no_free_memory_query():
+    assert moe_mod.free_device_bytes(torch.device("cpu")) is None
+
+
+def test_needs_agree_with_the_report_and_the_settings_lower_them():
+    d = MoEDims(T=16384, H=2048, k=8, E_local=64, I=768, world_size=2, I_shared=0)
+    plan = lambda **kw: make_plan(d, MoEConfig(**kw), torch.device("cpu"))  # noqa: E731
+    keep = moe_mod.memory_needs(plan(tuning=Tuning(ring_rows=2048, pull_tokens=False)))
+    assert f"keeps {keep.kept / 2**20:.1f} MiB" in moe_mod.memory_report(plan(tuning=Tuning(ring_rows=2048,
+                                                                                             pull_tokens=False)))
+    recompute = moe_mod.memory_needs(plan(save_for_backward=False, tuning=Tuning(ring_rows=2048, pull_tokens=False)))
+    assert recompute.recompute and not keep.recompute
+    # one layer's peak is the same (the backward makes the rows again), held from forward to backward less
+    assert recompute.peak() == keep.peak() and recompute.held() == keep.ring < keep.held()
+    assert keep.peak(differentiated=False) == keep.ring < keep.peak()
+    separate = moe_mod.memory_needs(plan(megakernel=False))
+    assert separate.ring == 0 and separate.peak() == separate.kept + max(separate.forward, separate.backward)
+    half = moe_mod.memory_needs(make_plan(MoEDims(T=8192, H=2048, k=8, E_local=64, I=768, world_size=2, I_shared=0),
+                                          MoEConfig(megakernel=False), torch.device("cpu")))
+    assert half.peak() < 0.6 * separate.peak()  # fewer tokens per call
+
+
+@pytest.mark.parametrize("mega", [True, False], ids=["megakernel", "separate"])
+def test_a_call_that_cannot_fit_raises_before_allocating(mega, monkeypatch):
+    T, H, I, E_local, k = 4096, 512, 256, 4, 8
+    cfg = MoEConfig(megakernel=mega)
+    free = int(0.05 * GiB)
+    monkeypatch.setattr(moe_mod, "free_device_bytes", lambda device: free)
+    before = len(cached_workspaces())
+    x, idx, wts, *ws = _args(T, H, I, E_local, k)
+    with pytest.raises(TabbyMemoryError) as info:
+        tabby.moe(x, idx, wts, *(w.requires_grad_(True) for w in ws), config=cfg)
+    assert isinstance(info.value, MoEInputError)
+    assert len(cached_workspaces()) == before  # nothing allocated
+    msg = str(info.value)
+    plan = make_plan(MoEDims(T=T, H=H, k=k, E_local=E_local, I=I, world_size=1, I_shared=0), cfg,
+                     torch.device("cpu"))
+    need = moe_mod.memory_needs(plan).peak(differentiated=True) + workspace_bytes(
+        WorkspaceKey(T, H, k, E_local, I, 1, torch.bfloat16, "cpu"))
+    assert f"needs {need / GiB:.2f} GiB" in msg and f"but {free / GiB:.2f} GiB are free" in msg
+    assert "fewer tokens per call" in msg
+    assert ("MoEConfig(save_for_backward=False)" in msg) == mega
+    assert ("MoEConfig(megakernel=True, save_for_backward=False)" in msg) == (not mega)
+    gib = [float(v) for v in re.findall(r"needs ([0-9.]+) GiB", msg)]
+    assert gib and gib[0] > free / GiB
+
+
+def test_a_call_that_fits_runs_and_the_check_is_made_once_per_shape(monkeypatch):
+    calls = []
+
+    def free(device):
+        calls.append(device)
+        return 64 * GiB
+
+    monkeypatch.setattr(moe_mod, "free_device_bytes", free)
+    args = _args(5, 24, 16, 2, 2, seed=1)
+    cfg = MoEConfig(megakernel=False, tuning=Tuning(tile_m=16, dispatch_rows=16, dispatch_cols=64,
+                                                    dispatch_programs=4))
+    tabby.free_workspaces()
+    with torch.no_grad():
+        y = tabby.moe(*args, config=cfg)
+        tabby.moe(*args, config=cfg)
+    assert len(calls) == 1
+    assert (y.float() - tabby.moe_reference(*args).float()).norm() <= 2e-2 * tabby.moe_reference(*args).float().norm()
+
+
+def test_at_ep2_a_rank_without_memory_makes_every_rank_raise(monkeypatch):
+    who = threading.local()
+    monkeypatch.setattr(moe_mod, "free_device_bytes", lambda device: 1024 if who.rank == 1 else 64 * GiB)
+    T, H, I, E_local, k = 64, 64, 32, 2, 4
+    cfg = MoEConfig(megakernel=False, max_wait_ms=20000.0)
+
+    def rank_fn(r, group):
+        who.rank = r
+        try:
+            with torch.no_grad():
+                tabby.moe(*_args(T, H, I, E_local, k, W=2, seed=r), group=group, config=cfg)
+        except TabbyMemoryError as e:
+            return str(e)
+        return None
+
+    before = len(cached_workspaces())
+    msg0, msg1 = run_ranks(2, rank_fn, timeout=120)
+    assert msg1 is not None and "needs" in msg1 and "GiB are free" in msg1
+    assert msg0 is not None and "rank(s) [1] of the expert-parallel group lack the device memory" in msg0
+    assert len(cached_workspaces()) == before
+
+
+def test_a_call_without_autograd_needs_only_the_forward(monkeypatch):
+    """Free memory between the forward's need and a differentiated call's: a call under no_grad runs,
+    a differentiated one raises (the first call of a plan decides, so the workspaces are freed between)."""
+    T, H, I, E_local, k = 40, 32, 16, 2, 2
+    cfg = MoEConfig(megakernel=False, tuning=Tuning(tile_m=16, dispatch_rows=16, dispatch_cols=64,
+                                                    dispatch_programs=4))
+    plan = make_plan(MoEDims(T=T, H=H, k=k, E_local=E_local, I=I, world_size=1, I_shared=0), cfg,
+                     torch.device("cpu"))
+    needs = moe_mod.memory_needs(plan)
+    sym = workspace_bytes(WorkspaceKey(T, H, k, E_local, I, 1, torch.bfloat16, "cpu"))
+    assert needs.peak(differentiated=False) < needs.peak()
+    monkeypatch.setattr(moe_mod, "free_device_bytes", lambda device: sym + needs.peak(differentiated=False))
+    x, idx, wts, *ws = _args(T, H, I, E_local, k, seed=2)
+    tabby.free_workspaces()
+    with torch.no_grad():
+        tabby.moe(x, idx, wts, *ws, config=cfg)
+    tabby.free_workspaces()
+    with pytest.raises(TabbyMemoryError, match="for a differentiated call"):
+        tabby.moe(x.requires_grad_(True), idx, wts, *ws, config=cfg)
