@@ -213,14 +213,21 @@ def test_non_finite_values_propagate_as_in_the_reference(path):
     a["x"][5, 0] = float("inf")
     a["topk_weights"] = a["topk_weights"].clone()
     a["topk_weights"][6, 1] = float("nan")
-    with torch.no_grad():
-        y = tabby.moe(**a, config=PATHS[path])
-        y_ref = tabby.moe_reference(**a)
+    dy = torch.randn(8, 32, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y, g = _tabby(a, PATHS[path], dy)
+    y_ref, g_ref = _reference(a, dy)
     tabby.check_errors()
     ok = _finite_rows(y_ref)
     assert ok.tolist() == [True, False, True, True, True, False, False, True]
     assert torch.equal(_finite_rows(y), ok)
     assert rel_err(y[ok], y_ref[ok]) < 2e-2
+    # the backward: the same rows of dx, the same experts' weight gradients, are not finite
+    assert torch.equal(_finite_rows(g["x"]), _finite_rows(g_ref["x"])) and not _finite_rows(g_ref["x"]).all()
+    fin = _finite_rows(g_ref["x"])
+    assert rel_err(g["x"][fin], g_ref["x"][fin]) < 2e-2
+    for n in ("w_gate", "w_up", "w_down"):
+        per_expert = lambda t: torch.isfinite(t.float()).flatten(1).all(dim=1)  # noqa: E731
+        assert torch.equal(per_expert(g[n]), per_expert(g_ref[n])), n
     # the workspace is unharmed: a finite call after it is right
     b = _args(T=8, E_local=4, seed=10)
     with torch.no_grad():
