@@ -191,12 +191,39 @@ def fp8_gemm_ref(aq, a_scale, bq, b_scale) -> torch.Tensor:
     return acc
 
 
+def fp8_wgrad_ref(aq, a_scale, bq, b_scale, start: int, count: int) -> torch.Tensor:
+    """fp32 [M, N] = A[start:start+count]^T @ B[start:start+count] from operands quantized per 128x1
+    (aq [R, M] with a_scale [ceil(R/128), M]; bq [R, N] likewise): the 128-row blocks of the buffer
+    that overlap the rows in order, each block's product (its rows outside the range left out)
+    scaled by ``a_scale[blk][:, None] * b_scale[blk][None, :]`` and added in fp32."""
+    M, N = aq.shape[1], bq.shape[1]
+    acc = torch.zeros(M, N, dtype=torch.float32, device=aq.device)
+    end = start + count
+    for blk in range(start // BLOCK, -(-end // BLOCK)):
+        lo, hi = max(start, blk * BLOCK), min(end, (blk + 1) * BLOCK)
+        part = aq[lo:hi].float().t() @ bq[lo:hi].float()
+        acc = acc + part * (a_scale[blk][:, None] * b_scale[blk][None, :])
+    return acc
+
+
+def to_bf16(t: torch.Tensor, rounding: str = "nearest") -> torch.Tensor:
+    """fp32 -> bf16 as a kernel stores it: "nearest" (to nearest even: compiled kernels) or
+    "truncate" (toward zero: Triton 3.6's interpreter casts so)."""
+    if rounding not in ("nearest", "truncate"):
+        raise ValueError(f"rounding must be 'nearest' or 'truncate', got {rounding!r}")
+    out = t.to(torch.bfloat16)
+    if rounding == "truncate":  # the truncated value, with the cast's gradient
+        cut = (t.detach().float().contiguous().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+        out = out + (cut - out).detach()
+    return out
+
+
 def _straight_through(value: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
     """``value``'s numbers with ``graph``'s gradient (the FP8 forward, the high-precision backward)."""
     return graph + (value - graph).detach()
 
 
-def moe_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None):
+def moe_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, bf16_rounding="nearest"):
     """Tabby's FP8 layer (``MoEConfig(precision="fp8")``) in plain PyTorch, one process.
 
     Forward, per routed row (token t, expert e): ``xq = quantize_rows(x[t])``; ``g, u =
@@ -211,6 +238,7 @@ def moe_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=No
     is ``<dy, down(silu(g) * u)>`` in high precision, not ``<dy, y_e>`` of the FP8 down GEMM).
     With expert parallelism Tabby's result on a rank equals this on that rank's tokens with every
     rank's experts (quantization is per token and per weight block, independent of the rank).
+    ``bf16_rounding``: how the values the layer stores as bf16 are rounded (:func:`to_bf16`).
     """
     dims = check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
     T, H, k, E = dims.T, dims.H, dims.k, dims.E_local
@@ -229,10 +257,10 @@ def moe_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=No
         u8 = fp8_gemm_ref(xq[tok], xs[tok], uq, us)
         hq, hs = quantize_rows_ref(F.silu(g8) * u8)
         idx.append(rows)
-        vals.append(fp8_gemm_ref(hq, hs, dq, ds).to(torch.bfloat16).float())
+        vals.append(to_bf16(fp8_gemm_ref(hq, hs, dq, ds), bf16_rounding).float())
         # the backward's graph: g, u as the layer keeps them (bf16), its own h and y_e
-        g = _straight_through(g8.to(torch.bfloat16).float(), xf[tok] @ w_gate[e].float().t())
-        u = _straight_through(u8.to(torch.bfloat16).float(), xf[tok] @ w_up[e].float().t())
+        g = _straight_through(to_bf16(g8, bf16_rounding).float(), xf[tok] @ w_gate[e].float().t())
+        u = _straight_through(to_bf16(u8, bf16_rounding).float(), xf[tok] @ w_up[e].float().t())
         graphs.append((F.silu(g) * u) @ w_down[e].float().t())
 
     def combine(parts):
@@ -250,5 +278,73 @@ def moe_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=No
     if shared is not None:
         sg, su, sd = shared
         y = y + ((F.silu(x @ sg.t()) * (x @ su.t())) @ sd.t()).float()
-    return y.to(x.dtype)
+    return to_bf16(y, bf16_rounding) if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
+
+
+def moe_backward_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, dy, bf16_rounding="nearest"):
+    """The gradients of Tabby's FP8 backward (``precision="fp8"``), one process, no shared expert,
+    bf16 inputs: (dx [T, H] bf16, d topk_weights [T, k] fp32, dW_gate, dW_up, dW_down bf16).
+
+    Per expert e, its rows in (token, k) order (g, u from the FP8 forward, kept bf16; dys the
+    rows' dy, bf16):
+
+    - down dgrad: ``dh_raw = fp8_gemm(dys per 1x128, W_down[e]^T per 128x128)`` (fp32);
+    - SwiGLU backward in fp32 from bf16 g, u and the row's router weight w: ``dw = sum(dh_raw *
+      h)``, ``dh = w * dh_raw``, ``dg = dh * u * s * (1 + g (1 - s))``, ``du = dh * silu(g)``
+      stored bf16 as ``dgu``; ``hw = w * h`` bf16;
+    - gate/up dgrad: ``dxs = fp8_gemm(dgu per 1x128, [W_gate[e]^T | W_up[e]^T] per 128x128)``,
+      bf16; dx summed over k in k order in fp32;
+    - weight gradients from operands quantized per 128x1 along the rows (128-row tiles from the
+      expert's first row): ``dW_down = wgrad(dys, hw)``, ``dW_gate = wgrad(dg, xs)``,
+      ``dW_up = wgrad(du, xs)``, xs the rows of x; fp32 promotion per 128 rows.
+
+    The recipe's granularity (DeepSeek-V3, section 3.3): dgrad with the output gradient per
+    1x128 and the weights' 128x128 blocks transposed (the same blocks); wgrad with both operands
+    per 128x1, along the dimension the GEMM contracts. ``bf16_rounding``: as in
+    :func:`moe_reference_fp8`.
+    """
+    bf16 = lambda t: to_bf16(t, bf16_rounding)  # noqa: E731
+    T, H = x.shape
+    k = topk_idx.shape[1]
+    E, I = w_gate.shape[0], w_gate.shape[1]
+    flat_e = topk_idx.reshape(-1).long()
+    xq, xsc = quantize_rows_ref(x)
+    rows_all = torch.arange(T * k, device=x.device)
+    dx_rows = torch.zeros(T * k, H, dtype=torch.float32, device=x.device)
+    dtopk = torch.zeros(T * k, dtype=torch.float32, device=x.device)
+    grads = [torch.zeros(w.shape, dtype=torch.float32, device=x.device) for w in (w_gate, w_up, w_down)]
+    wflat = topk_weights.reshape(-1).float()
+    for e in range(E):
+        rows = rows_all[flat_e == e]
+        if rows.numel() == 0:
+            continue
+        tok = rows // k
+        n = rows.numel()
+        (gq, gs), (uq, us), (dq, ds) = (quantize_blocks_ref(w[e]) for w in (w_gate, w_up, w_down))
+        g = bf16(fp8_gemm_ref(xq[tok], xsc[tok], gq, gs)).float()
+        u = bf16(fp8_gemm_ref(xq[tok], xsc[tok], uq, us)).float()
+        w = wflat[rows]
+        dys = dy[tok]
+        dyq, dys_s = quantize_rows_ref(dys)
+        dtq, dts = quantize_blocks_ref(w_down[e].t().contiguous())
+        dh_raw = fp8_gemm_ref(dyq, dys_s, dtq, dts)
+        sg = torch.sigmoid(g)
+        h = g * sg * u
+        dtopk[rows] = (dh_raw * h).sum(1)
+        dh = dh_raw * w[:, None]
+        dgu = bf16(torch.cat([dh * u * sg * (1 + g * (1 - sg)), dh * g * sg], dim=1))
+        hw = bf16(h * w[:, None])
+        (gtq, gts), (utq, uts) = (quantize_blocks_ref(wt[e].t().contiguous()) for wt in (w_gate, w_up))
+        dgq, dgs = quantize_rows_ref(dgu)
+        dx_rows[rows] = bf16(fp8_gemm_ref(dgq, dgs, torch.cat([gtq, utq], 1), torch.cat([gts, uts], 1))).float()
+        (dyc, dycs), (hwc, hwcs) = quantize_cols_ref(dys), quantize_cols_ref(hw)
+        (dgc, dgcs), (xc, xcs) = quantize_cols_ref(dgu), quantize_cols_ref(x[tok])
+        grads[2][e] = fp8_wgrad_ref(dyc, dycs, hwc, hwcs, 0, n)
+        grads[0][e] = fp8_wgrad_ref(dgc[:, :I], dgcs[:, :I], xc, xcs, 0, n)
+        grads[1][e] = fp8_wgrad_ref(dgc[:, I:], dgcs[:, I:], xc, xcs, 0, n)
+    dxr = dx_rows.view(T, k, H)
+    dx = dxr[:, 0]
+    for j in range(1, k):
+        dx = dx + dxr[:, j]
+    return (bf16(dx), dtopk.view(T, k), *(bf16(gr) for gr in grads))

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 from tabby import reference_fp8 as ref  # noqa: E402
 from tabby.ops import gemm, gemm_fp8  # noqa: E402
-from tabby.ops.fp8 import quantize_blocks, quantize_rows  # noqa: E402
+from tabby.ops.fp8 import quantize_blocks, quantize_cols, quantize_rows  # noqa: E402
 from tabby.ops.gemm import GemmConfig  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -158,6 +158,77 @@ def test_config_checks():
     with pytest.raises(ValueError, match="scales"):
         gemm_fp8.rows_gemm_fp8(a, s[:, :1], w, ws, sch.tile_expert, sch.num_tiles,
                                config=GemmConfig(BM=16, BN=128, BK=128))
+
+
+def test_quantize_cols_masks_padding_rows():
+    BM = 16 if not CUDA else 128
+    sch = Sched([37, 0, 150, 5], BM, seed=12)
+    x = rand(sch.R, 96, seed=13)
+    x[sch.row_src_cpu < 0] = float("nan")  # padding rows hold anything
+    q, s = quantize_cols(x.to(DEV), row_src=sch.row_src, num_tiles=sch.num_tiles, tile_rows=BM)
+    clean = torch.where((sch.row_src_cpu >= 0)[:, None], x, torch.zeros_like(x))
+    rq, rs = ref.quantize_cols_ref(clean)
+    assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
+
+
+@pytest.mark.parametrize("M,N", [(256, 128), (192, 96)])
+def test_expert_wgrad_fp8(M, N):
+    BM = 16 if not CUDA else 128
+    counts = [37, 0, 150, 5, 1] if not CUDA else [370, 0, 150, 5, 1]
+    sch = Sched(counts, BM, seed=M + N)
+    a, b = rand(sch.R, M, seed=14), rand(sch.R, N, seed=15)
+    aq, as_ = quantize_cols(a.to(DEV), row_src=sch.row_src, num_tiles=sch.num_tiles, tile_rows=BM)
+    bq, bs = quantize_cols(b.to(DEV), row_src=sch.row_src, num_tiles=sch.num_tiles, tile_rows=BM)
+    cfg = GemmConfig(BM=64 if not CUDA else 128, BN=64 if not CUDA else 128, BK=128,
+                     num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
+    start = torch.tensor([st for _, st, _ in sch.segments], dtype=torch.int32, device=DEV)
+    count = torch.tensor([c for _, _, c in sch.segments], dtype=torch.int32, device=DEV)
+    out = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, config=cfg).cpu()
+    for e, st, c in sch.segments:
+        want = ref.fp8_wgrad_ref(aq.cpu(), as_.cpu(), bq.cpu(), bs.cpu(), st, c)
+        if c == 0:
+            assert bool((out[e] == 0).all())
+            continue
+        assert rel(out[e], want) < TIGHT
+        assert rel(out[e], a[st:st + c].float().t() @ b[st:st + c].float()) < 6e-2
+
+
+def test_down_dgrad_swiglu_fp8():
+    """The FP8 down dgrad (dy per 1x128, W_down's blocks transposed) with gemm.py's SwiGLU backward
+    epilogue, against the bf16 kernel's epilogue fed with the recipe's fp32 dh_raw."""
+    BM = 16 if not CUDA else 128
+    counts = [21, 0, 40] if not CUDA else [210, 0, 400]
+    H, I = 256, 256
+    sch = Sched(counts, BM, seed=16)
+    E = len(counts)
+    dys = rand(sch.R, H, seed=17)
+    wd = rand(E, H, I, seed=18, scale=I ** -0.5)
+    gu = rand(sch.R, 2 * I, seed=19)
+    row_w = torch.rand(sch.R, generator=torch.Generator().manual_seed(20))
+    dq, ds = quantize_rows(dys.to(DEV))
+    wq, wsc = quantize_blocks(wd.to(DEV))
+    wtq, wts = gemm_fp8.transpose_blocks(wq, wsc)
+    cfg = GemmConfig(BM=BM, BN=128, BK=128, num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
+    dgu, hw, dwp = gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, wtq, wts, gu.to(DEV), row_w.to(DEV), sch.tile_expert,
+                                                  sch.num_tiles, config=cfg)
+    dgu, hw, dw = dgu.cpu().float(), hw.cpu().float(), dwp.cpu().sum(1)
+    # the transposed blocks are the same quantization as quantizing W_down^T itself
+    rq, rs = ref.quantize_blocks_ref(wd.transpose(1, 2).contiguous())
+    assert torch.equal(wtq.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(wts.cpu(), rs)
+    for e, st, c in sch.segments:
+        if c == 0:
+            continue
+        sl = slice(st, st + c)
+        dh_raw = ref.fp8_gemm_ref(dq.cpu()[sl], ds.cpu()[sl], rq[e], rs[e])
+        g, u = gu[sl, :I].float(), gu[sl, I:].float()
+        sg = torch.sigmoid(g)
+        h = g * sg * u
+        dh = dh_raw * row_w[sl, None]
+        assert rel(dgu[sl, :I], dh * u * sg * (1 + g * (1 - sg))) < TIGHT_BF16
+        assert rel(dgu[sl, I:], dh * g * sg) < TIGHT_BF16
+        assert rel(hw[sl], h * row_w[sl, None]) < TIGHT_BF16
+        assert rel(dw[sl], (dh_raw * h).sum(1)) < (1e-3 if CUDA else 1e-5)
+        assert rel(dh_raw, dys[sl].float() @ wd[e].float()) < 6e-2
 
 
 # --------------------------------------------------------------------------------------------

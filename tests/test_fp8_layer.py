@@ -1,12 +1,14 @@
-"""The FP8 layer, ``MoEConfig(precision="fp8", megakernel=False)``: values and every gradient
-against ``tabby.moe_reference_fp8`` (the same quantizations in plain PyTorch, and the gradient of
-the fp32 layer at the FP8 forward's activations), and against the fp32 reference; config checks,
-the weight cache, determinism, simulated expert parallelism. CPU: ranks as threads, kernels
-interpreted; on a GPU, one rank with realistic sizes."""
+"""The FP8 layer, ``MoEConfig(precision="fp8" | "fp8-forward", megakernel=False)``: values and
+every gradient against the same quantizations in plain PyTorch (``tabby.moe_reference_fp8``;
+``reference_fp8.moe_backward_reference_fp8`` for the FP8 backward; for "fp8-forward", the
+gradient of the fp32 layer at the FP8 forward's activations) and against the fp32 reference;
+config checks, the weight cache, determinism, simulated expert parallelism. CPU: ranks as
+threads, kernels interpreted; on a GPU, one rank with realistic sizes."""
 import pytest
 import torch
 
 import tabby
+from tabby import reference_fp8
 from tabby.functional import fp8 as fp8_layer
 from tabby.functional.config import MoEConfig, Tuning
 from tabby.functional.moe import moe
@@ -14,9 +16,15 @@ from tabby.functional.moe import moe
 from harness import make_problem, rel_err, run_ranks
 
 CUDA = torch.cuda.is_available()
+# how the kernels' bf16 stores round: the interpreter truncates, so the CPU reference does too
+# and its results equal the kernels' (the same operations in the same order)
+ROUNDING = "nearest" if CUDA else "truncate"
 SMALL = dict(tile_m=16, dispatch_rows=16, dispatch_cols=64, dispatch_programs=4)
-CFG = MoEConfig(megakernel=False, precision="fp8", tuning=Tuning(**SMALL))
-GPU_CFG = MoEConfig(megakernel=False, precision="fp8")
+CFG = MoEConfig(megakernel=False, precision="fp8-forward", tuning=Tuning(**SMALL))
+# the FP8 backward's weight gradients take 128-row tiles from each expert's first row
+CFG_BWD = MoEConfig(megakernel=False, precision="fp8", tuning=Tuning(**dict(SMALL, tile_m=128)))
+GPU_CFG = MoEConfig(megakernel=False, precision="fp8-forward")
+GPU_CFG_BWD = MoEConfig(megakernel=False, precision="fp8")
 
 
 def _leaves(prob, device="cpu"):
@@ -56,8 +64,10 @@ def _run(prob, cfg, device="cpu", W=1):
 
 def _reference(prob, fp8=True):
     lv, idx, dy = _leaves(prob)
-    fn = tabby.moe_reference_fp8 if fp8 else tabby.moe_reference
-    y = fn(lv[0], idx, lv[1], *lv[2:5], shared=lv[5:] or None)
+    if fp8:
+        y = tabby.moe_reference_fp8(lv[0], idx, lv[1], *lv[2:5], shared=lv[5:] or None, bf16_rounding=ROUNDING)
+    else:
+        y = tabby.moe_reference(lv[0], idx, lv[1], *lv[2:5], shared=lv[5:] or None)
     return _grads(y, lv, dy)
 
 
@@ -78,8 +88,9 @@ def test_fp8_layer_matches_reference(case):
         prob = (prob[0], prob[1] % 2 * 2 + 1, *prob[2:])
     got = _run(prob, CFG)
     want = _reference(prob)
-    # the same quantizations: bf16-level differences (bf16 g | u and pushed rows, fp32 sums in another order)
+    # the same quantizations; the gradients are the bf16 backward's (bf16 GEMMs) against fp32 math
     errs = _compare(got, want, 2e-2)
+    assert errs["y"] < (2e-2 if CUDA else 1e-5)  # the forward: the same operations
     # against the unquantized fp32 layer: E4M3's rounding, a few per cent, and clearly more than the above
     exact = _reference(prob, fp8=False)
     e_exact = rel_err(got[0], exact[0])
@@ -112,25 +123,63 @@ def test_fp8_layer_expert_parallel_two_ranks():
     _compare(got, want[:6], 2e-2)
 
 
+def _reference_fp8_backward(prob):
+    """Values from moe_reference_fp8, gradients from moe_backward_reference_fp8 (no shared expert)."""
+    x, idx, wts, ws, sh, dy = prob
+    assert sh is None
+    y = tabby.moe_reference_fp8(x, idx, wts, *ws, bf16_rounding=ROUNDING).float()
+    dx, dtopk, dwg, dwu, dwd = reference_fp8.moe_backward_reference_fp8(x, idx, wts, *ws, dy, bf16_rounding=ROUNDING)
+    return [y, dx.float(), dtopk.float(), dwg.float(), dwu.float(), dwd.float()]
+
+
+@pytest.mark.parametrize("W", [1, 2])
+def test_fp8_backward_matches_reference(W):
+    """precision="fp8": every gradient from the FP8 backward against the recipe in plain PyTorch
+    (tight), and against the fp32 layer (E4M3's rounding, a few per cent); experts with no rows."""
+    E_local = 3 if W == 1 else 2
+    prob = make_problem(W, 150 if W == 1 else 70, 256, 256, E_local, 2, seed=21 + W)
+    if W == 1:  # expert 1 gets no rows
+        x, idx, *rest = prob
+        prob = (x, torch.where(idx == 1, 2, idx), *rest)
+    got = _run(prob, CFG_BWD, W=W)
+    want = _reference_fp8_backward(prob)
+    errs = _compare(got, want, 1e-5)  # the same operations: equal up to fp32 summation order
+    exact = _reference(prob, fp8=False)
+    e_exact = {NAMES[i]: rel_err(g, w) for i, (g, w) in enumerate(zip(got, exact[:6]))}
+    assert all(v < 1e-1 for v in e_exact.values()), e_exact
+    assert min(e_exact.values()) > 1e-2  # FP8 throughout: clearly not the fp32 layer
+
+
 def test_fp8_config_checks():
     with pytest.raises(tabby.MoEInputError, match="precision"):
         MoEConfig(precision="fp16")
-    with pytest.raises(tabby.MoEInputError, match="megakernel=False"):
-        MoEConfig(precision="fp8")
+    for p in ("fp8", "fp8-forward"):
+        with pytest.raises(tabby.MoEInputError, match="megakernel=False"):
+            MoEConfig(precision=p)
     prob = make_problem(1, 8, 96, 128, 2, 1, seed=1)  # H = 96
     x, idx, wts, ws, _, _ = prob
     with pytest.raises(tabby.MoEInputError, match="multiples of 128"):
         moe(x, idx, wts, *ws, config=CFG)
+    prob = make_problem(1, 8, 128, 128, 2, 1, seed=1)
+    x, idx, wts, ws, _, _ = prob
+    with pytest.raises(tabby.MoEInputError, match="tile_m"):
+        moe(x, idx, wts, *ws, config=MoEConfig(megakernel=False, precision="fp8", tuning=Tuning(**SMALL)))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backward", ["fp8", "bf16"])
 @pytest.mark.parametrize("H,I,E,k,T", [(2048, 768, 16, 8, 1024), (1024, 512, 8, 2, 333)])
-def test_fp8_layer_gpu(H, I, E, k, T):
+def test_fp8_layer_gpu(H, I, E, k, T, backward):
     prob = make_problem(1, T, H, I, E, k, seed=H + T)
-    got = _run(prob, GPU_CFG, device="cuda")
-    want = _reference(prob)
-    _compare(got, want[:6], 2e-2)
+    cfg = GPU_CFG_BWD if backward == "fp8" else GPU_CFG
+    got = _run(prob, cfg, device="cuda")
+    want = _reference_fp8_backward(prob) if backward == "fp8" else _reference(prob)
+    # the same quantizations; fp32 sums in other orders, Hopper's FP8 MMA accumulation, and E4M3
+    # roundings of values that differ in their last bits land on neighbouring E4M3 values
+    errs = _compare(got, want[:6], 2e-2)
     exact = _reference(prob, fp8=False)
-    assert rel_err(got[0], exact[0]) < 8e-2
-    again = _run(prob, GPU_CFG, device="cuda")
+    e_exact = {NAMES[i]: rel_err(g, w) for i, (g, w) in enumerate(zip(got, exact[:6]))}
+    print(f"GPU fp8 layer H={H} I={I} E={E} k={k} T={T} backward={backward}: vs recipe {errs}; vs fp32 {e_exact}")
+    assert all(v < 1e-1 for v in e_exact.values()), e_exact
+    again = _run(prob, cfg, device="cuda")
     assert all(torch.equal(a, b) for a, b in zip(got, again))  # bitwise deterministic

@@ -127,10 +127,12 @@ class MoEConfig:
     debug:             check the device error record after every pass, a host sync (None:
                        ``TABBY_DEBUG=1``).
     tuning:            overrides of the heuristics (``Tuning``), for experts.
-    precision:         "bf16" (the default), or "fp8": the routed experts' GEMMs in FP8 (E4M3,
-                       DeepSeek-V3's recipe: docs/fp8.md) with a bf16 backward. For now "fp8"
-                       runs on the path of separate launches only (``megakernel=False``, else
-                       ``MoEInputError``) and needs H and I multiples of 128.
+    precision:         "bf16" (the default); "fp8": the routed experts' GEMMs in FP8, forward
+                       and backward (E4M3, DeepSeek-V3's recipe: docs/fp8.md); "fp8-forward": the
+                       forward's in FP8, the backward in bf16 at the FP8 forward's activations.
+                       For now FP8 runs on the path of separate launches only
+                       (``megakernel=False``, else ``MoEInputError``) and needs H and I multiples
+                       of 128 ("fp8" also a routed tile height ``Tuning.tile_m`` multiple of 128).
     """
 
     megakernel: bool = True
@@ -142,11 +144,11 @@ class MoEConfig:
     precision: str = "bf16"
 
     def __post_init__(self):
-        if self.precision not in ("bf16", "fp8"):
-            raise MoEInputError(f"MoEConfig(precision={self.precision!r}): must be 'bf16' or 'fp8'")
-        if self.precision == "fp8" and self.megakernel is True:
-            raise MoEInputError("MoEConfig(precision='fp8'): the forward megakernel has no FP8 path yet; "
-                                "pass megakernel=False (FP8 runs on the path of separate launches)")
+        if self.precision not in ("bf16", "fp8", "fp8-forward"):
+            raise MoEInputError(f"MoEConfig(precision={self.precision!r}): must be 'bf16', 'fp8' or 'fp8-forward'")
+        if self.precision != "bf16" and self.megakernel is True:
+            raise MoEInputError(f"MoEConfig(precision={self.precision!r}): the forward megakernel has no FP8 path "
+                                "yet; pass megakernel=False (FP8 runs on the path of separate launches)")
         for name in ("megakernel", "save_for_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise MoEInputError(f"MoEConfig({name}={getattr(self, name)!r}): must be True or False")

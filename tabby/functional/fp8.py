@@ -30,17 +30,20 @@ import weakref
 
 import torch
 
-from ..ops import fp8, gemm_fp8
+from ..ops import comm, fp8, gemm, gemm_fp8, sync
+from ..ops.combine import combine_k
+from ..ops.gemm import GemmConfig
 from ..validate import MoEInputError
 from .backward import moe_backward
 from .forward import KeptRows
 from .plan import Plan
 from .probe import Probe, mark
-from .steps import _finish_forward, _publish_and_schedule, _pull_rows
+from .steps import _debug_check, _finish_forward, _publish_and_schedule, _pull_rows, _signal_wait
+from .workspace import BWD, BWD_DONE, BWD_READY
 
 FP8_BLOCK = fp8.BLOCK
 
-# (device, data_ptr) -> (weakref to the weight, its _version, shape, strides, E4M3 copy, scales)
+# key -> (weak references to the source weights, their (shape, strides, _version), the derived tensors)
 _weight_cache: dict = {}
 
 
@@ -49,25 +52,45 @@ def clear_weight_cache() -> None:
     _weight_cache.clear()
 
 
-def fp8_weight(w: torch.Tensor):
-    """(E4M3 [E, N, K], fp32 scales [E, N/128, K/128]) of the weight ``w`` [E, N, K], from the cache
-    when ``w`` has not changed since it was quantized (same object, address, shape and version)."""
-    key = (str(w.device), w.data_ptr())
+def _cached(kind: str, weights, make):
+    """``make()`` of ``weights``, cached until one of them changes (another object at the address, a
+    new shape or strides, a new ``_version``) or is freed."""
+    key = (kind,) + tuple((str(w.device), w.data_ptr()) for w in weights)
+    state = tuple((w.shape, w.stride(), w._version) for w in weights)
     hit = _weight_cache.get(key)
-    if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == (w.shape, w.stride()):
-        return hit[3], hit[4]
-    q, s = fp8.quantize_blocks(w.detach().contiguous())
+    if hit is not None and all(r() is w for r, w in zip(hit[0], weights)) and hit[1] == state:
+        return hit[2]
+    value = make()
 
-    def forget(_ref, key=key):
+    def forget(ref, key=key):
         entry = _weight_cache.get(key)
-        if entry is not None and entry[0] is _ref:
+        if entry is not None and any(r is ref for r in entry[0]):
             del _weight_cache[key]
 
-    _weight_cache[key] = (weakref.ref(w, forget), w._version, (w.shape, w.stride()), q, s)
-    return q, s
+    _weight_cache[key] = (tuple(weakref.ref(w, forget) for w in weights), state, value)
+    return value
 
 
-def check_fp8(dims, plan: Plan) -> None:
+def fp8_weight(w: torch.Tensor):
+    """(E4M3 [E, N, K], fp32 scales [E, N/128, K/128]) of the weight ``w`` [E, N, K], cached per version."""
+    return _cached("blocks", (w,), lambda: fp8.quantize_blocks(w.detach().contiguous()))
+
+
+def fp8_weight_t(w: torch.Tensor):
+    """``fp8_weight(w)`` transposed: (E4M3 [E, K, N], scales [E, K/128, N/128]), exactly; cached."""
+    return _cached("blocks_t", (w,), lambda: gemm_fp8.transpose_blocks(*fp8_weight(w)))
+
+
+def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor):
+    """[W_gate^T | W_up^T] quantized, (E4M3 [E, H, 2I], scales [E, H/128, 2I/128]): the gate/up
+    dgrad's B (dxs = dg @ W_gate + du @ W_up is one GEMM over K = 2I); cached."""
+    def make():
+        (gq, gs), (uq, us) = (gemm_fp8.transpose_blocks(*fp8_weight(w)) for w in (w_gate, w_up))
+        return torch.cat([gq, uq], dim=-1), torch.cat([gs, us], dim=-1)
+    return _cached("gate_up_t", (w_gate, w_up), make)
+
+
+def check_fp8(dims, plan: Plan, fp8_backward: bool) -> None:
     """Raise ``MoEInputError`` where the FP8 path cannot run this shape or plan."""
     if dims.H % FP8_BLOCK or dims.I % FP8_BLOCK:
         raise MoEInputError(f"precision='fp8' needs H and I multiples of {FP8_BLOCK} (the recipe's 1x128 and "
@@ -77,6 +100,9 @@ def check_fp8(dims, plan: Plan) -> None:
     if plan.tile_m % 16:
         raise MoEInputError(f"precision='fp8' needs a routed tile height (Tuning.tile_m) that is a multiple of 16, "
                             f"got {plan.tile_m}")
+    if fp8_backward and plan.tile_m % FP8_BLOCK:
+        raise MoEInputError(f"precision='fp8' (an FP8 backward) needs Tuning.tile_m a multiple of {FP8_BLOCK}: the "
+                            f"weight gradients' 128x1 tiles start at each expert's first row; got {plan.tile_m}")
 
 
 def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_fp8, extra=None, keep=True,
@@ -105,14 +131,71 @@ def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_fp8, extra=None
     return _finish_forward(ws, plan, x, topk_weights, extra, probe=probe), KeptRows(sched, xs, gu, row_w)
 
 
+def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, probe: Probe | None = None):
+    """``backward.moe_backward`` with its GEMMs in FP8 (``reference_fp8.moe_backward_reference_fp8``
+    defines it). Returns (dx, d topk_weights [T, k] fp32, dw_gate, dw_up, dw_down).
+
+    dgrad: dy rows per 1x128 against W_down's 128x128 blocks transposed (with the SwiGLU backward
+    and the router-weight gradient in fp32 in the epilogue, as in bf16); dg | du per 1x128 against
+    [W_gate^T | W_up^T], one GEMM over K = 2I, rows pushed to their origin. wgrad: both operands
+    per 128x1 along the rows (each expert's segment starts at a multiple of 128: tile_m is),
+    padding rows as zeros.
+    """
+    sched, xs, gu, row_w = saved.sched, saved.xs, saved.gu, saved.row_w
+    T, H = dy.shape
+    I = w_gate.shape[1]
+    k, TK = sched.k, sched.T * sched.k
+    BM = plan.tile_m
+    mark(probe, "bwd:start")
+    ws.dy_pub.copy_(dy)
+    _signal_wait(ws, BWD_READY, BWD, True, sync.ERR_WAIT_PEER_READY, plan)
+    mark(probe, "bwd:publish+wait")
+    dys = dy.new_empty((sched.R_max, H))
+    _pull_rows(plan, sched, ws.ptrs["dy_pub"], dys, TK, k)
+    mark(probe, "bwd:dispatch_dy")
+    dys_q, dys_s = fp8.quantize_rows(dys, num_tiles=sched.num_tiles, tile_rows=BM)
+    dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(
+        dys_q, dys_s, *fp8_weight_t(w_down), gu, row_w, sched.tile_expert, sched.num_tiles,
+        config=GemmConfig(BM=BM, BN=128, BK=FP8_BLOCK, num_warps=8, num_stages=4, GROUP_M=8))
+    mark(probe, "bwd:down_dgrad+swiglu")
+    dgu_q, dgu_s = fp8.quantize_rows(dgu, num_tiles=sched.num_tiles, tile_rows=BM)
+    gemm_fp8.rows_gemm_fp8(dgu_q, dgu_s, *fp8_gate_up_t(w_gate, w_up), sched.tile_expert, sched.num_tiles,
+                           row_src=sched.row_src, dst_ptrs=ws.ptrs["dx_in"], TK=TK,
+                           config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=BM))
+    mark(probe, "bwd:gate_up_dgrad+push")
+    dw_rows = gemm.reduce_dw(dw_part)
+    comm.push_scalars_kernel[(64,)](dw_rows, sched.row_src, sched.num_tiles, ws.ptrs["dw_in"], TK,
+                                    BR=256, TILE_ROWS=BM)
+    mark(probe, "bwd:router_grad")
+
+    def cols(t):
+        return fp8.quantize_cols(t, row_src=sched.row_src, num_tiles=sched.num_tiles, tile_rows=BM)
+
+    (dy_c, dy_cs), (hw_c, hw_cs), (dgu_c, dgu_cs), (xs_c, xs_cs) = cols(dys), cols(hw), cols(dgu), cols(xs)
+    seg = (sched.expert_start, sched.expert_count)
+    dw_down = gemm_fp8.expert_wgrad_fp8(dy_c, dy_cs, hw_c, hw_cs, *seg, out_dtype=w_down.dtype)
+    dw_gate = gemm_fp8.expert_wgrad_fp8(dgu_c[:, :I], dgu_cs[:, :I], xs_c, xs_cs, *seg, out_dtype=w_gate.dtype)
+    dw_up = gemm_fp8.expert_wgrad_fp8(dgu_c[:, I:], dgu_cs[:, I:], xs_c, xs_cs, *seg, out_dtype=w_up.dtype)
+    mark(probe, "bwd:wgrad")
+    _signal_wait(ws, BWD_DONE, BWD, False, sync.ERR_WAIT_PEER_DONE, plan)
+    mark(probe, "bwd:signal+wait")
+    dx = combine_k(ws.dx_in, T, k, dtype=dy.dtype)
+    dtopk = ws.dw_in.view(T, k).clone()
+    mark(probe, "bwd:combine")
+    _debug_check(ws, plan, dy)
+    return dx, dtopk, dw_gate, dw_up, dw_down
+
+
 class _TabbyMoEFP8(torch.autograd.Function):
-    """The FP8 forward and the bf16 backward; the shared expert's output enters as ``extra``."""
+    """The FP8 forward; the backward in FP8 (``fp8_backward``) or bf16. The shared expert's output
+    enters as ``extra``."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra, ws, plan, keep, probe):
+    def forward(ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra, ws, plan, keep, fp8_backward, probe):
         w_fp8 = tuple(fp8_weight(w) for w in (w_gate, w_up, w_down))
         y, saved = moe_forward_fp8(ws, plan, x, topk_idx, topk_weights, w_fp8, extra, keep=keep, probe=probe)
         ctx.ws, ctx.plan, ctx.saved, ctx.probe = ws, plan, saved if keep else None, probe
+        ctx.fp8_backward = fp8_backward
         ctx.w_dtype = topk_weights.dtype
         ctx.has_extra = extra is not None
         ctx.save_for_backward(w_gate, w_up, w_down)
@@ -121,16 +204,20 @@ class _TabbyMoEFP8(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         w_gate, w_up, w_down = ctx.saved_tensors
-        dx, dtopk, dwg, dwu, dwd = moe_backward(ctx.ws, ctx.plan, dy.contiguous(), ctx.saved, w_gate, w_up, w_down,
-                                                probe=ctx.probe)
+        backward = moe_backward_fp8 if ctx.fp8_backward else moe_backward
+        dx, dtopk, dwg, dwu, dwd = backward(ctx.ws, ctx.plan, dy.contiguous(), ctx.saved, w_gate, w_up, w_down,
+                                            probe=ctx.probe)
         ctx.saved = None
         return (dx, None, dtopk.to(ctx.w_dtype), dwg, dwu, dwd, dy if ctx.has_extra else None, None, None, None,
-                None)
+                None, None)
 
 
-def moe_fp8(ws, plan: Plan, dims, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, probe=None):
-    """``tabby.moe`` with ``precision="fp8"``, after the inputs, workspace and plan (``moe._moe``)."""
-    check_fp8(dims, plan)
+def moe_fp8(ws, plan: Plan, dims, precision: str, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+            probe=None):
+    """``tabby.moe`` with ``precision`` "fp8" (FP8 forward and backward) or "fp8-forward" (FP8 forward,
+    bf16 backward), after the inputs, workspace and plan (``moe._moe``)."""
+    fp8_backward = precision == "fp8"
+    check_fp8(dims, plan, fp8_backward)
     extra = None
     if shared is not None:
         sg, su, sd = shared
@@ -138,4 +225,4 @@ def moe_fp8(ws, plan: Plan, dims, x, topk_idx, topk_weights, w_gate, w_up, w_dow
     keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (x, topk_weights, w_gate, w_up, w_down, extra))
     return _TabbyMoEFP8.apply(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate, w_up, w_down,
-                              extra, ws, plan, keep, probe)
+                              extra, ws, plan, keep, fp8_backward, probe)

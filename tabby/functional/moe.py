@@ -203,8 +203,9 @@ def _moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
     ws, plan = _workspace_and_plan(key, dims, config, I_s, x.device, rank, pg, tg, differentiated)
     if probe is not None:
         probe.plan = plan
-    if config.precision == "fp8":  # the FP8 experts on the path of separate launches (fp8.py)
-        return moe_fp8(ws, plan, dims, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, probe)
+    if config.precision != "bf16":  # the FP8 experts on the path of separate launches (fp8.py)
+        return moe_fp8(ws, plan, dims, config.precision, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                       probe)
     if plan.megakernel:
         sh = tuple(w.contiguous() for w in shared) if shared is not None else (None, None, None)
         # keep what the backward needs only when there will be one

@@ -2,6 +2,8 @@
 with it bit for bit, values and scales).
 
 - ``quantize_rows``: activations [M, K] -> E4M3 [M, K] + fp32 scales [M, ceil(K/128)], per 1x128.
+- ``quantize_cols``: [R, C] -> E4M3 + fp32 scales [ceil(R/128), C], per 128x1 (the operands of
+  a weight gradient, which contracts over tokens), padding rows of a routed-row buffer as zeros.
 - ``quantize_blocks``: weights [E, N, K] -> E4M3 [E, N, K] + fp32 scales
   [E, ceil(N/128), ceil(K/128)], per 128x128 block.
 - ``mxfp8_to_blocks``: MXFP8 weights (E4M3 + one E8M0 scale per 1x32 along K) -> the 128x128
@@ -228,3 +230,47 @@ def mxfp8_to_blocks(q: torch.Tensor, e8m0: torch.Tensor):
     if squeeze:
         return out[0], scale[0]
     return out, scale
+
+
+@triton.jit
+def quantize_cols_kernel(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_sm, R, C, row_src_ptr, num_tiles_ptr,
+                         TILE_ROWS: tl.constexpr, MASKED: tl.constexpr, BC: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    """Rows 128*pid(0).. (one 128x1 tile per column), columns BC*pid(1)... MASKED: rows whose
+    row_src is negative (padding) or that lie past the used row tiles count as zeros, and are
+    stored as zeros."""
+    rows = tl.program_id(0) * 128 + tl.arange(0, 128)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    rmask = rows < R
+    if MASKED:
+        used = rows < tl.load(num_tiles_ptr) * TILE_ROWS
+        rmask = rmask & used & (tl.load(row_src_ptr + rows, mask=rmask & used, other=-1) >= 0)
+    m = rmask[:, None] & (cols < C)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    j = scale_exponent(tl.max(tl.abs(x), axis=0))
+    q = to_e4m3(x * exp2_int(-j)[None, :], INTERPRET)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=(rows < R)[:, None] & (cols < C)[None, :])
+    tl.store(s_ptr + tl.program_id(0) * stride_sm + cols, exp2_int(j), mask=cols < C)
+
+
+def quantize_cols(x: torch.Tensor, *, row_src: torch.Tensor | None = None, num_tiles: torch.Tensor | None = None,
+                  tile_rows: int = 128):
+    """x [R, C] -> (q [R, C] E4M3, scales [ceil(R/128), C] fp32), per 128x1 tile (128 consecutive
+    rows of one column: the recipe's quantization of an operand that a weight gradient contracts
+    over tokens). With ``row_src`` and ``num_tiles`` (a routed-row buffer), padding rows and rows
+    past the used tiles count as zeros and are stored as zeros."""
+    R, C = x.shape
+    assert x.stride(-1) == 1
+    nr = triton.cdiv(R, BLOCK)
+    q = torch.empty(R, C, dtype=E4M3, device=x.device)
+    s = torch.empty(nr, C, dtype=torch.float32, device=x.device)
+    if R == 0 or C == 0:
+        return q, s
+    masked = row_src is not None
+    assert masked == (num_tiles is not None)
+    BC = 64
+    quantize_cols_kernel[(nr, triton.cdiv(C, BC))](
+        x, x.stride(0), q, q.stride(0), s, s.stride(0), R, C, row_src if masked else s, num_tiles if masked else s,
+        TILE_ROWS=tile_rows, MASKED=masked, BC=BC, INTERPRET=INTERPRET, num_warps=4)
+    return q, s

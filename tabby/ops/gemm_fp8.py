@@ -36,7 +36,7 @@ import triton.language as tl
 from . import INTERPRET
 from .fp8 import BLOCK, E4M3, quantize_tile_rows
 from .gemm import (_TL_DTYPES, GemmConfig, _check_schedule, _push_rows, _row_tile_expert, _store_rows,
-                   grouped_tile)
+                   _swiglu_bwd_epilogue, grouped_tile)
 
 KIND_GATE_UP = "gate_up"
 KIND_ROWS = "rows"
@@ -294,3 +294,142 @@ def down_push_fp8(hq, h_scale, wd_q, wd_scale, tile_expert, num_tiles, row_src, 
     (``dst_ptrs[row_src[r] // TK]`` row ``row_src[r] % TK``), as gemm.down_push."""
     rows_gemm_fp8(hq, h_scale, wd_q, wd_scale, tile_expert, num_tiles, row_src=row_src, dst_ptrs=dst_ptrs, TK=TK,
                   dst_stride=dst_stride, config=config)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: down dgrad with the SwiGLU backward, per-expert weight gradients
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def down_dgrad_swiglu_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm, b_ptr, stride_be, stride_bn,
+                                 bs_ptr, stride_bse, stride_bsn,
+                                 gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
+                                 dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m,
+                                 H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                 GROUP_M: tl.constexpr):
+    """gemm.down_dgrad_swiglu_tile with the FP8 main loop: dh_raw = dys @ Wd[e] from dys per 1x128
+    and Wd^T [E, I, H] (the weight's blocks transposed) per 128x128; the same epilogue."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, BN), GROUP_M)
+    e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
+    if e >= 0:
+        acc = _fp8_mainloop(pid_m.to(tl.int64) * BM, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm, b_ptr,
+                            stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn, I, H, BM, BN, True)
+        rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+        w = tl.load(ws_ptr + rows)
+        # two column halves one after the other (a whole-tile epilogue spills at BN = 128)
+        acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+        acc_lo, acc_hi = tl.split(acc3)
+        dw_lo = _swiglu_bwd_epilogue(acc_lo, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
+                                     hw_ptr, stride_hwm, I, BN // 2)
+        dw_hi = _swiglu_bwd_epilogue(acc_hi, rows, pid_n * BN + BN // 2, w, gu_ptr, stride_gum, dgu_ptr,
+                                     stride_dgum, hw_ptr, stride_hwm, I, BN // 2)
+        tl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw_lo + dw_hi)
+
+
+def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_expert, num_tiles, *,
+                          config: GemmConfig | None = None):
+    """gemm.down_dgrad_swiglu_bwd in FP8: dys [R, H] E4M3 per 1x128; wd_t [E, I, H] E4M3 (W_down's
+    128x128 blocks transposed: :func:`transpose_blocks`) with its scales. Returns (dgu [R, 2I] bf16,
+    hw [R, I] bf16, dw_part [R, I/BN] fp32), as the bf16 kernel."""
+    R, H = dys_q.shape
+    E, I, H2 = wd_t_q.shape
+    if H2 != H or H % BLOCK or I % BLOCK:
+        raise ValueError(f"down_dgrad_swiglu_fp8: W_down^T [E, I, H] must match dys [R, H={H}], H and I multiples "
+                         f"of {BLOCK}; got {tuple(wd_t_q.shape)}")
+    _check_fp8_rows("dys_q", dys_q, dys_scale, R)
+    _check_fp8_weights("wd_t_q", wd_t_q, wd_t_scale)
+    assert gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
+    cfg = config or GemmConfig(BM=128, BN=128, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
+    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
+    nt_n = I // cfg.BN
+    dgu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dys_q.device)
+    hw = torch.empty(R, I, dtype=torch.bfloat16, device=dys_q.device)
+    dw_part = torch.empty(R, nt_n, dtype=torch.float32, device=dys_q.device)
+    num_m = R // cfg.BM
+    down_dgrad_swiglu_fp8_kernel[(num_m * nt_n,)](
+        dys_q, dys_q.stride(0), dys_scale, dys_scale.stride(0), wd_t_q, wd_t_q.stride(0), wd_t_q.stride(1),
+        wd_t_scale, wd_t_scale.stride(0), wd_t_scale.stride(1), gu, gu.stride(0), ws, dgu, dgu.stride(0), hw,
+        hw.stride(0), dw_part, dw_part.stride(0), tile_expert, num_tiles, num_m, H, I, BM=cfg.BM, BN=cfg.BN,
+        GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dgu, hw, dw_part
+
+
+def transpose_blocks(q: torch.Tensor, s: torch.Tensor):
+    """The quantized weight [E, N, K] (scales [E, N/128, K/128]) transposed: [E, K, N] and its
+    scales [E, K/128, N/128], exactly (a 128x128 block's scale serves both orientations)."""
+    return q.transpose(-2, -1).contiguous(), s.transpose(-2, -1).contiguous()
+
+
+@triton.jit
+def _wgrad_fp8_step(acc, kb, start, end, a_ptr, stride_ar, as_ptr, stride_asr, b_ptr, stride_br, bs_ptr, stride_bsr,
+                    offs_m, offs_n):
+    rows = kb * 128 + tl.arange(0, 128)
+    rmask = ((rows >= start) & (rows < end))[:, None]
+    rows64 = rows.to(tl.int64)
+    a = tl.load(a_ptr + rows64[:, None] * stride_ar + offs_m[None, :], mask=rmask, other=0.0)  # [128, BM]
+    b = tl.load(b_ptr + rows64[:, None] * stride_br + offs_n[None, :], mask=rmask, other=0.0)  # [128, BN]
+    part = tl.dot(tl.trans(a), b)
+    sa = tl.load(as_ptr + kb * stride_asr + offs_m)
+    sb = tl.load(bs_ptr + kb * stride_bsr + offs_n)
+    return acc + part * (sa[:, None] * sb[None, :])
+
+
+@triton.jit
+def expert_wgrad_fp8_kernel(a_ptr, stride_ar, as_ptr, stride_asr, b_ptr, stride_br, bs_ptr, stride_bsr,
+                            c_ptr, stride_ce, stride_cm, expert_start_ptr, expert_count_ptr,
+                            M: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                            GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
+    """C[e] tile = A_seg^T @ B_seg over expert e's rows, one program, 128-row blocks in order, each
+    block's product scaled by the operands' 128x1 scales (fp32 promotion per 128 rows); the
+    blocks overlapping the segment are masked to its rows. An expert with no rows writes zeros."""
+    num_m: tl.constexpr = (M + BM - 1) // BM
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    pid = tl.program_id(0)
+    e = pid // (num_m * num_n)
+    pid_m, pid_n = grouped_tile(pid % (num_m * num_n), num_m, num_n, GROUP_M)
+    start = tl.load(expert_start_ptr + e)
+    end = start + tl.load(expert_count_ptr + e)
+    offs_m = (pid_m * BM + tl.arange(0, BM)) % M
+    offs_n = (pid_n * BN + tl.arange(0, BN)) % N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    kb0 = start // 128
+    kb1 = (end + 127) // 128
+    if INTERPRET:  # the interpreter cannot take range() of a runtime scalar: the same steps
+        kb = kb0
+        while kb < kb1:
+            acc = _wgrad_fp8_step(acc, kb, start, end, a_ptr, stride_ar, as_ptr, stride_asr, b_ptr, stride_br,
+                                  bs_ptr, stride_bsr, offs_m, offs_n)
+            kb += 1
+    else:
+        for kb in range(kb0, kb1):
+            acc = _wgrad_fp8_step(acc, kb, start, end, a_ptr, stride_ar, as_ptr, stride_asr, b_ptr, stride_br,
+                                  bs_ptr, stride_bsr, offs_m, offs_n)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    cptrs = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :]
+    tl.store(cptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def expert_wgrad_fp8(aq, a_scale, bq, b_scale, expert_start, expert_count, *, out_dtype=torch.bfloat16,
+                     config: GemmConfig | None = None):
+    """C [E, M, N], C[e] = A[s:s+c]^T @ B[s:s+c] (s = expert_start[e], c = expert_count[e]) from
+    operands quantized per 128x1 (``ops.fp8.quantize_cols``): aq [R, M] E4M3 with a_scale
+    [ceil(R/128), M], bq [R, N] with b_scale [ceil(R/128), N]; any row strides (column slices of
+    wider buffers), unit column stride. Deterministic: one program per output tile."""
+    R, M = aq.shape
+    N = bq.shape[1]
+    E = expert_count.numel()
+    nr = triton.cdiv(R, BLOCK)
+    for name, q, s, C in (("aq", aq, a_scale, M), ("bq", bq, b_scale, N)):
+        if q.dtype != E4M3 or q.stride(-1) != 1 or q.shape[0] != R:
+            raise ValueError(f"{name} must be float8_e4m3fn [R={R}, C] with a unit last stride")
+        if s.dtype != torch.float32 or tuple(s.shape) != (nr, C) or s.stride(-1) != 1:
+            raise ValueError(f"{name}'s scales must be fp32 [ceil(R/128), C] = {(nr, C)}, got {tuple(s.shape)}")
+    cfg = config or GemmConfig(BM=128, BN=128, BK=BLOCK, num_warps=8, num_stages=3, GROUP_M=8)
+    out = torch.empty(E, M, N, dtype=out_dtype, device=aq.device)
+    grid = (E * triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
+    expert_wgrad_fp8_kernel[grid](aq, aq.stride(0), a_scale, a_scale.stride(0), bq, bq.stride(0), b_scale,
+                                  b_scale.stride(0), out, out.stride(0), out.stride(1), expert_start, expert_count,
+                                  M, N, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M, INTERPRET=INTERPRET,
+                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
