@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--no-repeat", dest="repeat", action="store_false",
                     help="skip the second Tabby run (bitwise check) and the baseline's second seed (its noise)")
     tr.add_argument("--tabby-config", default="", help="a tabby.MoEConfig text, e.g. 'megakernel=0' (default: the "
-                                                         "defaults)")
+                                                         "defaults; without a GPU the sync-free path, small tiles)")
     tr.add_argument("--out", default=None, help="output folder (default ~/.cache/tabby/bench)")
     tr.add_argument("--tag", default="", help="label in the output file names")
     tr.add_argument("--profile", action="store_true",
@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def train_config(args, parser, gpus: int):
     """Validate the options into a :class:`tabby_bench.train.TrainConfig`."""
+    from . import train
     from .train import BACKENDS, MODELS, MODES, TrainConfig
 
     models = args.models or (["qwen3-moe", "deepseek-v3-16b"] if gpus else ["tiny-qwen3-moe"])
@@ -134,7 +135,7 @@ def train_config(args, parser, gpus: int):
                       tokens=args.tokens or (64 if cpu else 16384), seq_len=args.seq_len or (32 if cpu else 4096),
                       lr=args.lr, warmup_steps=args.warmup if args.warmup is not None else (1 if cpu else 10),
                       log_every=args.log_every, repeat=args.repeat, out=args.out, tag=args.tag,
-                      tabby_config=args.tabby_config,
+                      tabby_config=args.tabby_config or (train.CPU_TABBY_CONFIG if cpu else ""),
                       profile_dir=(args.out or None) if args.profile and gpus else None)
     if cfg.steps < 2 or cfg.mode_steps < 2 or cfg.tokens < 1 or cfg.seq_len < 1 or cfg.warmup_steps < 0:
         parser.error("--steps and --mode-steps must be >= 2, --tokens and --seq-len positive, --warmup >= 0")

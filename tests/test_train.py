@@ -13,13 +13,7 @@ import torch
 
 pytest.importorskip("transformers", minversion="5.0")
 
-from tabby.functional import custom_op  # noqa: E402
-from tabby.functional.config import MoEConfig, Tuning  # noqa: E402
-from tabby_bench import cli, train  # noqa: E402
-
-# small tiles: the interpreter's time goes with the padded rows and programs
-CPU_CONFIG = custom_op.config_string(MoEConfig(megakernel=False, tuning=Tuning(
-    tile_m=16, dispatch_rows=16, dispatch_cols=64, dispatch_programs=4)))
+from tabby_bench import cli, train
 
 
 def test_corpus_is_deterministic_and_its_entropy_is_reachable():
@@ -61,7 +55,7 @@ def test_flops_per_token_by_hand():
 
 def test_tiny_suite(tmp_path):
     cfg = train.TrainConfig(models=["tiny-qwen3-moe"], modes=["eager"], steps=2, tokens=32, seq_len=16,
-                            warmup_steps=1, log_every=1, out=str(tmp_path), tag="t", tabby_config=CPU_CONFIG)
+                            warmup_steps=1, log_every=1, out=str(tmp_path), tag="t", tabby_config=train.CPU_TABBY_CONFIG)
     result = train.run(cfg)
     runs = result["runs"]
     assert [(r["backend"], r["seed"], r["deterministic"]) for r in runs] == [
@@ -78,7 +72,8 @@ def test_tiny_suite(tmp_path):
     with open(result["files"][0]) as fh:
         saved = json.load(fh)
     assert saved["format"] == "tabby-train/1" and saved["git_commit"] and saved["flops_per_token"]["tiny-qwen3-moe"]
-    table = open(result["files"][1]).read()
+    with open(result["files"][1]) as fh:
+        table = fh.read()
     assert table.count("| tiny-qwen3-moe |") == 5
 
 
