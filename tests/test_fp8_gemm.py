@@ -1,8 +1,7 @@
 """FP8 routed-row GEMMs (tabby/ops/gemm_fp8.py) against the recipe's plain PyTorch GEMM
 (tabby/reference_fp8.py: the same quantized operands, fp32 promotion per K block of 128) and
 against fp32 on the unquantized operands. Interpreter on the CPU, compiled on a GPU.
-
-``python tests/test_fp8_gemm.py`` (with CUDA) measures the FP8 GEMMs against gemm.py's bf16 ones."""
+(The GPU measurements: scripts/fp8_bench.py.)"""
 import os
 
 import torch
@@ -229,68 +228,3 @@ def test_down_dgrad_swiglu_fp8():
         assert rel(hw[sl], h * row_w[sl, None]) < TIGHT_BF16
         assert rel(dw[sl], (dh_raw * h).sum(1)) < (1e-3 if CUDA else 1e-5)
         assert rel(dh_raw, dys[sl].float() @ wd[e].float()) < 6e-2
-
-
-# --------------------------------------------------------------------------------------------
-# Benchmark (GPU): python tests/test_fp8_gemm.py
-# --------------------------------------------------------------------------------------------
-
-def _bench(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
-
-
-def bench(T=16384, k=8, E=128, H=2048, I=768, configs=None):
-    """TFLOP/s of the gate/up and down GEMMs, FP8 (+ each stage's quantization of its A) and bf16,
-    at T*k routed rows spread evenly over E experts."""
-    rows = T * k
-    per = rows // E
-    sch = Sched([per] * E, 128, TK=rows, extra=0)
-    x = torch.randn(sch.R, H, device=DEV, dtype=torch.bfloat16)
-    wg = torch.randn(E, I, H, device=DEV, dtype=torch.bfloat16) * H ** -0.5
-    wu = torch.randn(E, I, H, device=DEV, dtype=torch.bfloat16) * H ** -0.5
-    wd = torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * I ** -0.5
-    h = torch.randn(sch.R, I, device=DEV, dtype=torch.bfloat16)
-    xq, xs = quantize_rows(x)
-    (gq, gs), (uq, us), (dq, ds) = quantize_blocks(wg), quantize_blocks(wu), quantize_blocks(wd)
-    hq, hs = quantize_rows(h)
-    te, nt = sch.tile_expert, sch.num_tiles
-    fl_gu, fl_dn = 2 * rows * H * 2 * I, 2 * rows * I * H
-    out = {}
-    t = _bench(lambda: gemm.gate_up_swiglu(x, wg, wu, te, nt, save_gu=True))
-    out["bf16 gate_up"] = fl_gu / t / 1e9
-    t = _bench(lambda: gemm.down_local(h, wd, te, nt))
-    out["bf16 down"] = fl_dn / t / 1e9
-    for name, cfg_gu, cfg_dn in configs or [("default", None, None)]:
-        t = _bench(lambda: gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, te, nt, config=cfg_gu))
-        out[f"fp8 gate_up {name}"] = fl_gu / t / 1e9
-        tq = _bench(lambda: quantize_rows(x))
-        out[f"fp8 gate_up {name} + quantize x"] = fl_gu / (t + tq) / 1e9
-        t = _bench(lambda: gemm_fp8.rows_gemm_fp8(hq, hs, dq, ds, te, nt, config=cfg_dn))
-        out[f"fp8 down {name}"] = fl_dn / t / 1e9
-    return out
-
-
-if __name__ == "__main__":
-    import sys
-
-    C = GemmConfig
-    variants = [("default", None, None),
-                ("s3/bn128", C(BN=128, BK=128, num_stages=3), C(BN=128, BK=128, num_stages=4)),
-                ("s5/w4", C(BN=128, BK=128, num_stages=5, num_warps=8), C(BN=256, BK=128, num_stages=4)),
-                ("g16", C(BN=128, BK=128, num_stages=4, GROUP_M=16), C(BN=128, BK=128, num_stages=5, GROUP_M=16))]
-    for H, I in ((2048, 768), (7168, 2048)):
-        res = bench(H=H, I=I, configs=variants)
-        print(f"T*k=131072 rows, E=128, H={H}, I={I}: " + "; ".join(f"{k} {v:.0f}" for k, v in res.items()),
-              flush=True)
-    sys.exit(0)

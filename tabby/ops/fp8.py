@@ -169,17 +169,16 @@ def mxfp8_to_blocks_kernel(q_ptr, stride_qe, stride_qn, e8_ptr, stride_e8e, stri
     nb = tl.program_id(1)
     kb = tl.program_id(2)
     rows = nb * 128 + tl.arange(0, 128)
-    grp = kb * 4 + tl.arange(0, 4)
-    gm = (rows < N)[:, None] & (grp < K // 32)[None, :]
-    ge = tl.load(e8_ptr + e * stride_e8e + rows[:, None] * stride_e8n + grp[None, :], mask=gm, other=0).to(tl.int32)
+    cols = kb * 128 + tl.arange(0, 128)
+    m = (rows < N)[:, None] & (cols < K)[None, :]
+    # each element's group scale (a gather of the block's 128 x 4 scales)
+    ge = tl.load(e8_ptr + e * stride_e8e + rows[:, None] * stride_e8n + (cols // 32)[None, :], mask=m,
+                 other=0).to(tl.int32)
     e_max = tl.max(tl.max(ge, axis=1), axis=0)
     nan_scales = tl.sum(tl.sum((ge == 255).to(tl.int32), axis=1), axis=0)
     # d >= 18 leaves no nonzero E4M3 value exact; clamped, 2^-d stays an fp32 normal
-    d = tl.minimum(e_max - ge, 30)  # [128, 4]
+    d = tl.minimum(e_max - ge, 30)
     f = ((127 - d) << 23).to(tl.float32, bitcast=True)
-    f = tl.reshape(tl.broadcast_to(f[:, :, None], (128, 4, 32)), (128, 128))
-    cols = kb * 128 + tl.arange(0, 128)
-    m = (rows < N)[:, None] & (cols < K)[None, :]
     v8 = tl.load(q_ptr + e * stride_qe + rows[:, None] * stride_qn + cols[None, :], mask=m, other=0.0)
     nan_vals = (v8.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F  # E4M3's NaN, from the bits
     v = v8.to(tl.float32) * f  # exact: a power of two >= 2^-30 times |v| <= 448

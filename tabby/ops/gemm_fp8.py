@@ -47,7 +47,7 @@ def default_config_fp8(kind: str, N: int | None = None, BM: int = 128) -> GemmCo
     per tile row). ``BM`` is the schedule's tile height."""
     if kind == KIND_GATE_UP:
         # A 128x128 + 2 x (128x128) B, one byte each: 48 KB per stage
-        return GemmConfig(BM=BM, BN=128, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
+        return GemmConfig(BM=BM, BN=128, BK=BLOCK, num_warps=8, num_stages=3, GROUP_M=8)
     if kind == KIND_ROWS:
         BN = 256 if N is None or N >= 256 else max(16, triton.next_power_of_2(N))
         return GemmConfig(BM=BM, BN=BN, BK=BLOCK, num_warps=8, num_stages=4 if BN <= 128 else 3, GROUP_M=8)

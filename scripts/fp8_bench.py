@@ -1,0 +1,153 @@
+"""FP8 measurements on one GPU (docs/fp8.md, "Measurements").
+
+1. The expert GEMMs at T*k routed rows over E experts (rows spread evenly, 128-row tiles):
+   TFLOP/s of Tabby's bf16 GEMMs (gemm.py) and of the FP8 ones (gemm_fp8.py), with and without
+   the quantization of their A operand, for a few tile variants.
+2. The layer on the path of separate launches, EP1: time per forward and per forward + backward
+   with precision "bf16", "fp8-forward" and "fp8".
+
+    python scripts/fp8_bench.py [--gemm-only | --layer-only]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import tabby
+from tabby.ops import gemm, gemm_fp8
+from tabby.ops.fp8 import quantize_blocks, quantize_cols, quantize_rows
+from tabby.ops.gemm import GemmConfig
+
+
+def bench(fn, iters=20, warmup=3):
+    """Median ms of fn over iters (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return sorted(ts)[len(ts) // 2]
+
+
+def even_schedule(rows, E, BM=128, device="cuda"):
+    per = rows // E
+    padded = -(-per // BM) * BM
+    R = padded * E
+    te = torch.arange(E, dtype=torch.int32, device=device).repeat_interleave(padded // BM)
+    nt = torch.tensor([R // BM], dtype=torch.int32, device=device)
+    start = torch.arange(E + 1, dtype=torch.int32, device=device) * padded
+    count = torch.full((E,), per, dtype=torch.int32, device=device)
+    return R, te, nt, start, count
+
+
+def gemms(T, k, E, H, I, variants):
+    rows = T * k
+    R, te, nt, start, count = even_schedule(rows, E)
+    dev = "cuda"
+    x = torch.randn(R, H, device=dev, dtype=torch.bfloat16)
+    h = torch.randn(R, I, device=dev, dtype=torch.bfloat16)
+    wg = torch.randn(E, I, H, device=dev, dtype=torch.bfloat16) * H ** -0.5
+    wu = torch.randn(E, I, H, device=dev, dtype=torch.bfloat16) * H ** -0.5
+    wd = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) * I ** -0.5
+    xq, xs = quantize_rows(x)
+    hq, hs = quantize_rows(h)
+    (gq, gs), (uq, us), (dq, ds) = quantize_blocks(wg), quantize_blocks(wu), quantize_blocks(wd)
+    fl_gu, fl_dn = 2 * rows * H * 2 * I, 2 * rows * I * H
+    out = {}
+    t = bench(lambda: gemm.gate_up_swiglu(x, wg, wu, te, nt, save_gu=True))
+    out["bf16 gate_up"] = fl_gu / t / 1e9
+    t = bench(lambda: gemm.down_local(h, wd, te, nt))
+    out["bf16 down"] = fl_dn / t / 1e9
+    t = bench(lambda: gemm.expert_wgrad(x, h, start, count))
+    out["bf16 wgrad(x^T h)"] = fl_dn / t / 1e9
+    tq = bench(lambda: quantize_rows(x))
+    for name, cfg_gu, cfg_dn in variants:
+        try:
+            t = bench(lambda: gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, te, nt, config=cfg_gu))
+            out[f"fp8 gate_up {name}"] = fl_gu / t / 1e9
+            out[f"fp8 gate_up {name} +quant x"] = fl_gu / (t + tq) / 1e9
+        except Exception as e:  # noqa: BLE001 -- a variant that does not fit is reported, not fatal
+            out[f"fp8 gate_up {name} FAILED {type(e).__name__}"] = float("nan")
+        try:
+            t = bench(lambda: gemm_fp8.rows_gemm_fp8(hq, hs, dq, ds, te, nt, config=cfg_dn))
+            out[f"fp8 down {name}"] = fl_dn / t / 1e9
+        except Exception as e:  # noqa: BLE001
+            out[f"fp8 down {name} FAILED {type(e).__name__}"] = float("nan")
+    xc, xcs = quantize_cols(x)
+    hc, hcs = quantize_cols(h)
+    try:
+        t = bench(lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count))
+        out["fp8 wgrad(x^T h)"] = fl_dn / t / 1e9
+    except Exception as e:  # noqa: BLE001
+        out[f"fp8 wgrad FAILED {type(e).__name__}: {e}"[:120]] = float("nan")
+    return out
+
+
+def layer(T, k, E, H, I, iters=10):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    wts, idx = torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1).topk(k, -1)
+    ws = [(torch.randn(*s, device="cuda", generator=g) * s[-1] ** -0.5).to(torch.bfloat16).requires_grad_()
+          for s in ((E, I, H), (E, I, H), (E, H, I))]
+    dy = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    flops = 6 * T * k * H * I
+    out = {}
+    for precision in ("bf16", "fp8-forward", "fp8"):
+        cfg = tabby.MoEConfig(megakernel=False, precision=precision)
+
+        def fwd():
+            with torch.no_grad():
+                tabby.moe(x, idx, wts, *ws, config=cfg)
+
+        def fwdbwd():
+            y = tabby.moe(x, idx, wts, *ws, config=cfg)
+            torch.autograd.grad(y, [x, *ws], dy)
+
+        tf = bench(fwd, iters=iters)
+        tb = bench(fwdbwd, iters=iters)
+        out[precision] = (tf, tb, flops / tf / 1e9, 3 * flops / tb / 1e9)
+    tabby.check_errors()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gemm-only", action="store_true")
+    ap.add_argument("--layer-only", action="store_true")
+    a = ap.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    C = GemmConfig
+    # gate/up: 48 KB per stage (at most 4 fit); down at BN 256: 48 KB, at BN 128: 32 KB
+    variants = [("default", None, None),
+                ("gu:s4 dn:bn128s4", C(BN=128, BK=128, num_stages=4), C(BN=128, BK=128, num_stages=4)),
+                ("gu:s2 dn:bn256s4", C(BN=128, BK=128, num_stages=2), C(BN=256, BK=128, num_stages=4)),
+                ("gu:s3g16 dn:bn128s5g16", C(BN=128, BK=128, num_stages=3, GROUP_M=16),
+                 C(BN=128, BK=128, num_stages=5, GROUP_M=16))]
+    shapes = ((16384, 8, 128, 2048, 768), (16384, 8, 128, 7168, 2048))
+    if not a.layer_only:
+        for T, k, E, H, I in shapes:
+            res = gemms(T, k, E, H, I, variants)
+            print(f"GEMM TFLOP/s, T*k={T * k} rows, E={E}, H={H}, I={I}: "
+                  + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
+    if not a.gemm_only:
+        for T, k, E, H, I in shapes[:1] + ((4096, 8, 128, 7168, 2048),):
+            try:
+                res = layer(T, k, E, H, I)
+            except Exception as e:  # noqa: BLE001
+                print(f"layer T={T} H={H} I={I} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            print(f"layer EP1 sync-free, T={T} k={k} E={E} H={H} I={I}: " + "; ".join(
+                f"{p} fwd {v[0]:.2f} ms ({v[2]:.0f} TFLOP/s) fwd+bwd {v[1]:.2f} ms ({v[3]:.0f})"
+                for p, v in res.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
