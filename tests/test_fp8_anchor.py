@@ -11,8 +11,9 @@ from tabby_bench.anchors.torch_fp8 import moe_torch_fp8, unavailable_reason
 from tabby_bench.impls import IMPLS
 from tabby_bench.shapes import Shape, make_inputs
 
-# E4M3 against fp32: a few per cent (tabby's FP8 layer: ~3-6e-2 on random inputs)
-FP8_TOL = 8e-2
+# E4M3 against fp32: a few per cent (tabby's FP8 layer: ~5-7e-2 on random inputs; rowwise
+# scales over a whole row of K are coarser than 1x128 tiles)
+FP8_TOL = 1e-1
 QWEN_LIKE = Shape("qwen3-30b-a3b-small", 128, 2048, 768, 8)
 FEW_EXPERTS = Shape("few-experts", 16, 1024, 512, 4, I_shared=256)
 
@@ -33,7 +34,7 @@ def test_torch_fp8_refuses_clearly_where_it_cannot_run():
 def test_fp8_rows_one_gpu(impl, shape):
     inp = make_inputs(shape, 2048, 1, 0, torch.device("cuda", 0))
     errs = IMPLS[impl].prepare(inp, None).check(with_grads=True)
-    print(impl, shape.name, {k: round(v, 4) for k, v in errs.items()})
+    print(f"FP8 row {impl} {shape.name} T=2048 errors against fp32: {({k: round(v, 4) for k, v in errs.items()})}")
     assert errs and all(v < FP8_TOL for v in errs.values()), errs
     # and it is FP8: further from fp32 than bf16 is
     assert errs["y"] > 1e-2, errs

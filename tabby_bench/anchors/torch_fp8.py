@@ -103,6 +103,8 @@ def _padded_layout(offs: torch.Tensor, M: int, E: int):
     dest = (pends - padded)[e] + r - (ends - counts)[e]
     # the worst case, no host sync; a multiple of 16 (the row stride of the weight gradient's operands)
     M_pad = (M + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN + GROUP_ALIGN * E
+    # the last group runs to the end of the buffer (zero rows): the groups cover it exactly
+    pends = torch.cat([pends[:-1], pends.new_full((1,), M_pad)])
     gid = torch.searchsorted(pends, torch.arange(M_pad, device=offs.device), right=True).clamp(max=E - 1)
     return dest, pends.to(torch.int32), gid, M_pad
 
