@@ -5,6 +5,9 @@
 #   bench   the EP1 matrix: floor, tabby and tabby-sync-free on the six shapes at 4096 and 16384 tokens
 #           (extra args go to `tabby bench` after these and override them, e.g. --ep 2 --impls ...)
 #   train   the end-to-end training benchmark (tabby train; extra args go to it)
+#   reliability  compute-sanitizer (memcheck, racecheck, synccheck), the soak and the fuzzer at EP1
+#           (SOAK_S, FUZZ_S: their time budgets in seconds, default 120 each)
+#   fp8     the FP8 tests and scripts/fp8_bench.py (GEMM TFLOP/s and the layer, FP8 against bf16)
 #   all     tests, then bench
 # Logs and results go under $OUT (default /tmp/tabby-out); TABBY_GIT_COMMIT names the commit where the
 # tree has no .git.
@@ -14,7 +17,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-/tmp/tabby-out}
 mkdir -p "$OUT/res"
 stage=${1:-all}; shift || true
-case "$stage" in tests|bench|train|all) ;; *) echo "unknown stage '$stage': tests, bench, train or all" >&2; exit 2;; esac
+case "$stage" in tests|bench|train|reliability|fp8|all) ;;
+  *) echo "unknown stage '$stage': tests, bench, train, reliability, fp8 or all" >&2; exit 2;; esac
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/machine.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/machine.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" >> "$OUT/machine.txt"
@@ -35,6 +39,19 @@ fi
 if [ "$stage" = train ]; then
   mkdir -p "$OUT/train"
   python3 -m tabby_bench train --out "$OUT/train" "$@" 2>&1 | tee "$OUT/train.log" | grep -v " step " | tail -60
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$stage" = reliability ]; then
+  SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-150} PYTHON=python3 bash scripts/sanitize.sh "$OUT/sanitize" || status=1
+  python3 scripts/soak.py --calls 100000 --time-budget "${SOAK_S:-120}" --out "$OUT/soak" 2>&1 | tail -5
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  python3 scripts/fuzz.py --cases 100000 --time-budget "${FUZZ_S:-120}" --device cuda --out "$OUT/fuzz" 2>&1 | tail -5
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$stage" = fp8 ]; then
+  python3 -m pytest -q -rA -p no:cacheprovider tests/test_fp8*.py 2>&1 | tee "$OUT/fp8-tests.log" | tail -15
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  python3 scripts/fp8_bench.py "$@" 2>&1 | tee "$OUT/fp8-bench.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 exit $status
