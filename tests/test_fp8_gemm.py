@@ -164,10 +164,11 @@ def test_quantize_cols_masks_padding_rows():
     sch = Sched([37, 0, 150, 5], BM, seed=12)
     x = rand(sch.R, 96, seed=13)
     x[sch.row_src_cpu < 0] = float("nan")  # padding rows hold anything
-    q, s = quantize_cols(x.to(DEV), row_src=sch.row_src, num_tiles=sch.num_tiles, tile_rows=BM)
+    qt, s = quantize_cols(x.to(DEV), row_src=sch.row_src, num_tiles=sch.num_tiles, tile_rows=BM)
     clean = torch.where((sch.row_src_cpu >= 0)[:, None], x, torch.zeros_like(x))
     rq, rs = ref.quantize_cols_ref(clean)
-    assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
+    assert qt.shape == (96, sch.R)  # stored transposed
+    assert torch.equal(qt.cpu().t().contiguous().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
 
 
 @pytest.mark.parametrize("M,N", [(256, 128), (192, 96)])
@@ -183,8 +184,9 @@ def test_expert_wgrad_fp8(M, N):
     start = torch.tensor([st for _, st, _ in sch.segments], dtype=torch.int32, device=DEV)
     count = torch.tensor([c for _, _, c in sch.segments], dtype=torch.int32, device=DEV)
     out = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, config=cfg).cpu()
+    aqc, bqc = aq.cpu().t().contiguous(), bq.cpu().t().contiguous()  # [R, C], as the reference takes them
     for e, st, c in sch.segments:
-        want = ref.fp8_wgrad_ref(aq.cpu(), as_.cpu(), bq.cpu(), bs.cpu(), st, c)
+        want = ref.fp8_wgrad_ref(aqc, as_.cpu(), bqc, bs.cpu(), st, c)
         if c == 0:
             assert bool((out[e] == 0).all())
             continue

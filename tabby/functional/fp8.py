@@ -158,8 +158,8 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
         dys_q, dys_s, *fp8_weight_t(w_down), gu, row_w, sched.tile_expert, sched.num_tiles,
         config=GemmConfig(BM=BM, BN=128, BK=FP8_BLOCK, num_warps=8, num_stages=4, GROUP_M=8))
     mark(probe, "bwd:down_dgrad+swiglu")
-    dgu_q, dgu_s = fp8.quantize_rows(dgu, num_tiles=sched.num_tiles, tile_rows=BM)
-    gemm_fp8.rows_gemm_fp8(dgu_q, dgu_s, *fp8_gate_up_t(w_gate, w_up), sched.tile_expert, sched.num_tiles,
+    dgu_q, dgu_qs = fp8.quantize_rows(dgu, num_tiles=sched.num_tiles, tile_rows=BM)
+    gemm_fp8.rows_gemm_fp8(dgu_q, dgu_qs, *fp8_gate_up_t(w_gate, w_up), sched.tile_expert, sched.num_tiles,
                            row_src=sched.row_src, dst_ptrs=ws.ptrs["dx_in"], TK=TK,
                            config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=BM))
     mark(probe, "bwd:gate_up_dgrad+push")
@@ -171,11 +171,12 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     def cols(t):
         return fp8.quantize_cols(t, row_src=sched.row_src, num_tiles=sched.num_tiles, tile_rows=BM)
 
-    (dy_c, dy_cs), (hw_c, hw_cs), (dgu_c, dgu_cs), (xs_c, xs_cs) = cols(dys), cols(hw), cols(dgu), cols(xs)
+    # transposed E4M3 [C, R] and scales [R/128, C]
+    (dy_t, dy_s), (hw_t, hw_s), (dgu_t, dgu_s), (xs_t, xs_s) = cols(dys), cols(hw), cols(dgu), cols(xs)
     seg = (sched.expert_start, sched.expert_count)
-    dw_down = gemm_fp8.expert_wgrad_fp8(dy_c, dy_cs, hw_c, hw_cs, *seg, out_dtype=w_down.dtype)
-    dw_gate = gemm_fp8.expert_wgrad_fp8(dgu_c[:, :I], dgu_cs[:, :I], xs_c, xs_cs, *seg, out_dtype=w_gate.dtype)
-    dw_up = gemm_fp8.expert_wgrad_fp8(dgu_c[:, I:], dgu_cs[:, I:], xs_c, xs_cs, *seg, out_dtype=w_up.dtype)
+    dw_down = gemm_fp8.expert_wgrad_fp8(dy_t, dy_s, hw_t, hw_s, *seg, out_dtype=w_down.dtype)
+    dw_gate = gemm_fp8.expert_wgrad_fp8(dgu_t[:I], dgu_s[:, :I], xs_t, xs_s, *seg, out_dtype=w_gate.dtype)
+    dw_up = gemm_fp8.expert_wgrad_fp8(dgu_t[I:], dgu_s[:, I:], xs_t, xs_s, *seg, out_dtype=w_up.dtype)
     mark(probe, "bwd:wgrad")
     _signal_wait(ws, BWD_DONE, BWD, False, sync.ERR_WAIT_PEER_DONE, plan)
     mark(probe, "bwd:signal+wait")

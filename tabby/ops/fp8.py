@@ -2,8 +2,9 @@
 with it bit for bit, values and scales).
 
 - ``quantize_rows``: activations [M, K] -> E4M3 [M, K] + fp32 scales [M, ceil(K/128)], per 1x128.
-- ``quantize_cols``: [R, C] -> E4M3 + fp32 scales [ceil(R/128), C], per 128x1 (the operands of
-  a weight gradient, which contracts over tokens), padding rows of a routed-row buffer as zeros.
+- ``quantize_cols``: [R, C] -> E4M3 transposed [C, R] + fp32 scales [ceil(R/128), C], per 128x1
+  (the operands of a weight gradient, which contracts over tokens), padding rows of a routed-row
+  buffer as zeros.
 - ``quantize_blocks``: weights [E, N, K] -> E4M3 [E, N, K] + fp32 scales
   [E, ceil(N/128), ceil(K/128)], per 128x128 block.
 - ``mxfp8_to_blocks``: MXFP8 weights (E4M3 + one E8M0 scale per 1x32 along K) -> the 128x128
@@ -17,7 +18,8 @@ nearest even, no saturation needed. The jit helpers (``scale_exponent``, ``exp2_
 Under the interpreter, Triton 3.6's fp32 -> fp8 conversion does not round to nearest even (it
 rounds half away from zero within a binade and truncates below E4M3's normals) but converts a
 value already on the E4M3 grid exactly: ``to_e4m3`` rounds in fp32 arithmetic there first.
-Compiled for sm_90 the hardware conversion (round to nearest even) is used.
+Compiled for sm_90 the hardware conversion (round to nearest even) is used. The MXFP8 import
+works on the E4M3 bits with integer arithmetic only (no fp8 conversion at all).
 """
 from __future__ import annotations
 
@@ -161,10 +163,13 @@ def quantize_blocks(w: torch.Tensor, *, out: torch.Tensor | None = None, scale_o
 
 @triton.jit
 def mxfp8_to_blocks_kernel(q_ptr, stride_qe, stride_qn, e8_ptr, stride_e8e, stride_e8n,
-                           o_ptr, stride_oe, stride_on, s_ptr, stride_se, stride_sn, bad_ptr, N, K,
-                           INTERPRET: tl.constexpr):
+                           o_ptr, stride_oe, stride_on, s_ptr, stride_se, stride_sn, bad_ptr, N, K):
     """One 128x128 block: S = the largest of its E8M0 group scales; each group's values times
-    2^-(e_max - e), checked to be exact (bad[e, nb, kb] = the count of values that are not)."""
+    2^-(e_max - e), checked to be exact (bad[e, nb, kb] = the count of values that are not, NaN
+    values and NaN scales included). Integer arithmetic on the E4M3 bits (q and o as uint8): a
+    magnitude is an integer n in units of 2^-9 (subnormal: the mantissa; normal: (8 + mantissa)
+    << (exponent - 1)); dividing by 2^d is exact iff n's low d bits are zero, and the quotient
+    (at most 4 significant bits) is re-encoded."""
     e = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     kb = tl.program_id(2)
@@ -176,16 +181,23 @@ def mxfp8_to_blocks_kernel(q_ptr, stride_qe, stride_qn, e8_ptr, stride_e8e, stri
                  other=0).to(tl.int32)
     e_max = tl.max(tl.max(ge, axis=1), axis=0)
     nan_scales = tl.sum(tl.sum((ge == 255).to(tl.int32), axis=1), axis=0)
-    # d >= 18 leaves no nonzero E4M3 value exact; clamped, 2^-d stays an fp32 normal
-    d = tl.minimum(e_max - ge, 30)
-    f = ((127 - d) << 23).to(tl.float32, bitcast=True)
-    v8 = tl.load(q_ptr + e * stride_qe + rows[:, None] * stride_qn + cols[None, :], mask=m, other=0.0)
-    nan_vals = (v8.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F  # E4M3's NaN, from the bits
-    v = v8.to(tl.float32) * f  # exact: a power of two >= 2^-30 times |v| <= 448
-    o = to_e4m3(v, INTERPRET)
-    inexact = ((o.to(tl.float32) != v) | nan_vals) & m
+    d = tl.minimum(e_max - ge, 30)  # n < 2^18: d >= 18 leaves only zero exact
+    b = tl.load(q_ptr + e * stride_qe + rows[:, None] * stride_qn + cols[None, :], mask=m, other=0).to(tl.int32)
+    sign = b & 0x80
+    ex = (b >> 3) & 0xF
+    mant = b & 7
+    nan_vals = (b & 0x7F) == 0x7F
+    n = tl.where(ex == 0, mant, (8 + mant) << tl.maximum(ex - 1, 0))
+    lost = (n & ((1 << d) - 1)) != 0
+    n2 = n >> d
+    # floor(log2(n2)) from the exponent bits of n2 as fp32 (exact: n2 < 2^24)
+    lead = ((n2.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ex2 = tl.where(n2 >= 8, lead - 2, 0)
+    m2 = tl.where(n2 >= 8, (n2 >> tl.maximum(ex2 - 1, 0)) - 8, n2)
+    o = sign | (ex2 << 3) | m2
+    inexact = (lost | nan_vals) & m
     nbad = tl.sum(tl.sum(inexact.to(tl.int32), axis=1), axis=0) + nan_scales
-    tl.store(o_ptr + e * stride_oe + rows[:, None] * stride_on + cols[None, :], o, mask=m)
+    tl.store(o_ptr + e * stride_oe + rows[:, None] * stride_on + cols[None, :], o.to(tl.uint8), mask=m)
     # 2^(e_max - 127); e_max = 0 is 2^-127, an fp32 subnormal (bits 0x400000)
     s = tl.where(e_max > 0, e_max << 23, 0x400000).to(tl.float32, bitcast=True)
     tl.store(s_ptr + e * stride_se + nb * stride_sn + kb, s)
@@ -218,9 +230,10 @@ def mxfp8_to_blocks(q: torch.Tensor, e8m0: torch.Tensor):
     scale = torch.empty(E, nb, kb, dtype=torch.float32, device=q.device)
     bad = torch.zeros(E, nb, kb, dtype=torch.int32, device=q.device)
     if E and nb and kb:
-        mxfp8_to_blocks_kernel[(E, nb, kb)](q3, q3.stride(0), q3.stride(1), e3, e3.stride(0), e3.stride(1),
-                                            out, out.stride(0), out.stride(1), scale, scale.stride(0),
-                                            scale.stride(1), bad, N, K, INTERPRET=INTERPRET, num_warps=8)
+        qb, ob = q3.view(torch.uint8), out.view(torch.uint8)
+        mxfp8_to_blocks_kernel[(E, nb, kb)](qb, qb.stride(0), qb.stride(1), e3, e3.stride(0), e3.stride(1),
+                                            ob, ob.stride(0), ob.stride(1), scale, scale.stride(0),
+                                            scale.stride(1), bad, N, K, num_warps=8)
     if bool(bad.any()):
         first = bad.nonzero()[0].tolist()
         raise ValueError(f"MXFP8 import: {int(bad.sum())} values cannot be expressed exactly against their "
@@ -232,10 +245,11 @@ def mxfp8_to_blocks(q: torch.Tensor, e8m0: torch.Tensor):
 
 
 @triton.jit
-def quantize_cols_kernel(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_sm, R, C, row_src_ptr, num_tiles_ptr,
+def quantize_cols_kernel(x_ptr, stride_xm, qt_ptr, stride_qt, s_ptr, stride_sm, R, C, row_src_ptr, num_tiles_ptr,
                          TILE_ROWS: tl.constexpr, MASKED: tl.constexpr, BC: tl.constexpr,
                          INTERPRET: tl.constexpr):
-    """Rows 128*pid(0).. (one 128x1 tile per column), columns BC*pid(1)... MASKED: rows whose
+    """Rows 128*pid(0).. (one 128x1 tile per column), columns BC*pid(1)..., stored transposed
+    (qt [C, R]: a weight gradient reads the rows as its contiguous K). MASKED: rows whose
     row_src is negative (padding) or that lie past the used row tiles count as zeros, and are
     stored as zeros."""
     rows = tl.program_id(0) * 128 + tl.arange(0, 128)
@@ -245,31 +259,32 @@ def quantize_cols_kernel(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_sm, R
         used = rows < tl.load(num_tiles_ptr) * TILE_ROWS
         rmask = rmask & used & (tl.load(row_src_ptr + rows, mask=rmask & used, other=-1) >= 0)
     m = rmask[:, None] & (cols < C)[None, :]
-    rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
     j = scale_exponent(tl.max(tl.abs(x), axis=0))
     q = to_e4m3(x * exp2_int(-j)[None, :], INTERPRET)
-    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=(rows < R)[:, None] & (cols < C)[None, :])
+    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], q,
+             mask=(rows < R)[:, None] & (cols < C)[None, :])
     tl.store(s_ptr + tl.program_id(0) * stride_sm + cols, exp2_int(j), mask=cols < C)
 
 
 def quantize_cols(x: torch.Tensor, *, row_src: torch.Tensor | None = None, num_tiles: torch.Tensor | None = None,
                   tile_rows: int = 128):
-    """x [R, C] -> (q [R, C] E4M3, scales [ceil(R/128), C] fp32), per 128x1 tile (128 consecutive
-    rows of one column: the recipe's quantization of an operand that a weight gradient contracts
-    over tokens). With ``row_src`` and ``num_tiles`` (a routed-row buffer), padding rows and rows
-    past the used tiles count as zeros and are stored as zeros."""
+    """x [R, C] -> (qt [C, R] E4M3: the quantized x transposed, scales [ceil(R/128), C] fp32), per
+    128x1 tile (128 consecutive rows of one column: the recipe's quantization of an operand that a
+    weight gradient contracts over tokens; transposed so that the GEMM reads its K contiguous).
+    With ``row_src`` and ``num_tiles`` (a routed-row buffer), padding rows and rows past the used
+    tiles count as zeros and are stored as zeros."""
     R, C = x.shape
     assert x.stride(-1) == 1
     nr = triton.cdiv(R, BLOCK)
-    q = torch.empty(R, C, dtype=E4M3, device=x.device)
+    qt = torch.empty(C, R, dtype=E4M3, device=x.device)
     s = torch.empty(nr, C, dtype=torch.float32, device=x.device)
     if R == 0 or C == 0:
-        return q, s
+        return qt, s
     masked = row_src is not None
     assert masked == (num_tiles is not None)
     BC = 64
     quantize_cols_kernel[(nr, triton.cdiv(C, BC))](
-        x, x.stride(0), q, q.stride(0), s, s.stride(0), R, C, row_src if masked else s, num_tiles if masked else s,
+        x, x.stride(0), qt, qt.stride(0), s, s.stride(0), R, C, row_src if masked else s, num_tiles if masked else s,
         TILE_ROWS=tile_rows, MASKED=masked, BC=BC, INTERPRET=INTERPRET, num_warps=4)
-    return q, s
+    return qt, s

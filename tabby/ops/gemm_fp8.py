@@ -49,8 +49,10 @@ def default_config_fp8(kind: str, N: int | None = None, BM: int = 128) -> GemmCo
         # A 128x128 + 2 x (128x128) B, one byte each: 48 KB per stage
         return GemmConfig(BM=BM, BN=128, BK=BLOCK, num_warps=8, num_stages=3, GROUP_M=8)
     if kind == KIND_ROWS:
-        BN = 256 if N is None or N >= 256 else max(16, triton.next_power_of_2(N))
-        return GemmConfig(BM=BM, BN=BN, BK=BLOCK, num_warps=8, num_stages=4 if BN <= 128 else 3, GROUP_M=8)
+        # 128 x 128 tiles, 4 stages (32 KB each): on an H200 1.7x the TFLOP/s of 128 x 256 at 3
+        # stages (docs/fp8.md, "Measurements")
+        BN = 128 if N is None or N >= 128 else max(16, triton.next_power_of_2(N))
+        return GemmConfig(BM=BM, BN=BN, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
     raise ValueError(f"unknown FP8 GEMM kind {kind!r}")
 
 
@@ -361,27 +363,28 @@ def transpose_blocks(q: torch.Tensor, s: torch.Tensor):
 
 
 @triton.jit
-def _wgrad_fp8_step(acc, kb, start, end, a_ptr, stride_ar, as_ptr, stride_asr, b_ptr, stride_br, bs_ptr, stride_bsr,
-                    offs_m, offs_n):
+def _wgrad_fp8_step(acc, kb, start, end, at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt, bs_ptr,
+                    stride_bsr, offs_m, offs_n):
     rows = kb * 128 + tl.arange(0, 128)
-    rmask = ((rows >= start) & (rows < end))[:, None]
-    rows64 = rows.to(tl.int64)
-    a = tl.load(a_ptr + rows64[:, None] * stride_ar + offs_m[None, :], mask=rmask, other=0.0)  # [128, BM]
-    b = tl.load(b_ptr + rows64[:, None] * stride_br + offs_n[None, :], mask=rmask, other=0.0)  # [128, BN]
-    part = tl.dot(tl.trans(a), b)
+    kmask = ((rows >= start) & (rows < end))[None, :]
+    a = tl.load(at_ptr + offs_m.to(tl.int64)[:, None] * stride_at + rows[None, :], mask=kmask, other=0.0)  # [BM, 128]
+    b = tl.load(bt_ptr + offs_n.to(tl.int64)[:, None] * stride_bt + rows[None, :], mask=kmask, other=0.0)  # [BN, 128]
+    part = tl.dot(a, tl.trans(b))
     sa = tl.load(as_ptr + kb * stride_asr + offs_m)
     sb = tl.load(bs_ptr + kb * stride_bsr + offs_n)
     return acc + part * (sa[:, None] * sb[None, :])
 
 
 @triton.jit
-def expert_wgrad_fp8_kernel(a_ptr, stride_ar, as_ptr, stride_asr, b_ptr, stride_br, bs_ptr, stride_bsr,
+def expert_wgrad_fp8_kernel(at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt, bs_ptr, stride_bsr,
                             c_ptr, stride_ce, stride_cm, expert_start_ptr, expert_count_ptr,
                             M: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                             GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
-    """C[e] tile = A_seg^T @ B_seg over expert e's rows, one program, 128-row blocks in order, each
-    block's product scaled by the operands' 128x1 scales (fp32 promotion per 128 rows); the
-    blocks overlapping the segment are masked to its rows. An expert with no rows writes zeros."""
+    """C[e] tile = A_seg^T @ B_seg over expert e's rows, from the transposed operands (At [M, R],
+    Bt [N, R]: both read with the rows, the GEMM's K, contiguous), one program, 128-row blocks in
+    order, each block's product scaled by the operands' 128x1 scales (fp32 promotion per 128
+    rows); the blocks overlapping the segment are masked to its rows. An expert with no rows
+    writes zeros."""
     num_m: tl.constexpr = (M + BM - 1) // BM
     num_n: tl.constexpr = (N + BN - 1) // BN
     pid = tl.program_id(0)
@@ -397,12 +400,12 @@ def expert_wgrad_fp8_kernel(a_ptr, stride_ar, as_ptr, stride_asr, b_ptr, stride_
     if INTERPRET:  # the interpreter cannot take range() of a runtime scalar: the same steps
         kb = kb0
         while kb < kb1:
-            acc = _wgrad_fp8_step(acc, kb, start, end, a_ptr, stride_ar, as_ptr, stride_asr, b_ptr, stride_br,
+            acc = _wgrad_fp8_step(acc, kb, start, end, at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt,
                                   bs_ptr, stride_bsr, offs_m, offs_n)
             kb += 1
     else:
         for kb in range(kb0, kb1):
-            acc = _wgrad_fp8_step(acc, kb, start, end, a_ptr, stride_ar, as_ptr, stride_asr, b_ptr, stride_br,
+            acc = _wgrad_fp8_step(acc, kb, start, end, at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt,
                                   bs_ptr, stride_bsr, offs_m, offs_n)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -410,25 +413,26 @@ def expert_wgrad_fp8_kernel(a_ptr, stride_ar, as_ptr, stride_asr, b_ptr, stride_
     tl.store(cptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-def expert_wgrad_fp8(aq, a_scale, bq, b_scale, expert_start, expert_count, *, out_dtype=torch.bfloat16,
+def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, out_dtype=torch.bfloat16,
                      config: GemmConfig | None = None):
     """C [E, M, N], C[e] = A[s:s+c]^T @ B[s:s+c] (s = expert_start[e], c = expert_count[e]) from
-    operands quantized per 128x1 (``ops.fp8.quantize_cols``): aq [R, M] E4M3 with a_scale
-    [ceil(R/128), M], bq [R, N] with b_scale [ceil(R/128), N]; any row strides (column slices of
-    wider buffers), unit column stride. Deterministic: one program per output tile."""
-    R, M = aq.shape
-    N = bq.shape[1]
+    operands quantized per 128x1 and stored transposed (``ops.fp8.quantize_cols``): at [M, R]
+    E4M3 with a_scale [ceil(R/128), M], bt [N, R] with b_scale [ceil(R/128), N]; any row
+    strides (row slices of taller buffers), unit column stride. Deterministic: one program per
+    output tile, the expert's rows in order."""
+    M, R = at.shape
+    N = bt.shape[0]
     E = expert_count.numel()
     nr = triton.cdiv(R, BLOCK)
-    for name, q, s, C in (("aq", aq, a_scale, M), ("bq", bq, b_scale, N)):
-        if q.dtype != E4M3 or q.stride(-1) != 1 or q.shape[0] != R:
-            raise ValueError(f"{name} must be float8_e4m3fn [R={R}, C] with a unit last stride")
+    for name, q, s, C in (("at", at, a_scale, M), ("bt", bt, b_scale, N)):
+        if q.dtype != E4M3 or q.stride(-1) != 1 or q.shape[1] != R:
+            raise ValueError(f"{name} must be float8_e4m3fn [C, R={R}] with a unit last stride")
         if s.dtype != torch.float32 or tuple(s.shape) != (nr, C) or s.stride(-1) != 1:
             raise ValueError(f"{name}'s scales must be fp32 [ceil(R/128), C] = {(nr, C)}, got {tuple(s.shape)}")
-    cfg = config or GemmConfig(BM=128, BN=128, BK=BLOCK, num_warps=8, num_stages=3, GROUP_M=8)
-    out = torch.empty(E, M, N, dtype=out_dtype, device=aq.device)
+    cfg = config or GemmConfig(BM=128, BN=128, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
+    out = torch.empty(E, M, N, dtype=out_dtype, device=at.device)
     grid = (E * triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
-    expert_wgrad_fp8_kernel[grid](aq, aq.stride(0), a_scale, a_scale.stride(0), bq, bq.stride(0), b_scale,
+    expert_wgrad_fp8_kernel[grid](at, at.stride(0), a_scale, a_scale.stride(0), bt, bt.stride(0), b_scale,
                                   b_scale.stride(0), out, out.stride(0), out.stride(1), expert_start, expert_count,
                                   M, N, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M, INTERPRET=INTERPRET,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
