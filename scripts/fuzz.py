@@ -34,6 +34,7 @@ import torch
 
 TOL = 2e-2  # bf16 in and out against an fp64 reference (the tests' and the benchmark's tolerance)
 ROUTES = ("uniform", "zipf", "one_expert", "empty_rank", "duplicates")
+GPU_WIDTHS = ((256, 128), (512, 256), (1024, 512), (2048, 768), (200, 72))  # (H, I) on a GPU
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,13 @@ def draw_case(seed: int, worlds=(1, 2), small: bool = True) -> Case:
     and tiles (CPU), else a GPU's (default tiles, larger shapes)."""
     rng = random.Random(seed)
     W = rng.choice(worlds)
-    t_max, h_max, i_max, e_max = (24, 64, 48, 4) if small else (600, 1024, 512, 16)
+    t_max, e_max = (24, 4) if small else (600, 16)
     T = rng.choice([0, 1] + [rng.randint(2, t_max) for _ in range(6)])
-    # widths: mostly multiples of 8 (tensor descriptors need them), sometimes not
-    H = 8 * rng.randint(2, h_max // 8) if rng.random() < 0.8 else 4 * rng.randint(3, h_max // 4) + 2
-    I = 8 * rng.randint(1, i_max // 8) if rng.random() < 0.8 else 4 * rng.randint(2, i_max // 4) + 2
+    if small:  # widths: mostly multiples of 8 (tensor descriptors need them), sometimes not
+        H = 8 * rng.randint(2, 8) if rng.random() < 0.8 else 4 * rng.randint(3, 16) + 2
+        I = 8 * rng.randint(1, 6) if rng.random() < 0.8 else 4 * rng.randint(2, 12) + 2
+    else:  # a few widths: each one compiles its kernels (they are compile-time constants)
+        H, I = rng.choice(GPU_WIDTHS)
     E_local = rng.randint(1, e_max)
     E = W * E_local
     route = rng.choice(ROUTES)
@@ -136,7 +139,7 @@ def make_inputs(c: Case):
         return (torch.randn(*shape, generator=g) * c.expert_scale / shape[-1] ** 0.5).bfloat16()
 
     experts = (w(E, c.I, c.H), w(E, c.I, c.H), w(E, c.H, c.I))
-    I_s = 8 * (1 + c.seed % 3)
+    I_s = 8 * (1 + c.seed % 3) if c.tile_m is not None else 128  # (GPU: one width, one compile)
     shared = (w(I_s, c.H), w(I_s, c.H), w(c.H, I_s)) if c.shared else None
     dy = torch.randn(c.W * c.T, c.H, generator=g).bfloat16()
     return x, idx, wts, experts, shared, dy
@@ -154,20 +157,22 @@ def config_of(c: Case):
 GRADS = ("dx", "dtopk", "dw_gate", "dw_up", "dw_down", "ds_gate", "ds_up", "ds_down")
 
 
-def reference_results(c: Case, inputs) -> dict:
-    """y and every gradient of the whole (all ranks') problem, by the reference in fp64."""
+def reference_results(c: Case, inputs, device="cpu") -> dict:
+    """y and every gradient of the whole (all ranks') problem, by the reference in fp64 on
+    ``device``; returned on the CPU."""
     import tabby
 
     x, idx, wts, experts, shared, dy = inputs
-    leaves = [t.detach().clone().double().requires_grad_(True) for t in (x, wts, *experts, *(shared or ()))]
-    y = tabby.moe_reference(leaves[0], idx, leaves[1], *leaves[2:5], shared=tuple(leaves[5:]) or None,
+    leaves = [t.detach().to(device, torch.float64, copy=True).requires_grad_(True)
+              for t in (x, wts, *experts, *(shared or ()))]
+    y = tabby.moe_reference(leaves[0], idx.to(device), leaves[1], *leaves[2:5], shared=tuple(leaves[5:]) or None,
                             compute_dtype=torch.float64)
-    y.backward(dy.double())
+    y.backward(dy.to(device, torch.float64))
     out = dict(y=y.detach(), dx=leaves[0].grad, dtopk=leaves[1].grad, dw_gate=leaves[2].grad,
                dw_up=leaves[3].grad, dw_down=leaves[4].grad)
     if shared is not None:
         out.update(ds_gate=leaves[5].grad, ds_up=leaves[6].grad, ds_down=leaves[7].grad)
-    return out
+    return {n: t.cpu() for n, t in out.items()}
 
 
 def rank_results(c: Case, inputs, rank: int, group, device, config=None) -> dict:
@@ -250,7 +255,7 @@ def run_case_simulated(c: Case, device="cpu") -> dict:
     else:
         per_rank = run_ranks(c.W, lambda r, group: rank_results(c, inputs, r, group, device))
     tabby.check_errors()
-    return compare(concat_ranks(c, per_rank), reference_results(c, inputs))
+    return compare(concat_ranks(c, per_rank), reference_results(c, inputs, device))
 
 
 def run_case_distributed(c: Case, device) -> dict:
@@ -268,7 +273,7 @@ def run_case_distributed(c: Case, device) -> dict:
     try:
         got = rank_results(c, inputs, rank, dist.group.WORLD, device)
         tabby.check_errors()
-        want = reference_results(c, inputs)
+        want = reference_results(c, inputs, device)
         rows = slice(rank * c.T, (rank + 1) * c.T)
         ex = slice(rank * c.E_local, (rank + 1) * c.E_local)
         for name in list(got):
@@ -297,6 +302,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--worlds", default="1,2", help="EP sizes to draw on the CPU (simulated ranks)")
     ap.add_argument("--out", default=None, help="folder for fuzz-summary.json and fuzz.log")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds: start no case after this (the summary says how many ran)")
     ap.add_argument("--max-wait-ms", type=float, default=None,
                     help="TABBY_MAX_WAIT_MS for the cases (GPU; a peer's first call compiles kernels)")
     args = ap.parse_args(argv)
@@ -333,7 +340,25 @@ def main(argv=None) -> int:
         log_lines.append(line)
 
     t_start = time.time()
+
+    def write_summary(final):
+        failed = [r for r in results if not r["ok"]]
+        summary = dict(cases=len(results), planned=len(seeds), passed=len(results) - len(failed),
+                       failed=len(failed), failed_seeds=[r["case"]["seed"] for r in failed], finished=final,
+                       device=str(device), worlds=list(worlds), wall_s=round(time.time() - t_start, 1),
+                       torch=torch.__version__, results=results)
+        if args.out and rank == 0:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "fuzz-summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+            with open(os.path.join(args.out, "fuzz.log"), "w") as f:
+                f.write("\n".join(log_lines) + "\n")
+        return summary
+
     for seed in seeds:
+        if args.time_budget is not None and time.time() - t_start > args.time_budget:
+            say(f"time budget of {args.time_budget} s spent: {len(results)} of {len(seeds)} cases run")
+            break
         c = draw_case(seed, worlds=worlds, small=small)
         t0 = time.time()
         try:
@@ -360,18 +385,12 @@ def main(argv=None) -> int:
             launcher = "torchrun --nproc-per-node %d " % worlds[0] if distributed else "python "
             say(f"     {detail}\n     reproduce: {launcher}scripts/fuzz.py --seed {seed} --device {device.type}"
                 + ("" if distributed else f" --worlds {','.join(map(str, worlds))}"))
-    failed = [r for r in results if not r["ok"]]
-    summary = dict(cases=len(results), passed=len(results) - len(failed), failed=len(failed),
-                   failed_seeds=[r["case"]["seed"] for r in failed], device=str(device), worlds=list(worlds),
-                   wall_s=round(time.time() - t_start, 1), torch=torch.__version__, results=results)
+        write_summary(False)  # a run stopped from outside still leaves what it found
+    summary = write_summary(True)
+    failed = summary["failed"]
     say(f"fuzz: {summary['passed']}/{summary['cases']} cases passed in {summary['wall_s']} s"
         + (f"; failing seeds {summary['failed_seeds']}" if failed else ""))
-    if args.out and rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fuzz-summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-        with open(os.path.join(args.out, "fuzz.log"), "w") as f:
-            f.write("\n".join(log_lines) + "\n")
+    write_summary(True)
     if distributed:
         import torch.distributed as dist
 

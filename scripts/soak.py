@@ -128,7 +128,9 @@ def run(args, layer=None) -> dict:
     t_start = time.time()
     say(f"soak: {args.calls} calls, T={args.T} H={args.H} I={args.I} E={E} k={args.k} EP{W}, configs {names}, "
         f"{args.inputs} input sets, device {device}")
+    done = 0
     for i in range(args.calls):
+        done = i + 1
         c, n = pairs[i] if i < len(pairs) else order.choice(pairs)  # every pair once first (the warm-up)
         out = one_call(layer, input_sets[n], weights, group, configs[c])
         ref = first.get((c, n))
@@ -159,6 +161,15 @@ def run(args, layer=None) -> dict:
             say(f"call {i + 1}/{args.calls}: {len(mismatches)} mismatches, {len(errors)} device errors"
                 + (f", allocated {torch.cuda.memory_allocated(device) / 2**20:.1f} MiB" if cuda else "")
                 + f", {time.time() - t_start:.0f} s")
+            if args.time_budget is not None and i + 1 >= len(pairs) and not last:
+                stop = torch.tensor([int(time.time() - t_start > args.time_budget)], device=device)
+                if distributed:  # every rank stops at the same call
+                    import torch.distributed as dist
+
+                    dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+                if int(stop):
+                    say(f"time budget of {args.time_budget} s spent after {i + 1} calls")
+                    break
     growth = None
     peak_growth = None
     if cuda and memory["checkpoints"] and memory["baseline"] is not None:
@@ -174,7 +185,7 @@ def run(args, layer=None) -> dict:
         flag = torch.tensor([0 if ok else 1], device=device)
         dist.all_reduce(flag)
         ok = int(flag) == 0
-    summary = dict(ok=ok, calls=args.calls, rank=rank, world_size=W, device=str(device),
+    summary = dict(ok=ok, calls=done, planned_calls=args.calls, rank=rank, world_size=W, device=str(device),
                    shape=dict(T=args.T, H=args.H, I=args.I, E=E, k=args.k), configs=names, input_sets=args.inputs,
                    mismatches=mismatches[:50], mismatch_count=len(mismatches), device_errors=errors[:50],
                    memory=memory, memory_ok=memory_ok, wall_s=round(time.time() - t_start, 1),
@@ -208,6 +219,8 @@ def parse_args(argv=None):
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--check-every", type=int, default=100, help="calls between error and memory checks")
     ap.add_argument("--seed", type=int, default=0, help="the order of the calls")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds: stop calling after this (after the warm-up; the summary says how many ran)")
     args = ap.parse_args(argv)
     bad = set(args.configs.split(",")) - set(CONFIGS)
     if bad:
