@@ -284,8 +284,9 @@ def memory_report(plan: Plan) -> str:
 
 def free_device_bytes(device: torch.device) -> int | None:
     """Bytes a new allocation on ``device`` can use: free in the driver plus what PyTorch's caching
-    allocator holds unused; None where it is not known (CPU tensors: no check)."""
-    if device.type != "cuda":
+    allocator holds unused; None where it is not known (CPU tensors) or not to be asked (while a
+    CUDA graph is captured): no check."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
