@@ -246,3 +246,38 @@ def test_thread_helper_sees_every_rank():
 
     res = _spawn_each(3, fn)
     assert sorted(seen) == [0, 1, 2] and [str(e) for e in res] == ["rank 0", "rank 1", "rank 2"]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_rank_without_tokens_pads_to_the_group_T_with_weight_0_tokens(path):
+    """The recipe of docs/reliability.md for a rank with no tokens of its own in a group whose
+    other ranks have some (ranks must agree on T): pass T zero tokens routed with weight 0 to a
+    local expert. Its output rows are 0; the other ranks' y is bitwise what it is with any tokens on
+    that rank; the weight gradients are the reference's on the other ranks' tokens alone."""
+    W, T, H, I, E_local, k = 2, 6, 32, 16, 2, 2
+    x, idx, wts, ws, _, dy = make_problem(W, T, H, I, E_local, k, seed=12)
+    pad_x, pad_idx, pad_w = x.new_zeros(T, H), torch.full((T, k), E_local, dtype=idx.dtype), wts.new_zeros(T, k)
+
+    def run(padded):
+        def rank_fn(r, group):
+            rows, ex = slice(r * T, (r + 1) * T), slice(r * E_local, (r + 1) * E_local)
+            a = dict(x=x[rows], topk_idx=idx[rows], topk_weights=wts[rows], w_gate=ws[0][ex], w_up=ws[1][ex],
+                     w_down=ws[2][ex])
+            if padded and r == 1:
+                a.update(x=pad_x, topk_idx=pad_idx, topk_weights=pad_w)
+            d = torch.zeros_like(dy[rows]) if padded and r == 1 else dy[rows]  # padding rows get no gradient
+            return _tabby(a, PATHS[path], d, group=group)
+
+        return run_ranks(W, rank_fn)
+
+    real, padded = run(False), run(True)
+    assert torch.equal(real[0][0], padded[0][0])  # rank 0's y
+    assert not padded[1][0].any()
+    a0 = dict(x=x[:T], topk_idx=idx[:T], topk_weights=wts[:T], w_gate=ws[0], w_up=ws[1], w_down=ws[2])
+    y_ref, g_ref = _reference(a0, dy[:T])  # rank 0's tokens alone, over both ranks' experts
+    assert rel_err(padded[0][0], y_ref) < 2e-2
+    assert rel_err(padded[0][1]["x"], g_ref["x"]) < 2e-2
+    for n in ("w_gate", "w_up", "w_down"):
+        got = torch.cat([padded[0][1][n], padded[1][1][n]])
+        assert rel_err(got, g_ref[n]) < 2e-2, n
+    assert not padded[1][1]["x"].any() and not padded[1][1]["topk_weights"].any()
