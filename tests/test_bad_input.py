@@ -33,7 +33,8 @@ def _shared_wrong(a):
 # row of docs/reliability.md -> (how the arguments are spoiled, the error's words)
 HOST_CHECKED = {
     "x dtype": (lambda a: a.update(x=a["x"].float()), "x has dtype torch.float32; supported: torch.bfloat16"),
-    "weight dtype": (lambda a: a.update(w_up=a["w_up"].half()), "w_up has dtype torch.float16 but x has torch.bfloat16"),
+    "weight dtype": (lambda a: a.update(w_up=a["w_up"].half()),
+                     "w_up has dtype torch.float16 but x has torch.bfloat16"),
     "topk_idx dtype": (lambda a: a.update(topk_idx=a["topk_idx"].float()), "topk_idx must be int32 or int64"),
     "topk_weights dtype": (lambda a: a.update(topk_weights=a["topk_weights"].long()), "must be floating point"),
     "not a tensor": (lambda a: a.update(w_gate=a["w_gate"].tolist()), "w_gate must be a torch.Tensor, got list"),

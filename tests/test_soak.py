@@ -32,7 +32,8 @@ def test_soak_of_tabby_on_the_cpu_passes(tmp_path):
 def test_soak_reports_a_result_that_differs_from_the_first(tmp_path):
     calls = []
 
-    def layer(x, idx, wts, wg, wu, wd, group=None, config=None):  # the reference, off by a little on call 12 (after the warm-up's 9)
+    # the reference, off by a little on call 12 (after the warm-up's 9 calls)
+    def layer(x, idx, wts, wg, wu, wd, group=None, config=None):
         y = tabby.moe_reference(x, idx, wts, wg, wu, wd)
         calls.append(config)
         return y * (1 + 2 ** -6) if len(calls) == 13 else y
@@ -48,7 +49,7 @@ def test_soak_reports_a_result_that_differs_from_the_first(tmp_path):
 def test_every_routing_of_the_soak_is_valid():
     for n, route in enumerate(soak.ROUTES):
         for W in (1, 2):
-            x, idx, wts, dy = soak.make_inputs(n, route, 16, 8, 6, 3, W, 0, torch.device("cpu"))
+            _, idx, wts, _ = soak.make_inputs(n, route, 16, 8, 6, 3, W, 0, torch.device("cpu"))
             assert idx.shape == (16, 3) and idx.min() >= 0 and idx.max() < 6 and wts.shape == (16, 3)
             if route == "empty_rank" and W == 2:
                 assert not ((idx // 3) == n % 2).any()

@@ -307,8 +307,8 @@ def memory_shortfall(plan: Plan, device, new_workspace: WorkspaceKey | None = No
     if need <= free:
         return None
     d, GiB = plan.dims, 2 ** 30
-    ways = [f"fewer tokens per call (the routed rows are sized for every token of every rank: T={d.T} x k={d.k} "
-            f"x EP{d.world_size})"]
+    ways = [(f"fewer tokens per call (the routed rows are sized for every token of every rank: T={d.T} x k={d.k} "
+             f"x EP{d.world_size})")]
     if differentiated and plan.mega is not None and plan.save_for_backward:
         ways.append(f"MoEConfig(save_for_backward=False) (each layer then holds only its ring between its forward "
                     f"and backward, {n.kept / GiB:.2f} GiB less per layer, where other layers' kept rows take "

@@ -226,7 +226,8 @@ def get_workspace(key: WorkspaceKey, rank: int, group=None, thread_group=None, f
     _GROUPS[ck] = (group, thread_group)
     ws = _CACHE.get(ck)
     if ws is None:
-        from ..validate import MoEDims, TabbyMemoryError, check_group_agrees, compare_group_descriptors, group_descriptor
+        from ..validate import (MoEDims, TabbyMemoryError, check_group_agrees, compare_group_descriptors,
+                                group_descriptor)
 
         dims = MoEDims(T=key.T, H=key.H, k=key.k, E_local=key.E_local, I=key.I, world_size=key.world_size,
                        I_shared=0)
