@@ -7,6 +7,7 @@ CI runs a fixed budget of seeds (``CI_SEEDS``, about a minute of CPU in all); th
 """
 import dataclasses
 import importlib.util
+import json
 import os
 import sys
 
@@ -95,3 +96,22 @@ def test_both_paths_are_bitwise_equal_on_fuzz_cases(seed):
             assert (t is None) == (out[False][r][name] is None), name
             if t is not None:
                 assert torch.equal(t, out[False][r][name]), f"rank {r} {name} differs between the paths ({c})"
+
+
+def test_command_line_writes_a_summary_and_names_a_failing_seed(tmp_path, monkeypatch, capsys):
+    real = fuzz.run_case_simulated
+
+    def run(c, device="cpu"):  # seed 4 made to fail: the layer's result is not checked here
+        if c.seed == 4:
+            raise AssertionError("y: relative error 0.5 > 0.02")
+        return {"y": 0.0}
+
+    monkeypatch.setattr(fuzz, "run_case_simulated", run)
+    assert fuzz.main(["--cases", "3", "--first", "3", "--device", "cpu", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL seed=4" in out and "reproduce: python scripts/fuzz.py --seed 4 --device cpu --worlds 1,2" in out
+    summary = json.loads((tmp_path / "fuzz-summary.json").read_text())
+    assert summary["cases"] == 3 and summary["failed_seeds"] == [4] and summary["finished"]
+    assert "reproduce" in (tmp_path / "fuzz.log").read_text()
+    monkeypatch.setattr(fuzz, "run_case_simulated", real)
+    assert fuzz.main(["--seed", "1", "--device", "cpu"]) == 0  # a real case through the command line
