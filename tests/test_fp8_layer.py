@@ -120,6 +120,34 @@ def test_fp8_layer_deterministic_and_cached_weights():
 
 
 @cpu_only
+def test_fp8_weight_cache_follows_the_weight():
+    """A cached copy is reused while the weight is unchanged, replaced after an in-place update, and
+    dropped when the weight is freed."""
+    import gc
+
+    fp8_layer.clear_weight_cache()
+    w = torch.randn(2, 256, 128).to(torch.bfloat16)
+    q1, s1 = fp8_layer.fp8_weight(w)
+    assert fp8_layer.fp8_weight(w)[0] is q1
+    qt = fp8_layer.fp8_weight_t(w)[0]
+    assert torch.equal(qt.view(torch.uint8), q1.transpose(1, 2).contiguous().view(torch.uint8))
+    w.mul_(4.0)  # a new version: scales x4, values unchanged
+    q2, s2 = fp8_layer.fp8_weight(w)
+    assert q2 is not q1 and torch.equal(q2.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s2, 4 * s1)
+    assert len(fp8_layer._weight_cache) == 2  # the copy and its transpose, one entry each
+    del w
+    gc.collect()
+    assert len(fp8_layer._weight_cache) == 0
+    # views made afresh at each call (the halves of a fused weight) hit through their base
+    fused = torch.randn(2, 512, 128).to(torch.bfloat16)
+    up = fp8_layer.fp8_weight(fused[:, 256:])[0]
+    assert fp8_layer.fp8_weight(fused[:, 256:])[0] is up
+    assert fp8_layer.fp8_weight(fused[:, :256])[0] is not up
+    fused[:, 256:].zero_()  # through a view: the base's version moves
+    assert bool((fp8_layer.fp8_weight(fused[:, 256:])[0].view(torch.uint8) == 0).all())
+
+
+@cpu_only
 def test_fp8_layer_expert_parallel_two_ranks():
     """EP2 on simulated ranks equals the one-process FP8 reference on the concatenated tokens."""
     prob = make_problem(2, 20, 128, 128, 2, 2, seed=5)

@@ -53,12 +53,15 @@ def clear_weight_cache() -> None:
 
 
 def _cached(kind: str, weights, make):
-    """``make()`` of ``weights``, cached until one of them changes (another object at the address, a
-    new shape or strides, a new ``_version``) or is freed."""
+    """``make()`` of ``weights``, cached until one of them changes (another tensor at the address, a
+    new shape, strides or offset, a new ``_version``) or is freed. A view (e.g. one half of a fused
+    gate_up weight, made afresh at each call) is followed through its base tensor, whose
+    ``_version`` it shares."""
+    owners = tuple(w if w._base is None else w._base for w in weights)
     key = (kind,) + tuple((str(w.device), w.data_ptr()) for w in weights)
-    state = tuple((w.shape, w.stride(), w._version) for w in weights)
+    state = tuple((w.shape, w.stride(), w.storage_offset(), w._version) for w in weights)
     hit = _weight_cache.get(key)
-    if hit is not None and all(r() is w for r, w in zip(hit[0], weights)) and hit[1] == state:
+    if hit is not None and all(r() is o for r, o in zip(hit[0], owners)) and hit[1] == state:
         return hit[2]
     value = make()
 
@@ -67,7 +70,7 @@ def _cached(kind: str, weights, make):
         if entry is not None and any(r is ref for r in entry[0]):
             del _weight_cache[key]
 
-    _weight_cache[key] = (tuple(weakref.ref(w, forget) for w in weights), state, value)
+    _weight_cache[key] = (tuple(weakref.ref(o, forget) for o in owners), state, value)
     return value
 
 
