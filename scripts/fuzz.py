@@ -175,10 +175,12 @@ def reference_results(c: Case, inputs, device="cpu") -> dict:
     return {n: t.cpu() for n, t in out.items()}
 
 
-def rank_results(c: Case, inputs, rank: int, group, device, config=None) -> dict:
+def rank_results(c: Case, inputs, rank: int, group, device, config=None, layer=None) -> dict:
     """This rank's y and gradients (its tokens, its experts; its tokens' share of the shared
-    expert's gradients) from ``tabby.moe``, on the CPU."""
+    expert's gradients) from ``tabby.moe`` (``layer``: another with its arguments), on the CPU."""
     import tabby
+
+    layer = layer or tabby.moe
 
     x, idx, wts, experts, shared, dy = inputs
     rows = slice(rank * c.T, (rank + 1) * c.T)
@@ -190,7 +192,7 @@ def rank_results(c: Case, inputs, rank: int, group, device, config=None) -> dict
     xr, wr = leaf(x[rows]), leaf(wts[rows])
     wl = [leaf(w[ex]) for w in experts]
     sl = [leaf(w) for w in shared] if shared is not None else None
-    y = tabby.moe(xr, idx[rows].to(device), wr, *wl, shared=sl, group=group, config=config or config_of(c))
+    y = layer(xr, idx[rows].to(device), wr, *wl, shared=sl, group=group, config=config or config_of(c))
     y.backward(dy[rows].to(device))
     out = dict(y=y.detach(), dx=xr.grad, dtopk=wr.grad, dw_gate=wl[0].grad, dw_up=wl[1].grad, dw_down=wl[2].grad)
     if sl is not None:
@@ -258,39 +260,47 @@ def run_case_simulated(c: Case, device="cpu") -> dict:
     return compare(concat_ranks(c, per_rank), reference_results(c, inputs, device))
 
 
-def run_case_distributed(c: Case, device) -> dict:
+def run_case_distributed(c: Case, device, layer=None) -> dict:
     """Run ``c`` with this process as one rank of the default process group (torchrun, CUDA): each
     rank checks its own tokens' and experts' outputs; the shared expert's gradients are summed
-    over the ranks first. Every rank raises if any rank failed."""
+    over the ranks first. Every rank raises if any rank failed. ``layer``: instead of ``tabby.moe``."""
     import torch.distributed as dist
 
     import tabby
 
     rank = dist.get_rank()
     inputs = make_inputs(c)
-    err = None
-    errs = {}
+
+    def agree(err):  # a collective: every rank raises if any rank failed
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, err)
+        failed = [f for f in flags if f]
+        if failed:
+            raise AssertionError(" | ".join(failed))
+
+    err, got = None, None
     try:
-        got = rank_results(c, inputs, rank, dist.group.WORLD, device)
+        got = rank_results(c, inputs, rank, dist.group.WORLD, device, layer=layer)
         tabby.check_errors()
+    except Exception as e:  # noqa: BLE001
+        err = f"rank {rank}: {type(e).__name__}: {e}"
+    agree(err)
+    for name in list(got):  # the shared expert's gradients: every rank's tokens' share, summed
+        if name.startswith("ds_") and got[name] is not None:
+            t = got[name].to(device).double()
+            dist.all_reduce(t)
+            got[name] = t.cpu()
+    err, errs = None, {}
+    try:
         want = reference_results(c, inputs, device)
         rows = slice(rank * c.T, (rank + 1) * c.T)
         ex = slice(rank * c.E_local, (rank + 1) * c.E_local)
-        for name in list(got):
-            if name.startswith("ds_") and got[name] is not None:
-                t = got[name].to(device).double()
-                dist.all_reduce(t)
-                got[name] = t.cpu()
         mine = {n: (v[rows] if n in ("y", "dx", "dtopk") else v[ex] if n.startswith("dw_") else v)
                 for n, v in want.items()}
         errs = compare(got, mine)
-    except Exception as e:  # noqa: BLE001 - every rank learns that some rank failed
+    except Exception as e:  # noqa: BLE001
         err = f"rank {rank}: {type(e).__name__}: {e}"
-    flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, err)
-    failed = [f for f in flags if f]
-    if failed:
-        raise AssertionError(" | ".join(failed))
+    agree(err)
     return errs
 
 

@@ -115,3 +115,56 @@ def test_command_line_writes_a_summary_and_names_a_failing_seed(tmp_path, monkey
     assert "reproduce" in (tmp_path / "fuzz.log").read_text()
     monkeypatch.setattr(fuzz, "run_case_simulated", real)
     assert fuzz.main(["--seed", "1", "--device", "cpu"]) == 0  # a real case through the command line
+
+
+def _distributed_worker(rank, init_file, seeds, q):
+    """One rank of ``run_case_distributed`` over gloo, with the EP reference as the layer (the
+    harness's slicing, sums and agreement are what is checked; Tabby across processes needs GPUs)."""
+    import torch.distributed as dist
+
+    import tabby
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+
+    def layer(x, idx, w, wg, wu, wd, shared=None, group=None, config=None):
+        return tabby.moe_reference(x, idx, w, wg, wu, wd, shared=shared, group=group)
+
+    def spoiled(x, idx, w, wg, wu, wd, shared=None, group=None, config=None):
+        y = layer(x, idx, w, wg, wu, wd, shared=shared, group=group)
+        return y * 1.5 if dist.get_rank() == 1 else y
+
+    out = []
+    try:
+        for seed in seeds:
+            c = fuzz.draw_case(seed, worlds=(2,))
+            fuzz.run_case_distributed(c, torch.device("cpu"), layer=layer)
+            out.append((seed, "ok"))
+        try:
+            fuzz.run_case_distributed(fuzz.draw_case(seeds[0], worlds=(2,)), torch.device("cpu"), layer=spoiled)
+            out.append(("spoiled", "passed"))
+        except AssertionError as e:
+            out.append(("spoiled", str(e)))
+    except Exception as e:  # noqa: BLE001
+        out.append(("error", repr(e)))
+    finally:
+        dist.destroy_process_group()
+    q.put((rank, out))
+
+
+def test_distributed_harness_checks_each_rank_and_agrees():
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    cases = {s: fuzz.draw_case(s, worlds=(2,)) for s in range(40)}
+    seeds = [s for s, c in cases.items() if c.T > 0 and not c.shared][:2]
+    seeds += [next(s for s, c in cases.items() if c.T > 0 and c.shared)]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_distributed_worker, args=(os.path.join(d, "init"), seeds, q), nprocs=2, join=True)
+    res = dict(q.get() for _ in range(2))
+    for r in range(2):
+        assert res[r][:len(seeds)] == [(s, "ok") for s in seeds], res[r]
+        what, msg = res[r][-1]
+        assert what == "spoiled" and "rank 1: AssertionError: y: relative error" in msg, msg
