@@ -123,7 +123,7 @@ def run(args, layer=None) -> dict:
             print(line, flush=True)
 
     first: dict = {}
-    mismatches, errors = [], []
+    mismatches, errors, raised = [], [], []
     memory = dict(checked=cuda, baseline=None, checkpoints=[], window_peaks=[])
     t_start = time.time()
     say(f"soak: {args.calls} calls, T={args.T} H={args.H} I={args.I} E={E} k={args.k} EP{W}, configs {names}, "
@@ -132,9 +132,19 @@ def run(args, layer=None) -> dict:
     for i in range(args.calls):
         done = i + 1
         c, n = pairs[i] if i < len(pairs) else order.choice(pairs)  # every pair once first (the warm-up)
-        out = one_call(layer, input_sets[n], weights, group, configs[c])
+        # After an exception this rank calls no more; it still meets its peers at the next
+        # checkpoint, where every rank stops (a rank that left would make its peers' calls time out).
+        out = None
+        if not raised:
+            try:
+                out = one_call(layer, input_sets[n], weights, group, configs[c])
+            except Exception as e:  # noqa: BLE001 - recorded; the run stops at the next checkpoint
+                raised.append(dict(call=i, config=c, inputs=n, error=f"{type(e).__name__}: {e}"))
+                say(f"call {i}: {c} on input set {n} raised {type(e).__name__}: {e}")
         ref = first.get((c, n))
-        if ref is None:
+        if out is None:
+            pass
+        elif ref is None:
             first[(c, n)] = out
         elif not all(torch.equal(a, b) for a, b in zip(out, ref)):
             which = [nm for nm, a, b in zip(("y", "dx", "dtopk", "dw_gate", "dw_up", "dw_down"), out, ref)
@@ -161,13 +171,18 @@ def run(args, layer=None) -> dict:
             say(f"call {i + 1}/{args.calls}: {len(mismatches)} mismatches, {len(errors)} device errors"
                 + (f", allocated {torch.cuda.memory_allocated(device) / 2**20:.1f} MiB" if cuda else "")
                 + f", {time.time() - t_start:.0f} s")
-            if args.time_budget is not None and i + 1 >= len(pairs) and not last:
-                stop = torch.tensor([int(time.time() - t_start > args.time_budget)], device=device)
+            if not last:
+                spent = (args.time_budget is not None and i + 1 >= len(pairs)
+                         and time.time() - t_start > args.time_budget)
+                stop = torch.tensor([int(spent) + 2 * int(bool(raised or errors))], device=device)
                 if distributed:  # every rank stops at the same call
                     import torch.distributed as dist
 
                     dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-                if int(stop):
+                if int(stop) >= 2:
+                    say(f"stopped after {i + 1} calls: a rank raised or recorded a device error")
+                    break
+                if int(stop) == 1:
                     say(f"time budget of {args.time_budget} s spent after {i + 1} calls")
                     break
     growth = None
@@ -178,7 +193,7 @@ def run(args, layer=None) -> dict:
         peak_growth = max(peaks) - peaks[0]
     memory.update(growth_bytes=growth, peak_growth_bytes=peak_growth)
     memory_ok = growth is None or (growth <= MEMORY_SLACK and peak_growth <= MEMORY_SLACK)
-    ok = not mismatches and not errors and memory_ok
+    ok = not mismatches and not errors and not raised and memory_ok
     if distributed:
         import torch.distributed as dist
 
@@ -188,9 +203,11 @@ def run(args, layer=None) -> dict:
     summary = dict(ok=ok, calls=done, planned_calls=args.calls, rank=rank, world_size=W, device=str(device),
                    shape=dict(T=args.T, H=args.H, I=args.I, E=E, k=args.k), configs=names, input_sets=args.inputs,
                    mismatches=mismatches[:50], mismatch_count=len(mismatches), device_errors=errors[:50],
+                   raised=raised[:50],
                    memory=memory, memory_ok=memory_ok, wall_s=round(time.time() - t_start, 1),
                    torch=torch.__version__)
     say(f"soak {'passed' if ok else 'FAILED'}: {len(mismatches)} mismatches, {len(errors)} device errors, "
+        f"{len(raised)} exceptions, "
         f"memory growth {growth} bytes, peak growth {peak_growth} bytes, {summary['wall_s']} s")
     if args.out and rank == 0:
         os.makedirs(args.out, exist_ok=True)

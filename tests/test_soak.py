@@ -53,3 +53,18 @@ def test_every_routing_of_the_soak_is_valid():
             assert idx.shape == (16, 3) and idx.min() >= 0 and idx.max() < 6 and wts.shape == (16, 3)
             if route == "empty_rank" and W == 2:
                 assert not ((idx // 3) == n % 2).any()
+
+
+def test_soak_stops_at_the_next_checkpoint_after_an_exception(tmp_path):
+    calls = []
+
+    def layer(x, idx, wts, wg, wu, wd, group=None, config=None):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("lost the device")
+        return tabby.moe_reference(x, idx, wts, wg, wu, wd)
+
+    args = soak.parse_args(["--calls", "40", "--inputs", "1", "--out", str(tmp_path)] + SMALL)  # checks every 4
+    summary = soak.run(args, layer=layer)
+    assert not summary["ok"] and summary["raised"][0]["call"] == 5 and "lost the device" in summary["raised"][0]["error"]
+    assert summary["calls"] == 8 and len(calls) == 6  # no call after it; stopped at the checkpoint after call 8
