@@ -66,5 +66,6 @@ def test_soak_stops_at_the_next_checkpoint_after_an_exception(tmp_path):
 
     args = soak.parse_args(["--calls", "40", "--inputs", "1", "--out", str(tmp_path)] + SMALL)  # checks every 4
     summary = soak.run(args, layer=layer)
-    assert not summary["ok"] and summary["raised"][0]["call"] == 5 and "lost the device" in summary["raised"][0]["error"]
+    first = summary["raised"][0]
+    assert not summary["ok"] and first["call"] == 5 and "lost the device" in first["error"]
     assert summary["calls"] == 8 and len(calls) == 6  # no call after it; stopped at the checkpoint after call 8
