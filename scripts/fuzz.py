@@ -32,6 +32,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+# the repository's tabby, also where it is not installed (python scripts/<this>.py from the root)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 TOL = 2e-2  # bf16 in and out against an fp64 reference (the tests' and the benchmark's tolerance)
 ROUTES = ("uniform", "zipf", "one_expert", "empty_rank", "duplicates")
 GPU_WIDTHS = ((256, 128), (512, 256), (1024, 512), (2048, 768), (200, 72))  # (H, I) on a GPU

@@ -17,6 +17,9 @@ import time
 
 import torch
 
+# the repository's tabby, also where it is not installed (python scripts/<this>.py from the root)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -31,6 +31,9 @@ import time
 
 import torch
 
+# the repository's tabby, also where it is not installed (python scripts/<this>.py from the root)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 ROUTES = ("uniform", "zipf", "one_expert", "empty_rank", "duplicates")
 CONFIGS = ("megakernel", "recompute", "separate")
 MEMORY_SLACK = 1 << 20  # bytes of allocator rounding allowed in the memory checks
