@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--shared", action="store_true", help="with a shared expert")
     ap.add_argument("--paths", default="megakernel,recompute,separate")
+    ap.add_argument("--programs", type=int, default=None,
+                    help="the megakernel's persistent grid (Tuning(programs=...)); fewer programs if a "
+                         "sanitizer's instrumentation keeps them from all being resident at once")
     args = ap.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -55,7 +58,9 @@ def main(argv=None) -> int:
 
     ref = run(tabby.moe_reference)
     names = ["y", "dx", "dtopk", "dw_gate", "dw_up", "dw_down", "ds_gate", "ds_up", "ds_down"]
-    configs = {"megakernel": tabby.MoEConfig(), "recompute": tabby.MoEConfig(save_for_backward=False),
+    tuning = tabby.Tuning(programs=args.programs)
+    configs = {"megakernel": tabby.MoEConfig(tuning=tuning),
+               "recompute": tabby.MoEConfig(save_for_backward=False, tuning=tuning),
                "separate": tabby.MoEConfig(megakernel=False)}
     failed = []
     for path in args.paths.split(","):
