@@ -157,12 +157,20 @@ def test_fp8_layer_expert_parallel_two_ranks():
 
 
 def _reference_fp8_backward(prob):
-    """Values from moe_reference_fp8, gradients from moe_backward_reference_fp8 (no shared expert)."""
+    """Values from moe_reference_fp8, gradients from moe_backward_reference_fp8; a shared expert's
+    (bf16 PyTorch in the layer too) from autograd, its dx added to the routed dx (in fp32: the
+    layer adds two bf16 tensors, hence the tolerance where there is one)."""
     x, idx, wts, ws, sh, dy = prob
-    assert sh is None
-    y = tabby.moe_reference_fp8(x, idx, wts, *ws, bf16_rounding=ROUNDING).float()
+    y = tabby.moe_reference_fp8(x, idx, wts, *ws, shared=sh, bf16_rounding=ROUNDING).float()
     dx, dtopk, dwg, dwu, dwd = reference_fp8.moe_backward_reference_fp8(x, idx, wts, *ws, dy, bf16_rounding=ROUNDING)
-    return [y, dx.float(), dtopk.float(), dwg.float(), dwu.float(), dwd.float()]
+    out = [y, dx.float(), dtopk.float(), dwg.float(), dwu.float(), dwd.float()]
+    if sh is not None:
+        xs, sg, su, sd = (t.clone().requires_grad_(True) for t in (x, *sh))
+        ys = (torch.nn.functional.silu(xs @ sg.t()) * (xs @ su.t())) @ sd.t()
+        dxs, dsg, dsu, dsd = torch.autograd.grad(ys, (xs, sg, su, sd), dy)
+        out[1] = out[1] + dxs.float()
+        out += [dsg.float(), dsu.float(), dsd.float()]
+    return out
 
 
 @cpu_only
@@ -171,15 +179,19 @@ def test_fp8_backward_matches_reference(W):
     """precision="fp8": every gradient from the FP8 backward against the recipe in plain PyTorch
     (tight), and against the fp32 layer (E4M3's rounding, a few per cent); experts with no rows."""
     E_local = 3 if W == 1 else 2
-    prob = make_problem(W, 150 if W == 1 else 70, 256, 256, E_local, 2, seed=21 + W)
+    prob = make_problem(W, 150 if W == 1 else 70, 256, 256, E_local, 2, shared=W == 1, seed=21 + W)
     if W == 1:  # expert 1 gets no rows
         x, idx, *rest = prob
         prob = (x, torch.where(idx == 1, 2, idx), *rest)
     got = _run(prob, CFG_BWD, W=W)
     want = _reference_fp8_backward(prob)
-    errs = _compare(got, want, 1e-5)  # the same operations: equal up to fp32 summation order
+    errs = _compare(got, want, 1e-2)
+    # the same operations: equal up to fp32 summation order; with a shared expert dx is the sum
+    # of two bf16 tensors in the layer (compared above), the rest still equal
+    exact_names = [n for n in errs if not (n == "dx" and W == 1)]
+    assert all(errs[n] < 1e-5 for n in exact_names), errs
     exact = _reference(prob, fp8=False)
-    e_exact = {NAMES[i]: rel_err(g, w) for i, (g, w) in enumerate(zip(got, exact[:6]))}
+    e_exact = {NAMES[i]: rel_err(g, w) for i, (g, w) in enumerate(zip(got[:6], exact[:6]))}
     assert all(v < 1e-1 for v in e_exact.values()), e_exact
     assert min(e_exact.values()) > 1e-2  # FP8 throughout: clearly not the fp32 layer
 
