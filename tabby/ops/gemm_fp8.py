@@ -71,7 +71,13 @@ def _fp8_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm,
     a_ptrs = a_ptr + row0 * stride_am + (offs_m[:, None] * stride_am + offs_k[None, :])
     b_ptrs = b_ptr + e.to(tl.int64) * stride_be + (offs_n[:, None] * stride_bn + offs_k[None, :])
     as_ptrs = as_ptr + (row0 + offs_m) * stride_asm
-    bs_ptrs = bs_ptr + e.to(tl.int64) * stride_bse + (offs_n // 128) * stride_bsn
+    # a tile of at most 128 columns lies in one weight block row (BN divides 128): one B scale per
+    # K block, and the promotion is one multiply-add per accumulator element
+    ONE_B_SCALE: tl.constexpr = 128 % BN == 0
+    if ONE_B_SCALE:
+        bs_ptrs = bs_ptr + e.to(tl.int64) * stride_bse + ((pid_n * BN) // 128) * stride_bsn
+    else:
+        bs_ptrs = bs_ptr + e.to(tl.int64) * stride_bse + (offs_n // 128) * stride_bsn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     NK: tl.constexpr = (K + 127) // 128
     for kb in range(0, NK):
@@ -85,7 +91,10 @@ def _fp8_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm,
         part = tl.dot(a, tl.trans(b))
         sa = tl.load(as_ptrs + kb)
         sb = tl.load(bs_ptrs + kb)
-        acc += part * (sa[:, None] * sb[None, :])
+        if ONE_B_SCALE:
+            acc += part * (sa * sb)[:, None]
+        else:
+            acc += part * (sa[:, None] * sb[None, :])
         a_ptrs += 128
         b_ptrs += 128
     return acc
