@@ -38,13 +38,66 @@ def run(fn, prob, config, **kw):
 
 
 @pytest.mark.parametrize("config", [
-    None, MoEConfig(megakernel=False), CFG, MoEConfig(save_for_backward=False, debug=True, max_wait_ms=5.5),
+    None, MoEConfig(megakernel=False), CFG, MoEConfig(precision="fp8", megakernel=False), MoEConfig(save_for_backward=False, debug=True, max_wait_ms=5.5),
     MoEConfig(tuning=Tuning(group_m=2, tma=False, pull_tokens=True), max_wait_polls=100),
 ])
 def test_config_string_round_trip(config):
     text = co.config_string(config)
     assert co.parse_config(text) == (config or MoEConfig())
     assert co.config_string(None) == "" and co.config_string(MoEConfig()) == ""
+
+
+def test_config_string_carries_every_field():
+    """Each MoEConfig field set away from its default comes back from the string (none dropped)."""
+    import dataclasses
+
+    changed = {"megakernel": False, "save_for_backward": False, "max_wait_ms": 7.0, "max_wait_polls": 9,
+               "debug": True, "tuning": Tuning(tile_m=32), "precision": "fp8"}
+    assert set(changed) == {f.name for f in dataclasses.fields(MoEConfig)}
+    config = MoEConfig(**changed)
+    assert co.parse_config(co.config_string(config)) == config
+
+
+def test_no_tokens_through_the_operator_wrapper():
+    """T = 0 through ``custom_op.moe`` (what tabby.nn and the integrations call): an empty y and the
+    gradients tabby.moe gives (zero weight gradients, empty dx)."""
+    x, idx, w, ws, sh, _ = problem(3)
+    prob = (x[:0], idx[:0], w[:0], ws, sh, x[:0])
+    got = run(co.moe, prob, CFG)
+    want = run(tabby.moe, prob, CFG)
+    assert got[0].shape == (0, H) and got[1].shape == (0, H)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert all(not g.any() for g in got[3:])
+
+
+def test_fp8_through_the_operator_wrapper():
+    """``precision="fp8"`` through ``custom_op.moe`` runs tabby.moe's FP8 path (bitwise the same),
+    and torch.compile of it raises rather than running bf16."""
+    g = torch.Generator().manual_seed(5)
+    Tq, Hq, Iq, Eq = 8, 128, 128, 2
+    r = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(torch.bfloat16)  # noqa: E731
+    vals, idx = torch.randn(Tq, Eq, generator=g).topk(1, dim=1)
+    prob = (r(Tq, Hq), idx, vals.softmax(dim=1), (r(Eq, Iq, Hq), r(Eq, Iq, Hq), r(Eq, Hq, Iq)), None, r(Tq, Hq))
+    fp8 = MoEConfig(precision="fp8-forward", megakernel=False)
+    got, want, bf16 = run(co.moe, prob, fp8), run(tabby.moe, prob, fp8), run(tabby.moe, prob, CFG)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert not torch.equal(got[0], bf16[0])  # FP8 was used, not dropped from the config
+    with pytest.raises(Exception, match="precision"):
+        torch.compile(lambda *a: co.moe(*a, config=fp8), fullgraph=True, backend="eager")(
+            prob[0], prob[1], prob[2], *prob[3])
+
+
+def test_memory_check_through_the_operator(monkeypatch):
+    """The operator makes its workspace and plan as tabby.moe does: after the memory check."""
+    from tabby.functional import moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "free_device_bytes", lambda device: 1024)
+    x, idx, w, ws, _, _ = problem(4, shared=False)
+    big = torch.cat([x] * 5)  # a shape no earlier test made a workspace for
+    with pytest.raises(tabby.TabbyMemoryError, match="needs"):
+        co.moe(big, torch.cat([idx] * 5), torch.cat([w] * 5), *ws, config=CFG)
 
 
 def test_group_names():

@@ -68,10 +68,11 @@ from .backward import _routed_rows_for_wgrad, moe_backward
 from .config import MoEConfig, Tuning
 from .forward import KeptRows, MegaSaved, moe_forward
 from .forward_mega import moe_forward_mega
-from .moe import _group_info, _plan_for
+from .moe import _group_info, _workspace_and_plan
+from .moe import moe as moe_function
 from .plan import Plan, make_plan
 from .threads import ThreadRank
-from .workspace import WorkspaceKey, get_workspace
+from .workspace import WorkspaceKey
 
 __all__ = ["moe", "zero_padding", "group_name", "config_string", "parse_config", "resolve_group"]
 
@@ -110,7 +111,7 @@ def resolve_group(name: str):
     return _resolve_process_group(name)
 
 
-_CONFIG_FIELDS = ("megakernel", "save_for_backward", "max_wait_ms", "max_wait_polls", "debug")
+_CONFIG_FIELDS = tuple(f.name for f in fields(MoEConfig) if f.name != "tuning")
 
 
 def config_string(config: MoEConfig | None) -> str:
@@ -146,6 +147,8 @@ def parse_config(text: str) -> MoEConfig:
             kw[name] = value == "1"
         elif name == "max_wait_ms":
             kw[name] = float(value)
+        elif name == "precision":
+            kw[name] = value
         else:
             kw[name] = int(value)
     return MoEConfig(**kw)
@@ -235,18 +238,18 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group: str, config: str):
-    """(workspace, plan, dims, x) of a real call, as ``tabby.moe`` finds them."""
+def _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group: str, config: str, save: bool):
+    """(workspace, plan, dims) of a real call, as ``tabby.moe`` finds them (a new workspace or plan
+    only after the memory check; ``save``: the call is differentiated)."""
     cfg = parse_config(config)
     rank, W, pg, tg = _group_info(resolve_group(group))
     dims = _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W)
     if W > 1 and tg is None and x.device.type != "cuda":
         raise MoEInputError("Tabby across processes needs CUDA tensors (GPU symmetric memory)")
-    if dims.T == 0:
-        raise MoEInputError("x has no tokens (T = 0)")
+    if dims.T == 0:  # (the wrapper ``moe`` sends T = 0 to tabby.moe)
+        raise MoEInputError("torch.ops.tabby.moe needs tokens (T = 0); tabby.functional.custom_op.moe takes T = 0")
     key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device))
-    ws = get_workspace(key, rank, group=pg, thread_group=tg)
-    plan = _plan_for(ws, dims, cfg, dims.I_shared, x.device)
+    ws, plan = _workspace_and_plan(key, dims, cfg, dims.I_shared, x.device, rank, pg, tg, differentiated=save)
     return ws, plan, dims
 
 
@@ -262,7 +265,7 @@ def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
             save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                  torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     shared = _shared(shared_gate, shared_up, shared_down)
-    ws, plan, dims = _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config)
+    ws, plan, dims = _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config, save)
     x = _aligned(x)
     topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
     if shared is not None:
@@ -341,7 +344,7 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tens
     T, k = topk_weights.shape
     # topk_idx is not needed any more: the schedule holds the routing; a placeholder of its shape
     idx = torch.empty((T, k), dtype=torch.int32, device=x.device)
-    ws, plan, dims = _setup(x, idx, topk_weights, w_gate, w_up, w_down, shared, group, config)
+    ws, plan, dims = _setup(x, idx, topk_weights, w_gate, w_up, w_down, shared, group, config, True)
     x = _aligned(x)
     topk_weights_c = topk_weights.contiguous()
     sched = ScheduleBuffers(W=dims.world_size, T=T, k=k, E_local=dims.E_local, BM=plan.tile_m,
@@ -419,10 +422,19 @@ def _config_string(config) -> str:
     return config_string(config)
 
 
+@torch.compiler.assume_constant_result
+def _precision(config: str) -> str:
+    return parse_config(config).precision
+
+
 def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None, config: MoEConfig | None = None):
     """``tabby.moe`` through the registered operator ``torch.ops.tabby.moe``: the same arguments,
     the same result and gradients, and ``torch.compile(fullgraph=True)`` traces it without a graph
-    break (``group``: None, a process group or a ``ThreadRank``; converted to its name)."""
+    break (``group``: None, a process group or a ``ThreadRank``; converted to its name).
+
+    Two kinds of call go to ``tabby.moe`` itself instead, with the same result: a rank with no
+    tokens (T = 0: an empty result, zero weight gradients), and ``precision`` other than "bf16"
+    (the FP8 path has no registered operator yet; under ``torch.compile`` it raises)."""
     if shared is not None:
         if not (isinstance(shared, (tuple, list)) and len(shared) == 3):
             raise MoEInputError("shared must be None or a tuple (w_gate_s [I_s, H], w_up_s [I_s, H], "
@@ -434,5 +446,12 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
         t is not None and t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, sg, su, sd))
     gname = group if isinstance(group, str) else _group_string(group)
     cstr = config if isinstance(config, str) else _config_string(config)
+    precision = _precision(cstr)
+    if x.shape[0] == 0 or precision != "bf16":
+        if precision != "bf16" and torch.compiler.is_compiling():
+            raise MoEInputError(f"MoEConfig(precision={precision!r}) has no registered operator yet: "
+                                f"torch.compile cannot trace it; run the layer eagerly")
+        return moe_function(x, topk_idx, topk_weights, w_gate, w_up, w_down, None if sg is None else (sg, su, sd),
+                            group=resolve_group(gname), config=parse_config(cstr))
     out = torch.ops.tabby.moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, sg, su, sd, gname, cstr, save)
     return out[0]
