@@ -148,6 +148,16 @@ def test_fp8_weight_cache_follows_the_weight():
 
 
 @cpu_only
+def test_fp8_weight_cache_is_bypassed_while_a_cuda_graph_is_captured(monkeypatch):
+    """Under capture the quantization must be recorded in the graph (replays see updated weights)."""
+    fp8_layer.clear_weight_cache()
+    w = torch.randn(1, 128, 128).to(torch.bfloat16)
+    monkeypatch.setattr(fp8_layer, "_capturing", lambda: True)
+    assert fp8_layer.fp8_weight(w)[0] is not fp8_layer.fp8_weight(w)[0]
+    assert len(fp8_layer._weight_cache) == 0
+
+
+@cpu_only
 def test_fp8_layer_expert_parallel_two_ranks():
     """EP2 on simulated ranks equals the one-process FP8 reference on the concatenated tokens."""
     prob = make_problem(2, 20, 128, 128, 2, 2, seed=5)

@@ -52,11 +52,19 @@ def clear_weight_cache() -> None:
     _weight_cache.clear()
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _cached(kind: str, weights, make):
     """``make()`` of ``weights``, cached until one of them changes (another tensor at the address, a
     new shape, strides or offset, a new ``_version``) or is freed. A view (e.g. one half of a fused
     gate_up weight, made afresh at each call) is followed through its base tensor, whose
-    ``_version`` it shares."""
+    ``_version`` it shares. While a CUDA graph is being captured nothing is cached: the graph
+    quantizes the weights at each replay (the optimizer may have changed them in place)."""
+    if _capturing():
+        # a CUDA graph replays kernels, not this check: the quantization must be in the graph
+        return make()
     owners = tuple(w if w._base is None else w._base for w in weights)
     key = (kind,) + tuple((str(w.device), w.data_ptr()) for w in weights)
     state = tuple((w.shape, w.stride(), w.storage_offset(), w._version) for w in weights)
