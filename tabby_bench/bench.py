@@ -3,13 +3,14 @@
 On GPUs, for each (shape, tokens per GPU, EP size, implementation) every rank builds fresh random
 inputs (its own seed), checks the implementation against the fp32 reference (forward values and,
 for fwd+bwd, dx, d topk_weights and the weight gradients; relative Frobenius error, tolerance 2e-2
-for bf16), then times the forward (autograd enabled) and forward+backward with CUDA events: each
+for bf16 rows and 8e-2 for FP8 rows), then times the forward (autograd enabled) and forward+backward with CUDA events: each
 iteration's time is the maximum over all ranks, the reported time the median over iterations.
 The floor is timed first and again after a shape's other implementations; its figure is the mean
 of the two (``records.bracket_floor``: the GPU's clock drifts down under sustained load).
 TFLOP/s counts 6*T*k*H*I (+ 6*T*H*I_shared) for the forward and three times that for fwd+bwd
 (docs/design.md "Measuring"). Ratios: to the compute-only floor of the same (shape, T, EP, pass),
-and the speedup over the fastest correct anchor (torch-a2a, torch-symm).
+and the speedup over the fastest correct anchor of the row's precision (torch-a2a, torch-symm; for
+FP8 rows torch-fp8).
 
 A failure (exception) of one implementation is recorded as ``correct: false, error: "..."`` and
 the run goes on; ranks agree on failures after every step so collectives stay in lockstep.
@@ -38,7 +39,7 @@ from .launch import LaunchError, launch, under_torchrun  # importing it keeps NV
 from .records import (append_history, base_record, bracket_floor, default_out_dir, file_stem, finalize, format_table,
                       header_line, machine_info, plot, progress_line, read_jsonl)
 from .shapes import Inputs, make_inputs
-from .timing import attempt, dense_matmul, free_memory, max_over_ranks, time_iterations_and_host
+from .timing import attempt, dense_line, dense_matmul, free_memory, max_over_ranks, time_iterations_and_host
 
 
 @dataclass
@@ -78,7 +79,7 @@ def measure(impl, inp: Inputs, group, cfg: Config, timed: bool) -> list:
             return fail(err)
         for p, r in recs.items():
             r["errors"] = errors if p == "fwd+bwd" else forward_only(errors)
-            r["correct"] = within(r["errors"], TOLERANCE[cfg.dtype])
+            r["correct"] = within(r["errors"], r["tolerance"])
     if not timed:
         return list(recs.values())
     for p, r in recs.items():
@@ -193,7 +194,7 @@ def gpu_worker(rank: int, world: int, cfg: Config, impl_names: list, path: str, 
         dense, err = attempt(dense_matmul)
         sink.note({"kind": "dense", "result": dense, "error": err})
         if rank == 0 and dense:
-            print(f"dense bf16 matmul {dense['m']}^3: {dense['ms']:.3f} ms, {dense['tflops']:.1f} TFLOP/s", flush=True)
+            print(dense_line(dense), flush=True)
     impls = [IMPLS[n] for n in impl_names]
     for shape in cfg.shapes:
         for T in cfg.tokens:
@@ -297,7 +298,7 @@ def run(cfg: Config) -> dict:
     if cfg.tuning:
         header += f"tabby rows with Tuning({cfg.tuning})\n\n"
     if dense:
-        header += f"dense bf16 matmul {dense['m']}^3: {dense['tflops']:.1f} TFLOP/s\n\n"
+        header += dense_line(dense) + "\n\n"
     table = format_table(records)
     with open(stem + ".md", "w") as f:
         f.write(header + table + "\n")

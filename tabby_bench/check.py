@@ -2,7 +2,8 @@
 
 Relative Frobenius errors per quantity (``y``, ``dx``, ``dtopk_weights``, the weight gradients),
 summed over all ranks before the division; an implementation is correct where every one is at
-most :data:`TOLERANCE` of its dtype.
+most :data:`TOLERANCE` of its precision (bf16; the FP8 rows' E4M3 operands, 3 bits of mantissa,
+put their errors against fp32 at 4-7e-2 on the benchmark shapes).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from .anchors.floor import ErrorSums, expert_fp32
 from .anchors.torch_a2a import dispatch_rows, return_rows, route_plan
 from .shapes import Inputs
 
-TOLERANCE = {"bf16": 2e-2}
+TOLERANCE = {"bf16": 2e-2, "fp8": 8e-2}
 DTYPES = {"bf16": torch.bfloat16}
 
 

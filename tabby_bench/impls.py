@@ -67,6 +67,7 @@ class LayerImpl:
     in_default: bool = True
     device_errors: object = None  # raises if the layer recorded an error on the device (host sync)
     tuning: str = ""  # the tabby.Tuning it runs with, as Tuning.describe() writes it
+    precision: str = "bf16"  # of its GEMMs' operands: the check's tolerance (check.TOLERANCE)
 
     def prepare(self, inp: Inputs, group):
         return LayerRun(self.fn, inp, group, self.device_errors)
@@ -156,11 +157,11 @@ register(FloorImpl())
 register_layer("torch-a2a", moe_torch_a2a, anchor=True)
 register_layer("torch-symm", moe_torch_symm, anchor=True, supports_cpu=False, isolate=True)
 register_tabby()
-# FP8 rows, outside the default matrix (the check's bf16 tolerance is not theirs): torch-a2a with
+# FP8 rows, outside the default matrix (checked at the FP8 tolerance): torch-a2a with
 # torch._scaled_grouped_mm, and Tabby's FP8 layer (the path of separate launches)
-register_layer("torch-fp8", moe_torch_fp8, anchor=True, supports_cpu=False, in_default=False)
+register_layer("torch-fp8", moe_torch_fp8, anchor=True, supports_cpu=False, in_default=False, precision="fp8")
 register_layer("tabby-fp8", functools.partial(tabby.moe, config=MoEConfig(megakernel=False, precision="fp8")),
-               device_errors=tabby.check_errors, in_default=False)
+               device_errors=tabby.check_errors, in_default=False, precision="fp8")
 load_plugins()
 
 

@@ -22,7 +22,7 @@ from .check import TOLERANCE
 from .shapes import Shape, flops
 
 PASSES = ("fwd", "fwd+bwd")
-ANCHORS = ("torch-a2a", "torch-symm")  # the baselines a row's "vs anchor" compares with
+ANCHORS = ("torch-a2a", "torch-symm", "torch-fp8")  # the baselines "vs anchor" compares with (same precision)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -33,9 +33,13 @@ def default_out_dir() -> str:
 
 
 def base_record(impl, shape: Shape, T: int, ep: int, pass_: str, dtype: str) -> dict:
+    """``dtype``: the layer's inputs; the implementation's ``precision`` (its GEMMs' operands, bf16
+    unless it says otherwise) sets the tolerance."""
+    precision = getattr(impl, "precision", dtype)
     return dict(impl=impl.name if not isinstance(impl, str) else impl, shape=shape.name, E=shape.E, H=shape.H,
                 I=shape.I, k=shape.k, I_shared=shape.I_shared, ep=ep, tokens_per_gpu=T, dtype=dtype, **{"pass": pass_},
-                ms=None, tflops=None, flops=flops(shape, T, pass_), correct=None, errors={}, tolerance=TOLERANCE[dtype],
+                precision=precision, ms=None, tflops=None, flops=flops(shape, T, pass_), correct=None, errors={},
+                tolerance=TOLERANCE[precision],
                 ratio_to_floor=None, speedup_vs_best_anchor=None, peak_mem_gb=None, host_ms=None, error=None,
                 tuning=getattr(impl, "tuning", ""))
 
@@ -59,9 +63,13 @@ def bracket_floor(first: list, last: list) -> list:
 
 
 def finalize(records: list) -> None:
-    """Fill ratio_to_floor and speedup_vs_best_anchor (in place)."""
+    """Fill ratio_to_floor (against the bf16 floor) and speedup_vs_best_anchor (the fastest correct
+    anchor of the row's precision) in place."""
     def key(r):
         return (r["shape"], r["tokens_per_gpu"], r["ep"], r["pass"])
+
+    def anchor_key(r):
+        return key(r) + (r.get("precision", "bf16"),)
 
     floor, best = {}, {}
     for r in records:
@@ -70,14 +78,14 @@ def finalize(records: list) -> None:
         if r["impl"] == "floor":
             floor[key(r)] = r["ms"]
         if r["impl"] in ANCHORS:
-            best[key(r)] = min(best.get(key(r), math.inf), r["ms"])
+            best[anchor_key(r)] = min(best.get(anchor_key(r), math.inf), r["ms"])
     for r in records:
         if r["ms"] is None:
             continue
         if key(r) in floor:
             r["ratio_to_floor"] = r["ms"] / floor[key(r)]
-        if key(r) in best:
-            r["speedup_vs_best_anchor"] = best[key(r)] / r["ms"]
+        if anchor_key(r) in best:
+            r["speedup_vs_best_anchor"] = best[anchor_key(r)] / r["ms"]
 
 
 def _cell(v, fmt):

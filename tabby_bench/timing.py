@@ -114,9 +114,30 @@ def median_ms(run, warmup: int, iters: int) -> tuple:
 
 
 def dense_matmul(n: int = 8192, warmup: int = 3, iters: int = 10) -> dict:
-    """The dense bf16 matmul anchor: n x n x n, median of ``iters`` (on this rank's GPU)."""
+    """The dense matmul anchors: n x n x n in bf16 (``ms``, ``tflops``) and in FP8 E4M3 with bf16
+    output (``torch._scaled_mm``, per-tensor scales: ``fp8_ms``, ``fp8_tflops``; None where the GPU
+    or torch has no FP8 matmul), median of ``iters`` (on this rank's GPU)."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     ms = statistics.median(time_iterations(lambda: a @ b, warmup, iters))
+    fp8_ms = None
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major, as _scaled_mm needs
+        one = torch.ones((), device="cuda")
+        fp8_ms = statistics.median(time_iterations(
+            lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), warmup, iters))
+        del a8, b8
+    except (RuntimeError, AttributeError, TypeError):  # no FP8 tensor cores (before sm_89) or no _scaled_mm
+        pass
     del a, b
-    return {"m": n, "n": n, "k": n, "ms": ms, "tflops": 2.0 * n ** 3 / (ms * 1e-3) / 1e12}
+    flop = 2.0 * n ** 3
+    return {"m": n, "n": n, "k": n, "ms": ms, "tflops": flop / (ms * 1e-3) / 1e12, "fp8_ms": fp8_ms,
+            "fp8_tflops": flop / (fp8_ms * 1e-3) / 1e12 if fp8_ms else None}
+
+
+def dense_line(dense: dict) -> str:
+    """``dense bf16 matmul 8192^3: 790.1 TFLOP/s; FP8 1402.3`` (FP8 where measured)."""
+    line = f"dense bf16 matmul {dense['m']}^3: {dense['tflops']:.1f} TFLOP/s"
+    if dense.get("fp8_tflops"):
+        line += f"; FP8 (E4M3, torch._scaled_mm) {dense['fp8_tflops']:.1f} TFLOP/s"
+    return line

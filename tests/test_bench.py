@@ -99,6 +99,22 @@ def test_finalize_ratios_and_speedups():
     assert by["tabby", "glm-5"]["speedup_vs_best_anchor"] is None
 
 
+def test_fp8_rows_are_checked_and_compared_as_fp8():
+    """An FP8 row gets the FP8 tolerance and is compared with the FP8 anchor, not the bf16 ones."""
+    shape = SHAPES["qwen3-30b-a3b"]
+    fp8 = records.base_record(impls.IMPLS["tabby-fp8"], shape, 4096, 1, "fwd", "bf16")
+    bf16 = records.base_record(impls.IMPLS["tabby"], shape, 4096, 1, "fwd", "bf16")
+    assert (fp8["precision"], fp8["tolerance"]) == ("fp8", TOLERANCE["fp8"])
+    assert (bf16["precision"], bf16["tolerance"]) == ("bf16", TOLERANCE["bf16"]) and TOLERANCE["bf16"] < TOLERANCE["fp8"]
+    recs = [_rec("floor", 2.0), _rec("torch-a2a", 4.0), dict(_rec("torch-fp8", 3.0), precision="fp8"),
+            dict(_rec("tabby-fp8", 1.5), precision="fp8"), _rec("tabby", 2.0)]
+    records.finalize(recs)
+    by = {r["impl"]: r for r in recs}
+    assert by["tabby-fp8"]["speedup_vs_best_anchor"] == pytest.approx(3.0 / 1.5)
+    assert by["tabby"]["speedup_vs_best_anchor"] == pytest.approx(4.0 / 2.0)
+    assert by["tabby-fp8"]["ratio_to_floor"] == pytest.approx(0.75)
+
+
 def test_bracket_floor_averages_first_and_last():
     def rec(ms, peak, p="fwd"):
         r = records.base_record("floor", SHAPES["qwen3-30b-a3b"], 16384, 2, p, "bf16")
