@@ -19,7 +19,7 @@ _spec = importlib.util.spec_from_file_location("tabby_fuzz", _PATH)
 fuzz = sys.modules["tabby_fuzz"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fuzz)
 
-CI_SEEDS = list(range(24))
+CI_SEEDS = list(range(20))
 CI_WORLDS = (1, 2)
 
 
@@ -79,7 +79,7 @@ def test_compare_catches_wrong_outputs():
             fuzz.compare(got, want)
 
 
-@pytest.mark.parametrize("seed", [2, 11])
+@pytest.mark.parametrize("seed", [11])
 def test_both_paths_are_bitwise_equal_on_fuzz_cases(seed):
     """The megakernel and the path of separate launches give bitwise the same y and gradients
     (docs/design.md, "Determinism"), here on drawn cases at EP2."""
