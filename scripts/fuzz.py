@@ -368,8 +368,18 @@ def main(argv=None) -> int:
                 f.write("\n".join(log_lines) + "\n")
         return summary
 
+    def budget_spent():
+        spent = args.time_budget is not None and time.time() - t_start > args.time_budget
+        if distributed and args.time_budget is not None:  # every rank stops before the same case
+            import torch.distributed as dist
+
+            flag = torch.tensor([int(spent)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            spent = bool(int(flag))
+        return spent
+
     for seed in seeds:
-        if args.time_budget is not None and time.time() - t_start > args.time_budget:
+        if budget_spent():
             say(f"time budget of {args.time_budget} s spent: {len(results)} of {len(seeds)} cases run")
             break
         c = draw_case(seed, worlds=worlds, small=small)
