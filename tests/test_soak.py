@@ -69,3 +69,13 @@ def test_soak_stops_at_the_next_checkpoint_after_an_exception(tmp_path):
     first = summary["raised"][0]
     assert not summary["ok"] and first["call"] == 5 and "lost the device" in first["error"]
     assert summary["calls"] == 8 and len(calls) == 6  # no call after it; stopped at the checkpoint after call 8
+
+
+def test_memory_growth_tells_a_leak_from_a_cache_that_flips():
+    MiB = 2 ** 20
+    flips = [100 * MiB, 110 * MiB] * 6  # one configuration's buffers held, then the other's
+    assert soak.memory_growth(flips, flips, 100 * MiB) == (0, 0)
+    leak = [100 * MiB + i * MiB for i in range(12)]
+    growth, peak_growth = soak.memory_growth(leak, leak, 100 * MiB)
+    assert growth == 8 * MiB and peak_growth == 8 * MiB and growth > soak.MEMORY_SLACK
+    assert soak.memory_growth([100 * MiB, 103 * MiB], [5, 5], 100 * MiB) == (3 * MiB, 0)
