@@ -10,10 +10,10 @@ from .workspace import (BWD, BWD_DONE, BWD_READY)
 from .forward import KeptRows, MegaSaved
 from .plan import Plan
 from .probe import Probe, mark
-from .steps import _debug_check, _pull_rows, _signal_wait
+from .steps import debug_check, pull_routed_rows, signal_and_wait
 
 
-def _routed_rows_for_wgrad(ws, plan: Plan, kept: KeptRows, TK, k):
+def routed_rows_for_wgrad(ws, plan: Plan, kept: KeptRows, TK, k):
     """The routed rows [R, H] of a forward that kept them partly (local rows: xs without this rank's
     rows, filled in here from x) or not at all (the token pull: xs is every rank's tokens
     [W*T, H], rows gathered from them and x into a new buffer); local copies only. A copy, not a
@@ -23,7 +23,7 @@ def _routed_rows_for_wgrad(ws, plan: Plan, kept: KeptRows, TK, k):
     W, T, H = ws.world_size, x.shape[0], x.shape[1]
     if kept.missing == "local":
         table = torch.full((W,), x.data_ptr(), dtype=torch.int64, device=x.device)
-        _pull_rows(plan, sched, table, xs, TK, k, only_rank=ws.rank)
+        pull_routed_rows(plan, sched, table, xs, TK, k, only_rank=ws.rank)
         return xs
     # rank src's rows at xs[src*T:], this rank's at x: an address table of local buffers
     # (built by device ops only: assigning an element from a Python int would sync with the host;
@@ -31,7 +31,7 @@ def _routed_rows_for_wgrad(ws, plan: Plan, kept: KeptRows, TK, k):
     src = torch.arange(W, dtype=torch.int64, device=x.device)
     table = torch.where(src == ws.rank, x.data_ptr(), src * (T * H * xs.element_size()) + xs.data_ptr())
     rows = xs.new_empty((sched.R_max, H))
-    _pull_rows(plan, sched, table, rows, TK, k)
+    pull_routed_rows(plan, sched, table, rows, TK, k)
     return rows
 
 
@@ -58,18 +58,18 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
         ws.x_pub.copy_(saved.x)
         ws.w_pub.copy_(saved.topk_weights)
     ws.dy_pub.copy_(dy)
-    _signal_wait(ws, BWD_READY, BWD, True, sync.ERR_WAIT_PEER_READY, plan)
+    signal_and_wait(ws, BWD_READY, BWD, True, sync.ERR_WAIT_PEER_READY, plan)
     mark(probe, "bwd:publish+wait")
     if recompute:
         xs = dy.new_empty((sched.R_max, H))
         row_w = torch.empty(sched.R_max, dtype=torch.float32, device=dy.device)
-        _pull_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, k, ws.ptrs["w_pub"], row_w)
+        pull_routed_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, k, ws.ptrs["w_pub"], row_w)
         _, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, save_gu=True,
                                     config=plan.gemm_config(gemm.KIND_GATE_UP))
         mark(probe, "bwd:recompute")
 
     dys = dy.new_empty((sched.R_max, H))
-    _pull_rows(plan, sched, ws.ptrs["dy_pub"], dys, TK, k)
+    pull_routed_rows(plan, sched, ws.ptrs["dy_pub"], dys, TK, k)
     mark(probe, "bwd:dispatch_dy")
     dgu, hw, dw_part = gemm.down_dgrad_swiglu_bwd(dys, w_down, gu, row_w, sched.tile_expert, sched.num_tiles,
                                                   config=plan.gemm_config(gemm.KIND_DGRAD_SWIGLU))
@@ -83,16 +83,16 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
     mark(probe, "bwd:router_grad")
     dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype)
     if not recompute and saved.missing:  # the routed rows the weight gradient reads, contiguous
-        xs = _routed_rows_for_wgrad(ws, plan, saved, TK, k)
+        xs = routed_rows_for_wgrad(ws, plan, saved, TK, k)
         mark(probe, "bwd:routed_rows")
     dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
                                                out_dtype=w_gate.dtype)
     mark(probe, "bwd:wgrad")
-    _signal_wait(ws, BWD_DONE, BWD, False, sync.ERR_WAIT_PEER_DONE, plan)
+    signal_and_wait(ws, BWD_DONE, BWD, False, sync.ERR_WAIT_PEER_DONE, plan)
     mark(probe, "bwd:signal+wait")
     dx = combine_k(ws.dx_in, T, k, dtype=dy.dtype)
     dtopk = ws.dw_in.view(T, k).clone()
     mark(probe, "bwd:combine")
-    _debug_check(ws, plan, dy)
+    debug_check(ws, plan, dy)
     return dx, dtopk, dw_gate, dw_up, dw_down
 

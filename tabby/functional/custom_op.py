@@ -64,11 +64,11 @@ import torch.nn.functional as F
 
 from ..ops.schedule import ScheduleBuffers, default_chunk, schedule_capacity
 from ..validate import MoEDims, MoEInputError, check_inputs
-from .backward import _routed_rows_for_wgrad, moe_backward
+from .backward import routed_rows_for_wgrad, moe_backward
 from .config import MoEConfig, Tuning
 from .forward import KeptRows, MegaSaved, moe_forward
 from .forward_mega import moe_forward_mega
-from .moe import _group_info, _workspace_and_plan
+from .moe import group_info, workspace_and_plan
 from .moe import moe as moe_function
 from .plan import Plan, make_plan
 from .threads import ThreadRank
@@ -242,14 +242,14 @@ def _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group: str, 
     """(workspace, plan, dims) of a real call, as ``tabby.moe`` finds them (a new workspace or plan
     only after the memory check; ``save``: the call is differentiated)."""
     cfg = parse_config(config)
-    rank, W, pg, tg = _group_info(resolve_group(group))
+    rank, W, pg, tg = group_info(resolve_group(group))
     dims = _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W)
     if W > 1 and tg is None and x.device.type != "cuda":
         raise MoEInputError("Tabby across processes needs CUDA tensors (GPU symmetric memory)")
     if dims.T == 0:  # (the wrapper ``moe`` sends T = 0 to tabby.moe)
         raise MoEInputError("torch.ops.tabby.moe needs tokens (T = 0); tabby.functional.custom_op.moe takes T = 0")
     key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device))
-    ws, plan = _workspace_and_plan(key, dims, cfg, dims.I_shared, x.device, rank, pg, tg, differentiated=save)
+    ws, plan = workspace_and_plan(key, dims, cfg, dims.I_shared, x.device, rank, pg, tg, differentiated=save)
     return ws, plan, dims
 
 
@@ -282,7 +282,7 @@ def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     s = saved.sched
     if keep:
         if saved.missing == "local":  # this rank's rows into xs now, so that the backward changes no input
-            _routed_rows_for_wgrad(ws, plan, saved, dims.T * dims.k, dims.k)
+            routed_rows_for_wgrad(ws, plan, saved, dims.T * dims.k, dims.k)
         xs, gu, row_w = saved.xs, saved.gu, saved.row_w
         if _zero_padding:
             _zero_padding_rows(s.row_src, xs, gu, row_w, ws.rank, dims.T, saved.missing == "tokens")
@@ -296,7 +296,7 @@ def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
 def _moe_fake(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, group, config,
               save):
     shared = _shared(shared_gate, shared_up, shared_down)
-    _, W, _, _ = _group_info(resolve_group(group))
+    _, W, _, _ = group_info(resolve_group(group))
     dims = _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W)
     plan = _fake_plan(dims, parse_config(config), x.device, dims.I_shared)
     T, H, I, E_local = dims.T, dims.H, dims.I, dims.E_local

@@ -41,7 +41,7 @@ import torch
 from ..ops import gemm
 from .plan import Plan
 from .probe import Probe, mark
-from .steps import _finish_forward, _publish_and_schedule, _pull_rows
+from .steps import finish_forward, publish_and_schedule, pull_routed_rows
 
 
 def moe_forward(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra=None,
@@ -49,10 +49,10 @@ def moe_forward(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_down,
     """Forward pass on one rank. Returns (y [T, H], saved) where saved feeds ``moe_backward``."""
     T, H = x.shape
     TK = topk_idx.numel()
-    sched = _publish_and_schedule(ws, plan, x, topk_idx, topk_weights, w_gate.shape[0], probe=probe)
+    sched = publish_and_schedule(ws, plan, x, topk_idx, topk_weights, w_gate.shape[0], probe=probe)
     xs = x.new_empty((sched.R_max, H))
     row_w = torch.empty(sched.R_max, dtype=torch.float32, device=x.device)
-    _pull_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, sched.k, ws.ptrs["w_pub"], row_w)
+    pull_routed_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, sched.k, ws.ptrs["w_pub"], row_w)
     mark(probe, "fwd:dispatch")
     h, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, save_gu=True,
                                 config=plan.gemm_config(gemm.KIND_GATE_UP))
@@ -60,7 +60,7 @@ def moe_forward(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_down,
     gemm.down_push(h, w_down, sched.tile_expert, sched.num_tiles, sched.row_src, ws.ptrs["y_in"], TK,
                    config=plan.gemm_config(gemm.KIND_DOWN))
     mark(probe, "fwd:down+push")
-    return _finish_forward(ws, plan, x, topk_weights, extra, probe=probe), KeptRows(sched, xs, gu, row_w)
+    return finish_forward(ws, plan, x, topk_weights, extra, probe=probe), KeptRows(sched, xs, gu, row_w)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from ..ops.schedule import schedule_capacity
 from .forward import KeptRows, MegaSaved
 from .plan import Plan
 from .probe import Probe, mark
-from .steps import _finish_forward, _publish_and_schedule
+from .steps import finish_forward, publish_and_schedule
 from .workspace import FWD, FWD_DONE, FWD_X_PULL, FWD_X_READY
 
 
@@ -87,7 +87,7 @@ def moe_forward_mega(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_
     row_w = None
     if save and tokens:  # written by the schedule (there are no fills)
         row_w = torch.empty(n_tiles * plan.tile_m, dtype=torch.float32, device=x.device)  # the schedule's R_max
-    sched = _publish_and_schedule(ws, plan, x, topk_idx, topk_weights, E_local, in_kernel=True,
+    sched = publish_and_schedule(ws, plan, x, topk_idx, topk_weights, E_local, in_kernel=True,
                                   on_main=mb.counters.zero_, order=tokens, row_w=row_w, probe=probe)
     pull_stream = xt = None
     if tokens:  # (queued before the launch: see _pull_tokens)
@@ -116,7 +116,7 @@ def moe_forward_mega(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_
     if mprobe is not None:
         probe.trace = mprobe.trace
     mark(probe, "fwd:megakernel")
-    y = _finish_forward(ws, plan, x, topk_weights, mb.extra[:T] if shared is not None else None, in_kernel=True,
+    y = finish_forward(ws, plan, x, topk_weights, mb.extra[:T] if shared is not None else None, in_kernel=True,
                         probe=probe)
     if save:
         if tokens:

@@ -38,7 +38,7 @@ from .backward import moe_backward
 from .forward import KeptRows
 from .plan import Plan
 from .probe import Probe, mark
-from .steps import _debug_check, _finish_forward, _publish_and_schedule, _pull_rows, _signal_wait
+from .steps import debug_check, finish_forward, publish_and_schedule, pull_routed_rows, signal_and_wait
 from .workspace import BWD, BWD_DONE, BWD_READY
 
 FP8_BLOCK = fp8.BLOCK
@@ -124,10 +124,10 @@ def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_fp8, extra=None
     T, H = x.shape
     TK = topk_idx.numel()
     (wg_q, wg_s), (wu_q, wu_s), (wd_q, wd_s) = w_fp8
-    sched = _publish_and_schedule(ws, plan, x, topk_idx, topk_weights, wg_q.shape[0], probe=probe)
+    sched = publish_and_schedule(ws, plan, x, topk_idx, topk_weights, wg_q.shape[0], probe=probe)
     xs = x.new_empty((sched.R_max, H))
     row_w = torch.empty(sched.R_max, dtype=torch.float32, device=x.device)
-    _pull_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, sched.k, ws.ptrs["w_pub"], row_w)
+    pull_routed_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, sched.k, ws.ptrs["w_pub"], row_w)
     mark(probe, "fwd:dispatch")
     xq, x_scale = fp8.quantize_rows(xs, num_tiles=sched.num_tiles, tile_rows=plan.tile_m)
     mark(probe, "fwd:quantize")
@@ -139,7 +139,7 @@ def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_fp8, extra=None
                            ws.ptrs["y_in"], TK,
                            config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=plan.tile_m))
     mark(probe, "fwd:down+push")
-    return _finish_forward(ws, plan, x, topk_weights, extra, probe=probe), KeptRows(sched, xs, gu, row_w)
+    return finish_forward(ws, plan, x, topk_weights, extra, probe=probe), KeptRows(sched, xs, gu, row_w)
 
 
 def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, probe: Probe | None = None):
@@ -159,10 +159,10 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     BM = plan.tile_m
     mark(probe, "bwd:start")
     ws.dy_pub.copy_(dy)
-    _signal_wait(ws, BWD_READY, BWD, True, sync.ERR_WAIT_PEER_READY, plan)
+    signal_and_wait(ws, BWD_READY, BWD, True, sync.ERR_WAIT_PEER_READY, plan)
     mark(probe, "bwd:publish+wait")
     dys = dy.new_empty((sched.R_max, H))
-    _pull_rows(plan, sched, ws.ptrs["dy_pub"], dys, TK, k)
+    pull_routed_rows(plan, sched, ws.ptrs["dy_pub"], dys, TK, k)
     mark(probe, "bwd:dispatch_dy")
     dys_q, dys_s = fp8.quantize_rows(dys, num_tiles=sched.num_tiles, tile_rows=BM)
     dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(
@@ -189,12 +189,12 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     dw_gate = gemm_fp8.expert_wgrad_fp8(dgu_t[:I], dgu_s[:, :I], xs_t, xs_s, *seg, out_dtype=w_gate.dtype)
     dw_up = gemm_fp8.expert_wgrad_fp8(dgu_t[I:], dgu_s[:, I:], xs_t, xs_s, *seg, out_dtype=w_up.dtype)
     mark(probe, "bwd:wgrad")
-    _signal_wait(ws, BWD_DONE, BWD, False, sync.ERR_WAIT_PEER_DONE, plan)
+    signal_and_wait(ws, BWD_DONE, BWD, False, sync.ERR_WAIT_PEER_DONE, plan)
     mark(probe, "bwd:signal+wait")
     dx = combine_k(ws.dx_in, T, k, dtype=dy.dtype)
     dtopk = ws.dw_in.view(T, k).clone()
     mark(probe, "bwd:combine")
-    _debug_check(ws, plan, dy)
+    debug_check(ws, plan, dy)
     return dx, dtopk, dw_gate, dw_up, dw_down
 
 

@@ -32,7 +32,7 @@ from .workspace import (TabbyDeviceError, WorkspaceKey, cached_workspaces, get_w
 log = logging.getLogger("tabby")
 
 
-def _group_info(group):
+def group_info(group):
     """(rank, world size, torch process group or None, thread group or None).
 
     ``group=None`` means one rank, as in ``moe_reference`` (even when a default group exists).
@@ -126,7 +126,7 @@ def _plan_key(config: MoEConfig, I_s: int):
             os.environ.get("TABBY_DEBUG"))
 
 
-def _workspace_and_plan(key: WorkspaceKey, dims: MoEDims, config: MoEConfig, I_s: int, device, rank, pg, tg,
+def workspace_and_plan(key: WorkspaceKey, dims: MoEDims, config: MoEConfig, I_s: int, device, rank, pg, tg,
                         differentiated: bool = True):
     """The cached workspace of this group and shape and its plan for ``config`` and ``I_s``.
 
@@ -184,7 +184,7 @@ def _moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
     config = config or MoEConfig()
     if not isinstance(config, MoEConfig):
         raise MoEInputError(f"config must be a tabby.MoEConfig, got {type(config).__name__}")
-    rank, W, pg, tg = _group_info(group)
+    rank, W, pg, tg = group_info(group)
     dims = check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, world_size=W,
                         check_ids=False, dtypes=(torch.bfloat16,))
     check_device(x.device)
@@ -200,7 +200,7 @@ def _moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
         return _EmptyMoE.apply(x, topk_weights, w_gate, w_up, w_down, *sh)
     differentiated = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ())))
-    ws, plan = _workspace_and_plan(key, dims, config, I_s, x.device, rank, pg, tg, differentiated)
+    ws, plan = workspace_and_plan(key, dims, config, I_s, x.device, rank, pg, tg, differentiated)
     if probe is not None:
         probe.plan = plan
     if config.precision != "bf16":  # the FP8 experts on the path of separate launches (fp8.py)

@@ -37,7 +37,7 @@ def _wait(ws, slot, epoch_idx, code, plan: Plan):
                                  plan.wait_budget, ws.err, code)
 
 
-def _signal_wait(ws, slot, epoch_idx, bump, code, plan: Plan):
+def signal_and_wait(ws, slot, epoch_idx, bump, code, plan: Plan):
     """``_signal`` then ``_wait``; on the GPU in one launch (``comm.signal_wait_peers_kernel``: a
     Triton launch costs the host ~30-50 us, which small shapes feel)."""
     if INTERPRET:  # the wait polls from the host (see _wait)
@@ -48,7 +48,7 @@ def _signal_wait(ws, slot, epoch_idx, bump, code, plan: Plan):
                                         ws.world_size, plan.wait_budget, ws.err, code, BUMP=bump)
 
 
-def _pull_rows(plan: Plan, sched, src_ptrs, dst, TK, k, w_ptrs=None, ws_out=None, only_rank=None):
+def pull_routed_rows(plan: Plan, sched, src_ptrs, dst, TK, k, w_ptrs=None, ws_out=None, only_rank=None):
     """Rows of the schedule into dst [R, H] from every rank's [T, H] buffer (``src_ptrs``), with
     their router weights (``w_ptrs`` -> ``ws_out``); ``only_rank``: only the rows from that rank."""
     H = dst.shape[1]
@@ -61,7 +61,7 @@ def _pull_rows(plan: Plan, sched, src_ptrs, dst, TK, k, w_ptrs=None, ws_out=None
         rank=only_rank or 0, num_warps=8)
 
 
-def _debug_check(ws, plan: Plan, t):
+def debug_check(ws, plan: Plan, t):
     """Debug mode: raise at once on a device error (a host sync), except while a CUDA graph is
     captured (a replay runs without the check; call ``check_errors`` after it)."""
     if plan.debug and not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -79,7 +79,7 @@ def _side_stream(ws, x):
     return ws.side_stream
 
 
-def _publish_and_schedule(ws, plan: Plan, x, topk_idx, topk_weights, E_local, in_kernel=False, on_main=None,
+def publish_and_schedule(ws, plan: Plan, x, topk_idx, topk_weights, E_local, in_kernel=False, on_main=None,
                           order=False, row_w=None, probe: Probe | None = None):
     """Publish this rank's inputs, wait for every peer's, build the routed-row schedule.
 
@@ -116,7 +116,7 @@ def _publish_and_schedule(ws, plan: Plan, x, topk_idx, topk_weights, E_local, in
 
     def schedule():
         if not publish_in_count:  # (in_kernel under the interpreter: the count programs' waits then pass)
-            _signal_wait(ws, FWD_READY, FWD, True, sync.ERR_WAIT_PEER_READY, plan)
+            signal_and_wait(ws, FWD_READY, FWD, True, sync.ERR_WAIT_PEER_READY, plan)
         mark(probe, "fwd:publish+wait")
         ready = (ws.flags, ws.epoch[FWD:], FWD_READY, plan.wait_budget) if in_kernel else None
         publish = (topk_idx, topk_weights, ws.idx_pub, ws.w_pub, ws.ptrs["flags"]) if publish_in_count else None
@@ -137,22 +137,22 @@ def _publish_and_schedule(ws, plan: Plan, x, topk_idx, topk_weights, E_local, in
     if side is not None:
         main.wait_stream(side)
     if not in_kernel or INTERPRET:  # (the interpreter: signalled and polled here; the kernel's repeats it)
-        _signal_wait(ws, FWD_X_READY, FWD, False, sync.ERR_WAIT_PEER_READY, plan)
+        signal_and_wait(ws, FWD_X_READY, FWD, False, sync.ERR_WAIT_PEER_READY, plan)
     mark(probe, "fwd:wait_x")
     return sched
 
 
-def _finish_forward(ws, plan: Plan, x, topk_weights, extra, in_kernel=False, probe: Probe | None = None):
+def finish_forward(ws, plan: Plan, x, topk_weights, extra, in_kernel=False, probe: Probe | None = None):
     """Tell every peer its rows are pushed, wait for theirs, combine in k order (``in_kernel``: the
     megakernel signalled and waited already; under the interpreter the host polls here)."""
     T, k = topk_weights.shape
     if not in_kernel:
-        _signal_wait(ws, FWD_DONE, FWD, False, sync.ERR_WAIT_PEER_DONE, plan)
+        signal_and_wait(ws, FWD_DONE, FWD, False, sync.ERR_WAIT_PEER_DONE, plan)
     elif INTERPRET:
         _wait(ws, FWD_DONE, FWD, sync.ERR_WAIT_PEER_DONE, plan)
     mark(probe, "fwd:signal+wait")
     y = combine_k(ws.y_in, T, k, w=topk_weights.float().contiguous(), extra=extra, dtype=x.dtype)
     mark(probe, "fwd:combine")
-    _debug_check(ws, plan, x)
+    debug_check(ws, plan, x)
     return y
 
