@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 
 from ..ops import comm, gemm, sync
-from ..ops.combine import combine_k
-from .workspace import (BWD, BWD_DONE, BWD_READY)
+from .workspace import BWD, BWD_READY
 from .forward import KeptRows, MegaSaved
 from .plan import Plan
 from .probe import Probe, mark
-from .steps import debug_check, pull_routed_rows, signal_and_wait
+from .steps import finish_backward, pull_routed_rows, signal_and_wait
 
 
 def routed_rows_for_wgrad(ws, plan: Plan, kept: KeptRows, TK, k):
@@ -88,11 +87,6 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
     dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
                                                out_dtype=w_gate.dtype)
     mark(probe, "bwd:wgrad")
-    signal_and_wait(ws, BWD_DONE, BWD, False, sync.ERR_WAIT_PEER_DONE, plan)
-    mark(probe, "bwd:signal+wait")
-    dx = combine_k(ws.dx_in, T, k, dtype=dy.dtype)
-    dtopk = ws.dw_in.view(T, k).clone()
-    mark(probe, "bwd:combine")
-    debug_check(ws, plan, dy)
+    dx, dtopk = finish_backward(ws, plan, dy, T, k, probe)
     return dx, dtopk, dw_gate, dw_up, dw_down
 

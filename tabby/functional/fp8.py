@@ -31,15 +31,14 @@ import weakref
 import torch
 
 from ..ops import comm, fp8, gemm, gemm_fp8, sync
-from ..ops.combine import combine_k
 from ..ops.gemm import GemmConfig
 from ..validate import MoEInputError
 from .backward import moe_backward
 from .forward import KeptRows
 from .plan import Plan
 from .probe import Probe, mark
-from .steps import debug_check, finish_forward, publish_and_schedule, pull_routed_rows, signal_and_wait
-from .workspace import BWD, BWD_DONE, BWD_READY
+from .steps import finish_backward, finish_forward, publish_and_schedule, pull_routed_rows, signal_and_wait
+from .workspace import BWD, BWD_READY
 
 FP8_BLOCK = fp8.BLOCK
 
@@ -189,12 +188,7 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     dw_gate = gemm_fp8.expert_wgrad_fp8(dgu_t[:I], dgu_s[:, :I], xs_t, xs_s, *seg, out_dtype=w_gate.dtype)
     dw_up = gemm_fp8.expert_wgrad_fp8(dgu_t[I:], dgu_s[:, I:], xs_t, xs_s, *seg, out_dtype=w_up.dtype)
     mark(probe, "bwd:wgrad")
-    signal_and_wait(ws, BWD_DONE, BWD, False, sync.ERR_WAIT_PEER_DONE, plan)
-    mark(probe, "bwd:signal+wait")
-    dx = combine_k(ws.dx_in, T, k, dtype=dy.dtype)
-    dtopk = ws.dw_in.view(T, k).clone()
-    mark(probe, "bwd:combine")
-    debug_check(ws, plan, dy)
+    dx, dtopk = finish_backward(ws, plan, dy, T, k, probe)
     return dx, dtopk, dw_gate, dw_up, dw_down
 
 

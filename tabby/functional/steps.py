@@ -13,7 +13,7 @@ from ..ops.combine import combine_k
 from ..ops.schedule import alloc_schedule, launch_schedule
 from .plan import Plan
 from .probe import Probe, mark
-from .workspace import (FWD, FWD_DONE, FWD_READY, FWD_X_READY)
+from .workspace import BWD, BWD_DONE, FWD, FWD_DONE, FWD_READY, FWD_X_READY
 
 
 def _signal(ws, slot, epoch_idx, bump):
@@ -155,4 +155,16 @@ def finish_forward(ws, plan: Plan, x, topk_weights, extra, in_kernel=False, prob
     mark(probe, "fwd:combine")
     debug_check(ws, plan, x)
     return y
+
+
+def finish_backward(ws, plan: Plan, dy, T: int, k: int, probe: Probe | None = None):
+    """Tell every peer its dx rows and router-weight gradients are pushed, wait for theirs, and
+    return (dx: the k pushed rows of each token summed in k order, d topk_weights [T, k])."""
+    signal_and_wait(ws, BWD_DONE, BWD, False, sync.ERR_WAIT_PEER_DONE, plan)
+    mark(probe, "bwd:signal+wait")
+    dx = combine_k(ws.dx_in, T, k, dtype=dy.dtype)
+    dtopk = ws.dw_in.view(T, k).clone()
+    mark(probe, "bwd:combine")
+    debug_check(ws, plan, dy)
+    return dx, dtopk
 
