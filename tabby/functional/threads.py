@@ -25,12 +25,14 @@ class ThreadGroup:
         self._bases: dict[int, int] = {}
         self.raw: dict = {}  # each rank's symmetric bytes (Workspace.peer_buffer)
 
-    def exchange(self, rank: int, base: int) -> list[int]:
-        """Every rank's base address, once every rank has given its own (a collective)."""
-        self._bases[rank] = base
-        self._barrier.wait()
+    def exchange(self, rank: int, value, timeout_s: float | None = None) -> list:
+        """Every rank's ``value`` in rank order, once every rank has given its own (a collective).
+        A rank that does not join within ``timeout_s`` breaks the group's barrier: every rank waiting
+        in it raises ``threading.BrokenBarrierError``, and the group cannot be used after that."""
+        self._bases[rank] = value
+        self._barrier.wait(timeout_s)
         out = [self._bases[r] for r in range(self.world_size)]
-        self._barrier.wait()
+        self._barrier.wait(timeout_s)
         return out
 
 

@@ -253,11 +253,8 @@ def _thread_group_gather(tg: ThreadGroup, rank: int, value, timeout_s: float | N
     waiting in it raises ``TabbyDeviceError``; the group cannot be used after that."""
     import threading
 
-    tg._bases[rank] = value
     try:
-        tg._barrier.wait(timeout_s)
-        out = [tg._bases[r] for r in range(tg.world_size)]
-        tg._barrier.wait(timeout_s)
+        out = tg.exchange(rank, value, timeout_s)
     except threading.BrokenBarrierError:
         raise TabbyDeviceError(f"rank {rank}: a peer did not join the first call of this shape within "
                                f"{timeout_s} s (MoEConfig.max_wait_ms); the simulated group is broken") from None
