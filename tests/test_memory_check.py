@@ -138,3 +138,18 @@ def test_a_call_without_autograd_needs_only_the_forward(monkeypatch):
     tabby.free_workspaces()
     with pytest.raises(TabbyMemoryError, match="for a differentiated call"):
         tabby.moe(x.requires_grad_(True), idx, wts, *ws, config=cfg)
+
+
+def test_fp8_buffers_are_counted():
+    """precision="fp8": E4M3 rows and h instead of bf16 h, the FP8 backward's copies, and the weights'
+    FP8 copies (kept while the weights live), at 33/32 byte a value (fp32 scale per 128)."""
+    dims = MoEDims(T=4096, H=1024, k=8, E_local=16, I=512, world_size=1, I_shared=0)
+    need = {p: moe_mod.memory_needs(make_plan(dims, MoEConfig(megakernel=False, precision=p), torch.device("cpu")))
+            for p in ("bf16", "fp8-forward", "fp8")}
+    R, H, I, E = need["bf16"].R_max, 1024, 512, 16
+    assert need["fp8"].R_max == R and need["bf16"].fp8_weights == 0
+    assert need["fp8-forward"].forward == need["fp8"].forward == R * (H + I) * 33 // 32
+    assert need["fp8-forward"].backward == need["bf16"].backward
+    assert need["fp8"].backward == need["bf16"].backward + R * (3 * H + 5 * I) * 33 // 32
+    assert need["fp8-forward"].fp8_weights == 3 * E * I * H and need["fp8"].fp8_weights == 6 * E * I * H
+    assert need["fp8"].peak() > need["fp8-forward"].peak() > need["bf16"].peak()

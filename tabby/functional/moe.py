@@ -232,18 +232,19 @@ class MemoryNeeds:
     backward: int  # the backward's transient buffers (with the recomputed rows when nothing is kept)
     ring: int  # the megakernel's ring (0 on the sync-free path)
     recompute: bool  # the megakernel keeps nothing: its backward recomputes the routed rows
+    fp8_weights: int = 0  # the FP8 copies of the layer's weights, cached while the weights live
 
     def held(self) -> int:
-        """Bytes a differentiated call holds from its forward to its backward: the ring, and the
-        routed rows unless the backward recomputes them."""
-        return self.ring + (0 if self.recompute else self.kept)
+        """Bytes a differentiated call holds from its forward to its backward: the ring, the
+        routed rows unless the backward recomputes them, and the weights' FP8 copies."""
+        return self.ring + (0 if self.recompute else self.kept) + self.fp8_weights
 
     def peak(self, differentiated: bool = True) -> int:
         """Bytes of one call at its high point: without autograd the ring and the forward's
         transient; differentiated, what it holds and the larger of the passes' transients (a
         backward that recomputes the routed rows makes them again: the same peak, held less long)."""
         if not differentiated:
-            return self.ring + self.forward
+            return self.ring + self.fp8_weights + self.forward
         return self.held() + max(self.forward, self.backward)
 
 
@@ -261,8 +262,16 @@ def memory_needs(plan: Plan) -> MemoryNeeds:
         bwd += R * 2 * H  # the routed rows gathered from them for the weight gradient
     recompute = mega is not None and not plan.save_for_backward
     ring = mega.ring_rows * 2 * (H + I) if mega is not None else 0
+    fp8_weights = 0
+    if plan.precision != "bf16":  # E4M3 bytes and fp32 scales per 128 values: 33/32 byte a value
+        fwd = R * (H + I) * 33 // 32  # the routed rows and h in E4M3 (h never bf16)
+        fp8_weights = 3 * d.E_local * I * H  # the three weights' 128x128-block copies
+        if plan.precision == "fp8":  # dy rows, dg|du per 1x128; dy, hw, dg|du, xs per 128x1; transposed weights
+            bwd += R * (H + 2 * I + H + I + 2 * I + H) * 33 // 32
+            fp8_weights *= 2
     return MemoryNeeds(R_max=R, kept=kept, forward=fwd if mega is None else 0,
-                       backward=bwd + (kept if recompute else 0), ring=ring, recompute=recompute)
+                       backward=bwd + (kept if recompute else 0), ring=ring, recompute=recompute,
+                       fp8_weights=fp8_weights)
 
 
 def memory_report(plan: Plan) -> str:
