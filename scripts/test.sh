@@ -9,7 +9,7 @@ start=$SECONDS
 setup_s=$((SECONDS - start))
 workers=()
 if .venv/bin/python -c "import xdist, torch, sys; sys.exit(1 if torch.cuda.is_available() else 0)" 2>/dev/null; then
-  workers=(-n "${TABBY_TEST_WORKERS:-2}")
+  workers=(-n "${TABBY_TEST_WORKERS:-2}" --dist worksteal)  # (a worker that runs out takes the other's tests)
 fi
 rc=0
 .venv/bin/python -m pytest -q "${workers[@]}" "$@" || rc=$?

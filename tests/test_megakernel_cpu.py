@@ -135,11 +135,11 @@ def test_megakernel_tma_with_shared_expert_matches_reference(monkeypatch):
                                                                 (6, 0, 1, 1, 3, True)])
 def test_megakernel_ring_wraps_many_times_bitwise_deterministic(slots, prefetch, lag, split, group, save,
                                                                 monkeypatch):
-    # every token of every rank to expert 0: 2*64*2 = 256 rows = 16 tiles through a 2-, 3- or 6-slot
-    # ring (wraps 8, 5 or 2 times), fills 0 or 2 groups ahead, shared expert, a grid of 4; all outputs
+    # every token of every rank to expert 0: 2*40*2 = 160 rows = 10 tiles through a 2-, 3- or 6-slot
+    # ring (wraps 5, 3 or 1 times), fills 0 or 2 groups ahead, shared expert, a grid of 4; all outputs
     # and gradients bitwise equal over runs
     _small_tiles(monkeypatch, BN=32, BK=16)
-    W, T, H, I, E_local, k = 2, 64, 32, 32, 2, 2
+    W, T, H, I, E_local, k = 2, 40, 32, 32, 2, 2
     prob = make_problem(W, T, H, I, E_local, k, shared=True, seed=3, route="one_expert")
     cfg = with_(mega(programs=4, ring_rows=slots * BM, prefetch=prefetch, down_lag=lag, fill_split=split,
                      group_m=group), save_for_backward=save)  # save: the backward uses what the kernel kept
