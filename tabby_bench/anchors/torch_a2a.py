@@ -195,17 +195,24 @@ def moe_torch_a2a(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, 
     with the host once (the splits) and is a collective over ``group``.
     """
     dims = check_layer_inputs("torch-a2a", x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
+    return a2a_layer(grouped_swiglu, dims, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
+
+
+def a2a_layer(experts, dims, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group):
+    """The all-to-all layer around ``experts(rows, offsets, w_gate, w_up, w_down)`` (the grouped
+    SwiGLU of rows sorted by expert): route, dispatch, experts, return, combine, shared expert.
+    ``dims``: the checked inputs' sizes (``check_layer_inputs``)."""
     T, E_local = dims.T, dims.E_local
     if dims.world_size == 1:
         # One rank: sorted rows are already grouped; offsets stay on the device.
         perm, tok = sort_rows(topk_idx)
         offs = expert_offsets(topk_idx.reshape(-1)[perm].long(), E_local)
-        y_sorted = grouped_swiglu(x[tok], offs, w_gate, w_up, w_down)
+        y_sorted = experts(x[tok], offs, w_gate, w_up, w_down)
     else:
         plan = route_plan(topk_idx, E_local, group)
         perm, tok = plan.perm, plan.tok
         xg = dispatch_rows(x[tok], plan, group)
-        y_sorted = return_rows(grouped_swiglu(xg, plan.offs, w_gate, w_up, w_down), plan, group)
+        y_sorted = return_rows(experts(xg, plan.offs, w_gate, w_up, w_down), plan, group)
     y = combine_sorted(y_sorted, tok, topk_weights.reshape(-1)[perm].float(), T)
     if shared is not None:
         y = y + shared_swiglu(x, shared).float()

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 
 from tabby.validate import MoEInputError
 
-from .torch_a2a import (check_layer_inputs, combine_sorted, dispatch_rows, expert_offsets, return_rows, route_plan,
-                        shared_swiglu, sort_rows)
+from .torch_a2a import a2a_layer, check_layer_inputs
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -130,17 +129,4 @@ def moe_torch_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, 
     dims = check_layer_inputs("torch-fp8", x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
     if dims.H % 16 or dims.I % 16:
         raise MoEInputError(f"torch-fp8 needs H and I multiples of 16, got H={dims.H}, I={dims.I}")
-    T, E_local = dims.T, dims.E_local
-    if dims.world_size == 1:
-        perm, tok = sort_rows(topk_idx)
-        offs = expert_offsets(topk_idx.reshape(-1)[perm].long(), E_local)
-        y_sorted = grouped_swiglu_fp8(x[tok], offs, w_gate, w_up, w_down)
-    else:
-        plan = route_plan(topk_idx, E_local, group)
-        perm, tok = plan.perm, plan.tok
-        xg = dispatch_rows(x[tok], plan, group)
-        y_sorted = return_rows(grouped_swiglu_fp8(xg, plan.offs, w_gate, w_up, w_down), plan, group)
-    y = combine_sorted(y_sorted, tok, topk_weights.reshape(-1)[perm].float(), T)
-    if shared is not None:
-        y = y + shared_swiglu(x, shared).float()
-    return y.to(x.dtype)
+    return a2a_layer(grouped_swiglu_fp8, dims, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
