@@ -64,13 +64,14 @@ def test_tiny_suite(tmp_path, monkeypatch):
     runs = result["runs"]
     assert [(r["backend"], r["seed"], r["deterministic"]) for r in runs] == [
         ("grouped_mm", 0, False), ("tabby", 0, False), ("tabby", 0, True), ("tabby", 0, True),
-        ("grouped_mm", 1, False)]
+        ("grouped_mm", 0, False), ("grouped_mm", 1, False)]
     assert all(r["error"] is None and len(r["loss"]) == 2 and len(r["grad_norm"]) == 2 for r in runs)
     assert all(math.isfinite(x) for r in runs for x in r["loss"] + r["grad_norm"])
     c = result["comparison"]["tiny-qwen3-moe"]
     assert c["bitwise_repeat"] is True
     assert c["first_loss"]["rel_diff"] < 1e-2
-    assert runs[0]["loss"][0] != runs[4]["loss"][0]  # another init seed: another model
+    assert runs[0]["loss"][0] != runs[5]["loss"][0]  # another init seed: another model
+    assert "baseline_repeat_spread" in c and "rounding_spread" in c and "baseline_seed_spread" in c
     assert not result["failed"]
     assert {os.path.splitext(p)[1] for p in result["files"]} == {".json", ".md", ".png"}
     with open(result["files"][0]) as fh:
@@ -78,7 +79,7 @@ def test_tiny_suite(tmp_path, monkeypatch):
     assert saved["format"] == "tabby-train/1" and saved["git_commit"] and saved["flops_per_token"]["tiny-qwen3-moe"]
     with open(result["files"][1]) as fh:
         table = fh.read()
-    assert table.count("| tiny-qwen3-moe |") == 5
+    assert table.count("| tiny-qwen3-moe |") == 6
 
 
 def test_cli_rejects_bad_options(capsys):
