@@ -39,7 +39,8 @@ from .launch import LaunchError, launch, under_torchrun  # importing it keeps NV
 from .records import (append_history, base_record, bracket_floor, default_out_dir, file_stem, finalize, format_table,
                       header_line, machine_info, plot, progress_line, read_jsonl)
 from .shapes import Inputs, make_inputs
-from .timing import attempt, dense_line, dense_matmul, free_memory, max_over_ranks, time_iterations_and_host
+from .timing import (attempt, dense_line, dense_matmul, free_memory, max_over_ranks, release_implementation,
+                     time_iterations_and_host)
 
 
 @dataclass
@@ -112,16 +113,6 @@ def measure(impl, inp: Inputs, group, cfg: Config, timed: bool) -> list:
 # ----------------------------------------------------------------------------------------------
 # Workers
 # ----------------------------------------------------------------------------------------------
-
-
-def release_implementation() -> None:
-    """Free what one implementation held before the next is measured: Tabby's cached workspaces
-    (symmetric buffers, rings, plans), then unreachable objects and the caching allocator's free
-    blocks. Collective with several ranks: every rank calls it at the same point of the loop."""
-    import tabby
-
-    tabby.free_workspaces()
-    free_memory()
 
 
 def phases(cfg: Config) -> list:

@@ -57,6 +57,16 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def release_implementation() -> None:
+    """Free what one implementation held before the next is measured: Tabby's cached workspaces
+    (symmetric buffers, rings, plans), then unreachable objects and the caching allocator's free
+    blocks. Collective with several ranks: every rank calls it at the same point of the loop."""
+    import tabby
+
+    tabby.free_workspaces()
+    free_memory()
+
+
 def host_timed(run, calls: list):
     """``run`` wrapped to append each call's host (Python + launch) seconds to ``calls``. With calls
     back to back and no sync between them, a pass whose host time per call reaches its GPU time is

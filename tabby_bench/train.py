@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .records import default_out_dir, file_stem, machine_info, markdown_table
+from .timing import release_implementation
 
 # Dense bf16 tensor-core peak by GPU (vendor figures, no sparsity), for MFU.
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H20": 148.0, "A100": 312.0, "B200": 2250.0}
@@ -262,7 +263,7 @@ class Stepper:
             self.static_loss, self.static_gn = self._step(self.static_ids)
 
 
-def attribute_moe(model, stepper: Stepper, batches, steps: int) -> float | None:
+def attribute_moe(model, batches, steps: int) -> float | None:
     """Milliseconds per step in the MoE blocks (forward + backward), from CUDA events recorded by
     module hooks over ``steps`` eager steps (the backward interval: from the block's output
     gradient to its input gradient, which holds the router's and the experts' gradients)."""
@@ -308,8 +309,7 @@ def _train(run: Run, spec: ModelSpec, cfg: TrainConfig, corpus, device: torch.de
     backend, mode, seed, steps = run.backend, run.mode, run.seed, run.steps
     t0 = time.perf_counter()
     cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
+    if cuda:  # (the previous run's memory was released after it: release_implementation)
         torch.cuda.reset_peak_memory_stats()
     model = build_model(spec, backend, seed, device)
     if not flops_tok:
@@ -356,7 +356,7 @@ def _train(run: Run, spec: ModelSpec, cfg: TrainConfig, corpus, device: torch.de
         peak = gpu_peak_tflops()
         run.mfu = run.tflops / peak if peak else None
         if mode == "eager" and cfg.attribute_steps:
-            run.moe_ms = attribute_moe(model, stepper, batch, cfg.attribute_steps)
+            run.moe_ms = attribute_moe(model, batch, cfg.attribute_steps)
             run.moe_share = run.moe_ms / run.step_ms if run.moe_ms is not None else None
         if cfg.profile_dir:
             profile_kernels(stepper, batch, os.path.join(cfg.profile_dir, f"kernels-{spec.name}-{backend}-{mode}.txt"))
@@ -569,12 +569,7 @@ def run(cfg: TrainConfig) -> dict:
                 r = Run(name, backend, mode, seed, steps, det, error=f"{type(e).__name__}: {e}")
                 print(f"[{name} {r.label}] FAILED: {r.error[:500]}", flush=True)
             runs.append(r)
-            if device.type == "cuda":
-                import gc
-
-                gc.collect()
-                tabby_free()
-                torch.cuda.empty_cache()
+            release_implementation()
         flops[name] = flops_tok[0] if flops_tok else None
     result = dict(format="tabby-train/1", **info, config=asdict(cfg), flops_per_token=flops, corpus_entropy=entropy,
                   runs=[dict(asdict(r), label=r.label) for r in runs], comparison=compare(runs))
@@ -597,9 +592,3 @@ def run(cfg: TrainConfig) -> dict:
     if any(math.isnan(x) for r in runs for x in r.loss):
         result["failed"] = True
     return result
-
-
-def tabby_free():
-    import tabby
-
-    tabby.free_workspaces()
