@@ -729,19 +729,25 @@ def down_dgrad_swiglu_tile(pid_m, pid_n,
         rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
         w = tl.load(ws_ptr + rows)
         if EPI_SPLIT:
-            # Two column halves, one after the other: a whole-tile epilogue keeps ~6 fp32 tiles
-            # live and spills at BN=128.
-            acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
-            acc_lo, acc_hi = tl.split(acc3)
-            dw_lo = _swiglu_bwd_epilogue(acc_lo, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
-                                         hw_ptr, stride_hwm, I, BN // 2)
-            dw_hi = _swiglu_bwd_epilogue(acc_hi, rows, pid_n * BN + BN // 2, w, gu_ptr, stride_gum, dgu_ptr,
-                                         stride_dgum, hw_ptr, stride_hwm, I, BN // 2)
-            dw = dw_lo + dw_hi
+            dw = _swiglu_bwd_split_epilogue(acc, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
+                                            hw_ptr, stride_hwm, I, BM, BN)
         else:
             dw = _swiglu_bwd_epilogue(acc, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
                                       hw_ptr, stride_hwm, I, BN)
         tl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw)
+
+
+@triton.jit
+def _swiglu_bwd_split_epilogue(acc, rows, col0, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
+                               I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """``_swiglu_bwd_epilogue`` on the tile's two column halves, one after the other: a whole-tile
+    epilogue keeps ~6 fp32 tiles live and spills at BN=128."""
+    acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+    dw_lo = _swiglu_bwd_epilogue(acc_lo, rows, col0, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
+                                 hw_ptr, stride_hwm, I, BN // 2)
+    dw_hi = _swiglu_bwd_epilogue(acc_hi, rows, col0 + BN // 2, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
+                                 hw_ptr, stride_hwm, I, BN // 2)
+    return dw_lo + dw_hi
 
 
 @triton.jit

@@ -36,7 +36,7 @@ import triton.language as tl
 from . import INTERPRET
 from .fp8 import BLOCK, E4M3, quantize_tile_rows
 from .gemm import (_TL_DTYPES, GemmConfig, _check_schedule, _push_rows, _row_tile_expert, _store_rows,
-                   _swiglu_bwd_epilogue, grouped_tile)
+                   _swiglu_bwd_split_epilogue, grouped_tile)
 
 KIND_GATE_UP = "gate_up"
 KIND_ROWS = "rows"
@@ -327,14 +327,9 @@ def down_dgrad_swiglu_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm, b_ptr, st
                             stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn, I, H, BM, BN, True)
         rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
         w = tl.load(ws_ptr + rows)
-        # two column halves one after the other (a whole-tile epilogue spills at BN = 128)
-        acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
-        acc_lo, acc_hi = tl.split(acc3)
-        dw_lo = _swiglu_bwd_epilogue(acc_lo, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
-                                     hw_ptr, stride_hwm, I, BN // 2)
-        dw_hi = _swiglu_bwd_epilogue(acc_hi, rows, pid_n * BN + BN // 2, w, gu_ptr, stride_gum, dgu_ptr,
-                                     stride_dgum, hw_ptr, stride_hwm, I, BN // 2)
-        tl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw_lo + dw_hi)
+        dw = _swiglu_bwd_split_epilogue(acc, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
+                                        hw_ptr, stride_hwm, I, BM, BN)
+        tl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw)
 
 
 def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_expert, num_tiles, *,
