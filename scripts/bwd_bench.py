@@ -116,7 +116,13 @@ def main():
     rows = []
     for s in shapes:
         t1 = time.time()
-        row = measure(s, a.tokens, a.iters)
+        try:
+            row = measure(s, a.tokens, a.iters)
+        except Exception as e:  # (reported, and the next shape runs)
+            print(f"{s}: {type(e).__name__}: {e}", flush=True)
+            rows.append({"shape": s, "tokens": a.tokens, "error": f"{type(e).__name__}: {e}"})
+            torch.cuda.empty_cache()
+            continue
         rows.append(row)
         print(f"{s:16s} T={a.tokens}  fwd+bwd separate {row['separate']['fwdbwd_ms']:8.2f} ms "
               f"({row['separate']['tflops']:5.0f} TFLOP/s)  mega {row['mega']['fwdbwd_ms']:8.2f} ms "
@@ -132,6 +138,9 @@ def main():
     lines = ["| shape | fwd+bwd ms, separate | fwd+bwd ms, megakernel | TFLOP/s | bwd ms | peak GB | bitwise |",
              "|---|--:|--:|---|---|---|---|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['error']} | | | | | |")
+            continue
         s, m = r["separate"], r["mega"]
         lines.append(f"| {r['shape']} | {s['fwdbwd_ms']:.2f} | {m['fwdbwd_ms']:.2f} | {s['tflops']:.0f} -> "
                      f"{m['tflops']:.0f} | {s['bwd_ms']:.2f} -> {m['bwd_ms']:.2f} | {s['peak_gb']:.2f} / "
