@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from ..ops import comm, gemm, sync
-from ..ops.megakernel.backward import launch_backward
 from .workspace import BWD, BWD_READY
 from .forward import KeptRows, MegaSaved
 from .plan import Plan
@@ -67,18 +66,6 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
         _, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, save_gu=True,
                                     config=plan.gemm_config(gemm.KIND_GATE_UP))
         mark(probe, "bwd:recompute")
-
-    if plan.mega_backward is not None:
-        if not recompute and saved.missing:
-            xs = routed_rows_for_wgrad(ws, plan, saved, TK, k)
-            mark(probe, "bwd:routed_rows")
-        dw_gate, dw_up, dw_down = launch_backward(
-            plan.mega_backward, sched, dy_ptrs=ws.ptrs["dy_pub"], xs=xs, gu=gu, row_w=row_w, w_gate=w_gate,
-            w_up=w_up, w_down=w_down, dx_ptrs=ws.ptrs["dx_in"], dw_ptrs=ws.ptrs["dw_in"], TK=TK, k=k,
-            world_size=ws.world_size, err=ws.err, epoch=ws.epoch[BWD:], rank=ws.rank, wait_budget=plan.wait_budget)
-        mark(probe, "bwd:megakernel")
-        dx, dtopk = finish_backward(ws, plan, dy, T, k, probe)
-        return dx, dtopk, dw_gate, dw_up, dw_down
 
     dys = dy.new_empty((sched.R_max, H))
     pull_routed_rows(plan, sched, ws.ptrs["dy_pub"], dys, TK, k)

@@ -26,9 +26,6 @@ def _check_positive(owner: str, name: str, value, allow_zero: bool = False):
         raise MoEInputError(f"{owner}({name}={value!r}): must be {'>= 0' if allow_zero else '> 0'}")
 
 
-_BOOL_FIELDS = ("tma", "local_rows", "pull_tokens", "mega_backward")
-
-
 @dataclass(frozen=True)
 class Tuning:
     """Overrides of the heuristics (``tabby/functional/heuristics.py``), for experts and the
@@ -51,8 +48,6 @@ class Tuning:
       tma            GEMM operands through tensor descriptors (TMA)
       local_rows     gate/up reads this rank's rows from x (needs tma)
       pull_tokens    a copy engine pulls every peer's x whole beside the kernel (needs local_rows)
-    The backward:
-      mega_backward  the backward's pulls, dgrads and weight gradients in one persistent launch
     The sync-free path's dispatch:
       dispatch_rows, dispatch_cols   the block one program copies per step
       dispatch_programs              programs of the dispatch launch
@@ -74,7 +69,6 @@ class Tuning:
     tma: bool | None = None
     local_rows: bool | None = None
     pull_tokens: bool | None = None
-    mega_backward: bool | None = None
     dispatch_rows: int | None = None
     dispatch_cols: int | None = None
     dispatch_programs: int | None = None
@@ -82,7 +76,7 @@ class Tuning:
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in _BOOL_FIELDS:
+            if f.name in ("tma", "local_rows", "pull_tokens"):
                 if v is not None and not isinstance(v, bool):
                     raise MoEInputError(f"Tuning({f.name}={v!r}): must be True, False or None")
             else:
@@ -99,7 +93,7 @@ class Tuning:
             if not sep or name not in names:
                 raise MoEInputError(f"Tuning: {item!r} is not field=value with a field of {sorted(names)}")
             value = value.strip()
-            if name in _BOOL_FIELDS:
+            if name in ("tma", "local_rows", "pull_tokens"):
                 if value.lower() not in ("0", "1", "true", "false"):
                     raise MoEInputError(f"Tuning: {name}={value!r} must be 0/1/true/false")
                 kw[name] = value.lower() in ("1", "true")

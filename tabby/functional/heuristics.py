@@ -22,7 +22,6 @@ TMA_MIN_FLOP = 5e11  # below it the descriptors' host time shows ("TMA loads")
 FOUR_WARPS_MAX_I = 768  # two 4-warp programs per SM pay off up to this expert width ("Four-warp programs")
 TWO_DOWN_COLS_MAX_I = 1024  # down tickets of two column tiles up to this K ("Down tickets of two column tiles")
 GROUP_2_MAX_HI = 2 * 2**20  # small experts (H * I up to this) group 2 row tiles, not 4 ("Row-tile groups")
-BWD_GROUP_M = 4  # row tiles per group of the backward megakernel's ticket order
 ALIGN_MAX_TILES = 4  # pad experts to 2 row tiles where they average at most this many ("Expert alignment")
 PULL_TOKENS_MIN_TILES = 4  # pull whole tokens where experts get this many tiles per rank ("Token pull")
 
@@ -140,21 +139,3 @@ def half_tiles(tile_m: int, interpret: bool) -> bool:
 def fill_cols(H: int) -> int:
     """Columns one copy step moves: FILL_COLS, or H rounded up to a power of two if narrower."""
     return min(FILL_COLS, triton.next_power_of_2(H))
-
-
-def backward_megakernel(precision: str) -> bool:
-    """The backward's heavy work in one persistent launch (``ops/megakernel/backward.py``): not by
-    default until measured faster than the launches it replaces ("Backward megakernel")."""
-    return False
-
-
-def bwd_tiles(H: int, I: int, tile_m: int):
-    """The backward megakernel's (dgrad, xgrad, dW_down, dW_gate | dW_up) tiles: the standalone
-    kernels' (so its results are bitwise theirs); one launch has one pipeline depth, the smallest
-    of theirs, so that the widest tiles' buffers fit shared memory."""
-    dg = gemm_config(gemm.KIND_DGRAD_SWIGLU, I, H, tile_m)
-    xg = gemm_config(gemm.KIND_GATE_UP_DGRAD, H, 2 * I, tile_m)
-    wd = gemm.default_config(gemm.KIND_WGRAD, I, None, M=H)
-    wg = gemm.default_config(gemm.KIND_WGRAD, H, None, M=I)
-    return dg, xg, wd, wg, min(c.num_stages for c in (dg, xg, wd, wg))
-

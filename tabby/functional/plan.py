@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import INTERPRET, gemm
-from ..ops.megakernel.backward import BwdPlan
 from ..ops.megakernel.plan import MegaPlan
 from ..validate import MoEDims, MoEInputError
 from . import heuristics
@@ -36,7 +35,6 @@ class Plan:
     dispatch_programs: int
     gemm: dict  # gemm.KIND_* -> GemmConfig of the standalone kernels (sync-free forward, backward)
     mega: MegaPlan | None  # the megakernel forward's launch (None: the sync-free path)
-    mega_backward: BwdPlan | None = None  # the backward megakernel's launch (None: separate launches)
     precision: str = "bf16"  # MoEConfig.precision: the expert GEMMs' operands
 
     def gemm_config(self, kind: str) -> gemm.GemmConfig:
@@ -76,30 +74,11 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     if not config.megakernel and t.align_tiles not in (None, 1):
         raise MoEInputError(f"Tuning(align_tiles={t.align_tiles}): the sync-free path does not pad experts; "
                             f"use it with megakernel=True")
-    mega_bwd = t.mega_backward if t.mega_backward is not None else heuristics.backward_megakernel(config.precision)
-    if mega_bwd and config.precision != "bf16":
-        raise MoEInputError(f"Tuning(mega_backward=True): the backward megakernel is bf16; precision="
-                            f"{config.precision!r} has its own backward")
-    bwd = None
-    if mega_bwd:
-        try:
-            bwd = _bwd_plan(dims, sms if sms is not None else _device_sms(device), tile_m)
-        except ValueError as e:
-            raise MoEInputError(f"Tuning(mega_backward=True) at H={H} I={I}: {e}") from None
     return Plan(dims=dims, I_s=I_s, megakernel=config.megakernel, save_for_backward=config.save_for_backward,
                 debug=config.resolved_debug(), wait_budget=wait_budget, tile_m=tile_m, align_tiles=align,
                 dispatch_rows=t.dispatch_rows or heuristics.DISPATCH_ROWS, dispatch_cols=dispatch_cols,
                 dispatch_programs=t.dispatch_programs or heuristics.DISPATCH_PROGRAMS, gemm=gemms, mega=mega,
-                precision=config.precision, mega_backward=bwd)
-
-
-def _bwd_plan(dims: MoEDims, sms: int | None, tile_m: int) -> BwdPlan:
-    H, I = dims.H, dims.I
-    dg, xg, wd, wg, stages = heuristics.bwd_tiles(H, I, tile_m)
-    return BwdPlan(H=H, I=I, tile_m=tile_m, group_m=heuristics.BWD_GROUP_M, prefetch=1, xgrad_lag=1,
-                   fill_split=heuristics.FILL_SPLIT, fill_cols=heuristics.fill_cols(H),
-                   programs=heuristics.programs(sms, 8), num_warps=8, num_stages=stages,
-                   dgrad=dg, xgrad=xg, wgrad_down=wd, wgrad_gate_up=wg)
+                precision=config.precision)
 
 
 def _mega_plan(dims: MoEDims, config: MoEConfig, sms: int | None, I_s: int, tile_m: int) -> MegaPlan:
