@@ -5,7 +5,8 @@
 #   bench   the EP1 matrix: floor, tabby and tabby-sync-free on the six shapes at 4096 and 16384 tokens
 #           (extra args go to `tabby bench` after these and override them, e.g. --ep 2 --impls ...)
 #   train   the end-to-end training benchmark (tabby train; extra args go to it)
-#   reliability  compute-sanitizer (memcheck, racecheck, synccheck), the soak and the fuzzer at EP1
+#   reliability  the GPU fault test, compute-sanitizer (memcheck, racecheck, synccheck), the soak and the
+#           fuzzer at EP1
 #           (SOAK_S, FUZZ_S: their time budgets in seconds, default 120 each)
 #   fp8     the FP8 tests and scripts/fp8_bench.py (GEMM TFLOP/s and the layer, FP8 against bf16)
 #   all     tests, then bench
@@ -42,6 +43,8 @@ if [ "$stage" = train ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$stage" = reliability ]; then
+  python3 -m pytest -q -rA -p no:cacheprovider tests/test_faults_gpu.py 2>&1 | tee "$OUT/faults-gpu.log" | tail -5
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
   SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-150} PYTHON=python3 bash scripts/sanitize.sh "$OUT/sanitize" || status=1
   python3 scripts/soak.py --calls 100000 --time-budget "${SOAK_S:-120}" --out "$OUT/soak" 2>&1 | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
