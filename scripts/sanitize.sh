@@ -5,7 +5,7 @@
 #
 # For each tool (memcheck, racecheck, synccheck; SANITIZE_TOOLS overrides) the log goes to
 # OUT_DIR/sanitizer-<tool>.log and one line to stdout and OUT_DIR/sanitizer-summary.txt:
-#   <tool>: rc=<exit status> errors=<ERROR SUMMARY count> case=<ok|FAILED|?> [timed out after N s]
+#   <tool>: rc=<exit status> errors=<ERROR SUMMARY count; racecheck: hazards> case=<ok|FAILED|?> [timed out after N s]
 # First a run without the sanitizer (OUT_DIR/sanitize-warmup.log) compiles the kernels into
 # Triton's cache, so that each tool's time goes to running them.
 #
@@ -80,8 +80,13 @@ for tool in $tools; do
     line="$line timed out after $tool_timeout s"
   fi
   if [ "$tool" = racecheck ]; then
+    # racecheck ends with "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)" instead of
+    # an ERROR SUMMARY: its count is the hazards, errors and warnings both
     hazards="$(grep -Eo 'RACECHECK SUMMARY: [0-9]+ hazard[s]? displayed \([0-9]+ error[s]?, [0-9]+ warning[s]?\)' "$log" | tail -1 || true)"
-    [ -n "$hazards" ] && line="$line; $hazards"
+    if [ -n "$hazards" ]; then
+      [ "$errors" = "?" ] && errors="$(echo "$hazards" | grep -Eo '[0-9]+' | head -1)"
+      line="$tool: rc=$rc errors=$errors case=$case_status (${took} s); $hazards"
+    fi
   fi
   note "$line"
   if [ "$rc" -ne 0 ] || [ "$errors" != "0" ] || [ "$case_status" != "ok" ]; then
