@@ -23,5 +23,9 @@ if [ "$kind" = gpu ]; then
 else
   [ -d .venv ] || python3 -m venv .venv
   "${PIP[@]}" "torch==2.13.0" -e ".[test]"
+  # torchtitan, for its backend's CPU test, with only the packages its MoE imports need (its
+  # declared ones add datasets, wandb, tensorboard... that the test never imports)
+  "${PIP[@]}" --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 \
+    torchdata==0.11.0 typeguard==4.6.1 einops==0.8.2
 fi
 echo "$want" > "$stamp"
