@@ -7,7 +7,8 @@
 #   train   the end-to-end training benchmark (tabby train; extra args go to it)
 #   reliability  the GPU fault test, compute-sanitizer (memcheck, racecheck, synccheck), the soak and the
 #           fuzzer at EP1
-#           (SOAK_S, FUZZ_S: their time budgets in seconds, default 120 each)
+#           (SOAK_S, FUZZ_S: their time budgets in seconds, default 120 each; FUZZ_PRECOMPILE_S: the
+#           fuzzer's kernels compiled first in parallel, default 120)
 #   fp8     the FP8 tests and scripts/fp8_bench.py (GEMM TFLOP/s and the layer, FP8 against bf16)
 #   all     tests, then bench
 # Logs and results go under $OUT (default /tmp/tabby-out); TABBY_GIT_COMMIT names the commit where the
@@ -48,7 +49,8 @@ if [ "$stage" = reliability ]; then
   SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-150} PYTHON=python3 bash scripts/sanitize.sh "$OUT/sanitize" || status=1
   python3 scripts/soak.py --calls 100000 --time-budget "${SOAK_S:-120}" --out "$OUT/soak" 2>&1 | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  python3 scripts/fuzz.py --cases 100000 --time-budget "${FUZZ_S:-120}" --device cuda --out "$OUT/fuzz" 2>&1 | tail -5
+  python3 scripts/fuzz.py --cases 100000 --time-budget "${FUZZ_S:-120}" \
+    --precompile "${FUZZ_PRECOMPILE_S:-120}" --device cuda --out "$OUT/fuzz" 2>&1 | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$stage" = fp8 ]; then

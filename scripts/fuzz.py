@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 import traceback
@@ -307,6 +308,40 @@ def run_case_distributed(c: Case, device, layer=None) -> dict:
     return errs
 
 
+def kernel_kind(c: Case) -> tuple:
+    """What decides which kernels a GPU case compiles (their compile-time constants)."""
+    return (c.H, c.I, c.megakernel, c.save_for_backward, c.shared, c.ring_rows, c.T == 0)
+
+
+def precompile(seeds, worlds, budget_s: float, say) -> None:
+    """Run one case of each kernel kind among ``seeds`` in its own process, up to ``os.cpu_count()``
+    at once, so that Triton's cache holds their kernels before the timed cases start (each (H, I)
+    pair compiles its kernels: serially, compilation is most of a GPU fuzz's time). A worker that
+    fails is only reported here: its case runs again, and is judged, in the main loop."""
+    reps = {}
+    for seed in seeds:
+        reps.setdefault(kernel_kind(draw_case(seed, worlds=worlds, small=False)), seed)
+    todo = list(reps.values())
+    t0 = time.time()
+    running, failed, started = [], 0, 0
+    while (todo or running) and time.time() - t0 < budget_s:
+        while todo and len(running) < max(1, (os.cpu_count() or 2) - 1):
+            seed = todo.pop(0)
+            running.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--seed", str(seed),
+                                             "--device", "cuda"], stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL))
+            started += 1
+        time.sleep(0.5)
+        for p in [p for p in running if p.poll() is not None]:
+            failed += p.returncode != 0
+            running.remove(p)
+    for p in running:  # over the budget: the main loop compiles what is left
+        p.kill()
+        p.wait()
+    say(f"precompiled: {started - len(running)} of {len(reps)} kernel kinds in {time.time() - t0:.0f} s"
+        + (f" ({failed} worker cases failed: they run again below)" if failed else ""))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=20, help="cases to run (seeds --first .. --first + cases - 1)")
@@ -317,6 +352,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for fuzz-summary.json and fuzz.log")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds: start no case after this (the summary says how many ran)")
+    ap.add_argument("--precompile", type=float, default=None, metavar="S",
+                    help="one GPU: first compile the kernels the cases need, one case of each kind of "
+                         "kernel in parallel processes, for at most S seconds (default 300; 0: none)")
     ap.add_argument("--max-wait-ms", type=float, default=None,
                     help="TABBY_MAX_WAIT_MS for the cases (GPU; a peer's first call compiles kernels)")
     args = ap.parse_args(argv)
@@ -378,6 +416,10 @@ def main(argv=None) -> int:
             spent = bool(int(flag))
         return spent
 
+    precompile_s = 300.0 if args.precompile is None else args.precompile
+    if device.type == "cuda" and not distributed and args.seed is None and precompile_s > 0:
+        precompile(seeds, worlds, precompile_s, say)
+        t_start = time.time()  # (the cases' budget starts after it)
     for seed in seeds:
         if budget_spent():
             say(f"time budget of {args.time_budget} s spent: {len(results)} of {len(seeds)} cases run")
