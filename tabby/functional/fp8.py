@@ -26,6 +26,7 @@ expert stays in bf16 (plain PyTorch, as on the bf16 sync-free path).
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -115,14 +116,14 @@ def check_fp8(dims, plan: Plan, fp8_backward: bool) -> None:
                             f"weight gradients' 128x1 tiles start at each expert's first row; got {plan.tile_m}")
 
 
-def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_fp8, extra=None, keep=True,
-                    probe: Probe | None = None):
-    """FP8 forward on one rank; ``w_fp8`` = ((wg_q, wg_s), (wu_q, wu_s), (wd_q, wd_s)). Returns (y [T, H],
-    ``KeptRows`` for ``moe_backward``; with ``keep`` False g | u is not stored and the rows are
-    not usable by a backward)."""
+def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra=None,
+                    probe: Probe | None = None, keep=True):
+    """FP8 forward on one rank (``forward.moe_forward``'s arguments; the weights' E4M3 copies from
+    ``fp8_weight``, made once per weight version). Returns (y [T, H], ``KeptRows`` for the
+    backward; with ``keep`` False g | u is not stored and the rows are not usable by a backward)."""
     T, H = x.shape
     TK = topk_idx.numel()
-    (wg_q, wg_s), (wu_q, wu_s), (wd_q, wd_s) = w_fp8
+    (wg_q, wg_s), (wu_q, wu_s), (wd_q, wd_s) = (fp8_weight(w) for w in (w_gate, w_up, w_down))
     sched = publish_and_schedule(ws, plan, x, topk_idx, topk_weights, wg_q.shape[0], probe=probe)
     xs = x.new_empty((sched.R_max, H))
     row_w = torch.empty(sched.R_max, dtype=torch.float32, device=x.device)
@@ -192,43 +193,10 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     return dx, dtopk, dw_gate, dw_up, dw_down
 
 
-class _TabbyMoEFP8(torch.autograd.Function):
-    """The FP8 forward; the backward in FP8 (``fp8_backward``) or bf16. The shared expert's output
-    enters as ``extra``."""
-
-    @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra, ws, plan, keep, fp8_backward, probe):
-        w_fp8 = tuple(fp8_weight(w) for w in (w_gate, w_up, w_down))
-        y, saved = moe_forward_fp8(ws, plan, x, topk_idx, topk_weights, w_fp8, extra, keep=keep, probe=probe)
-        ctx.ws, ctx.plan, ctx.saved, ctx.probe = ws, plan, saved if keep else None, probe
-        ctx.fp8_backward = fp8_backward
-        ctx.w_dtype = topk_weights.dtype
-        ctx.has_extra = extra is not None
-        ctx.save_for_backward(w_gate, w_up, w_down)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        w_gate, w_up, w_down = ctx.saved_tensors
-        backward = moe_backward_fp8 if ctx.fp8_backward else moe_backward
-        dx, dtopk, dwg, dwu, dwd = backward(ctx.ws, ctx.plan, dy.contiguous(), ctx.saved, w_gate, w_up, w_down,
-                                            probe=ctx.probe)
-        ctx.saved = None
-        return (dx, None, dtopk.to(ctx.w_dtype), dwg, dwu, dwd, dy if ctx.has_extra else None, None, None, None,
-                None, None)
-
-
-def moe_fp8(ws, plan: Plan, dims, precision: str, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
-            probe=None):
-    """``tabby.moe`` with ``precision`` "fp8" (FP8 forward and backward) or "fp8-forward" (FP8 forward,
-    bf16 backward), after the inputs, workspace and plan (``moe._moe``)."""
+def fp8_passes(dims, plan: Plan, precision: str, keep: bool):
+    """(forward, backward) of the path of separate launches with ``precision`` "fp8" (FP8 forward
+    and backward) or "fp8-forward" (FP8 forward, bf16 backward), for ``moe._TabbyMoE``; ``keep``:
+    the forward keeps what a backward needs. Raises ``MoEInputError`` where FP8 cannot run."""
     fp8_backward = precision == "fp8"
     check_fp8(dims, plan, fp8_backward)
-    extra = None
-    if shared is not None:
-        sg, su, sd = shared
-        extra = (torch.nn.functional.silu(x @ sg.t()) * (x @ su.t())) @ sd.t()
-    keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in (x, topk_weights, w_gate, w_up, w_down, extra))
-    return _TabbyMoEFP8.apply(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate, w_up, w_down,
-                              extra, ws, plan, keep, fp8_backward, probe)
+    return functools.partial(moe_forward_fp8, keep=keep), (moe_backward_fp8 if fp8_backward else moe_backward)

@@ -22,7 +22,7 @@ from .backward import moe_backward
 from .config import MoEConfig
 from .forward import MegaSaved, moe_forward
 from .forward_mega import moe_forward_mega
-from .fp8 import moe_fp8
+from .fp8 import fp8_passes
 from .plan import Plan, make_plan
 from .probe import Probe
 from .threads import ThreadRank
@@ -47,12 +47,14 @@ def group_info(group):
 
 
 class _TabbyMoE(torch.autograd.Function):
-    """The sync-free forward; the shared expert's output enters as ``extra`` (plain PyTorch outside)."""
+    """The path of separate launches: ``passes`` = (forward, backward), bf16
+    (``forward.moe_forward``, ``backward.moe_backward``) or FP8 (``fp8.fp8_passes``); the shared
+    expert's output enters as ``extra`` (plain PyTorch outside)."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra, ws, plan, probe):
-        y, saved = moe_forward(ws, plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra, probe=probe)
-        ctx.ws, ctx.plan, ctx.saved, ctx.probe = ws, plan, saved, probe
+    def forward(ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra, ws, plan, passes, probe):
+        y, saved = passes[0](ws, plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra, probe=probe)
+        ctx.ws, ctx.plan, ctx.saved, ctx.probe, ctx.backward_pass = ws, plan, saved, probe, passes[1]
         ctx.w_dtype = topk_weights.dtype
         ctx.has_extra = extra is not None
         ctx.save_for_backward(w_gate, w_up, w_down)
@@ -61,10 +63,14 @@ class _TabbyMoE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         w_gate, w_up, w_down = ctx.saved_tensors
-        dx, dtopk, dwg, dwu, dwd = moe_backward(ctx.ws, ctx.plan, dy.contiguous(), ctx.saved, w_gate, w_up, w_down,
-                                                probe=ctx.probe)
+        dx, dtopk, dwg, dwu, dwd = ctx.backward_pass(ctx.ws, ctx.plan, dy.contiguous(), ctx.saved, w_gate, w_up,
+                                                     w_down, probe=ctx.probe)
         ctx.saved = None
-        return (dx, None, dtopk.to(ctx.w_dtype), dwg, dwu, dwd, dy if ctx.has_extra else None, None, None, None)
+        return (dx, None, dtopk.to(ctx.w_dtype), dwg, dwu, dwd, dy if ctx.has_extra else None, None, None, None,
+                None)
+
+
+_BF16_PASSES = (moe_forward, moe_backward)
 
 
 class _TabbyMoEMega(torch.autograd.Function):
@@ -203,14 +209,12 @@ def _moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
     ws, plan = workspace_and_plan(key, dims, config, I_s, x.device, rank, pg, tg, differentiated)
     if probe is not None:
         probe.plan = plan
-    if config.precision != "bf16":  # the FP8 experts on the path of separate launches (fp8.py)
-        return moe_fp8(ws, plan, dims, config.precision, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
-                       probe)
-    if plan.megakernel:
+    passes = _BF16_PASSES
+    if config.precision != "bf16":  # the FP8 experts, on the path of separate launches (fp8.py)
+        passes = fp8_passes(dims, plan, config.precision, keep=differentiated)
+    elif plan.megakernel:
         sh = tuple(w.contiguous() for w in shared) if shared is not None else (None, None, None)
-        # keep what the backward needs only when there will be one
-        save = plan.save_for_backward and torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *sh))
+        save = plan.save_for_backward and differentiated  # keep what the backward needs only when there is one
         return _TabbyMoEMega.apply(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate, w_up,
                                    w_down, *sh, ws, plan, save, probe)
     extra = None
@@ -218,7 +222,7 @@ def _moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
         sg, su, sd = shared
         extra = (F.silu(x @ sg.t()) * (x @ su.t())) @ sd.t()
     return _TabbyMoE.apply(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate, w_up,
-                           w_down, extra, ws, plan, probe)
+                           w_down, extra, ws, plan, passes, probe)
 
 
 @dataclass(frozen=True)
