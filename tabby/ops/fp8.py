@@ -122,15 +122,22 @@ def quantize_rows(x: torch.Tensor, *, num_tiles: torch.Tensor | None = None, til
 
 
 @triton.jit
-def quantize_blocks_kernel(w_ptr, stride_we, stride_wn, q_ptr, stride_qe, stride_qn, s_ptr, stride_se,
-                           stride_sn, N, K, INTERPRET: tl.constexpr):
-    """One 128x128 block (expert pid(0), row block pid(1), column block pid(2))."""
+def _weight_block(N, K):
+    """This program's 128x128 weight block (a grid of (experts, row blocks, column blocks)): its
+    expert, block indices, rows, columns and in-bounds mask."""
     e = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     kb = tl.program_id(2)
     rows = nb * 128 + tl.arange(0, 128)
     cols = kb * 128 + tl.arange(0, 128)
-    m = (rows < N)[:, None] & (cols < K)[None, :]
+    return e, nb, kb, rows, cols, (rows < N)[:, None] & (cols < K)[None, :]
+
+
+@triton.jit
+def quantize_blocks_kernel(w_ptr, stride_we, stride_wn, q_ptr, stride_qe, stride_qn, s_ptr, stride_se,
+                           stride_sn, N, K, INTERPRET: tl.constexpr):
+    """One 128x128 block (expert pid(0), row block pid(1), column block pid(2))."""
+    e, nb, kb, rows, cols, m = _weight_block(N, K)
     w = tl.load(w_ptr + e * stride_we + rows[:, None] * stride_wn + cols[None, :], mask=m, other=0.0)
     w = w.to(tl.float32)
     j = scale_exponent(tl.max(tl.max(tl.abs(w), axis=1), axis=0))
@@ -170,12 +177,7 @@ def mxfp8_to_blocks_kernel(q_ptr, stride_qe, stride_qn, e8_ptr, stride_e8e, stri
     magnitude is an integer n in units of 2^-9 (subnormal: the mantissa; normal: (8 + mantissa)
     << (exponent - 1)); dividing by 2^d is exact iff n's low d bits are zero, and the quotient
     (at most 4 significant bits) is re-encoded."""
-    e = tl.program_id(0).to(tl.int64)
-    nb = tl.program_id(1)
-    kb = tl.program_id(2)
-    rows = nb * 128 + tl.arange(0, 128)
-    cols = kb * 128 + tl.arange(0, 128)
-    m = (rows < N)[:, None] & (cols < K)[None, :]
+    e, nb, kb, rows, cols, m = _weight_block(N, K)
     # each element's group scale (a gather of the block's 128 x 4 scales)
     ge = tl.load(e8_ptr + e * stride_e8e + rows[:, None] * stride_e8n + (cols // 32)[None, :], mask=m,
                  other=0).to(tl.int32)
