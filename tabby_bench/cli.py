@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--grad", action="store_true",
                     help="time the forward under autograd with inputs that require grad, as the bench does "
                          "(the megakernel then also keeps what the backward needs)")
-    tr = sub.add_parser("train", help="end-to-end training of a transformers MoE model, Tabby vs grouped_mm",
-                        description="Train a transformers MoE model (Qwen3-MoE- or DeepSeek-V3-shaped) on a generated "
+    tr = sub.add_parser("train", help="end-to-end training of an MoE model, Tabby vs grouped_mm",
+                        description="Train a transformers MoE model (Qwen3-MoE- or DeepSeek-V3-shaped) or torchtitan's "
+                                    "Qwen3-MoE (torchtitan-qwen3-moe) on a generated "
                                     "corpus with each experts backend and step mode; report tokens/s, MFU, peak "
                                     "memory, the MoE blocks' share of the step, the loss curves and whether two "
                                     "Tabby runs agree bit for bit. Without a GPU: --models tiny-qwen3-moe, eager.")

@@ -1,5 +1,6 @@
-"""``tabby train``: end-to-end training of a transformers MoE model, Tabby's experts against
-transformers' own (``grouped_mm``), on one GPU (or the CPU with a tiny model).
+"""``tabby train``: end-to-end training of a transformers or torchtitan MoE model, Tabby's experts
+against the framework's own (``grouped_mm``: both call ``torch._grouped_mm``), on one GPU (or the
+CPU with a tiny model).
 
 Every run trains the same model from the same seed on the same batches of a generated corpus
 (:func:`make_corpus`: a fixed random order-2 Markov language, learnable, with a known best
@@ -40,11 +41,13 @@ PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H20": 148.0, "A100": 312.0, "
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A transformers MoE model: the config class's name and its fields."""
+    """An MoE model: its framework, family and config fields (transformers: the config class's
+    fields; torchtitan: ``torchtitan_qwen3_config``'s arguments)."""
     name: str
     family: str  # "qwen3_moe" or "deepseek_v3"
     fields: dict
     about: str
+    framework: str = "transformers"  # or "torchtitan" (0.3.0; its experts' default is torch._grouped_mm too)
 
 
 MODELS = {
@@ -68,6 +71,16 @@ MODELS = {
         decoder_sparse_step=1, mlp_only_layers=[], vocab_size=128, tie_word_embeddings=False,
         max_position_embeddings=256),
         "a tiny Qwen3-MoE for the CPU (H 64, E 8, k 2, I 32, 2 layers)"),
+    "torchtitan-qwen3-moe": ModelSpec("torchtitan-qwen3-moe", "qwen3_moe", dict(
+        dim=2048, n_layers=4, n_heads=32, n_kv_heads=4, head_dim=128, moe_hidden_dim=768, num_experts=128,
+        top_k=8, vocab_size=2048, attention="flex"),
+        "torchtitan's Qwen3 with Qwen3-30B-A3B layers (H 2048, E 128, k 8, I 768, 32 heads), 4 layers, "
+        "vocabulary 2048, its default flex attention", framework="torchtitan"),
+    "tiny-torchtitan-qwen3-moe": ModelSpec("tiny-torchtitan-qwen3-moe", "qwen3_moe", dict(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, moe_hidden_dim=32, num_experts=8, top_k=2,
+        vocab_size=128, attention="sdpa"),
+        "a tiny torchtitan Qwen3-MoE for the CPU (H 64, E 8, k 2, I 32, 2 layers; causal SDPA: flex attention "
+        "has no backward on the CPU)", framework="torchtitan"),
 }
 BACKENDS = ("grouped_mm", "tabby")
 # Tabby's config for the CPU: the sync-free path with small tiles (the interpreter's time goes with
@@ -132,8 +145,12 @@ def make_corpus(vocab: int, n_tokens: int, seq_len: int, seed: int = 1234, branc
 # The model
 
 
-def build_model(spec: ModelSpec, backend: str, seed: int, device: torch.device):
-    """The model in bf16 on ``device``, initialised from ``seed``, its experts run by ``backend``."""
+def build_model(spec: ModelSpec, backend: str, seed: int, device: torch.device, tabby_config: str = ""):
+    """The model in bf16 on ``device``, initialised from ``seed``, its experts run by ``backend``
+    (``tabby_config``: Tabby's config string for a torchtitan model; a transformers model's comes
+    from ``tabby.integrations.transformers.register``)."""
+    if spec.framework == "torchtitan":
+        return build_torchtitan_model(spec, backend, seed, device, tabby_config)
     import transformers
 
     cls = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -147,8 +164,86 @@ def build_model(spec: ModelSpec, backend: str, seed: int, device: torch.device):
     return model
 
 
+def torchtitan_qwen3_config(dim, n_layers, n_heads, n_kv_heads, head_dim, moe_hidden_dim, num_experts, top_k,
+                            vocab_size, attention):
+    """torchtitan 0.3.0's Qwen3-MoE config (its 30B-A3B recipe: fused QKV, QK norm, softmax router
+    with renormalised top-k, RoPE theta 1e6) at these sizes; ``attention`` "flex" (torchtitan's
+    default) or "sdpa" (causal)."""
+    import dataclasses
+
+    import torchtitan.models.qwen3 as q3
+    from torchtitan.models.common import Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.rope import CosSinRoPE
+
+    layers = q3._build_qwen3_moe_layers(
+        fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+        moe_hidden_dim=moe_hidden_dim, num_experts=num_experts, top_k=top_k, attn_backend="flex",
+        rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=8192, theta=1000000.0), moe_comm_backend="standard")
+    if attention == "sdpa":
+        layers = [dataclasses.replace(c, attention=dataclasses.replace(
+            c.attention, inner_attention=ScaledDotProductAttention.Config())) for c in layers]
+    return q3.Qwen3Model.Config(
+        vocab_size=vocab_size, dim=dim, norm=q3._qwen3_norm(dim), layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim, param_init=q3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=q3._LINEAR_INIT))
+
+
+class TorchtitanLM(torch.nn.Module):
+    """A torchtitan decoder behind transformers' causal-LM call, ``model(input_ids=, labels=).loss``:
+    the next-token cross-entropy in fp32 (labels shifted by one, as transformers does); flex
+    attention gets its causal block mask (one document per row)."""
+
+    def __init__(self, decoder, flex: bool):
+        super().__init__()
+        self.decoder, self.flex = decoder, flex
+
+    def forward(self, input_ids, labels):
+        from types import SimpleNamespace
+
+        masks = None
+        if self.flex:
+            B, L = input_ids.shape
+            masks = self.decoder.get_attention_masks(torch.arange(L, device=input_ids.device).expand(B, L))
+        logits = self.decoder(input_ids, attention_masks=masks)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return SimpleNamespace(loss=loss)
+
+
+def build_torchtitan_model(spec: ModelSpec, backend: str, seed: int, device: torch.device, tabby_config: str):
+    """torchtitan's Qwen3-MoE in bf16: its own experts (``grouped_mm``: ``GroupedExperts``, which
+    calls ``torch._grouped_mm``) or Tabby's through the override (``tabby``)."""
+    cfg = torchtitan_qwen3_config(**spec.fields)
+    if backend == "tabby":
+        import tabby.integrations.torchtitan as tabby_tt
+
+        tabby_tt.apply(cfg, tabby_config)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        decoder = cfg.build()
+        decoder.init_states(buffer_device=device)
+    model = TorchtitanLM(decoder.to(torch.bfloat16), flex=spec.fields["attention"] == "flex")
+    model.train()
+    return model
+
+
+def experts_of(model) -> list:
+    """The routed experts' modules (their parameters are the routed weights)."""
+    if isinstance(model, TorchtitanLM):
+        from torchtitan.models.common.moe import GroupedExperts
+
+        return [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    from tabby.integrations.transformers import experts_modules
+
+    return experts_modules(model)
+
+
 def moe_blocks(model) -> list:
-    """The sparse MoE blocks (router, experts and shared experts) of a transformers model."""
+    """The sparse MoE blocks (router, experts and shared experts)."""
+    if isinstance(model, TorchtitanLM):
+        from torchtitan.models.common.moe import MoE
+
+        return [m for m in model.modules() if isinstance(m, MoE)]
     from tabby.integrations.transformers import experts_modules
 
     experts = set(map(id, experts_modules(model)))
@@ -159,10 +254,13 @@ def flops_per_token(model, spec: ModelSpec, seq_len: int) -> float:
     """Training FLOPs per token: 6 x the parameters one token uses (the embedding lookup aside;
     routed experts counted k / E) + the causal attention's 6 x layers x heads x head dim x seq_len
     (the score and value products, forward and backward, half the square)."""
-    from tabby.integrations.transformers import experts_modules
-
+    routed = sum(p.numel() for m in experts_of(model) for p in m.parameters())
+    if spec.framework == "torchtitan":
+        f = spec.fields
+        dense = sum(p.numel() for p in model.parameters()) - routed - model.decoder.tok_embeddings.weight.numel()
+        active = dense + routed * f["top_k"] / f["num_experts"]
+        return 6 * active + 6 * f["n_layers"] * f["n_heads"] * f["head_dim"] * seq_len
     cfg = model.config
-    routed = sum(p.numel() for m in experts_modules(model) for p in m.parameters())
     dense = sum(p.numel() for p in model.parameters()) - routed - model.get_input_embeddings().weight.numel()
     E = cfg.num_experts if spec.family == "qwen3_moe" else cfg.n_routed_experts
     active = dense + routed * cfg.num_experts_per_tok / E
@@ -311,7 +409,7 @@ def _train(run: Run, spec: ModelSpec, cfg: TrainConfig, corpus, device: torch.de
     cuda = device.type == "cuda"
     if cuda:  # (the previous run's memory was released after it: release_implementation)
         torch.cuda.reset_peak_memory_stats()
-    model = build_model(spec, backend, seed, device)
+    model = build_model(spec, backend, seed, device, cfg.tabby_config)
     if not flops_tok:
         flops_tok.append(flops_per_token(model, spec, cfg.seq_len))
     rows = max(1, cfg.tokens // cfg.seq_len)

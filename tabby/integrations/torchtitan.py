@@ -111,9 +111,11 @@ def tabby_routed_experts(cfg: RoutedExperts.Config, *, config: str = "") -> Tabb
     return derive(cfg, TabbyRoutedExperts.Config, token_dispatcher=None, tabby_config=config)
 
 
-def apply(model_config) -> list[str]:
+def apply(model_config, config: str = "") -> list[str]:
     """Apply the override to a model config tree without a trainer (tests, scripts): the same
-    path as ``--override.imports``. Returns torchtitan's log lines of the replacements."""
+    path as ``--override.imports`` (``config``: a Tabby config string, "" for the defaults).
+    Returns torchtitan's log lines of the replacements."""
     from torchtitan.config.override import OverrideConfig, apply_overrides
 
-    return apply_overrides(OverrideConfig(imports=[OVERRIDE]), model_config)
+    entry = (OVERRIDE, {"config": config}) if config else OVERRIDE
+    return apply_overrides(OverrideConfig(imports=[entry]), model_config)
