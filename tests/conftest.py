@@ -1,8 +1,9 @@
 """Without a GPU, Triton kernels run under the interpreter on CPU tensors.
 
 TRITON_INTERPRET must be set before any ``@triton.jit`` function is defined, so it is set here,
-before the test modules import ``tabby.ops``.
-Also: the tools' command line sets up the "tabby" logger; every test leaves it as it found it.
+before the test modules import ``tabby.ops``; fast_interpreter.py makes the interpreter faster
+(not different). Also: the tools' command line sets up the "tabby" logger; every test leaves it as
+it found it.
 """
 import logging
 import os
@@ -12,6 +13,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    import fast_interpreter  # the interpreter's speed only (fast_interpreter.py)
+
+    fast_interpreter.install()
 
 requires_gpu = torch.cuda.is_available()
 

@@ -4,7 +4,8 @@ The interpreter runs a kernel's Python but neither type-checks it like the compi
 code it becomes; Triton's whole pipeline (TTIR, TTGIR, PTX, ptxas) runs without a GPU when the
 target is named. Tests call :func:`run_compiled_check` which runs their own file as a script in
 a subprocess with TRITON_INTERPRET=0 (tabby would otherwise pick the interpreter on a machine
-without a GPU, and conftest.py sets it to 1 for the test process).
+without a GPU, and conftest.py sets it to 1 for the test process); a file of many such checks
+runs them in one subprocess (:class:`CompiledCheckServer`), which imports torch and Triton once.
 """
 import hashlib
 import os
@@ -110,3 +111,86 @@ def run_compiled_check(script: str, *args: str) -> str:
         pytest.skip("no ptxas")
     assert r.returncode == 0, r.stderr[-4000:]
     return r.stdout
+
+
+def serve(check) -> None:
+    """The script side of :class:`CompiledCheckServer`: reads JSON argument lists on stdin, one a
+    line, and answers each with a JSON line on stdout: what ``check(args)`` printed, or its error.
+    The Python start and the imports (most of a compile check's time) are paid once."""
+    import contextlib
+    import io
+    import json
+    import traceback
+
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything else written to stdout (a compiler's messages) goes to stderr
+    for line in sys.stdin:
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                check(json.loads(line))
+            err = None
+        except BaseException:  # noqa: BLE001 - reported to the test that asked
+            err = traceback.format_exc()
+        reply.write(json.dumps({"out": out.getvalue(), "err": err}) + "\n")
+        reply.flush()
+
+
+class CompiledCheckServer:
+    """``run_compiled_check`` for many argument lists in one subprocess: ``script`` (a test file)
+    run with ``--serve`` calls :func:`serve` in its ``__main__``; ``server(*args)`` returns what
+    ``run_compiled_check(script, *args)`` would (stdout), fails with the error, or skips alike."""
+
+    def __init__(self, script: str, timeout: float = 600):
+        import tempfile
+
+        self.script, self.timeout, self.proc = os.path.abspath(script), timeout, None
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by close()
+
+    def __call__(self, *args: str) -> str:
+        import json
+        import queue
+        import threading
+
+        try:
+            import triton.backends.nvidia  # noqa: F401
+        except ImportError:
+            pytest.skip("triton has no NVIDIA backend here")
+        if self.proc is None or self.proc.poll() is not None:
+            env = dict(os.environ, TRITON_INTERPRET="0")  # compiled kernels, though this machine has no GPU
+            env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.dirname(os.path.abspath(__file__)),
+                                                 env.get("PYTHONPATH", "")])
+            self.proc = subprocess.Popen([sys.executable, self.script, "--serve"], env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        self.proc.stdin.write(json.dumps(list(args)) + "\n")
+        self.proc.stdin.flush()
+        answer = queue.Queue()
+        threading.Thread(target=lambda: answer.put(self.proc.stdout.readline()), daemon=True).start()
+        try:
+            line = answer.get(timeout=self.timeout)
+        except queue.Empty:
+            self._stop()
+            raise AssertionError(f"{os.path.basename(self.script)} {' '.join(args)}: no answer in {self.timeout} s")
+        if not line:
+            self.stderr.seek(0)
+            raise AssertionError(f"the compile server stopped: {self.stderr.read()[-4000:]}")
+        r = json.loads(line)
+        if r["err"] is not None:
+            if "ptxas" in r["err"] and "not found" in r["err"]:
+                pytest.skip("no ptxas")
+            raise AssertionError(r["err"][-4000:])
+        return r["out"]
+
+    def _stop(self):
+        if self.proc is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    def close(self):
+        self._stop()
+        self.stderr.close()

@@ -2,8 +2,9 @@
 
 The interpreter runs the kernel's Python; it does not type-check it the way the compiler does
 (e.g. a variable with different types in the branches of an ``if``). So each variant is compiled
-through Triton's whole pipeline (see sm90.py) at the qwen3-30b-a3b shape, with the tiles the
-heuristics give 4- and 8-warp programs and the arguments the launcher passes (``host.launch``).
+through Triton's whole pipeline (see sm90.py; one subprocess compiles them all) at the qwen3-30b-a3b
+shape, with the tiles the heuristics give 4- and 8-warp programs and the arguments the launcher
+passes (``host.launch``).
 """
 import json
 import os
@@ -12,7 +13,7 @@ from typing import NamedTuple
 
 import pytest
 
-from sm90 import Const, compile_args, ptx_hash, run_compiled_check
+from sm90 import CompiledCheckServer, Const, compile_args, ptx_hash, serve
 
 H, I, IS, BM = 2048, 768, 256, 128
 
@@ -139,10 +140,18 @@ CASES = [  # the default variants' PTX is pinned below; these cover every other 
 ]
 
 
+@pytest.fixture(scope="module")
+def compiled():
+    """Compile checks of this file, one subprocess for all (``sm90.CompiledCheckServer``)."""
+    server = CompiledCheckServer(__file__)
+    yield server
+    server.close()
+
+
 @pytest.mark.parametrize("v", CASES, ids=[",".join(f"{k}={int(x)}" for k, x in c._asdict().items()
                                                    if x != Variant._field_defaults[k]) or "base" for c in CASES])
-def test_megakernel_compiles_for_sm90(v):
-    assert "ok" in run_compiled_check(__file__, *v.argv())
+def test_megakernel_compiles_for_sm90(v, compiled):
+    assert "ok" in compiled(*v.argv())
 
 
 PTX_GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "megakernel_ptx.json")
@@ -154,7 +163,7 @@ def _pinned():
 
 
 @pytest.mark.parametrize("name", sorted(_pinned()["variants"]))
-def test_default_variants_keep_their_sm90_ptx(name):
+def test_default_variants_keep_their_sm90_ptx(name, compiled):
     """The PTX of the default variants is the PTX the kernel compiled to before its code was split
     into protocol / tasks / kernel / host (golden/megakernel_ptx.json: sha256 of the instruction
     stream, ``sm90.normalize_ptx``): a change of the kernel's code shows here, even one that no test
@@ -165,10 +174,13 @@ def test_default_variants_keep_their_sm90_ptx(name):
     if triton.__version__ != pinned["triton"]:
         pytest.skip(f"the pinned PTX is triton {pinned['triton']}'s; this is {triton.__version__}")
     entry = pinned["variants"][name]
-    out = run_compiled_check(__file__, *Variant(**entry["variant"]).argv())
+    out = compiled(*Variant(**entry["variant"]).argv())
     got = out.split("ptx=")[1].split()[0]
     assert got == entry["sha256"], f"{name}: the kernel's sm_90 PTX changed"
 
 
 if __name__ == "__main__":
-    _check(Variant.from_argv(sys.argv[1:]))
+    if sys.argv[1:] == ["--serve"]:
+        serve(lambda argv: _check(Variant.from_argv(argv)))
+    else:
+        _check(Variant.from_argv(sys.argv[1:]))
