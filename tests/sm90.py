@@ -194,3 +194,20 @@ class CompiledCheckServer:
     def close(self):
         self._stop()
         self.stderr.close()
+
+
+def ptxas_report(kernel) -> str:
+    """ptxas's own report (``-v``) on the kernel's PTX for sm_90a. It prints performance notes that
+    Triton does not surface, e.g. C7515, "wgmma.mma_async instructions are serialized", under which
+    every wgmma of the kernel waits for the one before."""
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        src, out = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(src, "w") as f:
+            f.write(kernel.asm["ptx"])
+        r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", out], capture_output=True,
+                           text=True)
+    return r.stdout + r.stderr

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import pytest
 
-from sm90 import CompiledCheckServer, Const, compile_args, ptx_hash, serve
+from sm90 import CompiledCheckServer, Const, compile_args, ptx_hash, ptxas_report, serve
 
 H, I, IS, BM = 2048, 768, 256, 128
 
@@ -125,6 +125,10 @@ def _check(v: Variant):
         n_fill_async = ttgir.count("async_copy_global_to_local")
         assert (n_fill_async > 0) == (v.fill_stages > 1 or v.local_rows), \
             f"fill_stages={v.fill_stages}: {n_fill_async} async copies"
+    # ptxas keeps the wgmma asynchronous (C7515 would serialize every one of them: docs/performance.md,
+    # "Backward megakernel, first form")
+    report = ptxas_report(k)
+    assert "C7515" not in report and "are serialized" not in report, report
     print(f"ok {v} smem={k.metadata.shared} async={n_async} ptx={ptx_hash(k.asm['ptx'])}")
 
 
