@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from tabby import reference_fp8 as ref  # noqa: E402
-from tabby.ops import gemm, gemm_fp8  # noqa: E402
+from tabby.ops import gemm_fp8  # noqa: E402
 from tabby.ops.fp8 import quantize_blocks, quantize_cols, quantize_rows  # noqa: E402
 from tabby.ops.gemm import GemmConfig  # noqa: E402
 
