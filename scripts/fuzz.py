@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for fuzz-summary.json and fuzz.log")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds: start no case after this (the summary says how many ran)")
-    ap.add_argument("--precompile", type=float, default=None, metavar="S",
+    ap.add_argument("--precompile", type=float, default=300.0, metavar="S",
                     help="one GPU: first compile the kernels the cases need, one case of each kind of "
                          "kernel in parallel processes, for at most S seconds (default 300; 0: none)")
     ap.add_argument("--max-wait-ms", type=float, default=None,
@@ -416,9 +416,8 @@ def main(argv=None) -> int:
             spent = bool(int(flag))
         return spent
 
-    precompile_s = 300.0 if args.precompile is None else args.precompile
-    if device.type == "cuda" and not distributed and args.seed is None and precompile_s > 0:
-        precompile(seeds, worlds, precompile_s, say)
+    if device.type == "cuda" and not distributed and args.seed is None and args.precompile > 0:
+        precompile(seeds, worlds, args.precompile, say)
         t_start = time.time()  # (the cases' budget starts after it)
     for seed in seeds:
         if budget_spent():

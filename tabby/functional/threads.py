@@ -22,16 +22,16 @@ class ThreadGroup:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self._barrier = threading.Barrier(world_size)
-        self._bases: dict[int, int] = {}
+        self._values: dict = {}  # each rank's value of the exchange in progress
         self.raw: dict = {}  # each rank's symmetric bytes (Workspace.peer_buffer)
 
     def exchange(self, rank: int, value, timeout_s: float | None = None) -> list:
         """Every rank's ``value`` in rank order, once every rank has given its own (a collective).
         A rank that does not join within ``timeout_s`` breaks the group's barrier: every rank waiting
         in it raises ``threading.BrokenBarrierError``, and the group cannot be used after that."""
-        self._bases[rank] = value
+        self._values[rank] = value
         self._barrier.wait(timeout_s)
-        out = [self._bases[r] for r in range(self.world_size)]
+        out = [self._values[r] for r in range(self.world_size)]
         self._barrier.wait(timeout_s)
         return out
 
