@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--warmup", type=int, default=None, help="steps left out of tokens/s (default 10; CPU 1)")
     tr.add_argument("--log-every", type=int, default=10, help="progress line every N steps")
     tr.add_argument("--no-repeat", dest="repeat", action="store_false",
-                    help="skip the second Tabby run (bitwise check) and the baseline's second seed (its noise)")
+                    help="skip the second deterministic Tabby run (bitwise check), the baseline's repeat at the same "
+                         "seed and its second seed (its noise)")
     tr.add_argument("--tabby-config", default="", help="a tabby.MoEConfig text, e.g. 'megakernel=0' (default: the "
                                                          "defaults; without a GPU the sync-free path, small tiles)")
     tr.add_argument("--out", default=None, help="output folder (default ~/.cache/tabby/bench)")

@@ -101,7 +101,7 @@ class TrainConfig:
     lr: float = 1e-3
     warmup_steps: int = 10  # steps excluded from the tokens/s (compilation, allocator, clocks)
     log_every: int = 10
-    repeat: bool = True  # Tabby eager twice (bitwise) and the baseline at a second seed (noise)
+    repeat: bool = True  # Tabby eager twice (bitwise); the baseline again at seed 0 and at seed 1 (noise)
     attribute_steps: int = 5  # eager steps timed per MoE block after the run (its share of the step)
     out: str | None = None
     tag: str = ""
