@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batched call on a GPU machine: the GPU tests, then the benchmark matrix.
 # Usage: scripts/device_run.sh STAGE [bench args...]
-#   tests   the GPU tests (tests/test_*_gpu.py; bounded waits fail fast, device errors checked per pass)
+#   tests   the GPU tests (tests/test_*_gpu.py, or the files in GPU_TESTS: cold, they compile for more than one
+#           call's 10 minutes, so split them; bounded waits fail fast, device errors checked per pass)
 #   bench   the EP1 matrix: floor, tabby and tabby-sync-free on the six shapes at 4096 and 16384 tokens
 #           (extra args go to `tabby bench` after these and override them, e.g. --ep 2 --impls ...)
 #   train   the end-to-end training benchmark (tabby train; extra args go to it)
@@ -28,7 +29,7 @@ echo "commit ${TABBY_GIT_COMMIT:-unknown: pass TABBY_GIT_COMMIT}" >> "$OUT/machi
 status=0
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
   TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${TESTS_TIMEOUT:-580} \
-    python3 -m pytest -q -rA -p no:cacheprovider tests/test_*_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" \
+    python3 -m pytest -q -rA -p no:cacheprovider ${GPU_TESTS:-tests/test_*_gpu.py} 2>&1 | tee "$OUT/gpu-tests.log" \
     | grep -E "passed|failed|PASSED|FAILED|SKIPPED|Error|assert" | tail -60
   status=${PIPESTATUS[0]}
 fi
