@@ -72,6 +72,13 @@ for tool in $tools; do
   rc=$?
   took=$(( $(date +%s) - start ))
   errors="$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$log" | tail -1 | grep -Eo '[0-9]+' || true)"
+  hazards=""
+  if [ "$tool" = racecheck ]; then
+    # racecheck ends with "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)" instead of
+    # an ERROR SUMMARY: its count is the hazards, errors and warnings both
+    hazards="$(grep -Eo 'RACECHECK SUMMARY: [0-9]+ hazard[s]? displayed \([0-9]+ error[s]?, [0-9]+ warning[s]?\)' "$log" | tail -1 || true)"
+    [ -n "$errors" ] || errors="$(echo "$hazards" | grep -Eo '[0-9]+' | head -1)"
+  fi
   [ -n "$errors" ] || errors="?"
   case_status="$(grep -o 'sanitize_case: [A-Za-z]*' "$log" | tail -1 | cut -d' ' -f2)"
   [ -n "$case_status" ] || case_status="?"
@@ -79,15 +86,7 @@ for tool in $tools; do
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
     line="$line timed out after $tool_timeout s"
   fi
-  if [ "$tool" = racecheck ]; then
-    # racecheck ends with "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)" instead of
-    # an ERROR SUMMARY: its count is the hazards, errors and warnings both
-    hazards="$(grep -Eo 'RACECHECK SUMMARY: [0-9]+ hazard[s]? displayed \([0-9]+ error[s]?, [0-9]+ warning[s]?\)' "$log" | tail -1 || true)"
-    if [ -n "$hazards" ]; then
-      [ "$errors" = "?" ] && errors="$(echo "$hazards" | grep -Eo '[0-9]+' | head -1)"
-      line="$tool: rc=$rc errors=$errors case=$case_status (${took} s); $hazards"
-    fi
-  fi
+  [ -z "$hazards" ] || line="$line; $hazards"
   note "$line"
   if [ "$rc" -ne 0 ] || [ "$errors" != "0" ] || [ "$case_status" != "ok" ]; then
     status=1
