@@ -4,6 +4,7 @@ and a worker still running at the end of the budget is stopped. Workers are fake
 import importlib.util
 import os
 import sys
+from typing import ClassVar
 
 import pytest
 
@@ -16,7 +17,7 @@ fuzz = sys.modules["tabby_fuzz"]
 
 
 class _FakeWorker:
-    launched = []
+    launched: ClassVar[list] = []
 
     def __init__(self, argv, **kw):
         self.seed = int(argv[argv.index("--seed") + 1])
