@@ -12,15 +12,18 @@ from .probe import Probe, mark
 from .steps import finish_backward, pull_routed_rows, signal_and_wait
 
 
-def routed_rows_for_wgrad(ws, plan: Plan, kept: KeptRows, TK, k):
+def routed_rows_for_wgrad(ws, plan: Plan, kept: KeptRows, TK, k, out=None):
     """The routed rows [R, H] of a forward that kept them partly (local rows: xs without this rank's
     rows, filled in here from x) or not at all (the token pull: xs is every rank's tokens
-    [W*T, H], rows gathered from them and x into a new buffer); local copies only. A copy, not a
-    weight gradient that gathers its own rows: that measured slower (docs/performance.md, "Local
-    rows")."""
-    sched, xs, x = kept.sched, kept.xs, kept.x
+    [W*T, H], rows gathered from them and x into ``out``, a new buffer unless given: a dead
+    [R_max, H] one); local copies only. A copy, not a weight gradient that gathers its own rows:
+    that measured slower (docs/performance.md, "Local rows")."""
+    return _rows_for_wgrad(ws, plan, kept.sched, kept.xs, kept.x, kept.missing, TK, k, out)
+
+
+def _rows_for_wgrad(ws, plan: Plan, sched, xs, x, missing, TK, k, out=None):
     W, T, H = ws.world_size, x.shape[0], x.shape[1]
-    if kept.missing == "local":
+    if missing == "local":
         table = torch.full((W,), x.data_ptr(), dtype=torch.int64, device=x.device)
         pull_routed_rows(plan, sched, table, xs, TK, k, only_rank=ws.rank)
         return xs
@@ -29,12 +32,25 @@ def routed_rows_for_wgrad(ws, plan: Plan, kept: KeptRows, TK, k):
     # x is 16-byte aligned, as the copy's vectors need)
     src = torch.arange(W, dtype=torch.int64, device=x.device)
     table = torch.where(src == ws.rank, x.data_ptr(), src * (T * H * xs.element_size()) + xs.data_ptr())
-    rows = xs.new_empty((sched.R_max, H))
+    rows = xs.new_empty((sched.R_max, H)) if out is None else out
     pull_routed_rows(plan, sched, table, rows, TK, k)
     return rows
 
 
-def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe | None = None):
+def gate_up_wgrad_first(R, H, I, E_local, tokens_rows=0):
+    """The order of the two weight gradients that peaks lower when the backward owns the kept rows
+    (``moe_backward``'s ``owned``): gate/up first (then xs and dg | du are freed before dW_down is
+    allocated) or down first (dys and hw freed before dW_gate, dW_up). Bytes at each order's high
+    points, from the shapes alone (no host sync); ``tokens_rows``: the token pull's kept tokens
+    (W*T), 0 otherwise. Both orders give the same bits."""
+    rows_h, gu, hw, dw = R * H * 2, R * 4 * I, R * I * 2, E_local * H * I * 2
+    tok = tokens_rows * H * 2
+    down_first = max(gu + (tok or rows_h) + rows_h + hw + dw, gu + rows_h + 3 * dw)
+    gate_up_first = max(gu + tok + 2 * rows_h + hw, gu + 2 * rows_h + hw + 2 * dw, rows_h + hw + 3 * dw)
+    return gate_up_first <= down_first
+
+
+def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe | None = None, owned: bool = False):
     """Backward pass on one rank. Returns (dx, d topk_weights [T, k] fp32, dw_gate, dw_up, dw_down).
 
     ``saved``: a ``KeptRows`` (xs, g/u and row weights kept; from ``moe_forward``, or
@@ -45,17 +61,36 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
     rank's READY signal of a pass and its own DONE signal of that pass, and this rank starts a
     pass only after every peer's DONE of its previous pass (the forward waited FWD_DONE, an
     earlier backward BWD_DONE); the next forward re-publishes x before its FWD_READY.
+
+    ``owned``: nothing else holds the kept rows (the caller dropped its references; the autograd
+    Functions of ``tabby.moe``, where a backward runs once): this pass takes the tensors out of
+    ``saved`` (its fields are set to None), writes dg | du over g | u and frees each buffer once
+    the last launch that reads it is queued, so that the weight gradients' outputs are allocated
+    after the routed buffers they no longer need are freed. Otherwise (the registered operator,
+    whose kept tensors are autograd's saved inputs) the kept rows are only read. Recomputed rows
+    are always owned. The same launches and bits either way; only their buffers and the order of
+    the two weight gradients differ. Nothing here reads anything back to the host.
     """
     recompute = isinstance(saved, MegaSaved)
     sched = saved.sched
-    if not recompute:
+    missing, x_kept = "", None
+    if recompute:
+        x_pub, w_pub = saved.x, saved.topk_weights
+    else:
         xs, gu, row_w = saved.xs, saved.gu, saved.row_w
+        missing, x_kept = saved.missing, saved.x
+        if owned:  # the tensors are ours now: the dataclass lets go of them
+            saved.xs = saved.gu = saved.row_w = saved.x = None
+    del saved
+    owned = owned or recompute
     T, H = dy.shape
+    I = w_gate.shape[1]
     k, TK = sched.k, sched.T * sched.k
     mark(probe, "bwd:start")
     if recompute:
-        ws.x_pub.copy_(saved.x)
-        ws.w_pub.copy_(saved.topk_weights)
+        ws.x_pub.copy_(x_pub)
+        ws.w_pub.copy_(w_pub)
+        del x_pub, w_pub
     ws.dy_pub.copy_(dy)
     signal_and_wait(ws, BWD_READY, BWD, True, sync.ERR_WAIT_PEER_READY, plan)
     mark(probe, "bwd:publish+wait")
@@ -65,28 +100,51 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
         pull_routed_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, k, ws.ptrs["w_pub"], row_w)
         _, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, save_gu=True,
                                     config=plan.gemm_config(gemm.KIND_GATE_UP))
+        del _
         mark(probe, "bwd:recompute")
+    R = sched.R_max
+    tokens = missing == "tokens"
+    gate_up_first = owned and gate_up_wgrad_first(R, H, I, w_gate.shape[0], xs.shape[0] if tokens else 0)
 
-    dys = dy.new_empty((sched.R_max, H))
+    dys = dy.new_empty((R, H))
     pull_routed_rows(plan, sched, ws.ptrs["dy_pub"], dys, TK, k)
     mark(probe, "bwd:dispatch_dy")
+    # dg | du over g | u when they are ours: each tile reads its own g, u columns before it writes them
+    in_place = owned and gu.dtype == dys.dtype and gu.is_contiguous() and gu.shape == (R, 2 * I)
     dgu, hw, dw_part = gemm.down_dgrad_swiglu_bwd(dys, w_down, gu, row_w, sched.tile_expert, sched.num_tiles,
+                                                  dgu=gu if in_place else None,
                                                   config=plan.gemm_config(gemm.KIND_DGRAD_SWIGLU))
+    del gu, row_w
     mark(probe, "bwd:down_dgrad+swiglu")
     gemm.gate_up_dgrad_push(dgu, w_gate, w_up, sched.tile_expert, sched.num_tiles, sched.row_src,
                             ws.ptrs["dx_in"], TK, config=plan.gemm_config(gemm.KIND_GATE_UP_DGRAD))
     mark(probe, "bwd:gate_up_dgrad+push")
     dw_rows = gemm.reduce_dw(dw_part)
+    del dw_part
     comm.push_scalars_kernel[(64,)](dw_rows, sched.row_src, sched.num_tiles, ws.ptrs["dw_in"], TK,
                                     BR=256, TILE_ROWS=plan.tile_m)
+    del dw_rows
     mark(probe, "bwd:router_grad")
-    dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype)
-    if not recompute and saved.missing:  # the routed rows the weight gradient reads, contiguous
-        xs = routed_rows_for_wgrad(ws, plan, saved, TK, k)
-        mark(probe, "bwd:routed_rows")
-    dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
-                                               out_dtype=w_gate.dtype)
+    if gate_up_first:
+        if missing:  # the routed rows the weight gradient reads, contiguous
+            xs = _rows_for_wgrad(ws, plan, sched, xs, x_kept, missing, TK, k)  # (tokens: drops them)
+            mark(probe, "bwd:routed_rows")
+        dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
+                                                   out_dtype=w_gate.dtype)
+        del dgu, xs
+        dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype)
+        del dys, hw
+    else:
+        dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype)
+        del hw
+        if missing:  # the token pull's rows gathered into dys's buffer (read by dW_down, queued before)
+            xs = _rows_for_wgrad(ws, plan, sched, xs, x_kept, missing, TK, k,
+                                 out=dys if missing == "tokens" else None)
+            mark(probe, "bwd:routed_rows")
+        del dys
+        dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
+                                                   out_dtype=w_gate.dtype)
+        del dgu, xs
     mark(probe, "bwd:wgrad")
     dx, dtopk = finish_backward(ws, plan, dy, T, k, probe)
     return dx, dtopk, dw_gate, dw_up, dw_down
-

@@ -391,12 +391,17 @@ def _setup_context(ctx, inputs, output):
     kept = output[1:]
     ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept)
     ctx.mark_non_differentiable(*kept)
+    # no zero gradients made for the kept outputs (xs and g | u as big as the routed rows: autograd
+    # would otherwise allocate them for every backward, unread)
+    ctx.set_materialize_grads(False)
     ctx.tabby_args = (group, config, save)
 
 
 def _backward(ctx, dy, *_kept_grads):
     x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept = ctx.saved_tensors
     group, config, save = ctx.tabby_args
+    if dy is None:  # (gradients are not materialized: y's is None only if nothing reached it)
+        dy = torch.zeros((x.shape[0], w_down.shape[1]), dtype=x.dtype, device=x.device)
     dx, dtw, dwg, dwu, dwd, dsg, dsu, dsd = torch.ops.tabby.moe_backward(
         dy, x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept, group, config, save)
     if sg is None:

@@ -18,7 +18,7 @@ import triton
 from ..ops import check_device
 from ..ops.schedule import schedule_capacity
 from ..validate import MoEDims, MoEInputError, TabbyMemoryError, check_inputs
-from .backward import moe_backward
+from .backward import gate_up_wgrad_first, moe_backward
 from .config import MoEConfig
 from .forward import MegaSaved, moe_forward
 from .forward_mega import moe_forward_mega
@@ -63,9 +63,11 @@ class _TabbyMoE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         w_gate, w_up, w_down = ctx.saved_tensors
-        dx, dtopk, dwg, dwu, dwd = ctx.backward_pass(ctx.ws, ctx.plan, dy.contiguous(), ctx.saved, w_gate, w_up,
-                                                     w_down, probe=ctx.probe)
-        ctx.saved = None
+        saved, ctx.saved = ctx.saved, None  # a backward runs once: it frees the kept rows as it goes
+        owned = dict(owned=True) if ctx.backward_pass is moe_backward else {}
+        dx, dtopk, dwg, dwu, dwd = ctx.backward_pass(ctx.ws, ctx.plan, dy.contiguous(), saved, w_gate, w_up,
+                                                     w_down, probe=ctx.probe, **owned)
+        del saved
         return (dx, None, dtopk.to(ctx.w_dtype), dwg, dwu, dwd, dy if ctx.has_extra else None, None, None, None,
                 None)
 
@@ -91,11 +93,12 @@ class _TabbyMoEMega(torch.autograd.Function):
     def backward(ctx, dy):
         w_gate, w_up, w_down, x, topk_weights, s_gate, s_up, s_down = ctx.saved_tensors
         dy = dy.contiguous()
-        saved = ctx.saved
+        saved, ctx.saved = ctx.saved, None  # a backward runs once: it frees the kept rows as it goes
         if isinstance(saved, MegaSaved):  # x and topk_weights came back through save_for_backward
             saved = MegaSaved(saved.sched, x, topk_weights)
-        dx, dtopk, dwg, dwu, dwd = moe_backward(ctx.ws, ctx.plan, dy, saved, w_gate, w_up, w_down, probe=ctx.probe)
-        ctx.saved = None
+        dx, dtopk, dwg, dwu, dwd = moe_backward(ctx.ws, ctx.plan, dy, saved, w_gate, w_up, w_down, probe=ctx.probe,
+                                                owned=True)
+        del saved
         dsg = dsu = dsd = None
         if s_gate is not None:
             with torch.enable_grad():
@@ -233,10 +236,12 @@ class MemoryNeeds:
     R_max: int  # routed rows the buffers are sized for
     kept: int  # what a differentiated forward keeps for the backward (per layer)
     forward: int  # the forward's transient routed rows (the sync-free path's h)
-    backward: int  # the backward's transient buffers (with the recomputed rows when nothing is kept)
+    backward: int  # the backward's transient buffers (with the recomputed rows when nothing is kept): the
+    # larger of tabby.moe's (dg|du over the kept g|u) and the registered operator's (backward.moe_backward, owned)
     ring: int  # the megakernel's ring (0 on the sync-free path)
     recompute: bool  # the megakernel keeps nothing: its backward recomputes the routed rows
     fp8_weights: int = 0  # the FP8 copies of the layer's weights, cached while the weights live
+    backward_moe: int = 0  # tabby.moe's own backward transient (<= backward, which the check uses)
 
     def held(self) -> int:
         """Bytes a differentiated call holds from its forward to its backward: the ring, the
@@ -259,11 +264,19 @@ def memory_needs(plan: Plan) -> MemoryNeeds:
     H, I = d.H, d.I
     kept = R * (2 * H + 4 * I + 4 + 4)  # xs, g|u, row weight, row_src: kept per layer for the backward
     fwd = R * 2 * I  # h
-    bwd = R * (2 * H + 4 * I + 2 * I + 4 * 2 + 4 * triton.cdiv(I, 64))  # dys, dg|du, hw, dw rows, dw partials
+    small = R * (4 * 2 + 4 * triton.cdiv(I, 64))  # dw rows, dw partials
+    # tabby.moe's backward owns the kept rows: dg|du over g|u, so dys and hw on top of them; the registered
+    # operator's reads them (autograd's saved inputs): dys, dg|du and hw (backward.moe_backward's ``owned``)
+    bwd_owned = R * (2 * H + 2 * I) + small
+    bwd_op = R * (2 * H + 4 * I + 2 * I) + small
     mega = plan.mega
     if mega is not None and mega.token_pull:  # the tokens kept, not xs
         kept += d.world_size * d.T * 2 * H - R * 2 * H
-        bwd += R * 2 * H  # the routed rows gathered from them for the weight gradient
+        # the routed rows gathered from them for the weight gradient: a new buffer where the gate/up
+        # weight gradient goes first, else dys's (the operator's order: dW_down first)
+        if gate_up_wgrad_first(R, H, I, d.E_local, d.world_size * d.T):
+            bwd_owned += R * 2 * H
+    bwd = max(bwd_owned, bwd_op)
     recompute = mega is not None and not plan.save_for_backward
     ring = mega.ring_rows * 2 * (H + I) if mega is not None else 0
     fp8_weights = 0
@@ -275,7 +288,8 @@ def memory_needs(plan: Plan) -> MemoryNeeds:
             fp8_weights *= 2
     return MemoryNeeds(R_max=R, kept=kept, forward=fwd if mega is None else 0,
                        backward=bwd + (kept if recompute else 0), ring=ring, recompute=recompute,
-                       fp8_weights=fp8_weights)
+                       fp8_weights=fp8_weights,
+                       backward_moe=(bwd_owned if plan.precision != "fp8" else bwd) + (kept if recompute else 0))
 
 
 def memory_report(plan: Plan) -> str:
@@ -292,7 +306,8 @@ def memory_report(plan: Plan) -> str:
                 f"megakernel ring {n.ring / MiB:.1f} MiB; a differentiated forward keeps {n.kept / MiB:.1f} MiB per "
                 f"layer for the backward (without autograd: only the ring)")
     return (f"T={d.T} H={d.H} I={d.I} k={d.k} E_local={d.E_local} EP{d.world_size}: routed rows sized for the worst "
-            f"case: R_max={n.R_max} rows; {mode}; backward transient {n.backward / MiB:.1f} MiB")
+            f"case: R_max={n.R_max} rows; {mode}; backward transient {n.backward / MiB:.1f} MiB (tabby.moe's, "
+            f"which frees the kept rows as it goes: {n.backward_moe / MiB:.1f} MiB)")
 
 
 def free_device_bytes(device: torch.device) -> int | None:
