@@ -164,15 +164,19 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     dys = dy.new_empty((sched.R_max, H))
     pull_routed_rows(plan, sched, ws.ptrs["dy_pub"], dys, TK, k)
     mark(probe, "bwd:dispatch_dy")
+    # Each buffer is dropped once its last launch is queued: the caching allocator hands it only to
+    # later work on this stream, so the next buffers reuse it and the peak stays near one set.
     dys_q, dys_s = fp8.quantize_rows(dys, num_tiles=sched.num_tiles, tile_rows=BM)
     dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(
         dys_q, dys_s, *fp8_weight_t(w_down), gu, row_w, sched.tile_expert, sched.num_tiles,
         config=GemmConfig(BM=BM, BN=128, BK=FP8_BLOCK, num_warps=8, num_stages=4, GROUP_M=8))
+    del dys_q, dys_s
     mark(probe, "bwd:down_dgrad+swiglu")
     dgu_q, dgu_qs = fp8.quantize_rows(dgu, num_tiles=sched.num_tiles, tile_rows=BM)
     gemm_fp8.rows_gemm_fp8(dgu_q, dgu_qs, *fp8_gate_up_t(w_gate, w_up), sched.tile_expert, sched.num_tiles,
                            row_src=sched.row_src, dst_ptrs=ws.ptrs["dx_in"], TK=TK,
                            config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=BM))
+    del dgu_q, dgu_qs
     mark(probe, "bwd:gate_up_dgrad+push")
     dw_rows = gemm.reduce_dw(dw_part)
     comm.push_scalars_kernel[(64,)](dw_rows, sched.row_src, sched.num_tiles, ws.ptrs["dw_in"], TK,
@@ -182,10 +186,15 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     def cols(t):
         return fp8.quantize_cols(t, row_src=sched.row_src, num_tiles=sched.num_tiles, tile_rows=BM)
 
-    # transposed E4M3 [C, R] and scales [R/128, C]
-    (dy_t, dy_s), (hw_t, hw_s), (dgu_t, dgu_s), (xs_t, xs_s) = cols(dys), cols(hw), cols(dgu), cols(xs)
+    # transposed E4M3 [C, R] and scales [R/128, C]; each operand quantized just before its weight
+    # gradient and dropped after it, with its bf16 source
     seg = (sched.expert_start, sched.expert_count)
+    (dy_t, dy_s), (hw_t, hw_s) = cols(dys), cols(hw)
+    del dys, hw
     dw_down = gemm_fp8.expert_wgrad_fp8(dy_t, dy_s, hw_t, hw_s, *seg, out_dtype=w_down.dtype)
+    del dy_t, dy_s, hw_t, hw_s
+    (dgu_t, dgu_s), (xs_t, xs_s) = cols(dgu), cols(xs)
+    del dgu
     dw_gate = gemm_fp8.expert_wgrad_fp8(dgu_t[:I], dgu_s[:, :I], xs_t, xs_s, *seg, out_dtype=w_gate.dtype)
     dw_up = gemm_fp8.expert_wgrad_fp8(dgu_t[I:], dgu_s[:, I:], xs_t, xs_s, *seg, out_dtype=w_up.dtype)
     mark(probe, "bwd:wgrad")
