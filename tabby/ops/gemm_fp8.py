@@ -367,28 +367,62 @@ def transpose_blocks(q: torch.Tensor, s: torch.Tensor):
 
 
 @triton.jit
-def _wgrad_fp8_step(acc, kb, start, end, at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt, bs_ptr,
-                    stride_bsr, offs_m, offs_n):
-    rows = kb * 128 + tl.arange(0, 128)
-    kmask = ((rows >= start) & (rows < end))[None, :]
-    a = tl.load(at_ptr + offs_m.to(tl.int64)[:, None] * stride_at + rows[None, :], mask=kmask, other=0.0)  # [BM, 128]
-    b = tl.load(bt_ptr + offs_n.to(tl.int64)[:, None] * stride_bt + rows[None, :], mask=kmask, other=0.0)  # [BN, 128]
-    part = tl.dot(a, tl.trans(b))
+def _wgrad_fp8_scales(kb, as_ptr, stride_asr, bs_ptr, stride_bsr, offs_m, offs_n):
+    """The promotion factors of 128-row block kb: the outer product a_scale[kb][m] * b_scale[kb][n]."""
     sa = tl.load(as_ptr + kb * stride_asr + offs_m)
     sb = tl.load(bs_ptr + kb * stride_bsr + offs_n)
-    return acc + part * (sa[:, None] * sb[None, :])
+    return sa[:, None] * sb[None, :]
+
+
+@triton.jit
+def _wgrad_fp8_partial(acc, kb, start, end, R, a_row, a_off, b_row, b_off, as_ptr, stride_asr, bs_ptr, stride_bsr,
+                       offs_m, offs_n):
+    """acc + block kb's product, promoted, for a block that the segment [start, end) covers only in
+    part: loaded whole within the buffer (rows < R: 16-byte loads when R is a multiple of 16), its
+    rows outside the segment zeroed in registers (their products are zeros, as a row mask's)."""
+    rows = kb * 128 + tl.arange(0, 128)
+    inb = (rows < R)[None, :]
+    keep = ((rows >= start) & (rows < end))[None, :]
+    a = tl.load(a_row + kb * 128 + a_off, mask=inb, other=0.0)
+    b = tl.load(b_row + kb * 128 + b_off, mask=inb, other=0.0)
+    a = tl.where(keep, a, tl.zeros_like(a))
+    b = tl.where(keep, b, tl.zeros_like(b))
+    part = tl.dot(a, tl.trans(b))
+    return acc + part * _wgrad_fp8_scales(kb, as_ptr, stride_asr, bs_ptr, stride_bsr, offs_m, offs_n)
+
+
+@triton.jit
+def _wgrad_fp8_full(acc, p, kb, kf0, a_row, a_off, b_row, b_off, as_ptr, stride_asr, bs_ptr, stride_bsr,
+                    offs_m, offs_n):
+    """One step of the main loop over the blocks inside the segment: issues block kb's MMA (unmasked
+    loads: the pipeliner's async copies) and, meanwhile, promotes ``p``, the product of block kb - 1
+    (zeros at the first step, kb = kf0: ``acc + 0 * s`` is acc). Returns (acc, block kb's product)."""
+    a = tl.load(a_row + kb * 128 + a_off)
+    b = tl.load(b_row + kb * 128 + b_off)
+    nxt = tl.dot(a, tl.trans(b))
+    acc = acc + p * _wgrad_fp8_scales(tl.maximum(kb - 1, kf0), as_ptr, stride_asr, bs_ptr, stride_bsr, offs_m,
+                                      offs_n)
+    return acc, nxt
 
 
 @triton.jit
 def expert_wgrad_fp8_kernel(at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt, bs_ptr, stride_bsr,
-                            c_ptr, stride_ce, stride_cm, expert_start_ptr, expert_count_ptr,
+                            c_ptr, stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, R,
                             M: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                             GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
     """C[e] tile = A_seg^T @ B_seg over expert e's rows, from the transposed operands (At [M, R],
-    Bt [N, R]: both read with the rows, the GEMM's K, contiguous), one program, 128-row blocks in
-    order, each block's product scaled by the operands' 128x1 scales (fp32 promotion per 128
-    rows); the blocks overlapping the segment are masked to its rows. An expert with no rows
-    writes zeros."""
+    Bt [N, R]: both read with the rows, the GEMM's K, contiguous: K-major, as the FP8 wgmma takes
+    both operands), one program, 128-row blocks in order, each block's product scaled by the
+    operands' 128x1 scales (fp32 promotion per 128 rows). An expert with no rows writes zeros.
+
+    The blocks the segment covers only in part (at most one before and one after the others) are
+    loaded apart and masked to its rows in registers; the blocks inside it go through a loop of
+    unmasked loads, which the pipeliner turns into num_stages-deep async copies (a row mask along
+    the contiguous K has no 16-byte constancy: it would make every load byte-wise and leave the
+    loop unpipelined). In that loop the
+    promotion of block kb - 1 is written after block kb's dot, so that ptxas issues it while the
+    MMA runs (Triton still waits for each dot in its own iteration); the sum is the same, in the
+    same order: acc + part_kb * (sa_kb x sb_kb), block after block."""
     num_m: tl.constexpr = (M + BM - 1) // BM
     num_n: tl.constexpr = (N + BN - 1) // BN
     pid = tl.program_id(0)
@@ -396,21 +430,37 @@ def expert_wgrad_fp8_kernel(at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, strid
     pid_m, pid_n = grouped_tile(pid % (num_m * num_n), num_m, num_n, GROUP_M)
     start = tl.load(expert_start_ptr + e)
     end = start + tl.load(expert_count_ptr + e)
-    offs_m = (pid_m * BM + tl.arange(0, BM)) % M
+    offs_m = (pid_m * BM + tl.arange(0, BM)) % M  # the scales' (past M: modulo M, not stored)
     offs_n = (pid_n * BN + tl.arange(0, BN)) % N
+    offs_k = tl.arange(0, 128)
+    # int64 tile bases, int32 offsets within the tile (fewer registers in the loop than int64
+    # pointers); a tile's rows past M read row M - 1 (not stored)
+    a_row = at_ptr + (pid_m * BM).to(tl.int64) * stride_at
+    b_row = bt_ptr + (pid_n * BN).to(tl.int64) * stride_bt
+    a_off = (tl.minimum(pid_m * BM + tl.arange(0, BM), M - 1) - pid_m * BM)[:, None] * stride_at + offs_k[None, :]
+    b_off = (tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1) - pid_n * BN)[:, None] * stride_bt + offs_k[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    kb0 = start // 128
-    kb1 = (end + 127) // 128
+    kf0 = (start + 127) // 128  # the blocks [kf0, kf1) lie inside the segment
+    kf1 = end // 128
+    if start % 128 != 0:  # the first block, partly before the segment (or an empty segment's block)
+        acc = _wgrad_fp8_partial(acc, start // 128, start, end, R, a_row, a_off, b_row, b_off, as_ptr, stride_asr,
+                                 bs_ptr, stride_bsr, offs_m, offs_n)
+    p = tl.zeros((BM, BN), dtype=tl.float32)
     if INTERPRET:  # the interpreter cannot take range() of a runtime scalar: the same steps
-        kb = kb0
-        while kb < kb1:
-            acc = _wgrad_fp8_step(acc, kb, start, end, at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt,
-                                  bs_ptr, stride_bsr, offs_m, offs_n)
+        kb = kf0
+        while kb < kf1:
+            acc, p = _wgrad_fp8_full(acc, p, kb, kf0, a_row, a_off, b_row, b_off, as_ptr, stride_asr, bs_ptr,
+                                     stride_bsr, offs_m, offs_n)
             kb += 1
     else:
-        for kb in range(kb0, kb1):
-            acc = _wgrad_fp8_step(acc, kb, start, end, at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt,
-                                  bs_ptr, stride_bsr, offs_m, offs_n)
+        for kb in range(kf0, kf1):
+            acc, p = _wgrad_fp8_full(acc, p, kb, kf0, a_row, a_off, b_row, b_off, as_ptr, stride_asr, bs_ptr,
+                                     stride_bsr, offs_m, offs_n)
+    if kf1 > kf0:  # the last full block's promotion
+        acc = acc + p * _wgrad_fp8_scales(kf1 - 1, as_ptr, stride_asr, bs_ptr, stride_bsr, offs_m, offs_n)
+    if (end % 128 != 0) & (kf1 >= kf0):  # the last block, partly past the segment (not the first one)
+        acc = _wgrad_fp8_partial(acc, kf1, start, end, R, a_row, a_off, b_row, b_off, as_ptr, stride_asr,
+                                 bs_ptr, stride_bsr, offs_m, offs_n)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     cptrs = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :]
@@ -434,10 +484,19 @@ def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, ou
         if s.dtype != torch.float32 or tuple(s.shape) != (nr, C) or s.stride(-1) != 1:
             raise ValueError(f"{name}'s scales must be fp32 [ceil(R/128), C] = {(nr, C)}, got {tuple(s.shape)}")
     cfg = config or GemmConfig(BM=128, BN=128, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
+    R_k = R
+    if R % 16 or any(q.stride(0) % 16 or q.data_ptr() % 16 for q in (at, bt)):
+        # rows of 16-byte multiples, 16-byte aligned: the main loop's loads become 16-byte async
+        # copies (byte-wise, they would spill); the zero padding past R lies in no segment
+        R_k = triton.cdiv(R, 16) * 16
+        at, bt = (torch.zeros(q.shape[0], R_k, dtype=q.dtype, device=q.device).narrow(1, 0, R).copy_(q)
+                  for q in (at, bt))
+    if max(cfg.BM * at.stride(0), cfg.BN * bt.stride(0)) >= 2 ** 31:
+        raise ValueError("expert_wgrad_fp8: a tile's rows must span less than 2^31 bytes (int32 offsets)")
     out = torch.empty(E, M, N, dtype=out_dtype, device=at.device)
     grid = (E * triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
     expert_wgrad_fp8_kernel[grid](at, at.stride(0), a_scale, a_scale.stride(0), bt, bt.stride(0), b_scale,
                                   b_scale.stride(0), out, out.stride(0), out.stride(1), expert_start, expert_count,
-                                  M, N, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M, INTERPRET=INTERPRET,
+                                  R_k, M, N, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M, INTERPRET=INTERPRET,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
