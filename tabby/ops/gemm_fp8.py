@@ -15,12 +15,19 @@ Main loop, for each K block ``kb`` of 128 (the quantization block, so BK = 128):
 ``part = tl.dot(a_fp8, b_fp8^T)`` into a fresh fp32 tile, then ``acc += part * (a_scale[rows, kb]
 * b_scale[e, col block, kb])``. Hopper's FP8 MMA keeps about 14 bits while it accumulates; the
 promotion bounds that to 128 products. ``tl.dot_scaled`` is not used: on sm_90 it is emulated.
+The forward loops and the down dgrad's promote each block right after its own dot; the weight
+gradient (``expert_wgrad_fp8``) writes block kb's promotion after block kb + 1's dot (the same
+sum in the same order).
 Deterministic like gemm.py: one program per output tile, K blocks in order, no atomics.
 
 Kernels:
 1. ``gate_up_swiglu_fp8``: g = A @ Wg[e]^T, u = A @ Wu[e]^T, h = silu(g) * u in fp32; g | u
    stored bf16 (for the backward); h quantized per 1x128 in the epilogue (BN = 128: a tile row
    is one 1x128 tile) into ``hq [R, I]`` E4M3 + ``h_scale [R, I/128]``.
+   A and the weights load through TMA (tensor descriptors) wherever they are 16-byte aligned
+   (H a multiple of 16), at kernel tiles of ``GATE_UP_TMA_BM`` rows inside the schedule's
+   (``SUB_M`` per schedule tile, each taking that tile's expert: ``_fp8_gate_up_mainloop_tma``);
+   other inputs go through pointer loads at the schedule's tile (``_fp8_gate_up_mainloop``).
 2. ``rows_gemm_fp8`` / ``down_push_fp8``: A @ B[e]^T stored locally or pushed row by row to
    the origin (bf16).
 
@@ -40,14 +47,24 @@ from .gemm import (_TL_DTYPES, GemmConfig, _check_schedule, _push_rows, _row_til
 
 KIND_GATE_UP = "gate_up"
 KIND_ROWS = "rows"
+# gate/up's kernel tile height with TMA loads (a divisor of the schedule's): at 8 warps each
+# warpgroup holds a 64 x 64 quarter of g and of u (32 registers per tile); 128 rows spill
+# (docs/fp8.md)
+GATE_UP_TMA_BM = 64
+# the most stages of gate/up's pointer loop: its tile is the schedule's (128 rows: A 128 x 128 +
+# 2 x (128 x 128) B, one byte each, 48 KB per stage), where the TMA loop's 5 stages would not fit
+# in shared memory; 3 is the count it was measured at (docs/fp8.md)
+GATE_UP_PTR_STAGES = 3
 
 
 def default_config_fp8(kind: str, N: int | None = None, BM: int = 128) -> GemmConfig:
     """Tiles of the FP8 GEMMs: BK is the quantization block (128); gate/up's BN is 128 (one h tile
     per tile row). ``BM`` is the schedule's tile height."""
     if kind == KIND_GATE_UP:
-        # A 128x128 + 2 x (128x128) B, one byte each: 48 KB per stage
-        return GemmConfig(BM=BM, BN=128, BK=BLOCK, num_warps=8, num_stages=3, GROUP_M=8)
+        # for the TMA loop (64-row kernel tiles): A 64 x 128 + 2 x (128 x 128) B, one byte each,
+        # 40 KB per stage; 5 stages (200 KB of sm_90's 227 KB) ran fastest on an H200
+        # (docs/fp8.md, "Measurements"); the pointer loop runs at most GATE_UP_PTR_STAGES
+        return GemmConfig(BM=BM, BN=128, BK=BLOCK, num_warps=8, num_stages=5, GROUP_M=8)
     if kind == KIND_ROWS:
         # 128 x 128 tiles, 4 stages (32 KB each): on an H200 1.7x the TFLOP/s of 128 x 256 at 3
         # stages (docs/fp8.md, "Measurements")
@@ -142,20 +159,62 @@ def _fp8_gate_up_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm,
 
 
 @triton.jit
+def _fp8_gate_up_mainloop_tma(row0, pid_n, e, a_desc, as_ptr, stride_asm, wg_desc, wu_desc,
+                              gs_ptr, us_ptr, stride_wse, stride_wsn, H: tl.constexpr, BM: tl.constexpr):
+    """``_fp8_gate_up_mainloop`` with the operands through tensor descriptors (TMA): a_desc is A
+    [R, H] in blocks [BM, 128], wg_desc / wu_desc the weights [E, I, H] in blocks [1, 128, 128];
+    out-of-bounds K reads as zeros (the pointer loop's other=0.0). No per-thread load addresses
+    are held (the pointer loop at BM = 128 holds 12 int64 ones, and spills them inside the loop:
+    docs/fp8.md).
+    Meant for BM = 64 at 8 warps: each warpgroup holds a 64 x 64 quarter of g and of u, 32 fp32
+    registers per tile and thread (at BM = 128 ptxas spills 344 bytes: it issues u's MMA before
+    g's promotion, so both 64-register products are live beside the two accumulators). Each
+    block is promoted right after its own dot: the same sums in the same order as the pointer
+    loop's."""
+    offs_m = tl.arange(0, BM)
+    as_ptrs = as_ptr + (row0 + offs_m) * stride_asm
+    gs_ptrs = gs_ptr + e.to(tl.int64) * stride_wse + pid_n * stride_wsn
+    us_ptrs = us_ptr + e.to(tl.int64) * stride_wse + pid_n * stride_wsn
+    r0 = row0.to(tl.int32)
+    n0 = pid_n * 128
+    acc_g = tl.zeros((BM, 128), dtype=tl.float32)
+    acc_u = tl.zeros((BM, 128), dtype=tl.float32)
+    NK: tl.constexpr = (H + 127) // 128
+    for kb in range(NK):
+        k0 = kb * 128
+        a = a_desc.load([r0, k0])
+        bg = wg_desc.load([e, n0, k0]).reshape(128, 128)
+        bu = wu_desc.load([e, n0, k0]).reshape(128, 128)
+        sa = tl.load(as_ptrs + kb)
+        pg = tl.dot(a, tl.trans(bg))
+        acc_g += pg * (sa * tl.load(gs_ptrs + kb))[:, None]
+        pu = tl.dot(a, tl.trans(bu))
+        acc_u += pu * (sa * tl.load(us_ptrs + kb))[:, None]
+    return acc_g, acc_u
+
+
+@triton.jit
 def gate_up_swiglu_fp8_tile(pid_m, pid_n, a_ptr, stride_am, as_ptr, stride_asm,
                             wg_ptr, wu_ptr, stride_we, stride_wn, gs_ptr, us_ptr, stride_wse, stride_wsn,
                             hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
                             tile_expert_ptr, num_tiles_ptr,
                             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, EVEN_K: tl.constexpr,
-                            SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr):
+                            SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr = False,
+                            a_desc=None, wg_desc=None, wu_desc=None, SUB_M: tl.constexpr = 1):
     """One (row tile, 128 I-columns): g, u with fp32 promotion; h = silu(g) * u quantized per
-    1x128 (hq, h_scale[:, pid_n]); g | u bf16 into gu [R, 2I] when SAVE_GU. Unused tiles store nothing."""
-    e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
+    1x128 (hq, h_scale[:, pid_n]); g | u bf16 into gu [R, 2I] when SAVE_GU. Unused tiles store nothing.
+    USE_TMA: A and the weights through the descriptors a_desc, wg_desc, wu_desc (``_fp8_gate_up_mainloop_tma``).
+    SUB_M: the schedule's row tiles (tile_expert's) are SUB_M tiles of BM rows."""
+    e = _row_tile_expert(pid_m // SUB_M, tile_expert_ptr, num_tiles_ptr)
     if e >= 0:
         row0 = pid_m.to(tl.int64) * BM
-        acc_g, acc_u = _fp8_gate_up_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm, wg_ptr, wu_ptr,
-                                             stride_we, stride_wn, gs_ptr, us_ptr, stride_wse, stride_wsn,
-                                             H, I, BM, EVEN_K)
+        if USE_TMA:
+            acc_g, acc_u = _fp8_gate_up_mainloop_tma(row0, pid_n, e, a_desc, as_ptr, stride_asm, wg_desc, wu_desc,
+                                                     gs_ptr, us_ptr, stride_wse, stride_wsn, H, BM)
+        else:
+            acc_g, acc_u = _fp8_gate_up_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm, wg_ptr,
+                                                 wu_ptr, stride_we, stride_wn, gs_ptr, us_ptr, stride_wse,
+                                                 stride_wsn, H, I, BM, EVEN_K)
         rows = row0 + tl.arange(0, BM)
         cols = pid_n * 128 + tl.arange(0, 128)
         cmask = (cols < I)[None, :]
@@ -176,12 +235,13 @@ def gate_up_swiglu_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm,
                               hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
                               tile_expert_ptr, num_tiles_ptr, num_m,
                               H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP_M: tl.constexpr,
-                              EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr):
+                              EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
+                              USE_TMA: tl.constexpr, a_desc, wg_desc, wu_desc, SUB_M: tl.constexpr):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, 128), GROUP_M)
     gate_up_swiglu_fp8_tile(pid_m, pid_n, a_ptr, stride_am, as_ptr, stride_asm, wg_ptr, wu_ptr, stride_we,
                             stride_wn, gs_ptr, us_ptr, stride_wse, stride_wsn, hq_ptr, stride_hm, hs_ptr,
                             stride_hsm, gu_ptr, stride_gum, tile_expert_ptr, num_tiles_ptr, H, I, BM,
-                            EVEN_K, SAVE_GU, INTERPRET)
+                            EVEN_K, SAVE_GU, INTERPRET, USE_TMA, a_desc, wg_desc, wu_desc, SUB_M)
 
 
 def _check_fp8_rows(name, q, s, R):
@@ -202,6 +262,12 @@ def _check_fp8_weights(name, q, s):
         raise ValueError(f"{name}'s scales must be fp32 {want}, got {s.dtype} {tuple(s.shape)}")
 
 
+def _tma_ok(*ts) -> bool:
+    """Tensor descriptors need a 16-byte aligned base, unit last stride and 16-byte strides."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+               and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]) for t in ts)
+
+
 def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *,
                        hq=None, h_scale=None, gu=None, save_gu: bool = True, config: GemmConfig | None = None):
     """Returns (hq [R, I] E4M3, h_scale [R, I/128] fp32, gu [R, 2I] bf16 or None).
@@ -209,6 +275,12 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
     aq [R, H] E4M3 with a_scale [R, ceil(H/128)]; wg_q, wu_q [E, I, H] E4M3 with scales
     [E, ceil(I/128), ceil(H/128)] (same strides). I must be a multiple of 128 (h's 1x128 tiles
     are the kernel's column tiles). Rows of unused tiles are left untouched.
+
+    A and the weights load through tensor descriptors (TMA) wherever those allow it (16-byte
+    aligned bases and strides: H a multiple of 16), at kernel tiles of ``GATE_UP_TMA_BM`` rows
+    when that divides the schedule's ``config.BM``; other inputs take the pointer loop at the
+    schedule's tile and at most ``GATE_UP_PTR_STAGES`` stages. Both give the same results (the
+    same sums in the same order).
     """
     R, H = aq.shape
     E, I, H2 = wg_q.shape
@@ -231,13 +303,24 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
     if save_gu and gu is None:
         gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device)
     gu_arg = gu if save_gu else h_scale
-    num_m = R // cfg.BM
+    # a tensor descriptor needs 16-byte aligned rows: where they are not, the pointer loop
+    use_tma = R > 0 and _tma_ok(aq, wg_q, wu_q)
+    block_m = GATE_UP_TMA_BM if use_tma and cfg.BM % GATE_UP_TMA_BM == 0 else cfg.BM
+    sub = cfg.BM // block_m
+    num_stages = cfg.num_stages if use_tma else min(cfg.num_stages, GATE_UP_PTR_STAGES)
+    num_m = R // block_m
+    descs = (None, None, None)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        descs = (TensorDescriptor.from_tensor(aq, [block_m, BLOCK]), TensorDescriptor.from_tensor(wg_q, [1, BLOCK, BLOCK]),
+                 TensorDescriptor.from_tensor(wu_q, [1, BLOCK, BLOCK]))
     gate_up_swiglu_fp8_kernel[(num_m * (I // BLOCK),)](
         aq, aq.stride(0), a_scale, a_scale.stride(0), wg_q, wu_q, wg_q.stride(0), wg_q.stride(1),
         wg_scale, wu_scale, wg_scale.stride(0), wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0),
-        gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, H, I, BM=cfg.BM, GROUP_M=cfg.GROUP_M,
-        EVEN_K=(H % BLOCK == 0), SAVE_GU=save_gu, INTERPRET=INTERPRET, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, H, I, BM=block_m, GROUP_M=cfg.GROUP_M * sub,
+        EVEN_K=(H % BLOCK == 0), SAVE_GU=save_gu, INTERPRET=INTERPRET, USE_TMA=use_tma, a_desc=descs[0],
+        wg_desc=descs[1], wu_desc=descs[2], SUB_M=sub, num_warps=cfg.num_warps, num_stages=num_stages)
     return hq, h_scale, (gu if save_gu else None)
 
 
