@@ -125,7 +125,8 @@ def main():
     a = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     C = GemmConfig
-    # gate/up: 48 KB per stage (at most 4 fit); down at BN 256: 48 KB, at BN 128: 32 KB
+    # gate/up (TMA loads, 64-row kernel tiles): 40 KB per stage (at most 5 fit); down at BN 256:
+    # 48 KB, at BN 128: 32 KB
     variants = [("default", None, None),
                 ("gu:s4 dn:bn128s4", C(BN=128, BK=128, num_stages=4), C(BN=128, BK=128, num_stages=4)),
                 ("gu:s2 dn:bn256s4", C(BN=128, BK=128, num_stages=2), C(BN=256, BK=128, num_stages=4)),

@@ -145,6 +145,39 @@ def test_gate_up_swiglu_fp8():
     assert bool((hs[sch.used:] == -1).all())
 
 
+@pytest.mark.parametrize("BM,H", [(128, 256), (128, 208), (16, 256)])
+def test_gate_up_swiglu_fp8_tma_and_pointer_loops_agree(BM, H):
+    """gate/up through tensor descriptors (aligned operands; at BM 128, kernel tiles of
+    GATE_UP_TMA_BM rows, two per schedule tile) and through the pointer loop (the same values at an
+    address that is not 16-byte aligned, where TMA cannot load): the same bits, also with H not a
+    multiple of 128 (TMA's out-of-bounds zeros against the pointer loop's masked loads)."""
+    counts = [130, 0, 40] if BM == 128 else [21, 0, 40]
+    I = 256
+    sch = Sched(counts, BM, seed=H)
+    E = len(counts)
+    x = rand(sch.R, H, seed=11)
+    wg, wu = rand(E, I, H, seed=12, scale=H ** -0.5), rand(E, I, H, seed=13, scale=H ** -0.5)
+    xq, xs = quantize_rows(x.to(DEV))
+    (gq, gs), (uq, us) = quantize_blocks(wg.to(DEV)), quantize_blocks(wu.to(DEV))
+    xq_odd = torch.empty(sch.R * H + 1, dtype=xq.dtype, device=DEV)[1:].view(sch.R, H)
+    xq_odd.copy_(xq)
+    assert gemm_fp8._tma_ok(xq, gq, uq) and not gemm_fp8._tma_ok(xq_odd)
+    cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_GATE_UP, BM=BM)
+    outs = []
+    for a in (xq, xq_odd):
+        hq = torch.zeros(sch.R, I, dtype=torch.float8_e4m3fn, device=DEV)
+        hs = torch.full((sch.R, I // 128), -1.0, device=DEV)
+        gu = torch.zeros(sch.R, 2 * I, dtype=torch.bfloat16, device=DEV)
+        gemm_fp8.gate_up_swiglu_fp8(a, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles, hq=hq, h_scale=hs,
+                                    gu=gu, config=cfg)
+        outs.append((hq.view(torch.uint8).cpu(), hs.cpu(), gu.cpu()))
+    (hq_t, hs_t, gu_t), (hq_p, hs_p, gu_p) = outs
+    assert torch.equal(hq_t, hq_p) and torch.equal(hs_t, hs_p) and torch.equal(gu_t, gu_p)
+    assert bool((hs_t[sch.used:] == -1).all()) and bool((gu_t[sch.used:] == 0).all())
+    g = ref.fp8_gemm_ref(xq.cpu()[:counts[0]], xs.cpu()[:counts[0]], gq.cpu()[0], gs.cpu()[0])
+    assert rel(gu_t[:counts[0], :I], g.to(torch.bfloat16)) < TIGHT_BF16
+
+
 def test_config_checks():
     sch = Sched([3], 16)
     a = torch.zeros(sch.R, 256, dtype=torch.float8_e4m3fn, device=DEV)

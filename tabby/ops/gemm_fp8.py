@@ -15,12 +15,19 @@ Main loop, for each K block ``kb`` of 128 (the quantization block, so BK = 128):
 ``part = tl.dot(a_fp8, b_fp8^T)`` into a fresh fp32 tile, then ``acc += part * (a_scale[rows, kb]
 * b_scale[e, col block, kb])``. Hopper's FP8 MMA keeps about 14 bits while it accumulates; the
 promotion bounds that to 128 products. ``tl.dot_scaled`` is not used: on sm_90 it is emulated.
+The forward loops and the down dgrad's promote each block right after its own dot; the weight
+gradient (``expert_wgrad_fp8``) writes block kb's promotion after block kb + 1's dot (the same
+sum in the same order).
 Deterministic like gemm.py: one program per output tile, K blocks in order, no atomics.
 
 Kernels:
 1. ``gate_up_swiglu_fp8``: g = A @ Wg[e]^T, u = A @ Wu[e]^T, h = silu(g) * u in fp32; g | u
    stored bf16 (for the backward); h quantized per 1x128 in the epilogue (BN = 128: a tile row
    is one 1x128 tile) into ``hq [R, I]`` E4M3 + ``h_scale [R, I/128]``.
+   A and the weights load through TMA (tensor descriptors) wherever they are 16-byte aligned
+   (H a multiple of 16), at kernel tiles of ``GATE_UP_TMA_BM`` rows inside the schedule's
+   (``SUB_M`` per schedule tile, each taking that tile's expert: ``_fp8_gate_up_mainloop_tma``);
+   other inputs go through pointer loads at the schedule's tile (``_fp8_gate_up_mainloop``).
 2. ``rows_gemm_fp8`` / ``down_push_fp8``: A @ B[e]^T stored locally or pushed row by row to
    the origin (bf16).
 
@@ -40,14 +47,24 @@ from .gemm import (_TL_DTYPES, GemmConfig, _check_schedule, _push_rows, _row_til
 
 KIND_GATE_UP = "gate_up"
 KIND_ROWS = "rows"
+# gate/up's kernel tile height with TMA loads (a divisor of the schedule's): at 8 warps each
+# warpgroup holds a 64 x 64 quarter of g and of u (32 registers per tile); 128 rows spill
+# (docs/fp8.md)
+GATE_UP_TMA_BM = 64
+# the most stages of gate/up's pointer loop: its tile is the schedule's (128 rows: A 128 x 128 +
+# 2 x (128 x 128) B, one byte each, 48 KB per stage), where the TMA loop's 5 stages would not fit
+# in shared memory; 3 is the count it was measured at (docs/fp8.md)
+GATE_UP_PTR_STAGES = 3
 
 
 def default_config_fp8(kind: str, N: int | None = None, BM: int = 128) -> GemmConfig:
     """Tiles of the FP8 GEMMs: BK is the quantization block (128); gate/up's BN is 128 (one h tile
     per tile row). ``BM`` is the schedule's tile height."""
     if kind == KIND_GATE_UP:
-        # A 128x128 + 2 x (128x128) B, one byte each: 48 KB per stage
-        return GemmConfig(BM=BM, BN=128, BK=BLOCK, num_warps=8, num_stages=3, GROUP_M=8)
+        # for the TMA loop (64-row kernel tiles): A 64 x 128 + 2 x (128 x 128) B, one byte each,
+        # 40 KB per stage; 5 stages (200 KB of sm_90's 227 KB) ran fastest on an H200
+        # (docs/fp8.md, "Measurements"); the pointer loop runs at most GATE_UP_PTR_STAGES
+        return GemmConfig(BM=BM, BN=128, BK=BLOCK, num_warps=8, num_stages=5, GROUP_M=8)
     if kind == KIND_ROWS:
         # 128 x 128 tiles, 4 stages (32 KB each): on an H200 1.7x the TFLOP/s of 128 x 256 at 3
         # stages (docs/fp8.md, "Measurements")
@@ -142,20 +159,62 @@ def _fp8_gate_up_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm,
 
 
 @triton.jit
+def _fp8_gate_up_mainloop_tma(row0, pid_n, e, a_desc, as_ptr, stride_asm, wg_desc, wu_desc,
+                              gs_ptr, us_ptr, stride_wse, stride_wsn, H: tl.constexpr, BM: tl.constexpr):
+    """``_fp8_gate_up_mainloop`` with the operands through tensor descriptors (TMA): a_desc is A
+    [R, H] in blocks [BM, 128], wg_desc / wu_desc the weights [E, I, H] in blocks [1, 128, 128];
+    out-of-bounds K reads as zeros (the pointer loop's other=0.0). No per-thread load addresses
+    are held (the pointer loop at BM = 128 holds 12 int64 ones, and spills them inside the loop:
+    docs/fp8.md).
+    Meant for BM = 64 at 8 warps: each warpgroup holds a 64 x 64 quarter of g and of u, 32 fp32
+    registers per tile and thread (at BM = 128 ptxas spills 344 bytes: it issues u's MMA before
+    g's promotion, so both 64-register products are live beside the two accumulators). Each
+    block is promoted right after its own dot: the same sums in the same order as the pointer
+    loop's."""
+    offs_m = tl.arange(0, BM)
+    as_ptrs = as_ptr + (row0 + offs_m) * stride_asm
+    gs_ptrs = gs_ptr + e.to(tl.int64) * stride_wse + pid_n * stride_wsn
+    us_ptrs = us_ptr + e.to(tl.int64) * stride_wse + pid_n * stride_wsn
+    r0 = row0.to(tl.int32)
+    n0 = pid_n * 128
+    acc_g = tl.zeros((BM, 128), dtype=tl.float32)
+    acc_u = tl.zeros((BM, 128), dtype=tl.float32)
+    NK: tl.constexpr = (H + 127) // 128
+    for kb in range(NK):
+        k0 = kb * 128
+        a = a_desc.load([r0, k0])
+        bg = wg_desc.load([e, n0, k0]).reshape(128, 128)
+        bu = wu_desc.load([e, n0, k0]).reshape(128, 128)
+        sa = tl.load(as_ptrs + kb)
+        pg = tl.dot(a, tl.trans(bg))
+        acc_g += pg * (sa * tl.load(gs_ptrs + kb))[:, None]
+        pu = tl.dot(a, tl.trans(bu))
+        acc_u += pu * (sa * tl.load(us_ptrs + kb))[:, None]
+    return acc_g, acc_u
+
+
+@triton.jit
 def gate_up_swiglu_fp8_tile(pid_m, pid_n, a_ptr, stride_am, as_ptr, stride_asm,
                             wg_ptr, wu_ptr, stride_we, stride_wn, gs_ptr, us_ptr, stride_wse, stride_wsn,
                             hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
                             tile_expert_ptr, num_tiles_ptr,
                             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, EVEN_K: tl.constexpr,
-                            SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr):
+                            SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr = False,
+                            a_desc=None, wg_desc=None, wu_desc=None, SUB_M: tl.constexpr = 1):
     """One (row tile, 128 I-columns): g, u with fp32 promotion; h = silu(g) * u quantized per
-    1x128 (hq, h_scale[:, pid_n]); g | u bf16 into gu [R, 2I] when SAVE_GU. Unused tiles store nothing."""
-    e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
+    1x128 (hq, h_scale[:, pid_n]); g | u bf16 into gu [R, 2I] when SAVE_GU. Unused tiles store nothing.
+    USE_TMA: A and the weights through the descriptors a_desc, wg_desc, wu_desc (``_fp8_gate_up_mainloop_tma``).
+    SUB_M: the schedule's row tiles (tile_expert's) are SUB_M tiles of BM rows."""
+    e = _row_tile_expert(pid_m // SUB_M, tile_expert_ptr, num_tiles_ptr)
     if e >= 0:
         row0 = pid_m.to(tl.int64) * BM
-        acc_g, acc_u = _fp8_gate_up_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm, wg_ptr, wu_ptr,
-                                             stride_we, stride_wn, gs_ptr, us_ptr, stride_wse, stride_wsn,
-                                             H, I, BM, EVEN_K)
+        if USE_TMA:
+            acc_g, acc_u = _fp8_gate_up_mainloop_tma(row0, pid_n, e, a_desc, as_ptr, stride_asm, wg_desc, wu_desc,
+                                                     gs_ptr, us_ptr, stride_wse, stride_wsn, H, BM)
+        else:
+            acc_g, acc_u = _fp8_gate_up_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm, wg_ptr,
+                                                 wu_ptr, stride_we, stride_wn, gs_ptr, us_ptr, stride_wse,
+                                                 stride_wsn, H, I, BM, EVEN_K)
         rows = row0 + tl.arange(0, BM)
         cols = pid_n * 128 + tl.arange(0, 128)
         cmask = (cols < I)[None, :]
@@ -176,12 +235,13 @@ def gate_up_swiglu_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm,
                               hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
                               tile_expert_ptr, num_tiles_ptr, num_m,
                               H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP_M: tl.constexpr,
-                              EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr):
+                              EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
+                              USE_TMA: tl.constexpr, a_desc, wg_desc, wu_desc, SUB_M: tl.constexpr):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, 128), GROUP_M)
     gate_up_swiglu_fp8_tile(pid_m, pid_n, a_ptr, stride_am, as_ptr, stride_asm, wg_ptr, wu_ptr, stride_we,
                             stride_wn, gs_ptr, us_ptr, stride_wse, stride_wsn, hq_ptr, stride_hm, hs_ptr,
                             stride_hsm, gu_ptr, stride_gum, tile_expert_ptr, num_tiles_ptr, H, I, BM,
-                            EVEN_K, SAVE_GU, INTERPRET)
+                            EVEN_K, SAVE_GU, INTERPRET, USE_TMA, a_desc, wg_desc, wu_desc, SUB_M)
 
 
 def _check_fp8_rows(name, q, s, R):
@@ -202,6 +262,12 @@ def _check_fp8_weights(name, q, s):
         raise ValueError(f"{name}'s scales must be fp32 {want}, got {s.dtype} {tuple(s.shape)}")
 
 
+def _tma_ok(*ts) -> bool:
+    """Tensor descriptors need a 16-byte aligned base, unit last stride and 16-byte strides."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+               and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]) for t in ts)
+
+
 def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *,
                        hq=None, h_scale=None, gu=None, save_gu: bool = True, config: GemmConfig | None = None):
     """Returns (hq [R, I] E4M3, h_scale [R, I/128] fp32, gu [R, 2I] bf16 or None).
@@ -209,6 +275,12 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
     aq [R, H] E4M3 with a_scale [R, ceil(H/128)]; wg_q, wu_q [E, I, H] E4M3 with scales
     [E, ceil(I/128), ceil(H/128)] (same strides). I must be a multiple of 128 (h's 1x128 tiles
     are the kernel's column tiles). Rows of unused tiles are left untouched.
+
+    A and the weights load through tensor descriptors (TMA) wherever those allow it (16-byte
+    aligned bases and strides: H a multiple of 16), at kernel tiles of ``GATE_UP_TMA_BM`` rows
+    when that divides the schedule's ``config.BM``; other inputs take the pointer loop at the
+    schedule's tile and at most ``GATE_UP_PTR_STAGES`` stages. Both give the same results (the
+    same sums in the same order).
     """
     R, H = aq.shape
     E, I, H2 = wg_q.shape
@@ -231,13 +303,24 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
     if save_gu and gu is None:
         gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device)
     gu_arg = gu if save_gu else h_scale
-    num_m = R // cfg.BM
+    # a tensor descriptor needs 16-byte aligned rows: where they are not, the pointer loop
+    use_tma = R > 0 and _tma_ok(aq, wg_q, wu_q)
+    block_m = GATE_UP_TMA_BM if use_tma and cfg.BM % GATE_UP_TMA_BM == 0 else cfg.BM
+    sub = cfg.BM // block_m
+    num_stages = cfg.num_stages if use_tma else min(cfg.num_stages, GATE_UP_PTR_STAGES)
+    num_m = R // block_m
+    descs = (None, None, None)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        descs = (TensorDescriptor.from_tensor(aq, [block_m, BLOCK]), TensorDescriptor.from_tensor(wg_q, [1, BLOCK, BLOCK]),
+                 TensorDescriptor.from_tensor(wu_q, [1, BLOCK, BLOCK]))
     gate_up_swiglu_fp8_kernel[(num_m * (I // BLOCK),)](
         aq, aq.stride(0), a_scale, a_scale.stride(0), wg_q, wu_q, wg_q.stride(0), wg_q.stride(1),
         wg_scale, wu_scale, wg_scale.stride(0), wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0),
-        gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, H, I, BM=cfg.BM, GROUP_M=cfg.GROUP_M,
-        EVEN_K=(H % BLOCK == 0), SAVE_GU=save_gu, INTERPRET=INTERPRET, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, H, I, BM=block_m, GROUP_M=cfg.GROUP_M * sub,
+        EVEN_K=(H % BLOCK == 0), SAVE_GU=save_gu, INTERPRET=INTERPRET, USE_TMA=use_tma, a_desc=descs[0],
+        wg_desc=descs[1], wu_desc=descs[2], SUB_M=sub, num_warps=cfg.num_warps, num_stages=num_stages)
     return hq, h_scale, (gu if save_gu else None)
 
 
@@ -367,28 +450,62 @@ def transpose_blocks(q: torch.Tensor, s: torch.Tensor):
 
 
 @triton.jit
-def _wgrad_fp8_step(acc, kb, start, end, at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt, bs_ptr,
-                    stride_bsr, offs_m, offs_n):
-    rows = kb * 128 + tl.arange(0, 128)
-    kmask = ((rows >= start) & (rows < end))[None, :]
-    a = tl.load(at_ptr + offs_m.to(tl.int64)[:, None] * stride_at + rows[None, :], mask=kmask, other=0.0)  # [BM, 128]
-    b = tl.load(bt_ptr + offs_n.to(tl.int64)[:, None] * stride_bt + rows[None, :], mask=kmask, other=0.0)  # [BN, 128]
-    part = tl.dot(a, tl.trans(b))
+def _wgrad_fp8_scales(kb, as_ptr, stride_asr, bs_ptr, stride_bsr, offs_m, offs_n):
+    """The promotion factors of 128-row block kb: the outer product a_scale[kb][m] * b_scale[kb][n]."""
     sa = tl.load(as_ptr + kb * stride_asr + offs_m)
     sb = tl.load(bs_ptr + kb * stride_bsr + offs_n)
-    return acc + part * (sa[:, None] * sb[None, :])
+    return sa[:, None] * sb[None, :]
+
+
+@triton.jit
+def _wgrad_fp8_partial(acc, kb, start, end, R, a_row, a_off, b_row, b_off, as_ptr, stride_asr, bs_ptr, stride_bsr,
+                       offs_m, offs_n):
+    """acc + block kb's product, promoted, for a block that the segment [start, end) covers only in
+    part: loaded whole within the buffer (rows < R: 16-byte loads when R is a multiple of 16), its
+    rows outside the segment zeroed in registers (their products are zeros, as a row mask's)."""
+    rows = kb * 128 + tl.arange(0, 128)
+    inb = (rows < R)[None, :]
+    keep = ((rows >= start) & (rows < end))[None, :]
+    a = tl.load(a_row + kb * 128 + a_off, mask=inb, other=0.0)
+    b = tl.load(b_row + kb * 128 + b_off, mask=inb, other=0.0)
+    a = tl.where(keep, a, tl.zeros_like(a))
+    b = tl.where(keep, b, tl.zeros_like(b))
+    part = tl.dot(a, tl.trans(b))
+    return acc + part * _wgrad_fp8_scales(kb, as_ptr, stride_asr, bs_ptr, stride_bsr, offs_m, offs_n)
+
+
+@triton.jit
+def _wgrad_fp8_full(acc, p, kb, kf0, a_row, a_off, b_row, b_off, as_ptr, stride_asr, bs_ptr, stride_bsr,
+                    offs_m, offs_n):
+    """One step of the main loop over the blocks inside the segment: issues block kb's MMA (unmasked
+    loads: the pipeliner's async copies) and, meanwhile, promotes ``p``, the product of block kb - 1
+    (zeros at the first step, kb = kf0: ``acc + 0 * s`` is acc). Returns (acc, block kb's product)."""
+    a = tl.load(a_row + kb * 128 + a_off)
+    b = tl.load(b_row + kb * 128 + b_off)
+    nxt = tl.dot(a, tl.trans(b))
+    acc = acc + p * _wgrad_fp8_scales(tl.maximum(kb - 1, kf0), as_ptr, stride_asr, bs_ptr, stride_bsr, offs_m,
+                                      offs_n)
+    return acc, nxt
 
 
 @triton.jit
 def expert_wgrad_fp8_kernel(at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt, bs_ptr, stride_bsr,
-                            c_ptr, stride_ce, stride_cm, expert_start_ptr, expert_count_ptr,
+                            c_ptr, stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, R,
                             M: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                             GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
     """C[e] tile = A_seg^T @ B_seg over expert e's rows, from the transposed operands (At [M, R],
-    Bt [N, R]: both read with the rows, the GEMM's K, contiguous), one program, 128-row blocks in
-    order, each block's product scaled by the operands' 128x1 scales (fp32 promotion per 128
-    rows); the blocks overlapping the segment are masked to its rows. An expert with no rows
-    writes zeros."""
+    Bt [N, R]: both read with the rows, the GEMM's K, contiguous: K-major, as the FP8 wgmma takes
+    both operands), one program, 128-row blocks in order, each block's product scaled by the
+    operands' 128x1 scales (fp32 promotion per 128 rows). An expert with no rows writes zeros.
+
+    The blocks the segment covers only in part (at most one before and one after the others) are
+    loaded apart and masked to its rows in registers; the blocks inside it go through a loop of
+    unmasked loads, which the pipeliner turns into num_stages-deep async copies (a row mask along
+    the contiguous K has no 16-byte constancy: it would make every load byte-wise and leave the
+    loop unpipelined). In that loop the
+    promotion of block kb - 1 is written after block kb's dot, so that ptxas issues it while the
+    MMA runs (Triton still waits for each dot in its own iteration); the sum is the same, in the
+    same order: acc + part_kb * (sa_kb x sb_kb), block after block."""
     num_m: tl.constexpr = (M + BM - 1) // BM
     num_n: tl.constexpr = (N + BN - 1) // BN
     pid = tl.program_id(0)
@@ -396,21 +513,37 @@ def expert_wgrad_fp8_kernel(at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, strid
     pid_m, pid_n = grouped_tile(pid % (num_m * num_n), num_m, num_n, GROUP_M)
     start = tl.load(expert_start_ptr + e)
     end = start + tl.load(expert_count_ptr + e)
-    offs_m = (pid_m * BM + tl.arange(0, BM)) % M
+    offs_m = (pid_m * BM + tl.arange(0, BM)) % M  # the scales' (past M: modulo M, not stored)
     offs_n = (pid_n * BN + tl.arange(0, BN)) % N
+    offs_k = tl.arange(0, 128)
+    # int64 tile bases, int32 offsets within the tile (fewer registers in the loop than int64
+    # pointers); a tile's rows past M read row M - 1 (not stored)
+    a_row = at_ptr + (pid_m * BM).to(tl.int64) * stride_at
+    b_row = bt_ptr + (pid_n * BN).to(tl.int64) * stride_bt
+    a_off = (tl.minimum(pid_m * BM + tl.arange(0, BM), M - 1) - pid_m * BM)[:, None] * stride_at + offs_k[None, :]
+    b_off = (tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1) - pid_n * BN)[:, None] * stride_bt + offs_k[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    kb0 = start // 128
-    kb1 = (end + 127) // 128
+    kf0 = (start + 127) // 128  # the blocks [kf0, kf1) lie inside the segment
+    kf1 = end // 128
+    if start % 128 != 0:  # the first block, partly before the segment (or an empty segment's block)
+        acc = _wgrad_fp8_partial(acc, start // 128, start, end, R, a_row, a_off, b_row, b_off, as_ptr, stride_asr,
+                                 bs_ptr, stride_bsr, offs_m, offs_n)
+    p = tl.zeros((BM, BN), dtype=tl.float32)
     if INTERPRET:  # the interpreter cannot take range() of a runtime scalar: the same steps
-        kb = kb0
-        while kb < kb1:
-            acc = _wgrad_fp8_step(acc, kb, start, end, at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt,
-                                  bs_ptr, stride_bsr, offs_m, offs_n)
+        kb = kf0
+        while kb < kf1:
+            acc, p = _wgrad_fp8_full(acc, p, kb, kf0, a_row, a_off, b_row, b_off, as_ptr, stride_asr, bs_ptr,
+                                     stride_bsr, offs_m, offs_n)
             kb += 1
     else:
-        for kb in range(kb0, kb1):
-            acc = _wgrad_fp8_step(acc, kb, start, end, at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt,
-                                  bs_ptr, stride_bsr, offs_m, offs_n)
+        for kb in range(kf0, kf1):
+            acc, p = _wgrad_fp8_full(acc, p, kb, kf0, a_row, a_off, b_row, b_off, as_ptr, stride_asr, bs_ptr,
+                                     stride_bsr, offs_m, offs_n)
+    if kf1 > kf0:  # the last full block's promotion
+        acc = acc + p * _wgrad_fp8_scales(kf1 - 1, as_ptr, stride_asr, bs_ptr, stride_bsr, offs_m, offs_n)
+    if (end % 128 != 0) & (kf1 >= kf0):  # the last block, partly past the segment (not the first one)
+        acc = _wgrad_fp8_partial(acc, kf1, start, end, R, a_row, a_off, b_row, b_off, as_ptr, stride_asr,
+                                 bs_ptr, stride_bsr, offs_m, offs_n)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     cptrs = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :]
@@ -434,10 +567,19 @@ def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, ou
         if s.dtype != torch.float32 or tuple(s.shape) != (nr, C) or s.stride(-1) != 1:
             raise ValueError(f"{name}'s scales must be fp32 [ceil(R/128), C] = {(nr, C)}, got {tuple(s.shape)}")
     cfg = config or GemmConfig(BM=128, BN=128, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
+    R_k = R
+    if R % 16 or any(q.stride(0) % 16 or q.data_ptr() % 16 for q in (at, bt)):
+        # rows of 16-byte multiples, 16-byte aligned: the main loop's loads become 16-byte async
+        # copies (byte-wise, they would spill); the zero padding past R lies in no segment
+        R_k = triton.cdiv(R, 16) * 16
+        at, bt = (torch.zeros(q.shape[0], R_k, dtype=q.dtype, device=q.device).narrow(1, 0, R).copy_(q)
+                  for q in (at, bt))
+    if max(cfg.BM * at.stride(0), cfg.BN * bt.stride(0)) >= 2 ** 31:
+        raise ValueError("expert_wgrad_fp8: a tile's rows must span less than 2^31 bytes (int32 offsets)")
     out = torch.empty(E, M, N, dtype=out_dtype, device=at.device)
     grid = (E * triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
     expert_wgrad_fp8_kernel[grid](at, at.stride(0), a_scale, a_scale.stride(0), bt, bt.stride(0), b_scale,
                                   b_scale.stride(0), out, out.stride(0), out.stride(1), expert_start, expert_count,
-                                  M, N, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M, INTERPRET=INTERPRET,
+                                  R_k, M, N, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M, INTERPRET=INTERPRET,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
