@@ -925,7 +925,124 @@ def expert_wgrad_kernel(a_ptr, a2_ptr, stride_ar, b_ptr, stride_br, c_ptr, c2_pt
                       expert_start_ptr, expert_count_ptr, M, N, BM, BN, BK, INTERPRET)
 
 
-def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg):
+@triton.jit
+def _wgrad_tiles_of(pid, P, per_e, expert_count_ptr, E, BK: tl.constexpr, NE_P2: tl.constexpr):
+    """The K steps (at least one per tile) of tiles pid, pid + P, pid + 2P, ... (tiles expert-major, per_e
+    of them an expert): the sum over experts of max(cdiv(count, BK), 1) x how many of those tiles it has."""
+    ee = tl.arange(0, NE_P2)
+    cnt = tl.load(expert_count_ptr + ee, mask=ee < E, other=0)
+    steps = tl.maximum((cnt + BK - 1) // BK, 1)
+    hi = (ee + 1) * per_e - pid  # tiles pid + i*P (i >= 0) below (e+1)*per_e: cdiv(hi, P), 0 if hi <= 0
+    lo = ee * per_e - pid
+    mine = tl.where(hi > 0, (hi + P - 1) // P, 0) - tl.where(lo > 0, (lo + P - 1) // P, 0)
+    return tl.sum(tl.where(ee < E, steps * mine, 0), axis=0)
+
+
+@triton.jit
+def _wgrad_tile_ptrs(a_sel, stride_ar, b_ptr, stride_br, start, pid_m, pid_n, M: tl.constexpr, N: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The first K step's A [BK, BM] and B [BK, BN] pointers of output tile (pid_m, pid_n) over rows from start."""
+    offs_k = tl.arange(0, BK)
+    offs_m = (pid_m * BM + tl.arange(0, BM)) % M
+    offs_n = (pid_n * BN + tl.arange(0, BN)) % N
+    a_ptrs = a_sel + start * stride_ar + (offs_k[:, None] * stride_ar + offs_m[None, :])
+    b_ptrs = b_ptr + start * stride_br + (offs_k[:, None] * stride_br + offs_n[None, :])
+    return a_ptrs, b_ptrs
+
+
+@triton.jit
+def _wgrad_pstep(acc, kt, nk, tile, e, pair, pid_m, pid_n, cnt, a_ptrs, b_ptrs, P,
+                 a_ptr, a2_ptr, stride_ar, b_ptr, stride_br, c_ptr, c2_ptr, stride_ce, stride_cm,
+                 expert_start_ptr, expert_count_ptr, M: tl.constexpr, N: tl.constexpr,
+                 NUM_PAIRS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
+    """One step of the persistent weight gradient's flattened (tile, K step) loop: K step kt of the
+    current tile; at kt == nk the next tile of this program (tile + P) starts; its last step stores."""
+    num_m: tl.constexpr = (M + BM - 1) // BM
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    per_pair: tl.constexpr = num_m * num_n
+    if kt == nk:
+        tile += P
+        e = tile // (per_pair * NUM_PAIRS)
+        rem = tile % (per_pair * NUM_PAIRS)
+        pair = rem // per_pair
+        pid_m, pid_n = grouped_tile(rem % per_pair, num_m, num_n, GROUP_M)
+        start = tl.load(expert_start_ptr + e).to(tl.int64)
+        cnt = tl.load(expert_count_ptr + e)
+        nk = tl.maximum(tl.cdiv(cnt, BK), 1)  # an expert without rows: one all-masked step, then zeros stored
+        kt = 0
+        if NUM_PAIRS == 2:
+            a_sel = tl.where(pair == 0, a_ptr, a2_ptr)
+        else:
+            a_sel = a_ptr
+        a_ptrs, b_ptrs = _wgrad_tile_ptrs(a_sel, stride_ar, b_ptr, stride_br, start, pid_m, pid_n, M, N, BM, BN, BK)
+    kmask = (tl.arange(0, BK) < cnt - kt * BK)[:, None]
+    a = tl.load(a_ptrs, mask=kmask, other=0.0)
+    b = tl.load(b_ptrs, mask=kmask, other=0.0)
+    acc = _dot(tl.trans(a), b, acc, INTERPRET)
+    if kt == nk - 1:
+        if NUM_PAIRS == 2:
+            c_sel = tl.where(pair == 0, c_ptr, c2_ptr)
+        else:
+            c_sel = c_ptr
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        cptrs = c_sel + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :]
+        tl.store(cptrs, acc.to(c_sel.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    return acc, kt + 1, nk, tile, e, pair, pid_m, pid_n, cnt, a_ptrs + BK * stride_ar, b_ptrs + BK * stride_br
+
+
+@triton.jit
+def expert_wgrad_persistent_kernel(a_ptr, a2_ptr, stride_ar, b_ptr, stride_br, c_ptr, c2_ptr, stride_ce, stride_cm,
+                                   expert_start_ptr, expert_count_ptr, E, M: tl.constexpr, N: tl.constexpr,
+                                   NUM_PAIRS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                   GROUP_M: tl.constexpr, NE_P2: tl.constexpr, INTERPRET: tl.constexpr):
+    """``expert_wgrad_kernel``'s tiles (same order, same K steps, same sums) walked by a grid of ~#SMs
+    programs: program pid takes tiles pid, pid + P, ... in ONE flattened loop over (tile, K step) with
+    each tile's K steps known at run time (its expert's rows / BK, at least one), so the software
+    pipeline issues the next tile's first loads while the current tile's last steps and epilogue run."""
+    num_m: tl.constexpr = (M + BM - 1) // BM
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    per_e: tl.constexpr = num_m * num_n * NUM_PAIRS
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    total = _wgrad_tiles_of(pid, P, per_e, expert_count_ptr, E, BK, NE_P2)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    kt = 0
+    nk = 0  # kt == nk: the first step starts the first tile
+    tile = pid - P
+    e = pid * 0
+    pair = pid * 0
+    pid_m = pid * 0
+    pid_n = pid * 0
+    cnt = pid * 0
+    a_ptrs, b_ptrs = _wgrad_tile_ptrs(a_ptr, stride_ar, b_ptr, stride_br, pid.to(tl.int64) * 0, pid_m, pid_n, M, N,
+                                      BM, BN, BK)
+    if INTERPRET:
+        # The interpreter (numpy >= 2.4) cannot take range() of a runtime scalar: same steps, a while loop.
+        it = 0
+        while it < total:
+            acc, kt, nk, tile, e, pair, pid_m, pid_n, cnt, a_ptrs, b_ptrs = _wgrad_pstep(
+                acc, kt, nk, tile, e, pair, pid_m, pid_n, cnt, a_ptrs, b_ptrs, P, a_ptr, a2_ptr, stride_ar, b_ptr,
+                stride_br, c_ptr, c2_ptr, stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, M, N, NUM_PAIRS,
+                BM, BN, BK, GROUP_M, INTERPRET)
+            it += 1
+    else:
+        for _ in range(0, total):
+            acc, kt, nk, tile, e, pair, pid_m, pid_n, cnt, a_ptrs, b_ptrs = _wgrad_pstep(
+                acc, kt, nk, tile, e, pair, pid_m, pid_n, cnt, a_ptrs, b_ptrs, P, a_ptr, a2_ptr, stride_ar, b_ptr,
+                stride_br, c_ptr, c2_ptr, stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, M, N, NUM_PAIRS,
+                BM, BN, BK, GROUP_M, INTERPRET)
+
+
+def _wgrad_programs(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few programs, each walking several tiles
+
+
+def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg, persistent=False, programs=None):
     E = expert_count.numel()
     N = out.shape[2]
     assert expert_start.dtype == torch.int32 and expert_count.dtype == torch.int32
@@ -935,7 +1052,17 @@ def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg):
     pairs = 1 if a2 is None else 2
     if pairs == 2:
         assert a2.stride() == a.stride() and out2.stride() == out.stride() and out2.shape == out.shape
-    grid = (E * pairs * triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
+    num_tiles = E * pairs * triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
+    if persistent:
+        grid = (max(1, min(num_tiles, programs or _wgrad_programs(out.device))),)
+        expert_wgrad_persistent_kernel[grid](
+            a, a2 if pairs == 2 else a, a.stride(0), b, b.stride(0), out, out2 if pairs == 2 else out,
+            out.stride(0), out.stride(1), expert_start, expert_count, E, M, N,
+            NUM_PAIRS=pairs, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+            NE_P2=max(2, triton.next_power_of_2(E)), INTERPRET=INTERPRET,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
+    grid = (num_tiles,)
     expert_wgrad_kernel[grid](
         a, a2 if pairs == 2 else a, a.stride(0), b, b.stride(0), out, out2 if pairs == 2 else out,
         out.stride(0), out.stride(1), expert_start, expert_count, M, N,
@@ -945,28 +1072,33 @@ def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg):
 
 def expert_wgrad(a: torch.Tensor, b: torch.Tensor, expert_start: torch.Tensor, expert_count: torch.Tensor, *,
                  out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                 config: GemmConfig | None = None) -> torch.Tensor:
+                 config: GemmConfig | None = None, persistent: bool = False,
+                 programs: int | None = None) -> torch.Tensor:
     """C [E, M, N] with C[e] = A[s:s+c]^T @ B[s:s+c] (s = expert_start[e], c = expert_count[e]).
 
     a [R, M], b [R, N]: any row strides (e.g. column slices of wider buffers), unit column stride.
     fp32 accumulation, one program per output tile over the expert's rows in order; experts with
     no rows get zeros. E.g. dW_down = expert_wgrad(dys, hw, ...) -> [E, H, I].
+
+    ``persistent`` (measurement only, not yet the default): the same tiles, K steps and sums (bitwise the
+    same result) by ``programs`` (default: the GPU's SMs) persistent programs, each one flattened loop
+    over its tiles' K steps (``expert_wgrad_persistent_kernel``).
     """
     M, N = a.shape[1], b.shape[1]
     E = expert_count.numel()
     cfg = config or default_config(KIND_WGRAD, N, None, M=M)
     if out is None:
         out = torch.empty(E, M, N, dtype=out_dtype, device=a.device)
-    _wgrad_launch(a, None, b, expert_start, expert_count, M, out, None, cfg)
+    _wgrad_launch(a, None, b, expert_start, expert_count, M, out, None, cfg, persistent, programs)
     return out
 
 
 def expert_wgrad_gate_up(dgu: torch.Tensor, xs: torch.Tensor, expert_start: torch.Tensor,
                          expert_count: torch.Tensor, *, out_gate: torch.Tensor | None = None,
                          out_up: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                         config: GemmConfig | None = None):
+                         config: GemmConfig | None = None, persistent: bool = False, programs: int | None = None):
     """dW_gate[e] = dg_seg^T @ xs_seg, dW_up[e] = du_seg^T @ xs_seg (dgu [R, 2I], xs [R, H]) in one
-    launch; returns (dW_gate, dW_up), each [E, I, H]."""
+    launch; returns (dW_gate, dW_up), each [E, I, H]. ``persistent``, ``programs``: as ``expert_wgrad``."""
     I = dgu.shape[1] // 2
     H = xs.shape[1]
     E = expert_count.numel()
@@ -975,5 +1107,6 @@ def expert_wgrad_gate_up(dgu: torch.Tensor, xs: torch.Tensor, expert_start: torc
         out_gate = torch.empty(E, I, H, dtype=out_dtype, device=dgu.device)
     if out_up is None:
         out_up = torch.empty(E, I, H, dtype=out_dtype, device=dgu.device)
-    _wgrad_launch(dgu[:, :I], dgu[:, I:], xs, expert_start, expert_count, I, out_gate, out_up, cfg)
+    _wgrad_launch(dgu[:, :I], dgu[:, I:], xs, expert_start, expert_count, I, out_gate, out_up, cfg, persistent,
+                  programs)
     return out_gate, out_up
