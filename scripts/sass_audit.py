@@ -8,15 +8,15 @@ widths (LDG / LDGSTS / UTMALDG), store widths (STG), fp32->bf16 packs (F2FP), an
 (the innermost backward branch around an HGMMA): its instructions, HGMMAs and loads per iteration.
 The loop finder is a heuristic (backward branches); in the megakernel it also reports the ticket
 loops around a K loop. Each K loop's common path (one K step, forward branches inside the loop taken)
-is counted too: in the persistent weight gradient (``expert_wgrad_persistent_kernel``, measurement
-only) the loop's LDG (the next tile's expert start/count) and its gsb0 0x0 wait (the epilogue's) lie
-off that path, in the new-tile block and the epilogue.
+is counted too: in the weight gradient's persistent loop over (tile, K step) (``expert_wgrad_kernel``)
+the loop's LDG (the next tile's expert start/count) and its gsb0 0x0 wait (the store's) lie off that
+path, in the new-tile block and the epilogue.
 
     cd /work/wt-audit && TRITON_INTERPRET=0 PYTHONPATH=. /work/main/.venv/bin/python \
-        scripts/sass_audit.py [kimi-k2 qwen3-30b-a3b ...] [--dump DIR] [--only SUBSTR] [--wgrad BM,BN,BK,W,S] [--pwgrad BM,BN,BK,W,S]
+        scripts/sass_audit.py [kimi-k2 qwen3-30b-a3b ...] [--dump DIR] [--only SUBSTR] [--wgrad BM,BN,BK,W,S]
 
 --only: kernels whose name contains SUBSTR; --wgrad: the weight gradients with that config instead of
-the launchers' default (--pwgrad: the persistent weight gradient's, by default the same); --dump: SASS / TTGIR / PTX of each kernel into DIR. Ends with a markdown table.
+the launchers' default; --dump: SASS / TTGIR / PTX of each kernel into DIR. Ends with a markdown table.
 
 No GPU needed (Triton's whole pipeline runs when the target is named; tests/sm90.py).
 """
@@ -110,7 +110,7 @@ def k_loops(ins):
 def steady_path(ins, span):
     """The instructions of one K step on its common path through a K loop (``span``, from ``k_loops``):
     from the loop's start to its back branch, taking every forward branch that stays in the loop (the
-    persistent loop's new-tile block and epilogue are skipped by such branches; a plain K loop has none)."""
+    weight gradient's new-tile block and epilogue are skipped by such branches; a plain K loop has none)."""
     b, e = (int(x, 16) for x in span)
     at = {a: i for i, (a, _) in enumerate(ins)}
     i, path = at[b], []
@@ -246,16 +246,13 @@ def forward_mega(plan):
     return K.moe_fwd_megakernel, args, mp.num_warps, mp.num_stages, tiles
 
 
-def backward(plan, H, I, E, wgrad_cfg=None, pwgrad_cfg=None):
-    """The separate backward's kernels with the configs the plan and launchers give them, and the
-    persistent weight gradient (``expert_wgrad(..., persistent=True)``, measurement only) with the same
-    configs unless ``pwgrad_cfg``."""
+def backward(plan, H, I, E, wgrad_cfg=None):
+    """The separate backward's kernels with the configs the plan and launchers give them."""
     from tabby.ops import comm, gemm
     dg = plan.gemm_config(gemm.KIND_DGRAD_SWIGLU)
     xg = plan.gemm_config(gemm.KIND_GATE_UP_DGRAD)
     wd = wgrad_cfg or gemm.default_config(gemm.KIND_WGRAD, I, None, M=H)  # expert_wgrad(dys, hw): M=H, N=I
     wgu = wgrad_cfg or gemm.default_config(gemm.KIND_WGRAD, H, None, M=I)  # gate_up: M=I, N=H
-    pwd, pwgu = pwgrad_cfg or wd, pwgrad_cfg or wgu
     out = [("down_dgrad_swiglu", gemm.down_dgrad_swiglu_kernel, {
         "dys_ptr": P, "stride_dym": I16, "wd_ptr": P, "stride_we": I16, "stride_wh": I16, "gu_ptr": P, "stride_gum": I16, "ws_ptr": "*fp32",
         "dgu_ptr": P, "stride_dgum": I16, "hw_ptr": P, "stride_hwm": I16, "dwp_ptr": "*fp32", "stride_dwpm": I32,
@@ -272,13 +269,6 @@ def backward(plan, H, I, E, wgrad_cfg=None, pwgrad_cfg=None):
     for nm, M, N, pairs, c in (("expert_wgrad dW_down M=H N=I", H, I, 1, wd),
                                ("expert_wgrad_gate_up M=I N=H", I, H, 2, wgu)):
         out.append((nm, gemm.expert_wgrad_kernel, {
-            "a_ptr": P, "a2_ptr": P, "stride_ar": I16, "b_ptr": P, "stride_br": I16, "c_ptr": P, "c2_ptr": P, "stride_ce": I16,
-            "stride_cm": I16, "expert_start_ptr": "*i32", "expert_count_ptr": "*i32", "M": Const(M), "N": Const(N),
-            "NUM_PAIRS": Const(pairs), "BM": Const(c.BM), "BN": Const(c.BN), "BK": Const(c.BK), "GROUP_M": Const(c.GROUP_M),
-            "INTERPRET": Const(False)}, c))
-    for nm, M, N, pairs, c in (("expert_wgrad_persistent dW_down M=H N=I", H, I, 1, pwd),
-                               ("expert_wgrad_persistent gate_up M=I N=H", I, H, 2, pwgu)):
-        out.append((nm, gemm.expert_wgrad_persistent_kernel, {
             "a_ptr": P, "a2_ptr": P, "stride_ar": I16, "b_ptr": P, "stride_br": I16, "c_ptr": P, "c2_ptr": P, "stride_ce": I16,
             "stride_cm": I16, "expert_start_ptr": "*i32", "expert_count_ptr": "*i32", "E": I32, "M": Const(M), "N": Const(N),
             "NUM_PAIRS": Const(pairs), "BM": Const(c.BM), "BN": Const(c.BN), "BK": Const(c.BK), "GROUP_M": Const(c.GROUP_M),
@@ -305,7 +295,7 @@ def combines(plan, H, k):
 
 
 def main(argv):
-    dump, only, wgrad, pwgrad = None, None, None, None
+    dump, only, wgrad = None, None, None
     if "--dump" in argv:
         j = argv.index("--dump")
         dump = argv[j + 1]
@@ -321,12 +311,6 @@ def main(argv):
         bm, bn, bk, w, st = map(int, argv[j + 1].split(","))
         wgrad = GemmConfig(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st)
         argv = argv[:j] + argv[j + 2:]
-    if "--pwgrad" in argv:  # --pwgrad BM,BN,BK,W,S: the persistent weight gradient with that config
-        from tabby.ops.gemm import GemmConfig
-        j = argv.index("--pwgrad")
-        bm, bn, bk, w, st = map(int, argv[j + 1].split(","))
-        pwgrad = GemmConfig(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st)
-        argv = argv[:j] + argv[j + 2:]
     from tabby_bench.shapes import SHAPES
     for shape in argv or ["kimi-k2", "qwen3-30b-a3b"]:
         s = SHAPES[shape]
@@ -336,7 +320,7 @@ def main(argv):
         if plan.mega is not None:
             fn, args, w, st, tiles = forward_mega(plan)
             jobs.append(("fwd megakernel", fn, args, w, st, tiles))
-        for nm, fn, args, c in backward(plan, s.H, s.I, s.E, wgrad, pwgrad):
+        for nm, fn, args, c in backward(plan, s.H, s.I, s.E, wgrad):
             w, st = (c.num_warps, c.num_stages) if c else (4, 1)
             jobs.append(("bwd " + nm, fn, args, w, st, f"{c.BM}x{c.BN}x{c.BK}" if c else "copy"))
         for nm, fn, args, tiles in combines(plan, s.H, s.k):
