@@ -7,7 +7,10 @@ buffers (stages x tile), and in the SASS: HGMMA shapes, ``WARPGROUP.DEPBAR.LE gs
 widths (LDG / LDGSTS / UTMALDG), store widths (STG), fp32->bf16 packs (F2FP), and the inner K loop
 (the innermost backward branch around an HGMMA): its instructions, HGMMAs and loads per iteration.
 The loop finder is a heuristic (backward branches); in the megakernel it also reports the ticket
-loops around a K loop.
+loops around a K loop. Each K loop's common path (one K step, forward branches inside the loop taken)
+is counted too: in the weight gradient's persistent loop over (tile, K step) (``expert_wgrad_kernel``)
+the loop's LDG (the next tile's expert start/count) and its gsb0 0x0 wait (the store's) lie off that
+path, in the new-tile block and the epilogue.
 
     cd /work/wt-audit && TRITON_INTERPRET=0 PYTHONPATH=. /work/main/.venv/bin/python \
         scripts/sass_audit.py [kimi-k2 qwen3-30b-a3b ...] [--dump DIR] [--only SUBSTR] [--wgrad BM,BN,BK,W,S]
@@ -104,6 +107,26 @@ def k_loops(ins):
                    "syncs": len(re.findall(r"SYNCS\.", txt))}
 
 
+def steady_path(ins, span):
+    """The instructions of one K step on its common path through a K loop (``span``, from ``k_loops``):
+    from the loop's start to its back branch, taking every forward branch that stays in the loop (the
+    weight gradient's new-tile block and epilogue are skipped by such branches; a plain K loop has none)."""
+    b, e = (int(x, 16) for x in span)
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    i, path = at[b], []
+    while i < len(ins):
+        a, t = ins[i]
+        path.append(t)
+        if a == e:
+            break
+        m = re.search(r"^(?:@!?U?P\d+ )?BRA (0x[0-9a-f]+)", t)
+        if m and a < int(m.group(1), 16) <= e:
+            i = at[int(m.group(1), 16)]
+            continue
+        i += 1
+    return [t for t in path if not t.startswith("NOP")]
+
+
 def analyse(name, k, warps, stages, tiles, dump=None):
     rep = ptxas_v(k.asm["ptx"])
     regs = int(re.search(r"Used (\d+) registers", rep).group(1))
@@ -137,6 +160,12 @@ def analyse(name, k, warps, stages, tiles, dump=None):
         print(f"   K loop {L['span']}: {L['n']} instr, HGMMA {L['hgmma']}, LDGSTS {L['ldgsts']}, LDG {L['ldg']}, "
               f"UTMALDG {L['tma']}, DEPBAR {L['depbar']}, LDGDEPBAR {L['ldgdepbar']}, BAR {L['bar']}, "
               f"SYNCS {L['syncs']}")
+        sp = steady_path(ins, L["span"])
+        txt = "\n".join(sp)
+        n_hg, n_ldg = len(re.findall(r"HGMMA\.", txt)), len(re.findall(r"\bLDG\.", txt))
+        sts, dep = hist(r"LDGSTS(\.[\w.]+)", txt), hist(r"DEPBAR\.LE gsb0, (0x\w+)", txt)
+        print(f"     its common path (forward branches in the loop taken): {len(sp)} instr, HGMMA {n_hg}, "
+              f"LDGSTS {sts}, LDG {n_ldg}, DEPBAR gsb0 {dep}")
     for line in rep.splitlines():
         if "warning" in line.lower() or "info    : C" in line:
             print("   ptxas:", line.strip())
@@ -217,7 +246,7 @@ def forward_mega(plan):
     return K.moe_fwd_megakernel, args, mp.num_warps, mp.num_stages, tiles
 
 
-def backward(plan, H, I, wgrad_cfg=None):
+def backward(plan, H, I, E, wgrad_cfg=None):
     """The separate backward's kernels with the configs the plan and launchers give them."""
     from tabby.ops import comm, gemm
     dg = plan.gemm_config(gemm.KIND_DGRAD_SWIGLU)
@@ -241,9 +270,9 @@ def backward(plan, H, I, wgrad_cfg=None):
                                ("expert_wgrad_gate_up M=I N=H", I, H, 2, wgu)):
         out.append((nm, gemm.expert_wgrad_kernel, {
             "a_ptr": P, "a2_ptr": P, "stride_ar": I16, "b_ptr": P, "stride_br": I16, "c_ptr": P, "c2_ptr": P, "stride_ce": I16,
-            "stride_cm": I16, "expert_start_ptr": "*i32", "expert_count_ptr": "*i32", "M": Const(M), "N": Const(N),
+            "stride_cm": I16, "expert_start_ptr": "*i32", "expert_count_ptr": "*i32", "E": I32, "M": Const(M), "N": Const(N),
             "NUM_PAIRS": Const(pairs), "BM": Const(c.BM), "BN": Const(c.BN), "BK": Const(c.BK), "GROUP_M": Const(c.GROUP_M),
-            "INTERPRET": Const(False)}, c))
+            "NE_P2": Const(max(2, 1 << (E - 1).bit_length())), "INTERPRET": Const(False)}, c))
     out.append(("pull_rows (dy dispatch)", comm.pull_rows_kernel, {
         "row_src": "*i32", "num_tiles_ptr": "*i32", "src_ptrs": "*i64", "dst": P, "H": I16, "TK": I16, "k": I32,
         "w_ptrs": "*i64", "ws_out": P, "BR": Const(plan.dispatch_rows),
@@ -291,7 +320,7 @@ def main(argv):
         if plan.mega is not None:
             fn, args, w, st, tiles = forward_mega(plan)
             jobs.append(("fwd megakernel", fn, args, w, st, tiles))
-        for nm, fn, args, c in backward(plan, s.H, s.I, wgrad):
+        for nm, fn, args, c in backward(plan, s.H, s.I, s.E, wgrad):
             w, st = (c.num_warps, c.num_stages) if c else (4, 1)
             jobs.append(("bwd " + nm, fn, args, w, st, f"{c.BM}x{c.BN}x{c.BK}" if c else "copy"))
         for nm, fn, args, tiles in combines(plan, s.H, s.k):

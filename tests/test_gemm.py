@@ -1,7 +1,8 @@
 """Tests of tabby.ops.gemm: routed-row expert GEMMs against plain torch fp32.
 
 Without CUDA the kernels run in the Triton interpreter on CPU tensors (small tiles, small sizes);
-with CUDA the same tests run on the GPU, plus realistic-size checks.
+with CUDA the same tests run on the GPU, plus realistic-size checks. The weight gradients (5.) have
+their own file, tests/test_wgrad.py.
 `python tests/test_gemm.py` (with CUDA) prints a small benchmark of every kernel.
 """
 import os
@@ -23,7 +24,6 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 BM = 16
 CFG = GemmConfig(BM=BM, BN=16, BK=16, num_warps=4, num_stages=2, GROUP_M=2)
 CFG32 = GemmConfig(BM=BM, BN=32, BK=16, num_warps=4, num_stages=2, GROUP_M=4)
-WCFG = GemmConfig(BM=16, BN=32, BK=16, num_warps=4, num_stages=2, GROUP_M=2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,58 +305,6 @@ def test_gate_up_dgrad_push(counts, cfg):
     out = gemm.gate_up_dgrad_local(dgu, wg, wu, s.tile_expert, s.num_tiles, config=cfg)
     used = s.used_rows
     assert rel_err(out[used], ref[used]) < 1e-2
-
-
-# --------------------------------------------------------------------------------------------
-# 5. per-expert weight gradients
-# --------------------------------------------------------------------------------------------
-
-def wgrad_ref(s, a, b):
-    E = s.E
-    out = torch.zeros(E, a.shape[1], b.shape[1])
-    for e in range(E):
-        st, c = s.start_list[e], s.counts[e]
-        out[e] = a[st:st + c].float().cpu().T @ b[st:st + c].float().cpu()
-    return out
-
-
-@pytest.mark.parametrize("counts", list(COUNTS))
-def test_expert_wgrad(counts):
-    H, I = 48, 40
-    s = Sched(COUNTS[counts], BM, W=2, TK=40)
-    dys = s.rows(H, seed=19)
-    hw = s.rows(I, seed=20)
-    # garbage in padding rows past each expert's count must be ignored
-    pad = (s.used_rows & ~s.real).to(DEV)
-    dys[pad] = 3.0
-    ref = wgrad_ref(s, dys, hw)
-    out = torch.full((s.E, H, I), float("nan"), dtype=torch.bfloat16, device=DEV)
-    gemm.expert_wgrad(dys, hw, s.expert_start, s.expert_count, out=out, config=WCFG)
-    assert not out.isnan().any()
-    for e in range(s.E):
-        if s.counts[e] == 0:
-            assert torch.all(out[e] == 0), "experts without rows get zero gradients"
-        else:
-            assert rel_err(out[e], ref[e]) < 1e-2
-    out2 = gemm.expert_wgrad(dys, hw, s.expert_start, s.expert_count, config=WCFG)
-    assert torch.equal(out, out2)
-    # default config, fp32 output
-    out3 = gemm.expert_wgrad(dys, hw, s.expert_start, s.expert_count, out_dtype=torch.float32,
-                             config=GemmConfig(BM=32, BN=16, BK=32, num_warps=4, num_stages=2, GROUP_M=1))
-    assert rel_err(out3, ref) < 1e-2
-
-
-def test_expert_wgrad_gate_up_strided():
-    """dW_gate/dW_up from column slices of dgu (row stride 2I) in one launch."""
-    H, I = 48, 40
-    s = Sched(COUNTS["mixed"], BM, W=2, TK=40)
-    dgu = s.rows(2 * I, seed=21)
-    xs = s.rows(H, seed=22)
-    dwg, dwu = gemm.expert_wgrad_gate_up(dgu, xs, s.expert_start, s.expert_count, config=WCFG)
-    assert rel_err(dwg, wgrad_ref(s, dgu[:, :I], xs)) < 1e-2
-    assert rel_err(dwu, wgrad_ref(s, dgu[:, I:], xs)) < 1e-2
-    dwg1 = gemm.expert_wgrad(dgu[:, :I], xs, s.expert_start, s.expert_count, config=WCFG)
-    assert torch.equal(dwg1, dwg)
 
 
 def test_default_configs():

@@ -12,8 +12,9 @@ Routed rows live in a buffer of ``R`` rows (``R`` a multiple of the schedule's t
 
 Weights are in ``nn.Linear`` layout: ``w_gate, w_up [E, I, H]``, ``w_down [E, H, I]``.
 
-Roles (each a ``@triton.jit`` tile function that a persistent megakernel can call with tile
-coordinates, a thin kernel mapping ``program_id`` to tiles, and a Python launcher):
+Roles (1-4: each a ``@triton.jit`` tile function that a persistent megakernel can call with tile
+coordinates, a thin kernel mapping ``program_id`` to tiles, and a Python launcher; 5: a persistent
+kernel and its launchers, no tile function):
 
 1. ``gate_up_swiglu``: ``h = silu(xs @ Wg[e]^T) * (xs @ Wu[e]^T)`` (optionally saving g, u).
 2. ``rows_gemm`` / ``down_push``: ``A[rows] @ B[e]^T`` or ``A @ B[e]`` (optionally two K
@@ -22,12 +23,14 @@ coordinates, a thin kernel mapping ``program_id`` to tiles, and a Python launche
 3. ``down_dgrad_swiglu_bwd``: ``dh_raw = dys @ Wd[e]`` with the SwiGLU backward, the router
    weight and the router-weight-gradient partials in the epilogue.
 4. ``gate_up_dgrad_push``: ``dxs = dg @ Wg[e] + du @ Wu[e]`` pushed to the origin.
-5. ``expert_wgrad``: ``C[e] = A_seg^T @ B_seg`` over each expert's whole row range.
+5. ``expert_wgrad`` / ``expert_wgrad_gate_up``: ``C[e] = A_seg^T @ B_seg`` over each expert's
+   whole row range (``expert_start``, ``expert_count``), one program per SM walking its output
+   tiles.
 
-Everything is sync-free (grids depend on shapes only; a program whose tile is unused returns)
-and deterministic (no atomics; every output element is computed by one program in a fixed K
-order). Under ``TRITON_INTERPRET=1`` every ``tl.dot`` goes through ``_dot``, which works around
-the interpreter's broken bf16 dot by upcasting to fp32.
+Everything is sync-free (grids depend on shapes, and 5's on the SM count, only; a program whose
+tile is unused returns) and deterministic (no atomics; every output element is computed by one
+program in a fixed K order, whatever the grid). Under ``TRITON_INTERPRET=1`` every ``tl.dot``
+goes through ``_dot``, which works around the interpreter's broken bf16 dot by upcasting to fp32.
 
 Notes for callers of the tile functions (the megakernel):
 - Model dimensions (H, I, N, K, M) are ``tl.constexpr``: loop trip counts are then known, the
@@ -854,75 +857,141 @@ def reduce_dw(dw_part: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
 # --------------------------------------------------------------------------------------------
 # 5. Per-expert weight gradients over the whole row range
 # --------------------------------------------------------------------------------------------
+#
+# One persistent launch of one program per SM. The output tiles are numbered expert-major (an
+# expert's rows stay in L2 while its tiles run), then by pair (dW_gate, dW_up), then grouped (m, n);
+# program pid of P takes tiles pid, pid + P, pid + 2P, ... and walks them as ONE loop over its
+# (tile, K step) pairs, so the software pipeline issues the next tile's first loads before the
+# current tile's last MMA and its store. A tile has max(cdiv(rows, BK), 1) K steps, known at run
+# time (an expert without rows takes one all-masked step and stores zeros); the loop's trip count
+# is their sum over the program's tiles (``_wgrad_steps_of``).
+#
+# Deterministic for any P: one program computes a whole output tile, over its K steps 0, 1, ...,
+# nk - 1 in order, into an accumulator that is zero at the tile's first step and stored at its
+# last. Each element's sum thus has one order, fixed by its expert's rows and the tile config
+# alone, whichever program takes the tile and however many programs there are (P is a run-time
+# value: one compiled kernel for every grid).
 
 @triton.jit
-def _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK: tl.constexpr, INTERPRET: tl.constexpr):
-    kmask = (offs_k < cnt - kt * BK)[:, None]
-    a = tl.load(a_ptrs, mask=kmask, other=0.0)
-    b = tl.load(b_ptrs, mask=kmask, other=0.0)
-    acc = _dot(tl.trans(a), b, acc, INTERPRET)
-    return acc, a_ptrs + BK * stride_ar, b_ptrs + BK * stride_br
+def _wgrad_steps_of(pid, P, per_e, expert_count_ptr, E, BK: tl.constexpr, NE_P2: tl.constexpr):
+    """The loop trip count of program pid of P: the K steps of its tiles pid, pid + P, ... (per_e tiles
+    an expert, expert-major), the sum over experts of max(cdiv(rows, BK), 1) x the expert's tiles it takes."""
+    ee = tl.arange(0, NE_P2)
+    cnt = tl.load(expert_count_ptr + ee, mask=ee < E, other=0)
+    steps = tl.maximum((cnt + BK - 1) // BK, 1)
+    # the program's tiles below t number cdiv(t - pid, P) (0 if t <= pid); expert e's lie in [e, e + 1) * per_e
+    hi = (ee + 1) * per_e - pid
+    lo = ee * per_e - pid
+    mine = tl.where(hi > 0, (hi + P - 1) // P, 0) - tl.where(lo > 0, (lo + P - 1) // P, 0)
+    return tl.sum(tl.where(ee < E, steps * mine, 0), axis=0)
 
 
 @triton.jit
-def expert_wgrad_tile(e, pid_m, pid_n,
-                      a_ptr, stride_ar, b_ptr, stride_br, c_ptr, stride_ce, stride_cm,
-                      expert_start_ptr, expert_count_ptr,
-                      M: tl.constexpr, N: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
-    """C[e][m-tile, n-tile] = A_seg^T @ B_seg over expert e's rows, one program, rows in order.
-
-    A [R, >= M] (row stride stride_ar, unit column stride), B [R, >= N] likewise;
-    C [E, M, N] (strides stride_ce, stride_cm, 1). An expert with no rows writes zeros.
-    """
-    start = tl.load(expert_start_ptr + e).to(tl.int64)
-    cnt = tl.load(expert_count_ptr + e)
+def _wgrad_tile_ptrs(a_sel, stride_ar, b_ptr, stride_br, start, pid_m, pid_n, M: tl.constexpr, N: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The first K step's A [BK, BM] and B [BK, BN] pointers of output tile (pid_m, pid_n) over rows from start."""
     offs_k = tl.arange(0, BK)
     offs_m = (pid_m * BM + tl.arange(0, BM)) % M
     offs_n = (pid_n * BN + tl.arange(0, BN)) % N
-    a_ptrs = a_ptr + start * stride_ar + (offs_k[:, None] * stride_ar + offs_m[None, :])  # [BK, BM]
-    b_ptrs = b_ptr + start * stride_br + (offs_k[:, None] * stride_br + offs_n[None, :])  # [BK, BN]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    nk = tl.cdiv(cnt, BK)
-    if INTERPRET:
-        # The interpreter (numpy >= 2.4) cannot take range() of a runtime scalar: same steps, a while loop.
+    a_ptrs = a_sel + start * stride_ar + (offs_k[:, None] * stride_ar + offs_m[None, :])
+    b_ptrs = b_ptr + start * stride_br + (offs_k[:, None] * stride_br + offs_n[None, :])
+    return a_ptrs, b_ptrs
+
+
+@triton.jit
+def _wgrad_step(acc, kt, nk, tile, e, pair, pid_m, pid_n, cnt, a_ptrs, b_ptrs, P,
+                a_ptr, a2_ptr, stride_ar, b_ptr, stride_br, c_ptr, c2_ptr, stride_ce, stride_cm,
+                expert_start_ptr, expert_count_ptr, M: tl.constexpr, N: tl.constexpr,
+                NUM_PAIRS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
+    """One step of the (tile, K step) loop: K step kt of the current tile. At kt == nk the program's
+    next tile (tile + P) starts at its step 0; at its last step (kt == nk - 1) the tile is stored and
+    the accumulator zeroed for the next."""
+    num_m: tl.constexpr = (M + BM - 1) // BM
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    per_pair: tl.constexpr = num_m * num_n
+    if kt == nk:
+        tile += P
+        e = tile // (per_pair * NUM_PAIRS)
+        rem = tile % (per_pair * NUM_PAIRS)
+        pair = rem // per_pair
+        pid_m, pid_n = grouped_tile(rem % per_pair, num_m, num_n, GROUP_M)
+        start = tl.load(expert_start_ptr + e).to(tl.int64)
+        cnt = tl.load(expert_count_ptr + e)
+        nk = tl.maximum(tl.cdiv(cnt, BK), 1)
         kt = 0
-        while kt < nk:
-            acc, a_ptrs, b_ptrs = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK, INTERPRET)
-            kt += 1
-    else:
-        for kt in range(0, nk):
-            acc, a_ptrs, b_ptrs = _wgrad_step(acc, a_ptrs, b_ptrs, kt, cnt, stride_ar, stride_br, offs_k, BK, INTERPRET)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    cptrs = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :]
-    tl.store(cptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+        if NUM_PAIRS == 2:
+            a_sel = tl.where(pair == 0, a_ptr, a2_ptr)
+        else:
+            a_sel = a_ptr
+        a_ptrs, b_ptrs = _wgrad_tile_ptrs(a_sel, stride_ar, b_ptr, stride_br, start, pid_m, pid_n, M, N, BM, BN, BK)
+    kmask = (tl.arange(0, BK) < cnt - kt * BK)[:, None]
+    a = tl.load(a_ptrs, mask=kmask, other=0.0)
+    b = tl.load(b_ptrs, mask=kmask, other=0.0)
+    acc = _dot(tl.trans(a), b, acc, INTERPRET)
+    if kt == nk - 1:
+        if NUM_PAIRS == 2:
+            c_sel = tl.where(pair == 0, c_ptr, c2_ptr)
+        else:
+            c_sel = c_ptr
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        cptrs = c_sel + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :]
+        tl.store(cptrs, acc.to(c_sel.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    return acc, kt + 1, nk, tile, e, pair, pid_m, pid_n, cnt, a_ptrs + BK * stride_ar, b_ptrs + BK * stride_br
 
 
 @triton.jit
 def expert_wgrad_kernel(a_ptr, a2_ptr, stride_ar, b_ptr, stride_br, c_ptr, c2_ptr, stride_ce, stride_cm,
-                        expert_start_ptr, expert_count_ptr, M: tl.constexpr, N: tl.constexpr,
+                        expert_start_ptr, expert_count_ptr, E, M: tl.constexpr, N: tl.constexpr,
                         NUM_PAIRS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
-    """Tiles ordered expert-major (the expert's rows stay in L2), then pair, then grouped (m, n)."""
+                        GROUP_M: tl.constexpr, NE_P2: tl.constexpr, INTERPRET: tl.constexpr):
+    """C[e] = A_seg^T @ B_seg for each of the E experts (and C2[e] = A2_seg^T @ B_seg when NUM_PAIRS
+    is 2) by a persistent grid (the comment above). A, A2 [R, >= M] (row stride stride_ar, unit
+    column stride), B [R, >= N] likewise; C, C2 [E, M, N] (strides stride_ce, stride_cm, 1)."""
     # M, N constexpr: with them known, (offs % M) keeps the contiguity the loads need to vectorize
     # (and to be pipelined); a runtime M would make every A and B load element-wise.
     num_m: tl.constexpr = (M + BM - 1) // BM
     num_n: tl.constexpr = (N + BN - 1) // BN
-    per_pair: tl.constexpr = num_m * num_n
+    per_e: tl.constexpr = num_m * num_n * NUM_PAIRS
     pid = tl.program_id(0)
-    e = pid // (per_pair * NUM_PAIRS)
-    rem = pid % (per_pair * NUM_PAIRS)
-    pair = rem // per_pair
-    pid_m, pid_n = grouped_tile(rem % per_pair, num_m, num_n, GROUP_M)
-    if NUM_PAIRS == 2:
-        a_sel = tl.where(pair == 0, a_ptr, a2_ptr)
-        c_sel = tl.where(pair == 0, c_ptr, c2_ptr)
+    P = tl.num_programs(0)
+    total = _wgrad_steps_of(pid, P, per_e, expert_count_ptr, E, BK, NE_P2)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    kt = 0
+    nk = 0  # kt == nk: the first step starts the program's first tile, pid
+    tile = pid - P
+    e = pid * 0
+    pair = pid * 0
+    pid_m = pid * 0
+    pid_n = pid * 0
+    cnt = pid * 0
+    a_ptrs, b_ptrs = _wgrad_tile_ptrs(a_ptr, stride_ar, b_ptr, stride_br, pid.to(tl.int64) * 0, pid_m, pid_n, M, N,
+                                      BM, BN, BK)
+    if INTERPRET:
+        # The interpreter (numpy >= 2.4) cannot take range() of a runtime scalar: same steps, a while loop.
+        it = 0
+        while it < total:
+            acc, kt, nk, tile, e, pair, pid_m, pid_n, cnt, a_ptrs, b_ptrs = _wgrad_step(
+                acc, kt, nk, tile, e, pair, pid_m, pid_n, cnt, a_ptrs, b_ptrs, P, a_ptr, a2_ptr, stride_ar, b_ptr,
+                stride_br, c_ptr, c2_ptr, stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, M, N, NUM_PAIRS,
+                BM, BN, BK, GROUP_M, INTERPRET)
+            it += 1
     else:
-        a_sel = a_ptr
-        c_sel = c_ptr
-    expert_wgrad_tile(e, pid_m, pid_n, a_sel, stride_ar, b_ptr, stride_br, c_sel, stride_ce, stride_cm,
-                      expert_start_ptr, expert_count_ptr, M, N, BM, BN, BK, INTERPRET)
+        for _ in range(0, total):
+            acc, kt, nk, tile, e, pair, pid_m, pid_n, cnt, a_ptrs, b_ptrs = _wgrad_step(
+                acc, kt, nk, tile, e, pair, pid_m, pid_n, cnt, a_ptrs, b_ptrs, P, a_ptr, a2_ptr, stride_ar, b_ptr,
+                stride_br, c_ptr, c2_ptr, stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, M, N, NUM_PAIRS,
+                BM, BN, BK, GROUP_M, INTERPRET)
+
+
+def _wgrad_programs(device) -> int:
+    """The weight gradient's grid: one program per SM (docs/performance.md, "GEMM tiles"); under the
+    interpreter a few, each walking several tiles."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg):
@@ -935,11 +1004,13 @@ def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg):
     pairs = 1 if a2 is None else 2
     if pairs == 2:
         assert a2.stride() == a.stride() and out2.stride() == out.stride() and out2.shape == out.shape
-    grid = (E * pairs * triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
+    num_tiles = E * pairs * triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
+    grid = (max(1, min(num_tiles, _wgrad_programs(out.device))),)
     expert_wgrad_kernel[grid](
         a, a2 if pairs == 2 else a, a.stride(0), b, b.stride(0), out, out2 if pairs == 2 else out,
-        out.stride(0), out.stride(1), expert_start, expert_count, M, N,
-        NUM_PAIRS=pairs, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, INTERPRET=INTERPRET,
+        out.stride(0), out.stride(1), expert_start, expert_count, E, M, N,
+        NUM_PAIRS=pairs, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+        NE_P2=max(2, triton.next_power_of_2(E)), INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -949,8 +1020,9 @@ def expert_wgrad(a: torch.Tensor, b: torch.Tensor, expert_start: torch.Tensor, e
     """C [E, M, N] with C[e] = A[s:s+c]^T @ B[s:s+c] (s = expert_start[e], c = expert_count[e]).
 
     a [R, M], b [R, N]: any row strides (e.g. column slices of wider buffers), unit column stride.
-    fp32 accumulation, one program per output tile over the expert's rows in order; experts with
-    no rows get zeros. E.g. dW_down = expert_wgrad(dys, hw, ...) -> [E, H, I].
+    fp32 accumulation, each output tile by one program over its expert's rows in order (bitwise the
+    same whatever the grid); experts with no rows get zeros. E.g. dW_down = expert_wgrad(dys, hw, ...)
+    -> [E, H, I].
     """
     M, N = a.shape[1], b.shape[1]
     E = expert_count.numel()
