@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One batched call on a GPU machine: the GPU tests, then the benchmark matrix.
 # Usage: scripts/device_run.sh STAGE [bench args...]
-#   tests   the GPU tests (tests/test_*_gpu.py, or the files in GPU_TESTS: cold, they compile for more than one
-#           call's 10 minutes, so split them; bounded waits fail fast, device errors checked per pass)
+#   tests   the GPU tests (tests/test_*_gpu.py, or the files in GPU_TESTS), one process per file in parallel,
+#           a log each (gpu-tests-NAME.log); bounded waits fail fast, device errors checked per pass
 #   bench   the EP1 matrix: floor, tabby and tabby-sync-free on the six shapes at 4096 and 16384 tokens
 #           (extra args go to `tabby bench` after these and override them, e.g. --ep 2 --impls ...)
 #   train   the end-to-end training benchmark (tabby train; extra args go to it)
@@ -28,10 +28,20 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 echo "commit ${TABBY_GIT_COMMIT:-unknown: pass TABBY_GIT_COMMIT}" >> "$OUT/machine.txt"
 status=0
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
-  TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${TESTS_TIMEOUT:-580} \
-    python3 -m pytest -q -rA -p no:cacheprovider ${GPU_TESTS:-tests/test_*_gpu.py} 2>&1 | tee "$OUT/gpu-tests.log" \
-    | grep -E "passed|failed|PASSED|FAILED|SKIPPED|Error|assert" | tail -60
-  status=${PIPESTATUS[0]}
+  # one pytest process per file, all at once: cold, each file is bound by compiling its kernels
+  # (one core each), so in parallel the suite fits one call; their GPU work is small
+  pids=()
+  for f in ${GPU_TESTS:-tests/test_*_gpu.py}; do
+    log="$OUT/gpu-tests-$(basename "$f" .py).log"
+    (TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${TESTS_TIMEOUT:-580} \
+      python3 -m pytest -q -rA -p no:cacheprovider "$f" > "$log" 2>&1) &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || status=1; done
+  for log in "$OUT"/gpu-tests-*.log; do
+    echo "== $(basename "$log"): $(tail -1 "$log")"
+    grep -E "^(FAILED|ERROR)|Error|assert" "$log" | head -10
+  done
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 -m tabby_bench bench --ep 1 \
