@@ -12,16 +12,18 @@ from .probe import Probe, mark
 from .steps import finish_backward, pull_routed_rows, signal_and_wait
 
 
-def routed_rows_for_wgrad(ws, plan: Plan, kept: KeptRows, TK, k, out=None):
+def routed_rows_for_wgrad(ws, plan: Plan, kept: KeptRows, TK, k):
     """The routed rows [R, H] of a forward that kept them partly (local rows: xs without this rank's
     rows, filled in here from x) or not at all (the token pull: xs is every rank's tokens
-    [W*T, H], rows gathered from them and x into ``out``, a new buffer unless given: a dead
-    [R_max, H] one); local copies only. A copy, not a weight gradient that gathers its own rows:
-    that measured slower (docs/performance.md, "Local rows")."""
-    return _rows_for_wgrad(ws, plan, kept.sched, kept.xs, kept.x, kept.missing, TK, k, out)
+    [W*T, H], rows gathered from them and x into a new buffer); local copies only. A copy, not a
+    weight gradient that gathers its own rows: that measured slower (docs/performance.md, "Local
+    rows")."""
+    return _rows_for_wgrad(ws, plan, kept.sched, kept.xs, kept.x, kept.missing, TK, k)
 
 
 def _rows_for_wgrad(ws, plan: Plan, sched, xs, x, missing, TK, k, out=None):
+    """``routed_rows_for_wgrad`` on the kept tensors; the token pull's rows go into ``out`` when
+    given (a dead [R_max, H] buffer), else a new one."""
     W, T, H = ws.world_size, x.shape[0], x.shape[1]
     if missing == "local":
         table = torch.full((W,), x.data_ptr(), dtype=torch.int64, device=x.device)
