@@ -142,7 +142,8 @@ def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_d
     return finish_forward(ws, plan, x, topk_weights, extra, probe=probe), KeptRows(sched, xs, gu, row_w)
 
 
-def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, probe: Probe | None = None):
+def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, probe: Probe | None = None,
+                     owned: bool = False):
     """``backward.moe_backward`` with its GEMMs in FP8 (``reference_fp8.moe_backward_reference_fp8``
     defines it). Returns (dx, d topk_weights [T, k] fp32, dw_gate, dw_up, dw_down).
 
@@ -151,8 +152,14 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     [W_gate^T | W_up^T], one GEMM over K = 2I, rows pushed to their origin. wgrad: both operands
     per 128x1 along the rows (each expert's segment starts at a multiple of 128: tile_m is),
     padding rows as zeros.
+
+    ``owned``: as ``backward.moe_backward``'s: nothing else holds the kept rows, so this pass takes
+    them out of ``saved`` and drops each once its last launch is queued; the same launches and bits.
     """
     sched, xs, gu, row_w = saved.sched, saved.xs, saved.gu, saved.row_w
+    if owned:  # the tensors are ours now: the dataclass lets go of them
+        saved.xs = saved.gu = saved.row_w = None
+    del saved
     T, H = dy.shape
     I = w_gate.shape[1]
     k, TK = sched.k, sched.T * sched.k
@@ -170,7 +177,7 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(
         dys_q, dys_s, *fp8_weight_t(w_down), gu, row_w, sched.tile_expert, sched.num_tiles,
         config=GemmConfig(BM=BM, BN=128, BK=FP8_BLOCK, num_warps=8, num_stages=4, GROUP_M=8))
-    del dys_q, dys_s
+    del dys_q, dys_s, gu, row_w
     mark(probe, "bwd:down_dgrad+swiglu")
     dgu_q, dgu_qs = fp8.quantize_rows(dgu, num_tiles=sched.num_tiles, tile_rows=BM)
     gemm_fp8.rows_gemm_fp8(dgu_q, dgu_qs, *fp8_gate_up_t(w_gate, w_up), sched.tile_expert, sched.num_tiles,
@@ -194,7 +201,7 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     dw_down = gemm_fp8.expert_wgrad_fp8(dy_t, dy_s, hw_t, hw_s, *seg, out_dtype=w_down.dtype)
     del dy_t, dy_s, hw_t, hw_s
     (dgu_t, dgu_s), (xs_t, xs_s) = cols(dgu), cols(xs)
-    del dgu
+    del dgu, xs
     dw_gate = gemm_fp8.expert_wgrad_fp8(dgu_t[:I], dgu_s[:, :I], xs_t, xs_s, *seg, out_dtype=w_gate.dtype)
     dw_up = gemm_fp8.expert_wgrad_fp8(dgu_t[I:], dgu_s[:, I:], xs_t, xs_s, *seg, out_dtype=w_up.dtype)
     mark(probe, "bwd:wgrad")

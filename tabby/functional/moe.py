@@ -64,9 +64,8 @@ class _TabbyMoE(torch.autograd.Function):
     def backward(ctx, dy):
         w_gate, w_up, w_down = ctx.saved_tensors
         saved, ctx.saved = ctx.saved, None  # a backward runs once: it frees the kept rows as it goes
-        owned = dict(owned=True) if ctx.backward_pass is moe_backward else {}
         dx, dtopk, dwg, dwu, dwd = ctx.backward_pass(ctx.ws, ctx.plan, dy.contiguous(), saved, w_gate, w_up,
-                                                     w_down, probe=ctx.probe, **owned)
+                                                     w_down, probe=ctx.probe, owned=True)
         del saved
         return (dx, None, dtopk.to(ctx.w_dtype), dwg, dwu, dwd, dy if ctx.has_extra else None, None, None, None,
                 None)
