@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 from tabby import reference_fp8 as ref  # noqa: E402
 from tabby.ops import gemm_fp8  # noqa: E402
 from tabby.ops.fp8 import quantize_blocks, quantize_cols, quantize_rows  # noqa: E402
-from tabby.ops.gemm import GemmConfig  # noqa: E402
+from tabby.ops.gemm import GemmConfig, tma_aligned  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -161,7 +161,7 @@ def test_gate_up_swiglu_fp8_tma_and_pointer_loops_agree(BM, H):
     (gq, gs), (uq, us) = quantize_blocks(wg.to(DEV)), quantize_blocks(wu.to(DEV))
     xq_odd = torch.empty(sch.R * H + 1, dtype=xq.dtype, device=DEV)[1:].view(sch.R, H)
     xq_odd.copy_(xq)
-    assert gemm_fp8._tma_ok(xq, gq, uq) and not gemm_fp8._tma_ok(xq_odd)
+    assert all(tma_aligned(t) for t in (xq, gq, uq)) and not tma_aligned(xq_odd)
     cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_GATE_UP, BM=BM)
     outs = []
     for a in (xq, xq_odd):

@@ -484,6 +484,13 @@ def _check_rows(name, t, R, BM):
         raise ValueError(f"{name} must have a unit last stride")
 
 
+def tma_aligned(t: torch.Tensor) -> bool:
+    """Whether a tensor descriptor (TMA) can address ``t``: a 16-byte aligned base, a unit last
+    stride and 16-byte multiples for the other strides."""
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all((st * es) % 16 == 0 for st in t.stride()[:-1])
+
+
 def _check_schedule(tile_expert, num_tiles, R, BM):
     if R % BM:
         raise ValueError(f"rows R={R} must be a multiple of BM={BM}")

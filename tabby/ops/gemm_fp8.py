@@ -43,7 +43,7 @@ import triton.language as tl
 from . import INTERPRET
 from .fp8 import BLOCK, E4M3, quantize_tile_rows
 from .gemm import (_TL_DTYPES, GemmConfig, _check_schedule, _push_rows, _row_tile_expert, _store_rows,
-                   _swiglu_bwd_split_epilogue, grouped_tile)
+                   _swiglu_bwd_split_epilogue, grouped_tile, tma_aligned)
 
 KIND_GATE_UP = "gate_up"
 KIND_ROWS = "rows"
@@ -262,12 +262,6 @@ def _check_fp8_weights(name, q, s):
         raise ValueError(f"{name}'s scales must be fp32 {want}, got {s.dtype} {tuple(s.shape)}")
 
 
-def _tma_ok(*ts) -> bool:
-    """Tensor descriptors need a 16-byte aligned base, unit last stride and 16-byte strides."""
-    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1
-               and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]) for t in ts)
-
-
 def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *,
                        hq=None, h_scale=None, gu=None, save_gu: bool = True, config: GemmConfig | None = None):
     """Returns (hq [R, I] E4M3, h_scale [R, I/128] fp32, gu [R, 2I] bf16 or None).
@@ -304,7 +298,7 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
         gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device)
     gu_arg = gu if save_gu else h_scale
     # a tensor descriptor needs 16-byte aligned rows: where they are not, the pointer loop
-    use_tma = R > 0 and _tma_ok(aq, wg_q, wu_q)
+    use_tma = R > 0 and all(tma_aligned(t) for t in (aq, wg_q, wu_q))
     block_m = GATE_UP_TMA_BM if use_tma and cfg.BM % GATE_UP_TMA_BM == 0 else cfg.BM
     sub = cfg.BM // block_m
     num_stages = cfg.num_stages if use_tma else min(cfg.num_stages, GATE_UP_PTR_STAGES)

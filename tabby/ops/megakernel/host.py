@@ -15,6 +15,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import INTERPRET
+from ..gemm import tma_aligned
 from .kernel import (Descs, MegaConsts, OrderArgs, PeerArgs, ProbeConsts, RouteArgs, RoutedArgs, SavedArgs,
                      SharedArgs, SyncArgs, TokenArgs, moe_fwd_megakernel)
 from .plan import MegaPlan
@@ -132,9 +133,8 @@ def _desc(t: torch.Tensor, block) -> TensorDescriptor:
 
 
 def _check_tma(name: str, t: torch.Tensor) -> None:
-    """Tensor descriptors need a 16-byte aligned base, unit last stride and 16-byte row strides."""
-    es = t.element_size()
-    if t.data_ptr() % 16 or t.stride(-1) != 1 or any((st * es) % 16 for st in t.stride()[:-1]):
+    """Raise unless a tensor descriptor can address ``t`` (``gemm.tma_aligned``)."""
+    if not tma_aligned(t):
         raise ValueError(f"the plan loads through TMA, but {name} (strides {tuple(t.stride())}, address "
                          f"{t.data_ptr():#x}) is not 16-byte aligned with a unit last stride")
 
