@@ -5,8 +5,13 @@ The recipe is DeepSeek-V3's (arXiv 2412.19437, section 3.3), with power-of-two s
 - values are E4M3 (``torch.float8_e4m3fn``: largest finite 448, smallest subnormal 2^-9);
 - activations are scaled per 1x128 tile (one token, 128 consecutive channels): scales
   ``[T, ceil(K/128)]``; weights ``[..., N, K]`` per 128x128 block: scales
-  ``[..., ceil(N/128), ceil(K/128)]``; a tile at the end of a dimension that is not a multiple
-  of 128 is shorter and has its own scale;
+  ``[..., ceil(N/128), ceil(K/128)]``;
+- partial tiles: where a dimension is not a multiple of 128, the tensor is quantized as if it
+  were zero-padded to a multiple of 128, and the padding is cropped. The last tile along that
+  dimension is then shorter (e.g. 64 of 128) with its own scale: zeros do not change an amax, so
+  that scale is the one of the elements that exist, and the padding's zeros quantize to zeros,
+  which add nothing to a GEMM's block sum. "Partial tile" and "zero-padded tile" define the same
+  scales and values;
 - a scale is an fp32 power of two: ``s = 2^j`` with ``j`` the smallest integer such that
   ``amax <= 448 * 2^j`` (``amax`` the tile's largest magnitude), and ``j >= -126`` (the floor: a
   tile of zeros, or of magnitudes below ``448 * 2^-126``, gets ``s = 2^-126``, never a division
@@ -29,7 +34,8 @@ releases use power-of-two (UE8M0) scales for the same reasons.
 
 The GEMM with fp32 promotion (:func:`fp8_gemm_ref`): A quantized per 1x128, B per 128x128, the
 product accumulated per K block of 128 in fp32, each block's partial product scaled by
-``a_scale[row] * b_scale[col block]`` and added to an fp32 accumulator, K blocks in order.
+``a_scale[row] * b_scale[col block]`` and added to an fp32 accumulator, K blocks in order. A
+partial last K block is the zero-padded block: the same sum, its own scales.
 
 MXFP8 import (:func:`mxfp8_to_blocks_ref`): E4M3 values with one E8M0 scale (``2^(e - 127)``,
 ``e`` a uint8, 255 = NaN) per 1x32 group along K. Each 128x128 block takes the largest group
@@ -83,26 +89,20 @@ def _to_e4m3(v: torch.Tensor) -> torch.Tensor:
     return v.to(E4M3)
 
 
-def _tiles_amax(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """amax of ``x [..., N, K]`` over tiles of ``rows x cols`` (the last tiles may be short):
-    [..., ceil(N/rows), ceil(K/cols)] fp32."""
-    *lead, N, K = x.shape
-    nb, kb = math.ceil(N / rows), math.ceil(K / cols)
-    pad = x.float().abs()
-    pad = F.pad(pad, (0, kb * cols - K, 0, nb * rows - N))  # zeros do not change an amax
-    return pad.reshape(*lead, nb, rows, kb, cols).amax(dim=(-3, -1))
-
-
 def _expand(s: torch.Tensor, rows: int, cols: int, N: int, K: int) -> torch.Tensor:
     """Per-tile values [..., nb, kb] repeated to every element [..., N, K]."""
     return s.repeat_interleave(rows, dim=-2)[..., :N, :].repeat_interleave(cols, dim=-1)[..., :K]
 
 
 def _quantize_tiles(x: torch.Tensor, rows: int, cols: int):
-    N, K = x.shape[-2:]
-    j = scale_exponent(_tiles_amax(x, rows, cols))
-    inv = _expand(exp2_int(-j), rows, cols, N, K)
-    return _to_e4m3(x.float() * inv), exp2_int(j)
+    """x [..., N, K] per tile of ``rows x cols``: x zero-padded to whole tiles, each tile scaled by
+    its amax and rounded, the padding cropped (the module docstring: partial tiles)."""
+    *lead, N, K = x.shape
+    nb, kb = math.ceil(N / rows), math.ceil(K / cols)
+    tiles = F.pad(x.float(), (0, kb * cols - K, 0, nb * rows - N)).reshape(*lead, nb, rows, kb, cols)
+    j = scale_exponent(tiles.abs().amax(dim=(-3, -1)))
+    q = _to_e4m3(tiles * exp2_int(-j)[..., :, None, :, None])
+    return q.reshape(*lead, nb * rows, kb * cols)[..., :N, :K].contiguous(), exp2_int(j)
 
 
 def quantize_rows_ref(x: torch.Tensor):
@@ -179,7 +179,9 @@ def fp8_gemm_ref(aq, a_scale, bq, b_scale) -> torch.Tensor:
     """fp32 [M, N] = A @ B^T with fp32 promotion per K block of 128: aq [M, K] E4M3 with a_scale
     [M, ceil(K/128)] (1x128), bq [N, K] E4M3 with b_scale [ceil(N/128), ceil(K/128)] (128x128).
     Each K block's product of the raw E4M3 values is summed in fp32, then scaled by
-    ``a_scale[:, kb, None] * b_scale[col block, kb]`` and added, K blocks in order."""
+    ``a_scale[:, kb, None] * b_scale[col block, kb]`` and added, K blocks in order. A partial last
+    K block (or column block) is the zero-padded one: its products are those of the elements that
+    exist, scaled by the partial block's own scales."""
     M, K = aq.shape
     N = bq.shape[0]
     acc = torch.zeros(M, N, dtype=torch.float32, device=aq.device)
@@ -282,6 +284,21 @@ def moe_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=No
 
 
 
+def pad_k(q: torch.Tensor, K: int) -> torch.Tensor:
+    """E4M3 ``q [..., n, k]`` with zero columns appended up to ``K`` (E4M3's zero is the byte 0)."""
+    return F.pad(q.view(torch.uint8), (0, K - q.shape[-1])).view(E4M3)
+
+
+def gate_up_grad_operands_ref(g, u):
+    """The gate/up dgrad's K = 2I operand from its halves ``g = (q [.., n, I], s [.., n or nb, ceil(I/128)])``
+    and ``u`` likewise, each quantized on its own (per 1x128 for dg | du, per 128x128 for
+    W_gate^T | W_up^T): ``q`` is [g's q | zeros | u's q | zeros], each half zero-padded to a
+    multiple of 128 columns, and the scales [g's | u's], so that every K block of 128 lies in one
+    half and carries that half's scale."""
+    Ip = math.ceil(g[0].shape[-1] / BLOCK) * BLOCK
+    return torch.cat([pad_k(g[0], Ip), pad_k(u[0], Ip)], -1), torch.cat([g[1], u[1]], -1)
+
+
 def moe_backward_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, dy, bf16_rounding="nearest"):
     """The gradients of Tabby's FP8 backward (``precision="fp8"``), one process, no shared expert,
     bf16 inputs: (dx [T, H] bf16, d topk_weights [T, k] fp32, dW_gate, dW_up, dW_down bf16).
@@ -294,7 +311,11 @@ def moe_backward_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, 
       h)``, ``dh = w * dh_raw``, ``dg = dh * u * s * (1 + g (1 - s))``, ``du = dh * silu(g)``
       stored bf16 as ``dgu``; ``hw = w * h`` bf16;
     - gate/up dgrad: ``dxs = fp8_gemm(dgu per 1x128, [W_gate[e]^T | W_up[e]^T] per 128x128)``,
-      bf16; dx summed over k in k order in fp32;
+      bf16; dx summed over k in k order in fp32. The K of this GEMM is two contractions, over dg's
+      I and du's I: dg and du are quantized each on its own per 1x128 (as W_gate^T and W_up^T are
+      per 128x128), so where 128 does not divide I each half ends in its own partial tile; the GEMM
+      runs over g's K blocks then u's, i.e. over [dg | du] and [W_gate^T | W_up^T] with each half
+      zero-padded to a multiple of 128 along K (:func:`gate_up_grad_operands_ref`);
     - weight gradients from operands quantized per 128x1 along the rows (128-row tiles from the
       expert's first row): ``dW_down = wgrad(dys, hw)``, ``dW_gate = wgrad(dg, xs)``,
       ``dW_up = wgrad(du, xs)``, xs the rows of x; fp32 promotion per 128 rows.
@@ -335,9 +356,10 @@ def moe_backward_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, 
         dh = dh_raw * w[:, None]
         dgu = bf16(torch.cat([dh * u * sg * (1 + g * (1 - sg)), dh * g * sg], dim=1))
         hw = bf16(h * w[:, None])
-        (gtq, gts), (utq, uts) = (quantize_blocks_ref(wt[e].t().contiguous()) for wt in (w_gate, w_up))
-        dgq, dgs = quantize_rows_ref(dgu)
-        dx_rows[rows] = bf16(fp8_gemm_ref(dgq, dgs, torch.cat([gtq, utq], 1), torch.cat([gts, uts], 1))).float()
+        gq_t, gs_t = gate_up_grad_operands_ref(*(quantize_blocks_ref(wt[e].t().contiguous())
+                                                 for wt in (w_gate, w_up)))
+        dgq, dgs = gate_up_grad_operands_ref(quantize_rows_ref(dgu[:, :I]), quantize_rows_ref(dgu[:, I:]))
+        dx_rows[rows] = bf16(fp8_gemm_ref(dgq, dgs, gq_t, gs_t)).float()
         (dyc, dycs), (hwc, hwcs) = quantize_cols_ref(dys), quantize_cols_ref(hw)
         (dgc, dgcs), (xc, xcs) = quantize_cols_ref(dgu), quantize_cols_ref(x[tok])
         grads[2][e] = fp8_wgrad_ref(dyc, dycs, hwc, hwcs, 0, n)

@@ -16,6 +16,8 @@ from tabby_bench.shapes import Shape, make_inputs
 FP8_TOL = 1e-1
 QWEN_LIKE = Shape("qwen3-30b-a3b-small", 128, 2048, 768, 8)
 FEW_EXPERTS = Shape("few-experts", 16, 1024, 512, 4, I_shared=256)
+# gpt-oss-120b's widths, H = I = 2880 (22.5 x 128: partial last tiles), with fewer experts
+GPT_OSS_LIKE = Shape("gpt-oss-120b-small", 32, 2880, 2880, 4)
 
 
 def test_torch_fp8_refuses_clearly_where_it_cannot_run():
@@ -30,7 +32,7 @@ def test_torch_fp8_refuses_clearly_where_it_cannot_run():
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"torch-fp8: {unavailable_reason()}")
 @pytest.mark.parametrize("impl", ["torch-fp8", "tabby-fp8"])
-@pytest.mark.parametrize("shape", [QWEN_LIKE, FEW_EXPERTS], ids=lambda s: s.name)
+@pytest.mark.parametrize("shape", [QWEN_LIKE, FEW_EXPERTS, GPT_OSS_LIKE], ids=lambda s: s.name)
 def test_fp8_rows_one_gpu(impl, shape):
     inp = make_inputs(shape, 2048, 1, 0, torch.device("cuda", 0))
     errs = IMPLS[impl].prepare(inp, None).check(with_grads=True)

@@ -1,13 +1,16 @@
 """The FP8 forward GEMMs' loops (and the down dgrad's), compiled for sm_90a on a machine without a GPU.
 
-Rows GEMM (= down: N = H, K = I) and down dgrad (N = I, K = H), at the benchmark's shapes and an
-N that is not a multiple of 128, default configs: each K block of 128 is one ``warp_group_dot``
+Rows GEMM (= down: N = H, K = I) and down dgrad (N = I, K = H), at the benchmark's shapes, an
+N that is not a multiple of 128, and gpt-oss-120b's H = I = 2880 (a partial last K block: its
+masked loads stay 16-byte async copies, the mask being constant over 64 columns), default
+configs: each K block of 128 is one ``warp_group_dot``
 (``QGMMA.64x128x32.F32.E4M3.E4M3``) fed by 16-byte async copies (``num_stages - 1`` in flight,
 no byte loads), promoted right after its dot; no wgmma serialization (C7514 / C7515), and no
 spills at the benchmark's shapes (N 200, K 384 is three K blocks, all peeled by the pipeliner,
 with the B addresses taken modulo N: not a layer shape, no spill bound claimed there).
 
-Gate/up at its default (TMA loads of A, Wg and Wu, 64-row kernel tiles at 8 warps, 5 stages):
+Gate/up at its default (TMA loads of A, Wg and Wu, 64-row kernel tiles at 8 warps, 5 stages;
+at H = I = 2880 the same loop, TMA filling the partial blocks with zeros):
 no per-thread load addresses, each warpgroup a 64 x 64 quarter of g and of u (32 registers per
 tile), so no spills and registers to spare; its stages fit in sm_90's 227 KB of shared memory;
 part of g's promotion is issued while g's QGMMAs run. Its pointer loop, for H that is not a
@@ -47,12 +50,14 @@ def _dgrad(H, I):
     from tabby.ops import gemm_fp8
 
     cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, I)
-    args = dict(a_ptr="*fp8e4nv", stride_am=_i32(H), as_ptr="*fp32", stride_asm=_i32(H // 128), b_ptr="*fp8e4nv",
-                stride_be=_i32(I * H), stride_bn=_i32(H), bs_ptr="*fp32", stride_bse=_i32(I // 128 * (H // 128)),
-                stride_bsn=_i32(H // 128), gu_ptr="*bf16", stride_gum=_i32(2 * I), ws_ptr="*fp32", dgu_ptr="*bf16",
+    nk, ni = -(-H // 128), -(-I // 128)
+    args = dict(a_ptr="*fp8e4nv", stride_am=_i32(H), as_ptr="*fp32", stride_asm=_i32(nk), b_ptr="*fp8e4nv",
+                stride_be=_i32(I * H), stride_bn=_i32(H), bs_ptr="*fp32", stride_bse=_i32(ni * nk),
+                stride_bsn=_i32(nk), gu_ptr="*bf16", stride_gum=_i32(2 * I), ws_ptr="*fp32", dgu_ptr="*bf16",
                 stride_dgum=_i32(2 * I), hw_ptr="*bf16", stride_hwm=_i32(I), dwp_ptr="*fp32",
-                stride_dwpm=_i32(I // 128), tile_expert_ptr="*i32", num_tiles_ptr="*i32", num_m="i32:16",
-                H=Const(H), I=Const(I), BM=Const(cfg.BM), BN=Const(cfg.BN), GROUP_M=Const(cfg.GROUP_M))
+                stride_dwpm=_i32(ni), tile_expert_ptr="*i32", num_tiles_ptr="*i32", num_m="i32:16",
+                H=Const(H), I=Const(I), BM=Const(cfg.BM), BN=Const(cfg.BN), GROUP_M=Const(cfg.GROUP_M),
+                EVEN_K=Const(H % 128 == 0))
     return compile_args(gemm_fp8.down_dgrad_swiglu_fp8_kernel, args, num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages)
 
@@ -65,11 +70,11 @@ def _gate_up(H, I):
     cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_GATE_UP)
     tma = H % 16 == 0
     BM = gemm_fp8.GATE_UP_TMA_BM if tma else cfg.BM
-    nk = -(-H // 128)
+    nk, ni = -(-H // 128), -(-I // 128)
     args = dict(a_ptr="*fp8e4nv", stride_am=_i32(H), as_ptr="*fp32", stride_asm=_i32(nk), wg_ptr="*fp8e4nv",
                 wu_ptr="*fp8e4nv", stride_we=_i32(I * H), stride_wn=_i32(H), gs_ptr="*fp32", us_ptr="*fp32",
-                stride_wse=_i32(I // 128 * nk), stride_wsn=_i32(nk), hq_ptr="*fp8e4nv",
-                stride_hm=_i32(I), hs_ptr="*fp32", stride_hsm=_i32(I // 128), gu_ptr="*bf16", stride_gum=_i32(2 * I),
+                stride_wse=_i32(ni * nk), stride_wsn=_i32(nk), hq_ptr="*fp8e4nv",
+                stride_hm=_i32(I), hs_ptr="*fp32", stride_hsm=_i32(ni), gu_ptr="*bf16", stride_gum=_i32(2 * I),
                 tile_expert_ptr="*i32", num_tiles_ptr="*i32", num_m="i32:16", H=Const(H), I=Const(I), BM=Const(BM),
                 GROUP_M=Const(cfg.GROUP_M * (cfg.BM // BM)), EVEN_K=Const(H % 128 == 0), SAVE_GU=Const(True),
                 INTERPRET=Const(False), USE_TMA=Const(tma),
@@ -122,11 +127,13 @@ def _report(k, name):
 
 
 def _main():
-    for N, K in ((2048, 768), (7168, 2048), (200, 384)):
+    # (2880, 2880): gpt-oss-120b's down (N = H, K = I, a partial last K block of 64 and N tile of 64)
+    # and its gate/up dgrad (K = 2 * 2944, each half padded: whole K blocks)
+    for N, K in ((2048, 768), (7168, 2048), (200, 384), (2880, 2880), (2880, 5888)):
         _report(_rows(N, K), f"rows_N{N}_K{K}")
-    for H, I in ((2048, 768), (7168, 2048)):
+    for H, I in ((2048, 768), (7168, 2048), (2880, 2880)):
         _report(_dgrad(H, I), f"dgrad_H{H}_I{I}")
-    for H, I in ((2048, 768), (7168, 2048)):
+    for H, I in ((2048, 768), (7168, 2048), (2880, 2880)):
         _report(_gate_up(H, I), f"gate_up_H{H}_I{I}")
     _report(_gate_up(2040, 768), "gate_up_ptr_H2040_I768")
 
@@ -141,7 +148,7 @@ def _parse(out):
 
 def test_fp8_forward_loops():
     res = _parse(run_compiled_check(__file__))
-    assert len(res) == 8, res
+    assert len(res) == 12, res
     for name, c in res.items():
         assert c["qgmma"] > 0 and c["smem"] <= SMEM_SM90, (name, c)
         assert c["c7515"] == 0 and c["serialized"] == 0, (name, c)  # no wgmma serialization (C7514 / C7515)

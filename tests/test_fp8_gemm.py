@@ -60,7 +60,8 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("K,N,BN", [(256, 192, 128), (200, 96, 64), (384, 256, 256)])
+@pytest.mark.parametrize("K,N,BN", [(256, 192, 128), (200, 96, 64), (384, 256, 256), (144, 272, 128),
+                                    (272, 144, 128), (144, 272, 256)])
 def test_rows_gemm_fp8_store(K, N, BN):
     BM = 16 if not CUDA else 128
     counts = [37, 0, 16, 5] if not CUDA else [300, 0, 128, 5]
@@ -86,10 +87,10 @@ def test_rows_gemm_fp8_store(K, N, BN):
     assert bool((out[sch.used:] == sentinel).all())  # unused tiles are not written
 
 
-def test_rows_gemm_fp8_push():
+@pytest.mark.parametrize("K,N", [(256, 128), (144, 272)])
+def test_rows_gemm_fp8_push(K, N):
     BM = 16 if not CUDA else 128
     counts = [20, 33] if not CUDA else [200, 333]
-    K, N = 256, 128
     W, TKr = 2, 64 if not CUDA else 512
     sch = Sched(counts, BM, TK=W * TKr, seed=3)
     a = rand(sch.R, K, seed=4)
@@ -108,10 +109,12 @@ def test_rows_gemm_fp8_push():
         assert rel(got[sch.row_src_cpu[st:st + c].long()], want.to(torch.bfloat16)) < TIGHT_BF16
 
 
-def test_gate_up_swiglu_fp8():
+@pytest.mark.parametrize("H,I", [(256, 256), (272, 144), (208, 80)])
+def test_gate_up_swiglu_fp8(H, I):
+    """Also with H and I not multiples of 128: a partial last K block, and a partial last h tile
+    (its scale from its own columns)."""
     BM = 16 if not CUDA else 128
     counts = [21, 0, 40] if not CUDA else [210, 0, 400]
-    H, I = 256, 256
     sch = Sched(counts, BM, seed=6)
     E = len(counts)
     x = rand(sch.R, H, seed=7)
@@ -119,7 +122,7 @@ def test_gate_up_swiglu_fp8():
     xq, xs = quantize_rows(x.to(DEV))
     (gq, gs), (uq, us) = quantize_blocks(wg.to(DEV)), quantize_blocks(wu.to(DEV))
     hq = torch.zeros(sch.R, I, dtype=torch.float8_e4m3fn, device=DEV)
-    hs = torch.full((sch.R, I // 128), -1.0, device=DEV)
+    hs = torch.full((sch.R, -(-I // 128)), -1.0, device=DEV)
     gu = torch.zeros(sch.R, 2 * I, dtype=torch.bfloat16, device=DEV)
     cfg = GemmConfig(BM=BM, BN=128, BK=128, num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
     gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles, hq=hq, h_scale=hs, gu=gu,
@@ -145,14 +148,15 @@ def test_gate_up_swiglu_fp8():
     assert bool((hs[sch.used:] == -1).all())
 
 
-@pytest.mark.parametrize("BM,H", [(128, 256), (128, 208), (16, 256)])
-def test_gate_up_swiglu_fp8_tma_and_pointer_loops_agree(BM, H):
+@pytest.mark.parametrize("BM,H,I", [(128, 256, 256), (128, 208, 256), (16, 256, 256), (128, 272, 144),
+                                    (16, 272, 144)])
+def test_gate_up_swiglu_fp8_tma_and_pointer_loops_agree(BM, H, I):
     """gate/up through tensor descriptors (aligned operands; at BM 128, kernel tiles of
     GATE_UP_TMA_BM rows, two per schedule tile) and through the pointer loop (the same values at an
-    address that is not 16-byte aligned, where TMA cannot load): the same bits, also with H not a
-    multiple of 128 (TMA's out-of-bounds zeros against the pointer loop's masked loads)."""
+    address that is not 16-byte aligned, where TMA cannot load): the same bits, also with H and I
+    not multiples of 128 (TMA's out-of-bounds zeros, along K and past I, against the pointer loop's
+    masked loads and weight rows modulo I)."""
     counts = [130, 0, 40] if BM == 128 else [21, 0, 40]
-    I = 256
     sch = Sched(counts, BM, seed=H)
     E = len(counts)
     x = rand(sch.R, H, seed=11)
@@ -166,7 +170,7 @@ def test_gate_up_swiglu_fp8_tma_and_pointer_loops_agree(BM, H):
     outs = []
     for a in (xq, xq_odd):
         hq = torch.zeros(sch.R, I, dtype=torch.float8_e4m3fn, device=DEV)
-        hs = torch.full((sch.R, I // 128), -1.0, device=DEV)
+        hs = torch.full((sch.R, -(-I // 128)), -1.0, device=DEV)
         gu = torch.zeros(sch.R, 2 * I, dtype=torch.bfloat16, device=DEV)
         gemm_fp8.gate_up_swiglu_fp8(a, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles, hq=hq, h_scale=hs,
                                     gu=gu, config=cfg)
@@ -184,8 +188,11 @@ def test_config_checks():
     s = torch.ones(sch.R, 2, device=DEV)
     w = torch.zeros(1, 200, 256, dtype=torch.float8_e4m3fn, device=DEV)
     ws = torch.ones(1, 2, 2, device=DEV)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        gemm_fp8.gate_up_swiglu_fp8(a, s, w, ws, w, ws, sch.tile_expert, sch.num_tiles,
+    with pytest.raises(ValueError, match="w_gate and w_up"):
+        gemm_fp8.gate_up_swiglu_fp8(a, s, w, ws, w[:, :128], ws[:, :1], sch.tile_expert, sch.num_tiles,
+                                    config=GemmConfig(BM=16, BN=128, BK=128))
+    with pytest.raises(ValueError, match="scales"):  # I = 200: two scale block rows, not one
+        gemm_fp8.gate_up_swiglu_fp8(a, s, w, ws[:, :1], w, ws[:, :1], sch.tile_expert, sch.num_tiles,
                                     config=GemmConfig(BM=16, BN=128, BK=128))
     with pytest.raises(ValueError, match="scales"):
         gemm_fp8.rows_gemm_fp8(a, s[:, :1], w, ws, sch.tile_expert, sch.num_tiles,
@@ -204,7 +211,7 @@ def test_quantize_cols_masks_padding_rows():
     assert torch.equal(qt.cpu().t().contiguous().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
 
 
-@pytest.mark.parametrize("M,N", [(256, 128), (192, 96)])
+@pytest.mark.parametrize("M,N", [(256, 128), (192, 96), (144, 272)])
 def test_expert_wgrad_fp8(M, N):
     BM = 16 if not CUDA else 128
     counts = [37, 0, 150, 5, 1] if not CUDA else [370, 0, 150, 5, 1]
@@ -227,12 +234,13 @@ def test_expert_wgrad_fp8(M, N):
         assert rel(out[e], a[st:st + c].float().t() @ b[st:st + c].float()) < 6e-2
 
 
-def test_down_dgrad_swiglu_fp8():
+@pytest.mark.parametrize("H,I", [(256, 256), (272, 144), (208, 80)])
+def test_down_dgrad_swiglu_fp8(H, I):
     """The FP8 down dgrad (dy per 1x128, W_down's blocks transposed) with gemm.py's SwiGLU backward
-    epilogue, against the bf16 kernel's epilogue fed with the recipe's fp32 dh_raw."""
+    epilogue, against the bf16 kernel's epilogue fed with the recipe's fp32 dh_raw; also with a
+    partial last K block (H) and a partial last column tile (I)."""
     BM = 16 if not CUDA else 128
     counts = [21, 0, 40] if not CUDA else [210, 0, 400]
-    H, I = 256, 256
     sch = Sched(counts, BM, seed=16)
     E = len(counts)
     dys = rand(sch.R, H, seed=17)
@@ -263,3 +271,40 @@ def test_down_dgrad_swiglu_fp8():
         assert rel(hw[sl], h * row_w[sl, None]) < TIGHT_BF16
         assert rel(dw[sl], (dh_raw * h).sum(1)) < (1e-3 if CUDA else 1e-5)
         assert rel(dh_raw, dys[sl].float() @ wd[e].float()) < 6e-2
+
+
+@pytest.mark.parametrize("H,I", [(272, 144), (208, 80), (256, 256)])
+def test_gate_up_dgrad_fp8_halves_padded(H, I):
+    """The gate/up dgrad dxs = dg @ W_gate + du @ W_up as one rows GEMM over K = 2 Ip (Ip = I rounded
+    up to 128): A from ``quantize_gate_up_grad`` and B from ``fp8_gate_up_t`` are bitwise the
+    recipe's operands (``gate_up_grad_operands_ref``: dg, du, W_gate^T, W_up^T each quantized on its
+    own, each half zero-padded), the product is the recipe's GEMM on them, and near fp32."""
+    from tabby.functional import fp8 as fp8_layer
+
+    BM = 16 if not CUDA else 128
+    counts = [21, 0, 40] if not CUDA else [210, 0, 400]
+    sch = Sched(counts, BM, seed=H + I)
+    E, Ip = len(counts), -(-I // 128) * 128
+    dgu = rand(sch.R, 2 * I, seed=31)
+    wg, wu = rand(E, I, H, seed=32, scale=I ** -0.5), rand(E, I, H, seed=33, scale=I ** -0.5)
+    aq, as_ = fp8_layer.quantize_gate_up_grad(dgu.to(DEV), I, sch.num_tiles, BM)
+    bq, bs = fp8_layer.fp8_gate_up_t(wg.to(DEV), wu.to(DEV))
+    assert aq.shape == (sch.R, 2 * Ip) and bq.shape == (E, H, 2 * Ip) and bs.shape == (E, -(-H // 128), 2 * Ip // 128)
+    used = slice(0, sch.used)
+    raq, ras = ref.gate_up_grad_operands_ref(ref.quantize_rows_ref(dgu[used, :I]), ref.quantize_rows_ref(dgu[used, I:]))
+    assert torch.equal(aq.cpu()[used].view(torch.uint8), raq.view(torch.uint8)) and torch.equal(as_.cpu()[used], ras)
+    rbq, rbs = zip(*(ref.gate_up_grad_operands_ref(*(ref.quantize_blocks_ref(w[e].t().contiguous()) for w in (wg, wu)))
+                     for e in range(E)))
+    assert torch.equal(bq.cpu().view(torch.uint8), torch.stack(rbq).view(torch.uint8))
+    assert torch.equal(bs.cpu(), torch.stack(rbs))
+    out = torch.full((sch.R, H), -7.0, dtype=torch.float32, device=DEV)
+    cfg = GemmConfig(BM=BM, BN=128, BK=128, num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
+    gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, out=out, config=cfg)
+    out = out.cpu()
+    for e, st, c in sch.segments:
+        if c == 0:
+            continue
+        sl = slice(st, st + c)
+        assert rel(out[sl], ref.fp8_gemm_ref(raq[sl], ras[sl], rbq[e], rbs[e])) < TIGHT
+        exact = dgu[sl, :I].float() @ wg[e].float() + dgu[sl, I:].float() @ wu[e].float()
+        assert rel(out[sl], exact) < 6e-2

@@ -98,12 +98,36 @@ def test_reference_round_trip():
     assert err.max() <= 2.0 ** -4
 
 
+@pytest.mark.parametrize("kind", ["rows", "cols", "blocks"])
+def test_reference_partial_tiles_are_the_zero_padded_tiles(kind):
+    """Where 128 does not divide a dimension (272 = 2 x 128 + 16, 144 = 128 + 16), quantizing is
+    quantizing the tensor zero-padded to whole tiles and cropping: the same values and scales (the
+    last tile's scale is its own elements' amax), the padding quantized to zeros."""
+    quant, deq = {"rows": (ref.quantize_rows_ref, ref.dequantize_rows_ref),
+                  "cols": (ref.quantize_cols_ref, ref.dequantize_cols_ref),
+                  "blocks": (ref.quantize_blocks_ref, ref.dequantize_blocks_ref)}[kind]
+    x = mixed_rows(272, 144, seed=7)
+    x[:, 128:] *= 2.0 ** -20  # the partial tiles far below the others: a scale of their own
+    q, s = quant(x)
+    qp, sp = quant(torch.nn.functional.pad(x, (0, 256 - 144, 0, 384 - 272)))
+    assert same(q, qp[:272, :144].contiguous()) and same(s, sp[:s.shape[0], :s.shape[1]].contiguous())
+    assert bool((qp[272:].float() == 0).all()) and bool((qp[:, 144:].float() == 0).all())
+    # the partial tiles' scales are their own amax's (not the neighbouring whole tiles')
+    if kind != "cols":
+        amax = x[:, 128:].abs().amax(1) if kind == "rows" else x[:128, 128:].abs().amax()[None]
+        want = ref.exp2_int(ref.scale_exponent(amax))
+        assert torch.equal(s[:, 1] if kind == "rows" else s[0, 1][None], want)
+    # round trip: the dequantized values quantize to themselves, bit for bit
+    q2, s2 = quant(deq(q, s))
+    assert torch.equal(deq(q2, s2), deq(q, s))
+
+
 # --------------------------------------------------------------------------------------------
 # The kernels against the definition
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("T,K,dtype", [(1, 128, torch.bfloat16), (7, 200, torch.float32), (33, 256, torch.bfloat16),
-                                       (40, 64, torch.float32)])
+                                       (40, 64, torch.float32), (9, 272, torch.bfloat16), (5, 144, torch.float32)])
 def test_quantize_rows_matches_reference(T, K, dtype):
     x = mixed_rows(T, K, seed=T + K, dtype=dtype)
     if dtype == torch.float32:  # fp32 extremes: huge, fp32 subnormals
@@ -140,7 +164,8 @@ def test_quantize_rows_gated_by_num_tiles():
     assert bool((s[128:] == -1).all()) and bool((q[128:].view(torch.uint8) == 0).all())
 
 
-@pytest.mark.parametrize("shape", [(2, 200, 130), (1, 128, 128), (3, 64, 256), (129, 40)])
+@pytest.mark.parametrize("shape", [(2, 200, 130), (1, 128, 128), (3, 64, 256), (129, 40), (2, 144, 272),
+                                   (2, 272, 144)])
 def test_quantize_blocks_matches_reference(shape):
     g = torch.Generator().manual_seed(sum(shape))
     w = torch.randn(*shape, generator=g) * torch.randint(-20, 20, shape[:-2] + (1, 1), generator=g).float().exp2()
@@ -150,8 +175,33 @@ def test_quantize_blocks_matches_reference(shape):
     q, s = fp8.quantize_blocks(w.to(DEV))
     rq, rs = ref.quantize_blocks_ref(w)
     assert same(q, rq) and same(s, rs)
+    # round trip: the same values; the same bits unless a block's amax rounded down to 224 * 2^j
+    # (it then takes half the scale and twice the values)
     q2, s2 = ref.quantize_blocks_ref(ref.dequantize_blocks_ref(rq, rs))
+    assert torch.equal(ref.dequantize_blocks_ref(q2, s2), ref.dequantize_blocks_ref(rq, rs))
+    assert same(q2, rq) == same(s2, rs)
+
+
+@pytest.mark.parametrize("T,K", [(9, 272), (300, 144)])
+def test_kernel_round_trips_with_partial_tiles(T, K):
+    """Kernels on values the recipe already represents (dequantized): the same values and scales back,
+    partial tiles included (rows per 1x128, blocks per 128x128, columns per 128x1 over T rows)."""
+    x = mixed_rows(T, K, seed=T * K)
+    q, s = fp8.quantize_rows(x.to(DEV))
+    d = ref.dequantize_rows_ref(q.cpu(), s.cpu())
+    q2, s2 = fp8.quantize_rows(d.to(DEV))
+    assert torch.equal(ref.dequantize_rows_ref(q2.cpu(), s2.cpu()), d)
+    rq, rs = ref.quantize_rows_ref(d)
     assert same(q2, rq) and same(s2, rs)
+    w = x.to(torch.bfloat16)[None]
+    bq, bs = fp8.quantize_blocks(w.to(DEV))
+    rq, rs = ref.quantize_blocks_ref(w)
+    assert same(bq, rq) and same(bs, rs)
+    bq2, bs2 = fp8.quantize_blocks(ref.dequantize_blocks_ref(rq, rs).to(DEV))
+    assert torch.equal(ref.dequantize_blocks_ref(bq2.cpu(), bs2.cpu()), ref.dequantize_blocks_ref(rq, rs))
+    cq, cs = fp8.quantize_cols(x.to(DEV))
+    rq, rs = ref.quantize_cols_ref(x)
+    assert same(cq.cpu().t().contiguous(), rq) and same(cs, rs)
 
 
 def test_quantize_cols_reference_is_rows_of_the_transpose():

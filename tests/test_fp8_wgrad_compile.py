@@ -5,13 +5,14 @@ K would make every operand load byte-wise (128 ``LDG.E.U8`` per thread and K blo
 pipeliner from turning them into async copies (one stage in shared memory whatever num_stages),
 so the blocks inside an expert's segment are loaded unmasked. Checked here: the async copies
 (num_stages - 1 in flight), the FP8 wgmma with both operands from shared memory, no byte loads,
-no spills and no C7515 (serialized wgmma), at the benchmark's shapes and an odd one.
+no spills and no C7515 (serialized wgmma), at the benchmark's shapes, gpt-oss-120b's (2880: partial
+output tiles) and an odd one.
 """
 import re
 
 from sm90 import Const, compile_args, ptxas_report, run_compiled_check
 
-SHAPES = ((2048, 768), (768, 2048), (7168, 2048), (100, 70))
+SHAPES = ((2048, 768), (768, 2048), (7168, 2048), (100, 70), (2880, 2880))  # (2880, 2880): gpt-oss-120b
 
 
 def _report():

@@ -153,3 +153,17 @@ def test_fp8_buffers_are_counted():
     assert need["fp8"].backward == need["bf16"].backward + R * (3 * H + 5 * I) * 33 // 32
     assert need["fp8-forward"].fp8_weights == 3 * E * I * H and need["fp8"].fp8_weights == 6 * E * I * H
     assert need["fp8"].peak() > need["fp8-forward"].peak() > need["bf16"].peak()
+
+
+def test_fp8_buffers_with_partial_tiles_are_counted():
+    """H, I not multiples of 128 (gpt-oss-120b: 2880 = 22.5 x 128): a scale per partial tile too, and
+    the gate/up dgrad's operands with each K half padded to a multiple of 128 (2944)."""
+    dims = MoEDims(T=1024, H=2880, k=4, E_local=8, I=2880, world_size=1, I_shared=0)
+    need = {p: moe_mod.memory_needs(make_plan(dims, MoEConfig(megakernel=False, precision=p), torch.device("cpu")))
+            for p in ("bf16", "fp8-forward", "fp8")}
+    R, H, I, Ip, E = need["bf16"].R_max, 2880, 2880, 2944, 8
+    rows = lambda C: R * (C + 4 * -(-C // 128))  # noqa: E731
+    assert need["fp8"].forward == rows(H) + rows(I) > R * (H + I) * 33 // 32
+    assert need["fp8"].backward == need["bf16"].backward + rows(H) + 2 * rows(Ip) + R * (2 * H + 3 * I) * 33 // 32
+    assert need["fp8-forward"].fp8_weights == 3 * E * I * H
+    assert need["fp8"].fp8_weights == 4 * E * I * H + 2 * E * H * Ip

@@ -132,7 +132,8 @@ class MoEConfig:
                        forward's in FP8, the backward in bf16 at the FP8 forward's activations.
                        For now FP8 runs on the path of separate launches only
                        (``megakernel=False``, else ``MoEInputError``) and needs H and I multiples
-                       of 128 ("fp8" also a routed tile height ``Tuning.tile_m`` multiple of 128).
+                       of 16 (a last 1x128 tile or 128x128 block may be partial, with its own
+                       scale); "fp8" also a routed tile height ``Tuning.tile_m`` multiple of 128.
     """
 
     megakernel: bool = True

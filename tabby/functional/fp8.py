@@ -30,6 +30,7 @@ import functools
 import weakref
 
 import torch
+import triton
 
 from ..ops import comm, fp8, gemm, gemm_fp8, sync
 from ..ops.gemm import GemmConfig
@@ -42,6 +43,7 @@ from .steps import finish_backward, finish_forward, publish_and_schedule, pull_r
 from .workspace import BWD, BWD_READY
 
 FP8_BLOCK = fp8.BLOCK
+FP8_ALIGN = 16  # H and I: multiples of 16 E4M3 bytes (tensor descriptors, 16-byte async copies and pushes)
 
 # key -> (weak references to the source weights, their (shape, strides, _version), the derived tensors)
 _weight_cache: dict = {}
@@ -83,29 +85,69 @@ def _cached(kind: str, weights, make):
 
 
 def fp8_weight(w: torch.Tensor):
-    """(E4M3 [E, N, K], fp32 scales [E, N/128, K/128]) of the weight ``w`` [E, N, K], cached per version."""
+    """(E4M3 [E, N, K], fp32 scales [E, ceil(N/128), ceil(K/128)]) of the weight ``w`` [E, N, K],
+    cached per version."""
     return _cached("blocks", (w,), lambda: fp8.quantize_blocks(w.detach().contiguous()))
 
 
 def fp8_weight_t(w: torch.Tensor):
-    """``fp8_weight(w)`` transposed: (E4M3 [E, K, N], scales [E, K/128, N/128]), exactly; cached."""
+    """``fp8_weight(w)`` transposed: (E4M3 [E, K, N], scales [E, ceil(K/128), ceil(N/128)]), exactly;
+    cached."""
     return _cached("blocks_t", (w,), lambda: gemm_fp8.transpose_blocks(*fp8_weight(w)))
 
 
+def gate_up_k(I: int) -> int:
+    """Columns of each half of the gate/up dgrad's K: I rounded up to a multiple of 128."""
+    return triton.cdiv(I, FP8_BLOCK) * FP8_BLOCK
+
+
 def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor):
-    """[W_gate^T | W_up^T] quantized, (E4M3 [E, H, 2I], scales [E, H/128, 2I/128]): the gate/up
-    dgrad's B (dxs = dg @ W_gate + du @ W_up is one GEMM over K = 2I); cached."""
+    """[W_gate^T | W_up^T] quantized, (E4M3 [E, H, 2Ip], scales [E, ceil(H/128), 2Ip/128]), Ip =
+    ``gate_up_k(I)``: the gate/up dgrad's B (dxs = dg @ W_gate + du @ W_up is one GEMM over K =
+    2Ip); cached. Each half is its weight's 128x128 quantization transposed (``fp8_weight_t``'s
+    values), followed by Ip - I zero columns where 128 does not divide I: every K block of 128 then
+    lies in one half and takes that half's scale, and the padding's products are zeros
+    (``reference_fp8.gate_up_grad_operands_ref`` defines the operand; ``quantize_gate_up_grad``
+    lays out A alike)."""
     def make():
-        (gq, gs), (uq, us) = (gemm_fp8.transpose_blocks(*fp8_weight(w)) for w in (w_gate, w_up))
-        return torch.cat([gq, uq], dim=-1), torch.cat([gs, us], dim=-1)
+        (gq, gs), (uq, us) = fp8_weight(w_gate), fp8_weight(w_up)  # [E, I, H], [E, ceil(I/128), ceil(H/128)]
+        E, I, H = gq.shape
+        Ip = gate_up_k(I)
+        q = torch.empty(E, H, 2 * Ip, dtype=torch.uint8, device=gq.device)
+        for half, wq in enumerate((gq, uq)):
+            q[:, :, half * Ip:half * Ip + I].copy_(wq.view(torch.uint8).transpose(-2, -1))
+            q[:, :, half * Ip + I:(half + 1) * Ip].zero_()
+        return q.view(fp8.E4M3), torch.cat([gs.transpose(-2, -1), us.transpose(-2, -1)], dim=-1)
     return _cached("gate_up_t", (w_gate, w_up), make)
+
+
+def quantize_gate_up_grad(dgu: torch.Tensor, I: int, num_tiles: torch.Tensor, tile_rows: int):
+    """dg | du [R, 2I] -> the gate/up dgrad's A: (E4M3 [R, 2Ip], scales [R, 2Ip/128]), Ip =
+    ``gate_up_k(I)``, in ``fp8_gate_up_t``'s layout: dg and du each quantized per 1x128 on its own
+    (where 128 does not divide I each ends in a partial tile, with its own scale) into its half,
+    the Ip - I padding columns of each half zeros (E4M3 garbage could be NaN, and NaN * 0 is not
+    0). Rows past ``num_tiles`` row tiles are not quantized (as ``fp8.quantize_rows``)."""
+    Ip = gate_up_k(I)
+    if Ip == I:  # every 1x128 tile of the row lies in one half: one launch over both
+        return fp8.quantize_rows(dgu, num_tiles=num_tiles, tile_rows=tile_rows)
+    R = dgu.shape[0]
+    nb = Ip // FP8_BLOCK
+    q = torch.empty(R, 2 * Ip, dtype=torch.uint8, device=dgu.device)
+    q.view(R, 2, Ip)[:, :, I:].zero_()
+    q = q.view(fp8.E4M3)
+    s = torch.empty(R, 2 * nb, dtype=torch.float32, device=dgu.device)
+    for half in range(2):
+        fp8.quantize_rows(dgu[:, half * I:(half + 1) * I], num_tiles=num_tiles, tile_rows=tile_rows,
+                          out=q[:, half * Ip:half * Ip + I], scale_out=s[:, half * nb:(half + 1) * nb])
+    return q, s
 
 
 def check_fp8(dims, plan: Plan, fp8_backward: bool) -> None:
     """Raise ``MoEInputError`` where the FP8 path cannot run this shape or plan."""
-    if dims.H % FP8_BLOCK or dims.I % FP8_BLOCK:
-        raise MoEInputError(f"precision='fp8' needs H and I multiples of {FP8_BLOCK} (the recipe's 1x128 and "
-                            f"128x128 tiles), got H={dims.H}, I={dims.I}")
+    if dims.H % FP8_ALIGN or dims.I % FP8_ALIGN:
+        raise MoEInputError(f"precision='fp8' needs H and I multiples of {FP8_ALIGN}: rows of E4M3 values 16-byte "
+                            f"aligned, as the GEMMs' TMA and 16-byte loads need (the last 1x128 / 128x128 "
+                            f"tiles may be partial); got H={dims.H}, I={dims.I}")
     if plan.megakernel:
         raise MoEInputError("precision='fp8' runs on the path of separate launches only (megakernel=False)")
     if plan.tile_m % 16:
@@ -149,7 +191,8 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
 
     dgrad: dy rows per 1x128 against W_down's 128x128 blocks transposed (with the SwiGLU backward
     and the router-weight gradient in fp32 in the epilogue, as in bf16); dg | du per 1x128 against
-    [W_gate^T | W_up^T], one GEMM over K = 2I, rows pushed to their origin. wgrad: both operands
+    [W_gate^T | W_up^T], one GEMM over K = 2I (each half padded to a multiple of 128:
+    ``fp8_gate_up_t``), rows pushed to their origin. wgrad: both operands
     per 128x1 along the rows (each expert's segment starts at a multiple of 128: tile_m is),
     padding rows as zeros.
 
@@ -179,7 +222,7 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
         config=GemmConfig(BM=BM, BN=128, BK=FP8_BLOCK, num_warps=8, num_stages=4, GROUP_M=8))
     del dys_q, dys_s, gu, row_w
     mark(probe, "bwd:down_dgrad+swiglu")
-    dgu_q, dgu_qs = fp8.quantize_rows(dgu, num_tiles=sched.num_tiles, tile_rows=BM)
+    dgu_q, dgu_qs = quantize_gate_up_grad(dgu, I, sched.num_tiles, BM)
     gemm_fp8.rows_gemm_fp8(dgu_q, dgu_qs, *fp8_gate_up_t(w_gate, w_up), sched.tile_expert, sched.num_tiles,
                            row_src=sched.row_src, dst_ptrs=ws.ptrs["dx_in"], TK=TK,
                            config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=BM))

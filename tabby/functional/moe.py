@@ -279,12 +279,18 @@ def memory_needs(plan: Plan) -> MemoryNeeds:
     recompute = mega is not None and not plan.save_for_backward
     ring = mega.ring_rows * 2 * (H + I) if mega is not None else 0
     fp8_weights = 0
-    if plan.precision != "bf16":  # E4M3 bytes and fp32 scales per 128 values: 33/32 byte a value
-        fwd = R * (H + I) * 33 // 32  # the routed rows and h in E4M3 (h never bf16)
+    if plan.precision != "bf16":
+        def rows_fp8(C):  # R rows of C E4M3 bytes and an fp32 scale per 1x128 tile, a partial last one too
+            return R * (C + 4 * triton.cdiv(C, 128))
+
+        Ip = triton.cdiv(I, 128) * 128  # the gate/up dgrad's K halves, padded (fp8.gate_up_k)
+        fwd = rows_fp8(H) + rows_fp8(I)  # the routed rows and h in E4M3 (h never bf16)
         fp8_weights = 3 * d.E_local * I * H  # the three weights' 128x128-block copies
-        if plan.precision == "fp8":  # dy rows, dg|du per 1x128; dy, hw, dg|du, xs per 128x1; transposed weights
-            bwd += R * (H + 2 * I + H + I + 2 * I + H) * 33 // 32
-            fp8_weights *= 2
+        if plan.precision == "fp8":
+            # dy rows and dg|du (halves padded) per 1x128; dy, hw, dg|du, xs per 128x1 (R a multiple of
+            # 128: 33/32 byte a value); W_down^T and [W_gate^T | W_up^T] (halves padded)
+            bwd += rows_fp8(H) + 2 * rows_fp8(Ip) + R * (H + I + 2 * I + H) * 33 // 32
+            fp8_weights += d.E_local * H * (I + 2 * Ip)
     return MemoryNeeds(R_max=R, kept=kept, forward=fwd if mega is None else 0,
                        backward=bwd + (kept if recompute else 0), ring=ring, recompute=recompute,
                        fp8_weights=fp8_weights,

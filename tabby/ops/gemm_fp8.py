@@ -15,6 +15,14 @@ Main loop, for each K block ``kb`` of 128 (the quantization block, so BK = 128):
 ``part = tl.dot(a_fp8, b_fp8^T)`` into a fresh fp32 tile, then ``acc += part * (a_scale[rows, kb]
 * b_scale[e, col block, kb])``. Hopper's FP8 MMA keeps about 14 bits while it accumulates; the
 promotion bounds that to 128 products. ``tl.dot_scaled`` is not used: on sm_90 it is emulated.
+
+K and N need not be multiples of 128 (the recipe's partial blocks are its zero-padded blocks:
+tabby/reference_fp8.py). A partial last K block is read as zeros past K (masked loads where
+``EVEN_K`` is false, TMA's out-of-bounds zero fill in gate/up) and promoted with its own scales;
+a partial last N tile reads valid weight rows (indices modulo N, or TMA's zero fill) and its
+columns past N are not stored; the weight scales' last block row is that tile's. ``EVEN_K`` is a
+constexpr: at K a multiple of 128 the loops compile without masks
+(tests/test_fp8_ptx_pinned.py pins that code at the benchmark's shapes).
 The forward loops and the down dgrad's promote each block right after its own dot; the weight
 gradient (``expert_wgrad_fp8``) writes block kb's promotion after block kb + 1's dot (the same
 sum in the same order).
@@ -23,7 +31,7 @@ Deterministic like gemm.py: one program per output tile, K blocks in order, no a
 Kernels:
 1. ``gate_up_swiglu_fp8``: g = A @ Wg[e]^T, u = A @ Wu[e]^T, h = silu(g) * u in fp32; g | u
    stored bf16 (for the backward); h quantized per 1x128 in the epilogue (BN = 128: a tile row
-   is one 1x128 tile) into ``hq [R, I]`` E4M3 + ``h_scale [R, I/128]``.
+   is one 1x128 tile) into ``hq [R, I]`` E4M3 + ``h_scale [R, ceil(I/128)]``.
    A and the weights load through TMA (tensor descriptors) wherever they are 16-byte aligned
    (H a multiple of 16), at kernel tiles of ``GATE_UP_TMA_BM`` rows inside the schedule's
    (``SUB_M`` per schedule tile, each taking that tile's expert: ``_fp8_gate_up_mainloop_tma``);
@@ -80,7 +88,8 @@ def _fp8_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm,
                   EVEN_K: tl.constexpr):
     """fp32 [BM, BN] = A[row0 : row0+BM, :K] @ B[e][cols of tile pid_n, :K]^T with fp32 promotion
     per K block of 128 (see the module docstring). Columns past N read B modulo N (in bounds);
-    the caller masks them at the store."""
+    the caller masks them at the store. Not EVEN_K: the last K block's loads are masked to K
+    (zeros past it: A's rows and B's rows end at K), its scales are the partial block's."""
     offs_m = tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     offs_n = cols % N
@@ -122,7 +131,8 @@ def _fp8_gate_up_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm,
                           wg_ptr, wu_ptr, stride_we, stride_wn, gs_ptr, us_ptr, stride_wse, stride_wsn,
                           H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, EVEN_K: tl.constexpr):
     """fp32 (g, u) [BM, 128] of row tile row0 and I-column tile pid_n (128 columns: one weight
-    block row, so each K block has one scale per weight)."""
+    block row, so each K block has one scale per weight). Columns past I read the weights modulo I
+    (in bounds; not stored); not EVEN_K: the last K block masked to H, as ``_fp8_mainloop``."""
     offs_m = tl.arange(0, BM)
     offs_n = (pid_n * 128 + tl.arange(0, 128)) % I
     offs_k = tl.arange(0, 128)
@@ -163,7 +173,8 @@ def _fp8_gate_up_mainloop_tma(row0, pid_n, e, a_desc, as_ptr, stride_asm, wg_des
                               gs_ptr, us_ptr, stride_wse, stride_wsn, H: tl.constexpr, BM: tl.constexpr):
     """``_fp8_gate_up_mainloop`` with the operands through tensor descriptors (TMA): a_desc is A
     [R, H] in blocks [BM, 128], wg_desc / wu_desc the weights [E, I, H] in blocks [1, 128, 128];
-    out-of-bounds K reads as zeros (the pointer loop's other=0.0). No per-thread load addresses
+    out-of-bounds K reads as zeros (the pointer loop's other=0.0), and so do weight rows past I
+    (bounds are per dimension: the next expert's rows are not read). No per-thread load addresses
     are held (the pointer loop at BM = 128 holds 12 int64 ones, and spills them inside the loop:
     docs/fp8.md).
     Meant for BM = 64 at 8 warps: each warpgroup holds a 64 x 64 quarter of g and of u, 32 fp32
@@ -202,7 +213,8 @@ def gate_up_swiglu_fp8_tile(pid_m, pid_n, a_ptr, stride_am, as_ptr, stride_asm,
                             SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr = False,
                             a_desc=None, wg_desc=None, wu_desc=None, SUB_M: tl.constexpr = 1):
     """One (row tile, 128 I-columns): g, u with fp32 promotion; h = silu(g) * u quantized per
-    1x128 (hq, h_scale[:, pid_n]); g | u bf16 into gu [R, 2I] when SAVE_GU. Unused tiles store nothing.
+    1x128 (hq, h_scale[:, pid_n]: the last tile partial where 128 does not divide I, its columns
+    past I zeroed before the amax); g | u bf16 into gu [R, 2I] when SAVE_GU. Unused tiles store nothing.
     USE_TMA: A and the weights through the descriptors a_desc, wg_desc, wu_desc (``_fp8_gate_up_mainloop_tma``).
     SUB_M: the schedule's row tiles (tile_expert's) are SUB_M tiles of BM rows."""
     e = _row_tile_expert(pid_m // SUB_M, tile_expert_ptr, num_tiles_ptr)
@@ -258,17 +270,19 @@ def _check_fp8_weights(name, q, s):
     want = (E, triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK))
     if q.dtype != E4M3 or q.stride(-1) != 1:
         raise ValueError(f"{name} must be float8_e4m3fn [E, N, K] with a unit last stride, got {q.dtype}")
-    if s.dtype != torch.float32 or tuple(s.shape) != want or s.stride(-1) != 1:
-        raise ValueError(f"{name}'s scales must be fp32 {want}, got {s.dtype} {tuple(s.shape)}")
+    # a last dimension of size 1 may have any stride (a transposed [E, nb, 1] stays "contiguous")
+    if s.dtype != torch.float32 or tuple(s.shape) != want or (s.stride(-1) != 1 and s.shape[-1] != 1):
+        raise ValueError(f"{name}'s scales must be fp32 {want} with a unit last stride, got {s.dtype} "
+                         f"{tuple(s.shape)} strides {s.stride()}")
 
 
 def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *,
                        hq=None, h_scale=None, gu=None, save_gu: bool = True, config: GemmConfig | None = None):
-    """Returns (hq [R, I] E4M3, h_scale [R, I/128] fp32, gu [R, 2I] bf16 or None).
+    """Returns (hq [R, I] E4M3, h_scale [R, ceil(I/128)] fp32, gu [R, 2I] bf16 or None).
 
     aq [R, H] E4M3 with a_scale [R, ceil(H/128)]; wg_q, wu_q [E, I, H] E4M3 with scales
-    [E, ceil(I/128), ceil(H/128)] (same strides). I must be a multiple of 128 (h's 1x128 tiles
-    are the kernel's column tiles). Rows of unused tiles are left untouched.
+    [E, ceil(I/128), ceil(H/128)] (same strides). h's 1x128 tiles are the kernel's column tiles
+    (the last one partial where 128 does not divide I). Rows of unused tiles are left untouched.
 
     A and the weights load through tensor descriptors (TMA) wherever those allow it (16-byte
     aligned bases and strides: H a multiple of 16), at kernel tiles of ``GATE_UP_TMA_BM`` rows
@@ -280,8 +294,6 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
     E, I, H2 = wg_q.shape
     if H2 != H or wu_q.shape != wg_q.shape or wu_q.stride() != wg_q.stride() or wu_scale.stride() != wg_scale.stride():
         raise ValueError("w_gate and w_up must be [E, I, H] with the same strides, H matching the rows")
-    if I % BLOCK:
-        raise ValueError(f"I={I} must be a multiple of {BLOCK}")
     _check_fp8_rows("aq", aq, a_scale, R)
     _check_fp8_weights("wg_q", wg_q, wg_scale)
     _check_fp8_weights("wu_q", wu_q, wu_scale)
@@ -292,7 +304,7 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
     if hq is None:
         hq = torch.empty(R, I, dtype=E4M3, device=aq.device)
     if h_scale is None:
-        h_scale = torch.empty(R, I // BLOCK, dtype=torch.float32, device=aq.device)
+        h_scale = torch.empty(R, triton.cdiv(I, BLOCK), dtype=torch.float32, device=aq.device)
     save_gu = save_gu or gu is not None
     if save_gu and gu is None:
         gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device)
@@ -309,7 +321,7 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
 
         descs = (TensorDescriptor.from_tensor(aq, [block_m, BLOCK]), TensorDescriptor.from_tensor(wg_q, [1, BLOCK, BLOCK]),
                  TensorDescriptor.from_tensor(wu_q, [1, BLOCK, BLOCK]))
-    gate_up_swiglu_fp8_kernel[(num_m * (I // BLOCK),)](
+    gate_up_swiglu_fp8_kernel[(num_m * triton.cdiv(I, BLOCK),)](
         aq, aq.stride(0), a_scale, a_scale.stride(0), wg_q, wu_q, wg_q.stride(0), wg_q.stride(1),
         wg_scale, wu_scale, wg_scale.stride(0), wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0),
         gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, H, I, BM=block_m, GROUP_M=cfg.GROUP_M * sub,
@@ -394,14 +406,15 @@ def down_dgrad_swiglu_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm, b_ptr, st
                                  gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
                                  dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m,
                                  H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                                 GROUP_M: tl.constexpr):
+                                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     """gemm.down_dgrad_swiglu_tile with the FP8 main loop: dh_raw = dys @ Wd[e] from dys per 1x128
-    and Wd^T [E, I, H] (the weight's blocks transposed) per 128x128; the same epilogue."""
+    and Wd^T [E, I, H] (the weight's blocks transposed) per 128x128; the same epilogue (its
+    column mask leaves the columns of a partial last I tile past I out of dw, dgu and hw)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, BN), GROUP_M)
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
     if e >= 0:
         acc = _fp8_mainloop(pid_m.to(tl.int64) * BM, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm, b_ptr,
-                            stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn, I, H, BM, BN, True)
+                            stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn, I, H, BM, BN, EVEN_K)
         rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
         w = tl.load(ws_ptr + rows)
         dw = _swiglu_bwd_split_epilogue(acc, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
@@ -413,18 +426,18 @@ def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_exp
                           config: GemmConfig | None = None):
     """gemm.down_dgrad_swiglu_bwd in FP8: dys [R, H] E4M3 per 1x128; wd_t [E, I, H] E4M3 (W_down's
     128x128 blocks transposed: :func:`transpose_blocks`) with its scales. Returns (dgu [R, 2I] bf16,
-    hw [R, I] bf16, dw_part [R, I/BN] fp32), as the bf16 kernel."""
+    hw [R, I] bf16, dw_part [R, ceil(I/BN)] fp32), as the bf16 kernel."""
     R, H = dys_q.shape
     E, I, H2 = wd_t_q.shape
-    if H2 != H or H % BLOCK or I % BLOCK:
-        raise ValueError(f"down_dgrad_swiglu_fp8: W_down^T [E, I, H] must match dys [R, H={H}], H and I multiples "
-                         f"of {BLOCK}; got {tuple(wd_t_q.shape)}")
+    if H2 != H:
+        raise ValueError(f"down_dgrad_swiglu_fp8: W_down^T [E, I, H] must match dys [R, H={H}]; got "
+                         f"{tuple(wd_t_q.shape)}")
     _check_fp8_rows("dys_q", dys_q, dys_scale, R)
     _check_fp8_weights("wd_t_q", wd_t_q, wd_t_scale)
     assert gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
     cfg = config or GemmConfig(BM=128, BN=128, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
     _check_schedule(tile_expert, num_tiles, R, cfg.BM)
-    nt_n = I // cfg.BN
+    nt_n = triton.cdiv(I, cfg.BN)
     dgu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dys_q.device)
     hw = torch.empty(R, I, dtype=torch.bfloat16, device=dys_q.device)
     dw_part = torch.empty(R, nt_n, dtype=torch.float32, device=dys_q.device)
@@ -433,13 +446,15 @@ def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_exp
         dys_q, dys_q.stride(0), dys_scale, dys_scale.stride(0), wd_t_q, wd_t_q.stride(0), wd_t_q.stride(1),
         wd_t_scale, wd_t_scale.stride(0), wd_t_scale.stride(1), gu, gu.stride(0), ws, dgu, dgu.stride(0), hw,
         hw.stride(0), dw_part, dw_part.stride(0), tile_expert, num_tiles, num_m, H, I, BM=cfg.BM, BN=cfg.BN,
-        GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP_M=cfg.GROUP_M, EVEN_K=(H % BLOCK == 0), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dgu, hw, dw_part
 
 
 def transpose_blocks(q: torch.Tensor, s: torch.Tensor):
-    """The quantized weight [E, N, K] (scales [E, N/128, K/128]) transposed: [E, K, N] and its
-    scales [E, K/128, N/128], exactly (a 128x128 block's scale serves both orientations)."""
+    """The quantized weight [E, N, K] (scales [E, ceil(N/128), ceil(K/128)]) transposed: [E, K, N]
+    and its scales [E, ceil(K/128), ceil(N/128)], exactly: a 128x128 block's scale serves both
+    orientations, partial blocks included (the transpose of a block holds the same elements, so
+    the same amax)."""
     return q.transpose(-2, -1).contiguous(), s.transpose(-2, -1).contiguous()
 
 
