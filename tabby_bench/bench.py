@@ -5,6 +5,9 @@ inputs (its own seed), checks the implementation against the fp32 reference (for
 for fwd+bwd, dx, d topk_weights and the weight gradients; relative Frobenius error, tolerance 2e-2
 for bf16 rows and 8e-2 for FP8 rows), then times the forward (autograd enabled) and forward+backward with CUDA events: each
 iteration's time is the maximum over all ranks, the reported time the median over iterations.
+Every timed call starts from a new weight version, as after an optimizer step (``impls.LayerRun``:
+the FP8 rows quantize their weights on every call; :data:`WEIGHTS_NOTE`), and a row's peak memory
+counts what it derives from the weights (Tabby's FP8 weight copies are dropped before each timed pass).
 The floor is timed first and again after a shape's other implementations; its figure is the mean
 of the two (``records.bracket_floor``: the GPU's clock drifts down under sustained load).
 TFLOP/s counts 6*T*k*H*I (+ 6*T*H*I_shared) for the forward and three times that for fwd+bwd
@@ -41,6 +44,10 @@ from .records import (append_history, base_record, bracket_floor, default_out_di
 from .shapes import Inputs, make_inputs
 from .timing import (attempt, dense_line, dense_matmul, free_memory, max_over_ranks, release_implementation,
                      time_iterations_and_host)
+
+
+WEIGHTS_NOTE = ("Every timed call starts from a new weight version (as after an optimizer step): the FP8 rows "
+                "quantize their weights on every call, and their peaks count the FP8 weight copies.")
 
 
 @dataclass
@@ -82,7 +89,7 @@ def measure(impl, inp: Inputs, group, cfg: Config, timed: bool) -> list:
             r["errors"] = errors if p == "fwd+bwd" else forward_only(errors)
             r["correct"] = within(r["errors"], r["tolerance"])
     if not timed:
-        return list(recs.values())
+        return _noted(impl, recs)
     for p, r in recs.items():
         run = prepared.run_fwdbwd if p == "fwd+bwd" else prepared.run_fwd
 
@@ -107,6 +114,14 @@ def measure(impl, inp: Inputs, group, cfg: Config, timed: bool) -> list:
         r["tflops"] = r["flops"] / (r["ms"] * 1e-3) / 1e12
         r["ms_min"] = min(per_iter[:-2])
     del prepared
+    return _noted(impl, recs)
+
+
+def _noted(impl, recs: dict) -> list:
+    """The records, each with the implementation's note (how it ran), where it has one."""
+    if getattr(impl, "note", None) is not None:
+        for r in recs.values():
+            r["note"] = impl.note()
     return list(recs.values())
 
 
@@ -260,6 +275,14 @@ def _run_phases(cfg: Config, tmp: str) -> tuple:
     return records, dense
 
 
+def run_notes(cfg: Config, records: list) -> list:
+    """Lines for the results' header: the weight policy where FP8 rows ran, how each row with a
+    note ran (torch-fp8: whether its quantization was fused)."""
+    notes = [WEIGHTS_NOTE] if any(getattr(IMPLS.get(n), "precision", "") == "fp8" for n in cfg.impls) else []
+    return notes + [f"{name}: {note}" for name, note in dict.fromkeys((r["impl"], r["note"]) for r in records
+                                                                       if r.get("note"))]
+
+
 def run(cfg: Config) -> dict:
     """Run the benchmark; returns the result dict (also written under ``cfg.out`` by rank 0)."""
     if not torch.cuda.is_available():
@@ -278,7 +301,7 @@ def run(cfg: Config) -> dict:
     result = dict(schema="tabby-bench/1", mode="gpu", **info,
                   config=dict(shapes=[s.name for s in cfg.shapes], tokens=cfg.tokens, ep=cfg.eps, impls=cfg.impls,
                               passes=cfg.passes, dtype=cfg.dtype, warmup=cfg.warmup, iters=cfg.iters, check=cfg.check,
-                              tolerance=TOLERANCE[cfg.dtype], tuning=cfg.tuning),
+                              tolerance=TOLERANCE[cfg.dtype], tuning=cfg.tuning, weights="new version per timed call"),
                   dense_matmul=dense, dense_matmul_tflops=dense["tflops"] if dense else None, records=records)
     stem = os.path.join(out, file_stem(info, cfg.tag))
     with open(stem + ".json", "w") as f:
@@ -288,6 +311,8 @@ def run(cfg: Config) -> dict:
     header = f"# tabby bench: {info['machine']}\n\n{header_line(info)}\n\n"
     if cfg.tuning:
         header += f"tabby rows with Tuning({cfg.tuning})\n\n"
+    notes = run_notes(cfg, records)
+    header += "".join(n + "\n\n" for n in notes)
     if dense:
         header += dense_line(dense) + "\n\n"
     table = format_table(records)
@@ -297,7 +322,7 @@ def run(cfg: Config) -> dict:
     if plot(records, result["dense_matmul_tflops"], stem + ".png"):
         files.append(stem + ".png")
     print()
-    print(table)
+    print("\n".join(notes + [table]))
     print("\nwrote " + ", ".join(files), flush=True)
     if cfg.history:
         n = append_history(stem + ".json", cfg.history)

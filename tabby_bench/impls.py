@@ -10,6 +10,11 @@ launches); outside the default set, the FP8 rows ``torch-fp8`` (anchor) and ``ta
 Modules named in the environment variable TABBY_BENCH_PLUGINS are imported and may
 :func:`register` more (spawned workers import this module afresh, so a registration must happen
 when some module is imported).
+
+Every timed call of a layer starts from a new weight version (``LayerRun``): as in a training
+step with one forward per optimizer step, a layer that derives something from its weights pays
+for it on every call. For the FP8 rows that is quantizing the weights: ``torch-fp8`` does it on
+every call anyway; ``tabby-fp8`` caches its FP8 copies per weight version and so makes them again.
 """
 from __future__ import annotations
 
@@ -24,22 +29,37 @@ from tabby.functional.config import MoEConfig, Tuning
 
 from .anchors.floor import floor_errors, floor_forward, floor_fwdbwd, prepare_floor
 from .anchors.torch_a2a import moe_torch_a2a
-from .anchors.torch_fp8 import moe_torch_fp8
+from .anchors.torch_fp8 import moe_torch_fp8, quantize_mode
 from .anchors.torch_symm import moe_torch_symm
 from .check import layer_errors
 from .shapes import Inputs
 
 
+def new_weight_version(inp: Inputs) -> None:
+    """Mark the weights as changed in place, without touching their values (no kernel): each one's
+    ``_version`` goes up as after an optimizer step, so a layer that keeps what it derives from a
+    weight version (Tabby's FP8 copies, ``tabby/functional/fp8.py``) derives it again."""
+    for w in inp.weights():
+        torch.autograd.graph.increment_version(w)
+
+
 class LayerRun:
-    """A prepared layer implementation: ``fn(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group=)``."""
+    """A prepared layer implementation: ``fn(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group=)``.
+
+    Each timed call (``run_fwd``, ``run_fwdbwd``) starts from a new weight version
+    (:func:`new_weight_version`), as a training step with one forward per optimizer step does:
+    every row pays for whatever it derives from the weights (the FP8 rows: quantizing them) on
+    every call. ``check`` calls the layer once, on the weights as they are."""
 
     def __init__(self, fn, inp: Inputs, group, device_errors=None):
         self.fn, self.inp, self.group, self.device_errors = fn, inp, group, device_errors
 
     def run_fwd(self):
+        new_weight_version(self.inp)
         self.fn(*self.inp.args(), group=self.group)  # graph built, then dropped
 
     def run_fwdbwd(self):
+        new_weight_version(self.inp)
         y = self.fn(*self.inp.args(), group=self.group)
         torch.autograd.grad(y, self.inp.leaves(), self.inp.dy, allow_unused=True)  # returned, not accumulated
 
@@ -68,6 +88,7 @@ class LayerImpl:
     device_errors: object = None  # raises if the layer recorded an error on the device (host sync)
     tuning: str = ""  # the tabby.Tuning it runs with, as Tuning.describe() writes it
     precision: str = "bf16"  # of its GEMMs' operands: the check's tolerance (check.TOLERANCE)
+    note: object = None  # () -> str: how it ran in this process, recorded as each record's "note"
 
     def prepare(self, inp: Inputs, group):
         return LayerRun(self.fn, inp, group, self.device_errors)
@@ -158,8 +179,10 @@ register_layer("torch-a2a", moe_torch_a2a, anchor=True)
 register_layer("torch-symm", moe_torch_symm, anchor=True, supports_cpu=False, isolate=True)
 register_tabby()
 # FP8 rows, outside the default matrix (checked at the FP8 tolerance): torch-a2a with
-# torch._scaled_grouped_mm, and Tabby's FP8 layer (the path of separate launches)
-register_layer("torch-fp8", moe_torch_fp8, anchor=True, supports_cpu=False, in_default=False, precision="fp8")
+# torch._scaled_grouped_mm (quantization fused by torch.compile), and Tabby's FP8 layer (the path
+# of separate launches); both quantize the weights on every timed call (LayerRun)
+register_layer("torch-fp8", moe_torch_fp8, anchor=True, supports_cpu=False, in_default=False, precision="fp8",
+               note=lambda: f"quantization {quantize_mode()}")
 register_layer("tabby-fp8", functools.partial(tabby.moe, config=MoEConfig(megakernel=False, precision="fp8")),
                device_errors=tabby.check_errors, in_default=False, precision="fp8")
 load_plugins()

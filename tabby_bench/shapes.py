@@ -80,7 +80,10 @@ class Inputs:
         return (self.x, self.topk_idx, self.topk_weights, self.w_gate, self.w_up, self.w_down, self.shared)
 
     def leaves(self):
-        return [self.x, self.topk_weights, self.w_gate, self.w_up, self.w_down, *(self.shared or ())]
+        return [self.x, self.topk_weights, *self.weights()]
+
+    def weights(self):
+        return [self.w_gate, self.w_up, self.w_down, *(self.shared or ())]
 
 
 def input_seed(shape: Shape, T: int, ep: int, rank: int) -> int:

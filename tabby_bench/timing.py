@@ -52,6 +52,12 @@ def attempt(fn, *args):
 
 
 def free_memory() -> None:
+    """Drop Tabby's cached FP8 weight copies (they live as long as their weights, which a shape's
+    implementations share: otherwise one row's copies would sit in the next row's memory), then
+    unreachable objects and the caching allocator's free blocks."""
+    from tabby.functional.fp8 import clear_weight_cache
+
+    clear_weight_cache()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -59,8 +65,8 @@ def free_memory() -> None:
 
 def release_implementation() -> None:
     """Free what one implementation held before the next is measured: Tabby's cached workspaces
-    (symmetric buffers, rings, plans), then unreachable objects and the caching allocator's free
-    blocks. Collective with several ranks: every rank calls it at the same point of the loop."""
+    (symmetric buffers, rings, plans), then what :func:`free_memory` frees. Collective with several
+    ranks: every rank calls it at the same point of the loop."""
     import tabby
 
     tabby.free_workspaces()

@@ -10,11 +10,28 @@ scales (saturating casts), ``use_fast_accum=True``, bf16 out:
 - backward ``dW[e] = dY_e^T @ A_e`` (a grouped GEMM over the rows, groups along its K): dY and A
   per column within each expert's rows.
 
+Quantization is fused, as in torchao (its Triton kernels for the weights and the per-group
+scales, ``torch.compile`` for the rest): each quantizer (:func:`quantize_rows`,
+:func:`quantize_group_cols_t`) is plain PyTorch, run through ``torch.compile``: inductor fuses the
+amax into one kernel and the scaling and cast into another, which read the bf16 operand and write
+E4M3 and the scales with no fp32 copy of it (the per-group amax's scatter, over 16-row blocks,
+stays an aten op); one static compilation per operand shape, made at the first call with that shape.
+Where compiling fails the quantizers run eagerly (same bits, unfused, with fp32 temporaries of
+each operand) and :func:`quantize_mode` says why; ``TABBY_BENCH_FP8_QUANTIZE=eager`` asks for that.
+
+Weights are quantized on every call (forward: W per row; backward: W per column), as torchao's
+dynamic scaling does; the bench gives every FP8 row that policy (``tabby_bench/impls.py``).
+Each GEMM quantizes its own A (x twice, for gate and for up), as torchtitan's experts call
+torchao's grouped GEMM once per weight.
+
 Each expert's rows are padded to a multiple of 16 (what the FP8 grouped GEMM's group offsets
 need), in a buffer sized for the worst case, without a host sync. Unavailable (a clear
 ``MoEInputError``) without a CUDA sm_90 GPU or without ``torch._scaled_grouped_mm``.
 """
 from __future__ import annotations
+
+import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +43,10 @@ from .torch_a2a import a2a_layer, check_layer_inputs
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 GROUP_ALIGN = 16
+AMAX_FLOOR = 1e-12  # a row or column of zeros takes this amax (its values quantize to zero at any scale)
+QUANTIZE_ENV = "TABBY_BENCH_FP8_QUANTIZE"  # "compiled" (default) or "eager"
+# static compilations per quantizer: one per operand shape (a few per bench shape and token count)
+RECOMPILE_LIMIT = 256
 
 
 def unavailable_reason() -> str | None:
@@ -39,27 +60,78 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _scale(amax: torch.Tensor) -> torch.Tensor:
-    """Multiplier 2^floor(log2(448 / amax)): the largest power of two keeping amax within E4M3."""
-    return torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax.float().clamp_min(1e-12))))
+def pow2_scales(amax: torch.Tensor):
+    """(multiplier 2^-j, inverse scale 2^j), fp32, for amax >= 0: j the smallest integer with
+    ``amax <= 448 * 2^j`` (amax floored at 1e-12), so the scaled amax lands in (224, 448].
+
+    From the bits (``amax = 1.m * 2^e`` and ``448 = 1.75 * 2^8``: ``j = e - 8``, plus one when
+    ``1.m > 1.75``), so eager and compiled code give the same bits (no log2 or exp2 to round)."""
+    bits = amax.float().clamp_min(AMAX_FLOOR).view(torch.int32)
+    j = ((bits >> 23) & 0xFF) - (127 + 8) + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    return ((127 - j) << 23).view(torch.float32), ((127 + j) << 23).view(torch.float32)
 
 
 def _cast(t: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
+    """E4M3 of ``t * mult`` (exact: mult is a power of two), one rounding, saturating."""
     return (t.float() * mult).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
-def _rows(t: torch.Tensor):
-    """t [..., M, K] per row (over K) -> (E4M3 of t's shape, contiguous; inverse scales [..., M])."""
-    mult = _scale(t.abs().amax(dim=-1, keepdim=True))
-    return _cast(t, mult).contiguous(), mult.reciprocal().squeeze(-1)
+def quantize_rows(t: torch.Tensor):
+    """t [..., K] per row (over its last dim) -> (E4M3 of t's shape, contiguous; inverse scales [...]).
+
+    A transposed view gives its transpose quantized per row, written contiguous: ``quantize_rows(
+    w.transpose(-2, -1))`` is W per input column."""
+    mult, inv = pow2_scales(t.abs().amax(dim=-1))
+    return _cast(t, mult[..., None]).contiguous(), inv
 
 
-def _group_cols(t: torch.Tensor, gid: torch.Tensor, E: int):
-    """t [M, C] per column within each group of rows (``gid [M]``) -> (E4M3 [M, C], inverse scales [E, C])."""
-    amax = torch.zeros(E, t.shape[1], dtype=torch.float32, device=t.device)
-    amax.scatter_reduce_(0, gid[:, None].expand(-1, t.shape[1]), t.abs().float(), "amax")
-    mult = _scale(amax)
-    return _cast(t, mult[gid]), mult.reciprocal()
+def quantize_group_cols_t(t: torch.Tensor, gid: torch.Tensor, E: int):
+    """t [M, C] per column within each group of rows -> (E4M3 [C, M], t's quantization transposed,
+    contiguous: the weight-gradient GEMM's operand; inverse scales [E, C]).
+
+    ``gid`` int64 [M]: each row's group. M and every group's first row are multiples of 16 (the
+    padded layout), so each block of 16 rows lies in one group: the column amax of each block,
+    then the blocks' maximum per group."""
+    M, C = t.shape
+    block_amax = t.reshape(M // GROUP_ALIGN, GROUP_ALIGN, C).abs().amax(dim=1).float()
+    amax = block_amax.new_zeros(E, C).scatter_reduce_(0, gid[::GROUP_ALIGN, None].expand(-1, C), block_amax, "amax")
+    mult, inv = pow2_scales(amax)
+    return _cast(t, mult[gid]).t().contiguous(), inv
+
+
+_compiled: dict = {}
+_eager_reason: list = []  # why the quantizers run eagerly (set once), or empty
+
+
+def quantize_mode() -> str:
+    """How the quantizers have run in this process: "fused (torch.compile)", or "eager: <why>"."""
+    if not _eager_reason and os.environ.get(QUANTIZE_ENV, "compiled") == "eager":
+        return f"eager: {QUANTIZE_ENV}=eager"
+    return f"eager: {_eager_reason[0]}" if _eager_reason else "fused (torch.compile)"
+
+
+def fused(fn, *args):
+    """``fn(*args)`` through ``torch.compile`` (static shapes, one graph); eagerly where that fails
+    (the reason kept for :func:`quantize_mode` and warned once) or where TABBY_BENCH_FP8_QUANTIZE is
+    "eager". Out-of-memory errors propagate: they are the operand's, not the compiler's."""
+    mode = os.environ.get(QUANTIZE_ENV, "compiled")
+    if mode not in ("compiled", "eager"):
+        raise MoEInputError(f"{QUANTIZE_ENV} must be 'compiled' or 'eager', got {mode!r}")
+    if mode == "compiled" and not _eager_reason:
+        try:
+            import torch._dynamo
+
+            compiled = _compiled.get(fn)
+            if compiled is None:
+                compiled = _compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return compiled(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- the eager quantizer is the same definition
+            _eager_reason.append(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})")
+            warnings.warn(f"torch-fp8: quantizing eagerly (unfused): {_eager_reason[0]}", RuntimeWarning, stacklevel=2)
+    return fn(*args)
 
 
 class _Fp8GroupedLinear(torch.autograd.Function):
@@ -68,8 +140,8 @@ class _Fp8GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, w, offs, gid):
-        qa, sa = _rows(a)
-        qw, sw = _rows(w)  # [E, N, K] per output row
+        qa, sa = fused(quantize_rows, a)
+        qw, sw = fused(quantize_rows, w)  # [E, N, K] per output row
         ctx.save_for_backward(a, w, offs, gid)
         return torch._scaled_grouped_mm(qa, qw.transpose(-2, -1), sa, sw, offs=offs, out_dtype=torch.bfloat16,
                                         use_fast_accum=True)
@@ -79,14 +151,15 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         a, w, offs, gid = ctx.saved_tensors
         E = w.shape[0]
         dy = dy.contiguous()
-        qdy, sdy = _rows(dy)
-        qwt, swt = _rows(w.transpose(-2, -1))  # [E, K, N] per input column
+        qdy, sdy = fused(quantize_rows, dy)
+        qwt, swt = fused(quantize_rows, w.transpose(-2, -1))  # [E, K, N] per input column
         da = torch._scaled_grouped_mm(qdy, qwt.transpose(-2, -1), sdy, swt, offs=offs, out_dtype=torch.bfloat16,
                                       use_fast_accum=True)
-        qdc, sdc = _group_cols(dy, gid, E)  # [M, N], [E, N]
-        qac, sac = _group_cols(a, gid, E)  # [M, K], [E, K]
-        dw = torch._scaled_grouped_mm(qdc.t().contiguous(), qac.t().contiguous().t(), sdc.reshape(-1),
-                                      sac.reshape(-1), offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True)
+        del qdy, qwt
+        qdc_t, sdc = fused(quantize_group_cols_t, dy, gid, E)  # [N, M], [E, N]
+        qac_t, sac = fused(quantize_group_cols_t, a, gid, E)  # [K, M], [E, K]
+        dw = torch._scaled_grouped_mm(qdc_t, qac_t.t(), sdc.reshape(-1), sac.reshape(-1), offs=offs,
+                                      out_dtype=torch.bfloat16, use_fast_accum=True)
         return da, dw, None, None
 
 
