@@ -318,7 +318,10 @@ def moe_backward_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, 
       zero-padded to a multiple of 128 along K (:func:`gate_up_grad_operands_ref`);
     - weight gradients from operands quantized per 128x1 along the rows (128-row tiles from the
       expert's first row): ``dW_down = wgrad(dys, hw)``, ``dW_gate = wgrad(dg, xs)``,
-      ``dW_up = wgrad(du, xs)``, xs the rows of x; fp32 promotion per 128 rows.
+      ``dW_up = wgrad(du, xs)``, xs the rows of x as the forward quantized them (per 1x128,
+      dequantized: the forward's E4M3 rows are what the layer keeps, as in DeepSeek-V3's FP8
+      activation cache; with power-of-two scales requantizing them per 128x1 rounds only where a
+      value falls into E4M3's subnormals); fp32 promotion per 128 rows.
 
     The recipe's granularity (DeepSeek-V3, section 3.3): dgrad with the output gradient per
     1x128 and the weights' 128x128 blocks transposed (the same blocks); wgrad with both operands
@@ -331,6 +334,7 @@ def moe_backward_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, 
     E, I = w_gate.shape[0], w_gate.shape[1]
     flat_e = topk_idx.reshape(-1).long()
     xq, xsc = quantize_rows_ref(x)
+    xd = dequantize_rows_ref(xq, xsc)
     rows_all = torch.arange(T * k, device=x.device)
     dx_rows = torch.zeros(T * k, H, dtype=torch.float32, device=x.device)
     dtopk = torch.zeros(T * k, dtype=torch.float32, device=x.device)
@@ -361,7 +365,7 @@ def moe_backward_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, 
         dgq, dgs = gate_up_grad_operands_ref(quantize_rows_ref(dgu[:, :I]), quantize_rows_ref(dgu[:, I:]))
         dx_rows[rows] = bf16(fp8_gemm_ref(dgq, dgs, gq_t, gs_t)).float()
         (dyc, dycs), (hwc, hwcs) = quantize_cols_ref(dys), quantize_cols_ref(hw)
-        (dgc, dgcs), (xc, xcs) = quantize_cols_ref(dgu), quantize_cols_ref(x[tok])
+        (dgc, dgcs), (xc, xcs) = quantize_cols_ref(dgu), quantize_cols_ref(xd[tok])
         grads[2][e] = fp8_wgrad_ref(dyc, dycs, hwc, hwcs, 0, n)
         grads[0][e] = fp8_wgrad_ref(dgc[:, :I], dgcs[:, :I], xc, xcs, 0, n)
         grads[1][e] = fp8_wgrad_ref(dgc[:, I:], dgcs[:, I:], xc, xcs, 0, n)

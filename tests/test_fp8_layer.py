@@ -125,6 +125,29 @@ def test_fp8_layer_deterministic_and_cached_weights():
 
 
 @cpu_only
+@pytest.mark.parametrize("precision", ["fp8", "fp8-forward"])
+def test_fp8_dispatch_publishes_quantized_tokens(precision):
+    """The FP8 forward publishes each token once, quantized per 1x128 (xq_pub, xs_pub: the bits of
+    the definition), and pulls those rows; "fp8-forward" under autograd publishes bf16 x (its bf16
+    backward reads bf16 rows)."""
+    from tabby.functional.workspace import cached_workspaces
+
+    tabby.free_workspaces()
+    prob = make_problem(1, 24, 272, 144, 4, 2, seed=3)
+    x, idx, wts, ws, _, _ = prob
+    lv = [t.clone().requires_grad_(True) for t in (x, wts, *ws)]
+    moe(lv[0], idx, lv[1], *lv[2:], config=CFG_BWD if precision == "fp8" else CFG)
+    (w,) = cached_workspaces()
+    rq, rs = reference_fp8.quantize_rows_ref(x)
+    if precision == "fp8":
+        assert torch.equal(w.xq_pub, rq.view(torch.uint8)) and torch.equal(w.xs_pub, rs)
+        assert not w.x_pub.any()  # never written
+    else:
+        assert torch.equal(w.x_pub, x) and not w.xq_pub.any()
+    tabby.free_workspaces()
+
+
+@cpu_only
 def test_fp8_weight_cache_follows_the_weight():
     """A cached copy is reused while the weight is unchanged, replaced after an in-place update, and
     dropped when the weight is freed."""

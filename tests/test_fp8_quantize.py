@@ -204,6 +204,24 @@ def test_kernel_round_trips_with_partial_tiles(T, K):
     assert same(cq.cpu().t().contiguous(), rq) and same(cs, rs)
 
 
+@pytest.mark.parametrize("R,C", [(300, 272), (256, 128)])
+def test_quantize_cols_of_quantized_rows(R, C):
+    """Columns (128x1) of rows already quantized per 1x128 (E4M3 + row scales): the definition's
+    columns of the dequantized rows, bit for bit; padding rows (row_src < 0) and rows past the used
+    tiles count as, and are stored as, zeros."""
+    rq, rs = ref.quantize_rows_ref(mixed_rows(R, C, seed=R + C))
+    row_src = torch.arange(R, dtype=torch.int32)
+    row_src[5:9] = -1
+    num_tiles = torch.tensor([R // 128], dtype=torch.int32)  # rows past the last full 128-row tile unused
+    q, s = fp8.quantize_cols(rq.to(DEV), row_scale=rs.to(DEV), row_src=row_src.to(DEV), num_tiles=num_tiles.to(DEV),
+                             tile_rows=128)
+    d = ref.dequantize_rows_ref(rq, rs)
+    d[5:9] = 0
+    d[(R // 128) * 128:] = 0
+    wq, ws_ = ref.quantize_cols_ref(d)
+    assert same(q.cpu().t().contiguous(), wq) and same(s, ws_)
+
+
 def test_quantize_cols_reference_is_rows_of_the_transpose():
     x = mixed_rows(200, 130, seed=5)
     q, s = ref.quantize_cols_ref(x)

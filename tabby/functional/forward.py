@@ -78,6 +78,7 @@ class KeptRows:
     row_w: torch.Tensor
     missing: str = ""
     x: torch.Tensor | None = None
+    x_scale: torch.Tensor | None = None  # the FP8 forward's: xs is E4M3 per 1x128 with these scales [R_max, H/128]
 
 
 @dataclass

@@ -4,15 +4,19 @@ docs/fp8.md), and the bf16 backward of ``backward.py``.
 
 Forward, on every rank (no host sync; the steps not named here are forward.py's):
 
-    publish + schedule, dispatch   as the bf16 path: xs [R, H] bf16 rows pulled from their ranks
-    quantize                       xs per 1x128 -> xq [R, H] E4M3 + scales (used row tiles only)
+    publish + schedule             as the bf16 path, but x is published quantized per 1x128 (E4M3
+                                   xq_pub + scales xs_pub: each token quantized once, at its source)
+    dispatch                       xq [R, H] E4M3 rows and their scales pulled from their ranks (half
+                                   the bytes of bf16 rows)
     gate/up                        FP8 GEMMs, fp32 promotion per 128 of K; h = silu(g) * u in fp32,
                                    quantized per 1x128 in the epilogue; g | u kept bf16
     down                           FP8 GEMM, rows pushed bf16 to their origin
     signal+wait, combine           unchanged (bf16 rows, fp32 sum in k order)
 
-Quantizing the routed rows gives the bits that quantizing x once and gathering would (the
-tiles are per token), with k times the (small, memory-bound) work.
+The FP8 backward keeps xq and its scales for its weight gradients (the 128x1 tiles of the
+dequantized rows: DeepSeek-V3's FP8 activation cache). "fp8-forward", whose bf16 backward reads
+bf16 rows, pulls xs [R, H] bf16 instead and quantizes the routed rows (the same bits: the tiles
+are per token).
 
 Weights: the FP8 copies (E4M3 + 128x128 block scales) of w_gate, w_up and w_down are made once
 per weight version and cached: a cached copy is used while the tensor is the same object, at
@@ -159,20 +163,32 @@ def check_fp8(dims, plan: Plan, fp8_backward: bool) -> None:
 
 
 def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra=None,
-                    probe: Probe | None = None, keep=True):
+                    probe: Probe | None = None, keep=True, bf16_rows=False):
     """FP8 forward on one rank (``forward.moe_forward``'s arguments; the weights' E4M3 copies from
-    ``fp8_weight``, made once per weight version). Returns (y [T, H], ``KeptRows`` for the
-    backward; with ``keep`` False g | u is not stored and the rows are not usable by a backward)."""
+    ``fp8_weight``, made once per weight version; ``ws`` an FP8 workspace). Returns (y [T, H],
+    ``KeptRows`` for the backward; with ``keep`` False g | u is not stored and the rows are not
+    usable by a backward). The kept rows are E4M3 with their scales, or with ``bf16_rows`` (for
+    a bf16 backward) bf16 rows, pulled as such and quantized here."""
     T, H = x.shape
     TK = topk_idx.numel()
     (wg_q, wg_s), (wu_q, wu_s), (wd_q, wd_s) = (fp8_weight(w) for w in (w_gate, w_up, w_down))
-    sched = publish_and_schedule(ws, plan, x, topk_idx, topk_weights, wg_q.shape[0], probe=probe)
-    xs = x.new_empty((sched.R_max, H))
+    sched = publish_and_schedule(ws, plan, x, topk_idx, topk_weights, wg_q.shape[0], x_fp8=not bf16_rows,
+                                 probe=probe)
     row_w = torch.empty(sched.R_max, dtype=torch.float32, device=x.device)
-    pull_routed_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, sched.k, ws.ptrs["w_pub"], row_w)
-    mark(probe, "fwd:dispatch")
-    xq, x_scale = fp8.quantize_rows(xs, num_tiles=sched.num_tiles, tile_rows=plan.tile_m)
-    mark(probe, "fwd:quantize")
+    if bf16_rows:
+        xs = x.new_empty((sched.R_max, H))
+        pull_routed_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, sched.k, ws.ptrs["w_pub"], row_w)
+        mark(probe, "fwd:dispatch")
+        xq, x_scale = fp8.quantize_rows(xs, num_tiles=sched.num_tiles, tile_rows=plan.tile_m)
+        mark(probe, "fwd:quantize")
+        kept = KeptRows(sched, xs, None, row_w)
+    else:  # padding rows are pulled as zeros, scale 0
+        xq = torch.empty((sched.R_max, H), dtype=fp8.E4M3, device=x.device)
+        x_scale = torch.empty((sched.R_max, ws.xs_pub.shape[1]), dtype=torch.float32, device=x.device)
+        pull_routed_rows(plan, sched, ws.ptrs["xq_pub"], xq.view(torch.uint8), TK, sched.k, ws.ptrs["w_pub"], row_w)
+        pull_routed_rows(plan, sched, ws.ptrs["xs_pub"], x_scale, TK, sched.k)
+        mark(probe, "fwd:dispatch")
+        kept = KeptRows(sched, xq, None, row_w, x_scale=x_scale)
     hq, h_scale, gu = gemm_fp8.gate_up_swiglu_fp8(
         xq, x_scale, wg_q, wg_s, wu_q, wu_s, sched.tile_expert, sched.num_tiles, save_gu=keep,
         config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_GATE_UP, BM=plan.tile_m))
@@ -181,7 +197,8 @@ def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_d
                            ws.ptrs["y_in"], TK,
                            config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=plan.tile_m))
     mark(probe, "fwd:down+push")
-    return finish_forward(ws, plan, x, topk_weights, extra, probe=probe), KeptRows(sched, xs, gu, row_w)
+    kept.gu = gu
+    return finish_forward(ws, plan, x, topk_weights, extra, probe=probe), kept
 
 
 def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, probe: Probe | None = None,
@@ -194,14 +211,14 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     [W_gate^T | W_up^T], one GEMM over K = 2I (each half padded to a multiple of 128:
     ``fp8_gate_up_t``), rows pushed to their origin. wgrad: both operands
     per 128x1 along the rows (each expert's segment starts at a multiple of 128: tile_m is),
-    padding rows as zeros.
+    padding rows as zeros; xs's are the tiles of the kept E4M3 rows' values (dequantized in fp32).
 
     ``owned``: as ``backward.moe_backward``'s: nothing else holds the kept rows, so this pass takes
     them out of ``saved`` and drops each once its last launch is queued; the same launches and bits.
     """
-    sched, xs, gu, row_w = saved.sched, saved.xs, saved.gu, saved.row_w
+    sched, xq, x_scale, gu, row_w = saved.sched, saved.xs, saved.x_scale, saved.gu, saved.row_w
     if owned:  # the tensors are ours now: the dataclass lets go of them
-        saved.xs = saved.gu = saved.row_w = None
+        saved.xs = saved.x_scale = saved.gu = saved.row_w = None
     del saved
     T, H = dy.shape
     I = w_gate.shape[1]
@@ -233,8 +250,9 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
                                     BR=256, TILE_ROWS=BM)
     mark(probe, "bwd:router_grad")
 
-    def cols(t):
-        return fp8.quantize_cols(t, row_src=sched.row_src, num_tiles=sched.num_tiles, tile_rows=BM)
+    def cols(t, row_scale=None):
+        return fp8.quantize_cols(t, row_src=sched.row_src, num_tiles=sched.num_tiles, tile_rows=BM,
+                                 row_scale=row_scale)
 
     # transposed E4M3 [C, R] and scales [R/128, C]; each operand quantized just before its weight
     # gradient and dropped after it, with its bf16 source
@@ -243,8 +261,8 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     del dys, hw
     dw_down = gemm_fp8.expert_wgrad_fp8(dy_t, dy_s, hw_t, hw_s, *seg, out_dtype=w_down.dtype)
     del dy_t, dy_s, hw_t, hw_s
-    (dgu_t, dgu_s), (xs_t, xs_s) = cols(dgu), cols(xs)
-    del dgu, xs
+    (dgu_t, dgu_s), (xs_t, xs_s) = cols(dgu), cols(xq, x_scale)
+    del dgu, xq, x_scale
     dw_gate = gemm_fp8.expert_wgrad_fp8(dgu_t[:I], dgu_s[:, :I], xs_t, xs_s, *seg, out_dtype=w_gate.dtype)
     dw_up = gemm_fp8.expert_wgrad_fp8(dgu_t[I:], dgu_s[:, I:], xs_t, xs_s, *seg, out_dtype=w_up.dtype)
     mark(probe, "bwd:wgrad")
@@ -258,4 +276,5 @@ def fp8_passes(dims, plan: Plan, precision: str, keep: bool):
     the forward keeps what a backward needs. Raises ``MoEInputError`` where FP8 cannot run."""
     fp8_backward = precision == "fp8"
     check_fp8(dims, plan, fp8_backward)
-    return functools.partial(moe_forward_fp8, keep=keep), (moe_backward_fp8 if fp8_backward else moe_backward)
+    return (functools.partial(moe_forward_fp8, keep=keep, bf16_rows=keep and not fp8_backward),
+            moe_backward_fp8 if fp8_backward else moe_backward)

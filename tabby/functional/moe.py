@@ -199,7 +199,8 @@ def _moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
     if W > 1 and tg is None and x.device.type != "cuda":
         raise MoEInputError("Tabby across processes needs CUDA tensors (GPU symmetric memory); on the CPU "
                             "run one rank, or simulated ranks (tabby.functional.threads.run_ranks)")
-    key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device))
+    key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device),
+                       fp8=config.precision != "bf16")
     I_s = shared[0].shape[0] if shared is not None else 0
     if dims.T == 0:
         if W > 1:  # take part in the group's shape agreement (made once per shape): a peer with tokens is reported
@@ -287,6 +288,7 @@ def memory_needs(plan: Plan) -> MemoryNeeds:
         fwd = rows_fp8(H) + rows_fp8(I)  # the routed rows and h in E4M3 (h never bf16)
         fp8_weights = 3 * d.E_local * I * H  # the three weights' 128x128-block copies
         if plan.precision == "fp8":
+            kept += rows_fp8(H) - R * 2 * H  # the rows kept in E4M3 with their scales, not bf16
             # dy rows and dg|du (halves padded) per 1x128; dy, hw, dg|du, xs per 128x1 (R a multiple of
             # 128: 33/32 byte a value); W_down^T and [W_gate^T | W_up^T] (halves padded)
             bwd += rows_fp8(H) + 2 * rows_fp8(Ip) + R * (H + I + 2 * I + H) * 33 // 32

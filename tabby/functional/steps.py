@@ -8,7 +8,7 @@ import time
 import torch
 import triton
 
-from ..ops import INTERPRET, comm, sync
+from ..ops import INTERPRET, comm, fp8, sync
 from ..ops.combine import combine_k
 from ..ops.schedule import alloc_schedule, launch_schedule
 from .plan import Plan
@@ -80,7 +80,7 @@ def _side_stream(ws, x):
 
 
 def publish_and_schedule(ws, plan: Plan, x, topk_idx, topk_weights, E_local, in_kernel=False, on_main=None,
-                          order=False, row_w=None, probe: Probe | None = None):
+                          order=False, row_w=None, x_fp8=False, probe: Probe | None = None):
     """Publish this rank's inputs, wait for every peer's, build the routed-row schedule.
 
     The schedule needs only the routing, so x (T * H * 2 bytes, the bulk of the publish: ~30 us at
@@ -99,6 +99,8 @@ def publish_and_schedule(ws, plan: Plan, x, topk_idx, topk_weights, E_local, in_
     FWD_X_READY is left to the megakernel. ``on_main``: work for the current stream after the x copy, off the side stream's
     critical path (the megakernel's counter memset). ``order``: the schedule also lists its tiles in
     the token pull's order; ``row_w`` (fp32 [R_max]): the schedule also writes the rows' router weights.
+    ``x_fp8``: x is published quantized per 1x128 (into xq_pub and xs_pub of an FP8 workspace)
+    instead of copied into x_pub.
     """
     T, k = topk_idx.shape
     mark(probe, "fwd:start")
@@ -131,7 +133,10 @@ def publish_and_schedule(ws, plan: Plan, x, topk_idx, topk_weights, E_local, in_
         side.wait_stream(main)
         with torch.cuda.stream(side):
             schedule()
-    ws.x_pub.copy_(x)
+    if x_fp8:
+        fp8.quantize_rows(x, out=ws.xq_pub.view(fp8.E4M3), scale_out=ws.xs_pub)
+    else:
+        ws.x_pub.copy_(x)
     if on_main is not None:
         on_main()
     if side is not None:

@@ -248,12 +248,14 @@ def mxfp8_to_blocks(q: torch.Tensor, e8m0: torch.Tensor):
 
 @triton.jit
 def quantize_cols_kernel(x_ptr, stride_xm, qt_ptr, stride_qt, s_ptr, stride_sm, R, C, row_src_ptr, num_tiles_ptr,
-                         TILE_ROWS: tl.constexpr, MASKED: tl.constexpr, BC: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         xs_ptr, stride_xsm, TILE_ROWS: tl.constexpr, MASKED: tl.constexpr, BC: tl.constexpr,
+                         ROW_SCALED: tl.constexpr, INTERPRET: tl.constexpr):
     """Rows 128*pid(0).. (one 128x1 tile per column), columns BC*pid(1)..., stored transposed
     (qt [C, R]: a weight gradient reads the rows as its contiguous K). MASKED: rows whose
     row_src is negative (padding) or that lie past the used row tiles count as zeros, and are
-    stored as zeros."""
+    stored as zeros. ROW_SCALED: x is E4M3 with 1x128 scales xs [R, ceil(C/128)]; its values are
+    x * xs in fp32 (exact: a power of two times an E4M3 value). BC divides 128, so a program's
+    columns share one scale per row."""
     rows = tl.program_id(0) * 128 + tl.arange(0, 128)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     rmask = rows < R
@@ -262,6 +264,9 @@ def quantize_cols_kernel(x_ptr, stride_xm, qt_ptr, stride_qt, s_ptr, stride_sm, 
         rmask = rmask & used & (tl.load(row_src_ptr + rows, mask=rmask & used, other=-1) >= 0)
     m = rmask[:, None] & (cols < C)[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if ROW_SCALED:
+        xs = tl.load(xs_ptr + rows.to(tl.int64) * stride_xsm + (tl.program_id(1) * BC) // 128, mask=rmask, other=0.0)
+        x = x * xs[:, None]
     j = scale_exponent(tl.max(tl.abs(x), axis=0))
     q = to_e4m3(x * exp2_int(-j)[None, :], INTERPRET)
     tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], q,
@@ -270,14 +275,18 @@ def quantize_cols_kernel(x_ptr, stride_xm, qt_ptr, stride_qt, s_ptr, stride_sm, 
 
 
 def quantize_cols(x: torch.Tensor, *, row_src: torch.Tensor | None = None, num_tiles: torch.Tensor | None = None,
-                  tile_rows: int = 128):
+                  tile_rows: int = 128, row_scale: torch.Tensor | None = None):
     """x [R, C] -> (qt [C, R] E4M3: the quantized x transposed, scales [ceil(R/128), C] fp32), per
     128x1 tile (128 consecutive rows of one column: the recipe's quantization of an operand that a
     weight gradient contracts over tokens; transposed so that the GEMM reads its K contiguous).
     With ``row_src`` and ``num_tiles`` (a routed-row buffer), padding rows and rows past the used
-    tiles count as zeros and are stored as zeros."""
+    tiles count as zeros and are stored as zeros. ``row_scale``: x is E4M3 quantized per 1x128
+    with these fp32 scales [R, ceil(C/128)]; the tiles are those of its dequantized values."""
     R, C = x.shape
     assert x.stride(-1) == 1
+    scaled = row_scale is not None
+    if scaled:
+        assert x.dtype == E4M3 and row_scale.dtype == torch.float32 and row_scale.shape == (R, triton.cdiv(C, BLOCK))
     nr = triton.cdiv(R, BLOCK)
     qt = torch.empty(C, R, dtype=E4M3, device=x.device)
     s = torch.empty(nr, C, dtype=torch.float32, device=x.device)
@@ -288,5 +297,6 @@ def quantize_cols(x: torch.Tensor, *, row_src: torch.Tensor | None = None, num_t
     BC = 64
     quantize_cols_kernel[(nr, triton.cdiv(C, BC))](
         x, x.stride(0), qt, qt.stride(0), s, s.stride(0), R, C, row_src if masked else s, num_tiles if masked else s,
-        TILE_ROWS=tile_rows, MASKED=masked, BC=BC, INTERPRET=INTERPRET, num_warps=4)
+        row_scale if scaled else s, row_scale.stride(0) if scaled else 0, TILE_ROWS=tile_rows, MASKED=masked, BC=BC,
+        ROW_SCALED=scaled, INTERPRET=INTERPRET, num_warps=4)
     return qt, s
