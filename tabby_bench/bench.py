@@ -48,6 +48,9 @@ from .timing import (attempt, dense_line, dense_matmul, free_memory, max_over_ra
 
 WEIGHTS_NOTE = ("Every timed call starts from a new weight version (as after an optimizer step): the FP8 rows "
                 "quantize their weights on every call, and their peaks count the FP8 weight copies.")
+FIXED_WEIGHTS_NOTE = ("The weights keep one version over the timed calls (as microbatches between optimizer steps): "
+                      "tabby-fp8 reuses its FP8 weight copies; torch-fp8 quantizes its weights on every call.")
+WEIGHT_POLICIES = {"new": "new version per timed call", "fixed": "one version over the timed calls"}
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Config:
     tag: str = ""
     tuning: str = ""  # Tuning.parse() text for the tabby rows ("" : the heuristics)
     history: str | None = None  # append the records to this history file
+    weights: str = "new"  # "new": each timed call from a new weight version; "fixed": one version (WEIGHT_POLICIES)
     partial: str | None = None  # every record also appended here as it is measured (set by run)
 
 
@@ -80,6 +84,8 @@ def measure(impl, inp: Inputs, group, cfg: Config, timed: bool) -> list:
     prepared, err = attempt(impl.prepare, inp, group)
     if err:
         return fail(err)
+    if hasattr(prepared, "new_weights"):
+        prepared.new_weights = cfg.weights == "new"
     if cfg.check:
         errors, err = attempt(prepared.check, "fwd+bwd" in cfg.passes)
         free_memory()
@@ -278,7 +284,8 @@ def _run_phases(cfg: Config, tmp: str) -> tuple:
 def run_notes(cfg: Config, records: list) -> list:
     """Lines for the results' header: the weight policy where FP8 rows ran, how each row with a
     note ran (torch-fp8: whether its quantization was fused)."""
-    notes = [WEIGHTS_NOTE] if any(getattr(IMPLS.get(n), "precision", "") == "fp8" for n in cfg.impls) else []
+    note = WEIGHTS_NOTE if cfg.weights == "new" else FIXED_WEIGHTS_NOTE
+    notes = [note] if any(getattr(IMPLS.get(n), "precision", "") == "fp8" for n in cfg.impls) else []
     return notes + [f"{name}: {note}" for name, note in dict.fromkeys((r["impl"], r["note"]) for r in records
                                                                        if r.get("note"))]
 
@@ -301,7 +308,7 @@ def run(cfg: Config) -> dict:
     result = dict(schema="tabby-bench/1", mode="gpu", **info,
                   config=dict(shapes=[s.name for s in cfg.shapes], tokens=cfg.tokens, ep=cfg.eps, impls=cfg.impls,
                               passes=cfg.passes, dtype=cfg.dtype, warmup=cfg.warmup, iters=cfg.iters, check=cfg.check,
-                              tolerance=TOLERANCE[cfg.dtype], tuning=cfg.tuning, weights="new version per timed call"),
+                              tolerance=TOLERANCE[cfg.dtype], tuning=cfg.tuning, weights=WEIGHT_POLICIES[cfg.weights]),
                   dense_matmul=dense, dense_matmul_tflops=dense["tflops"] if dense else None, records=records)
     stem = os.path.join(out, file_stem(info, cfg.tag))
     with open(stem + ".json", "w") as f:

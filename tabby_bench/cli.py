@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=5, help="untimed iterations (default 5; GPU)")
     b.add_argument("--iters", type=int, default=20, help="timed iterations (default 20; GPU)")
     b.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness checks (GPU)")
+    b.add_argument("--weights", default="new", choices=["new", "fixed"],
+                   help="new: every timed call from a new weight version, as one forward per optimizer step (the "
+                        "FP8 rows quantize their weights each call; default); fixed: one version, as microbatches "
+                        "between steps (tabby-fp8 reuses its FP8 weight copies)")
     b.add_argument("--tuning", type=_tuning, default="",
                    help="a tabby.Tuning for both tabby rows, e.g. 'group_m=2,tma=0' (default: the heuristics)")
     b.add_argument("--out", default=None, help="output folder (default ~/.cache/tabby/bench)")
@@ -208,7 +212,7 @@ def bench_config(args, parser, gpus: int):
         parser.error("--ep and --tokens must be positive, --iters >= 1, --warmup >= 0")
     return bench.Config(shapes=shapes, tokens=tokens, eps=eps, impls=impls, passes=args.passes, dtype=args.dtype,
                         warmup=args.warmup, iters=args.iters, check=args.check, out=args.out, tag=args.tag,
-                        tuning=args.tuning, history=args.history)
+                        tuning=args.tuning, history=args.history, weights=args.weights)
 
 
 def main(argv=None) -> int:

@@ -51,15 +51,19 @@ class LayerRun:
     every row pays for whatever it derives from the weights (the FP8 rows: quantizing them) on
     every call. ``check`` calls the layer once, on the weights as they are."""
 
+    new_weights = True  # the bench's ``--weights new``; False: one weight version over the timed calls
+
     def __init__(self, fn, inp: Inputs, group, device_errors=None):
         self.fn, self.inp, self.group, self.device_errors = fn, inp, group, device_errors
 
     def run_fwd(self):
-        new_weight_version(self.inp)
+        if self.new_weights:
+            new_weight_version(self.inp)
         self.fn(*self.inp.args(), group=self.group)  # graph built, then dropped
 
     def run_fwdbwd(self):
-        new_weight_version(self.inp)
+        if self.new_weights:
+            new_weight_version(self.inp)
         y = self.fn(*self.inp.args(), group=self.group)
         torch.autograd.grad(y, self.inp.leaves(), self.inp.dy, allow_unused=True)  # returned, not accumulated
 

@@ -216,6 +216,27 @@ def test_each_timed_call_starts_from_a_new_weight_version():
     assert all(torch.equal(w, v) for w, v in zip(inp.weights(), values))  # values untouched
 
 
+def test_fixed_weights_keep_one_version_over_the_timed_calls():
+    """``--weights fixed``: the bench leaves the weights' versions alone (the setting reaches the
+    prepared run), and its header names that policy."""
+    inp = make_inputs(TINY, 16, 1, 0, torch.device("cpu"))
+    seen = []
+
+    def layer(*args, group=None):
+        seen.append([w._version for w in inp.weights()])
+        return moe_torch_a2a(*args, group=group)
+
+    impl = LayerImpl("x", layer)
+    cfg = bench.Config(shapes=[TINY], tokens=[16], eps=[1], impls=["tabby-fp8"], passes=["fwd"], weights="fixed")
+    bench.measure(impl, inp, None, cfg, timed=False)  # the check: one call
+    run = impl.prepare(inp, None)
+    run.new_weights = cfg.weights == "new"
+    run.run_fwd()
+    run.run_fwd()
+    assert len(seen) == 3 and seen[1] == seen[2], seen
+    assert bench.run_notes(cfg, []) == [bench.FIXED_WEIGHTS_NOTE]
+
+
 def test_tabby_fp8_quantizes_the_weights_again_after_a_new_version():
     """What the bump is for: Tabby's FP8 copy is cached per weight version (same object while the
     version holds), made again (the same bits) after it, and dropped by the bench's free_memory."""

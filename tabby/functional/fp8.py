@@ -77,6 +77,8 @@ def _cached(kind: str, weights, make):
     hit = _weight_cache.get(key)
     if hit is not None and all(r() is o for r, o in zip(hit[0], owners)) and hit[1] == state:
         return hit[2]
+    if hit is not None:  # stale: dropped before its successor is made, so the two are never held at once
+        del _weight_cache[key], hit
     value = make()
 
     def forget(ref, key=key):
