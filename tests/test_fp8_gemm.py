@@ -308,3 +308,20 @@ def test_gate_up_dgrad_fp8_halves_padded(H, I):
         assert rel(out[sl], ref.fp8_gemm_ref(raq[sl], ras[sl], rbq[e], rbs[e])) < TIGHT
         exact = dgu[sl, :I].float() @ wg[e].float() + dgu[sl, I:].float() @ wu[e].float()
         assert rel(out[sl], exact) < 6e-2
+
+
+def test_transpose_blocks_exact_into_a_view():
+    """The E4M3 transpose (the backward's weight copies): every byte moved, NaN patterns included,
+    odd sizes (partial 64-wide tiles), into a column slice of a wider buffer as the gate/up dgrad's
+    [W_gate^T | W_up^T] takes it; the scales transposed."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 256, (3, 200, 136), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.rand(3, 2, 2, generator=g)
+    wide = torch.zeros(3, 136, 300, dtype=torch.uint8)
+    out, st = gemm_fp8.transpose_blocks(q.to(DEV), s.to(DEV), out=wide.to(DEV).view(torch.float8_e4m3fn)[:, :, 50:250])
+    full = out._base.view(torch.uint8).cpu() if out._base is not None else None
+    assert torch.equal(out.cpu().view(torch.uint8), q.view(torch.uint8).transpose(1, 2))
+    assert full is None or (not full[:, :, :50].any() and not full[:, :, 250:].any())  # nothing written outside
+    assert torch.equal(st.cpu(), s.transpose(1, 2))
+    alone, _ = gemm_fp8.transpose_blocks(q.to(DEV), s.to(DEV))
+    assert alone.is_contiguous() and torch.equal(alone.cpu().view(torch.uint8), q.view(torch.uint8).transpose(1, 2))

@@ -119,11 +119,12 @@ def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor):
         (gq, gs), (uq, us) = fp8_weight(w_gate), fp8_weight(w_up)  # [E, I, H], [E, ceil(I/128), ceil(H/128)]
         E, I, H = gq.shape
         Ip = gate_up_k(I)
-        q = torch.empty(E, H, 2 * Ip, dtype=torch.uint8, device=gq.device)
+        q = torch.empty(E, H, 2 * Ip, dtype=fp8.E4M3, device=gq.device)
         for half, wq in enumerate((gq, uq)):
-            q[:, :, half * Ip:half * Ip + I].copy_(wq.view(torch.uint8).transpose(-2, -1))
-            q[:, :, half * Ip + I:(half + 1) * Ip].zero_()
-        return q.view(fp8.E4M3), torch.cat([gs.transpose(-2, -1), us.transpose(-2, -1)], dim=-1)
+            gemm_fp8.transpose_blocks(wq, gs, out=q[:, :, half * Ip:half * Ip + I])
+            if Ip > I:
+                q.view(torch.uint8)[:, :, half * Ip + I:(half + 1) * Ip].zero_()
+        return q, torch.cat([gs.transpose(-2, -1), us.transpose(-2, -1)], dim=-1)
     return _cached("gate_up_t", (w_gate, w_up), make)
 
 

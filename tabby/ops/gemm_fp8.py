@@ -450,12 +450,34 @@ def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_exp
     return dgu, hw, dw_part
 
 
-def transpose_blocks(q: torch.Tensor, s: torch.Tensor):
+@triton.jit
+def transpose_bytes_kernel(q_ptr, stride_qe, stride_qn, t_ptr, stride_te, stride_tk, N, K, BT: tl.constexpr):
+    """t[e, k, n] = q[e, n, k] over one BT x BT tile (bytes: E4M3 values as uint8)."""
+    e = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BT + tl.arange(0, BT)
+    k = tl.program_id(2) * BT + tl.arange(0, BT)
+    m = (n < N)[:, None] & (k < K)[None, :]
+    v = tl.load(q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qn + k[None, :], mask=m)
+    tl.store(t_ptr + e * stride_te + k.to(tl.int64)[:, None] * stride_tk + n[None, :], tl.trans(v), mask=tl.trans(m))
+
+
+def transpose_blocks(q: torch.Tensor, s: torch.Tensor, *, out: torch.Tensor | None = None):
     """The quantized weight [E, N, K] (scales [E, ceil(N/128), ceil(K/128)]) transposed: [E, K, N]
     and its scales [E, ceil(K/128), ceil(N/128)], exactly: a 128x128 block's scale serves both
     orientations, partial blocks included (the transpose of a block holds the same elements, so
-    the same amax)."""
-    return q.transpose(-2, -1).contiguous(), s.transpose(-2, -1).contiguous()
+    the same amax). ``out``: where the values go, an [E, K, N] view with a unit last stride (e.g.
+    one half of a wider buffer), returned as the values."""
+    E, N, K = q.shape
+    if out is None:
+        out = torch.empty(E, K, N, dtype=q.dtype, device=q.device)
+    if tuple(out.shape) != (E, K, N) or out.stride(-1) != 1 or q.stride(-1) != 1 or out.dtype != q.dtype:
+        raise ValueError(f"transpose_blocks: out must be {q.dtype} [E, K, N] = {(E, K, N)} with a unit last stride")
+    if q.numel():
+        BT = 64
+        transpose_bytes_kernel[(E, triton.cdiv(N, BT), triton.cdiv(K, BT))](
+            q.view(torch.uint8), q.stride(0), q.stride(1), out.view(torch.uint8), out.stride(0), out.stride(1), N, K,
+            BT=BT, num_warps=4)
+    return out, s.transpose(-2, -1).contiguous()
 
 
 @triton.jit
