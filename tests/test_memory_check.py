@@ -151,6 +151,8 @@ def test_fp8_buffers_are_counted():
     assert need["fp8-forward"].forward == need["fp8"].forward == R * (H + I) * 33 // 32
     assert need["fp8-forward"].backward == need["bf16"].backward
     assert need["fp8"].backward == need["bf16"].backward + R * (3 * H + 5 * I) * 33 // 32
+    assert need["fp8"].kept == need["bf16"].kept - R * 2 * H + R * H * 33 // 32  # the rows kept in E4M3
+    assert need["fp8-forward"].kept == need["bf16"].kept  # its bf16 backward keeps bf16 rows
     assert need["fp8-forward"].fp8_weights == 3 * E * I * H and need["fp8"].fp8_weights == 6 * E * I * H
     assert need["fp8"].peak() > need["fp8-forward"].peak() > need["bf16"].peak()
 
