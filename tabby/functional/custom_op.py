@@ -5,16 +5,17 @@ Two operators, both opaque to the compiler:
 
     torch.ops.tabby.moe(x, topk_idx, topk_weights, w_gate, w_up, w_down,
                         shared_gate?, shared_up?, shared_down?, group: str, config: str, save: bool)
-        -> (y, row_src, tile_expert, expert_start, expert_count, num_tiles, xs, gu, row_w)
+        -> (y, row_src, tile_expert, expert_start, expert_count, num_tiles, xs, gu, row_w, x_scale)
     torch.ops.tabby.moe_backward(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate?, shared_up?,
                                  shared_down?, row_src, tile_expert, expert_start, expert_count,
-                                 num_tiles, xs, gu, row_w, group: str, config: str, save: bool)
+                                 num_tiles, xs, gu, row_w, x_scale, group: str, config: str, save: bool)
         -> (dx, d topk_weights, dw_gate, dw_up, dw_down, dw_gate_s, dw_up_s, dw_down_s)
 
 The forward returns, besides y, everything its backward needs as tensors: the routed-row schedule
 (row_src, tile_expert, expert_start, expert_count, num_tiles) and the kept routed rows (xs,
 g | u, the rows' router weights; empty ``[0, ...]`` tensors when the forward keeps nothing and the
-backward recomputes them). Nothing passes between the two through Python objects, so the pair
+backward recomputes them). ``precision="fp8"`` keeps xs in E4M3 with its 1x128 scales
+``x_scale`` [R, ceil(H/128)] (``fp8.py``); every other precision returns ``x_scale`` empty. Nothing passes between the two through Python objects, so the pair
 works the same in eager mode, in a compiled graph (the kept tensors are ordinary saved
 activations) and inside a captured CUDA graph, and neither reads anything back to the host.
 ``register_autograd`` wires them together: the forward's ``setup_context`` saves the inputs and
@@ -68,6 +69,7 @@ from .backward import routed_rows_for_wgrad, moe_backward
 from .config import MoEConfig, Tuning
 from .forward import KeptRows, MegaSaved, moe_forward
 from .forward_mega import moe_forward_mega
+from .fp8 import fp8_passes, moe_backward_fp8
 from .moe import group_info, workspace_and_plan
 from .moe import moe as moe_function
 from .plan import Plan, make_plan
@@ -211,10 +213,14 @@ class zero_padding:
         _zero_padding = self._before
 
 
-def _zero_padding_rows(row_src, xs, gu, row_w, rank, T, tokens):
+def _zero_padding_rows(row_src, xs, gu, row_w, x_scale, rank, T, tokens):
     pad = row_src < 0
     gu.masked_fill_(pad[:, None], 0)
     row_w.masked_fill_(pad, 0)
+    if x_scale.numel():
+        x_scale.masked_fill_(pad[:, None], 0)
+    if xs.dtype == torch.float8_e4m3fn:  # (E4M3 has no fill: its bytes, 0 is +0.0)
+        xs = xs.view(torch.uint8)
     if tokens:  # every rank's tokens; this rank's own block is not copied
         xs[rank * T:(rank + 1) * T].zero_()
     else:
@@ -248,7 +254,8 @@ def _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group: str, 
         raise MoEInputError("Tabby across processes needs CUDA tensors (GPU symmetric memory)")
     if dims.T == 0:  # (the wrapper ``moe`` sends T = 0 to tabby.moe)
         raise MoEInputError("torch.ops.tabby.moe needs tokens (T = 0); tabby.functional.custom_op.moe takes T = 0")
-    key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device))
+    key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device),
+                       fp8=cfg.precision != "bf16")
     ws, plan = workspace_and_plan(key, dims, cfg, dims.I_shared, x.device, rank, pg, tg, differentiated=save)
     return ws, plan, dims
 
@@ -263,7 +270,7 @@ def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
             w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: torch.Tensor | None,
             shared_up: torch.Tensor | None, shared_down: torch.Tensor | None, group: str, config: str,
             save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                 torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                                 torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     shared = _shared(shared_gate, shared_up, shared_down)
     ws, plan, dims = _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config, save)
     x = _aligned(x)
@@ -278,18 +285,22 @@ def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
         if shared is not None:
             sg, su, sd = shared
             extra = (F.silu(x @ sg.t()) * (x @ su.t())) @ sd.t()
-        y, saved = moe_forward(ws, plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra)
+        forward = moe_forward if plan.precision == "bf16" else fp8_passes(dims, plan, plan.precision, keep)[0]
+        y, saved = forward(ws, plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra)
     s = saved.sched
+    x_scale = torch.empty(0, dtype=torch.float32, device=x.device)
     if keep:
         if saved.missing == "local":  # this rank's rows into xs now, so that the backward changes no input
             routed_rows_for_wgrad(ws, plan, saved, dims.T * dims.k, dims.k)
         xs, gu, row_w = saved.xs, saved.gu, saved.row_w
+        if saved.x_scale is not None:
+            x_scale = saved.x_scale
         if _zero_padding:
-            _zero_padding_rows(s.row_src, xs, gu, row_w, ws.rank, dims.T, saved.missing == "tokens")
+            _zero_padding_rows(s.row_src, xs, gu, row_w, x_scale, ws.rank, dims.T, saved.missing == "tokens")
     else:
         xs, gu = x.new_empty((0, dims.H)), x.new_empty((0, 2 * dims.I))
         row_w = torch.empty(0, dtype=torch.float32, device=x.device)
-    return y, s.row_src, s.tile_expert, s.expert_start, s.expert_count, s.num_tiles, xs, gu, row_w
+    return y, s.row_src, s.tile_expert, s.expert_start, s.expert_count, s.num_tiles, xs, gu, row_w, x_scale
 
 
 @_moe_op.register_fake
@@ -302,13 +313,18 @@ def _moe_fake(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared_gate, shar
     T, H, I, E_local = dims.T, dims.H, dims.I, dims.E_local
     R = schedule_capacity(W, T, dims.k, E_local, plan.tile_m, plan.align_tiles)
     i32 = dict(dtype=torch.int32, device=x.device)
+    x_scale = x.new_empty(0, dtype=torch.float32)
     if _keeps_rows(plan, save):
         xs = x.new_empty((W * T, H) if _missing(plan) == "tokens" else (R, H))
         gu, row_w = x.new_empty((R, 2 * I)), x.new_empty(R, dtype=torch.float32)
+        if plan.precision == "fp8":  # E4M3 rows and their 1x128 scales
+            xs = x.new_empty((R, H), dtype=torch.float8_e4m3fn)
+            x_scale = x.new_empty((R, -(-H // 128)), dtype=torch.float32)
     else:
         xs, gu, row_w = x.new_empty((0, H)), x.new_empty((0, 2 * I)), x.new_empty(0, dtype=torch.float32)
     return (x.new_empty((T, H)), torch.empty(R, **i32), torch.empty(R // plan.tile_m, **i32),
-            torch.empty(E_local + 1, **i32), torch.empty(E_local, **i32), torch.empty(1, **i32), xs, gu, row_w)
+            torch.empty(E_local + 1, **i32), torch.empty(E_local, **i32), torch.empty(1, **i32), xs, gu, row_w,
+            x_scale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,8 +353,8 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tens
                      w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: torch.Tensor | None,
                      shared_up: torch.Tensor | None, shared_down: torch.Tensor | None, row_src: torch.Tensor,
                      tile_expert: torch.Tensor, expert_start: torch.Tensor, expert_count: torch.Tensor,
-                     num_tiles: torch.Tensor, xs: torch.Tensor, gu: torch.Tensor, row_w: torch.Tensor, group: str,
-                     config: str, save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                     num_tiles: torch.Tensor, xs: torch.Tensor, gu: torch.Tensor, row_w: torch.Tensor,
+                     x_scale: torch.Tensor, group: str, config: str, save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     shared = _shared(shared_gate, shared_up, shared_down)
     T, k = topk_weights.shape
@@ -354,10 +370,12 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tens
                             num_tiles=num_tiles, counts=None, within=None, done=None)
     if _keeps_rows(plan, save):
         missing = "tokens" if _missing(plan) == "tokens" else ""  # (the forward completed local rows)
-        saved = KeptRows(sched, xs, gu, row_w, missing, x if missing else None)
+        saved = KeptRows(sched, xs, gu, row_w, missing, x if missing else None,
+                         x_scale=x_scale if plan.precision == "fp8" else None)
     else:
         saved = MegaSaved(sched, x, topk_weights_c)
-    dx, dtopk, dwg, dwu, dwd = moe_backward(ws, plan, dy.contiguous(), saved, w_gate, w_up, w_down)
+    backward = moe_backward_fp8 if plan.precision == "fp8" else moe_backward
+    dx, dtopk, dwg, dwu, dwd = backward(ws, plan, dy.contiguous(), saved, w_gate, w_up, w_down)
     if shared is None:
         dsg, dsu, dsd = (dy.new_empty(0) for _ in range(3))  # (outputs must not alias each other)
     else:
@@ -368,7 +386,7 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tens
 
 @_moe_backward_op.register_fake
 def _moe_backward_fake(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, row_src,
-                       tile_expert, expert_start, expert_count, num_tiles, xs, gu, row_w, group, config, save):
+                       tile_expert, expert_start, expert_count, num_tiles, xs, gu, row_w, x_scale, group, config, save):
     def like(t):
         return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
@@ -382,9 +400,6 @@ def _moe_backward_fake(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate, s
 # --------------------------------------------------------------------------------------------
 # Autograd
 # --------------------------------------------------------------------------------------------
-
-_N_KEPT = 8  # row_src, tile_expert, expert_start, expert_count, num_tiles, xs, gu, row_w
-
 
 def _setup_context(ctx, inputs, output):
     x, _, topk_weights, w_gate, w_up, w_down, sg, su, sd, group, config, save = inputs
@@ -427,19 +442,13 @@ def _config_string(config) -> str:
     return config_string(config)
 
 
-@torch.compiler.assume_constant_result
-def _precision(config: str) -> str:
-    return parse_config(config).precision
-
-
 def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None, config: MoEConfig | None = None):
     """``tabby.moe`` through the registered operator ``torch.ops.tabby.moe``: the same arguments,
     the same result and gradients, and ``torch.compile(fullgraph=True)`` traces it without a graph
     break (``group``: None, a process group or a ``ThreadRank``; converted to its name).
 
-    Two kinds of call go to ``tabby.moe`` itself instead, with the same result: a rank with no
-    tokens (T = 0: an empty result, zero weight gradients), and ``precision`` other than "bf16"
-    (the FP8 path has no registered operator yet; under ``torch.compile`` it raises)."""
+    A rank with no tokens (T = 0: an empty result, zero weight gradients) goes to ``tabby.moe``
+    itself instead, with the same result."""
     if shared is not None:
         if not (isinstance(shared, (tuple, list)) and len(shared) == 3):
             raise MoEInputError("shared must be None or a tuple (w_gate_s [I_s, H], w_up_s [I_s, H], "
@@ -451,11 +460,7 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
         t is not None and t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, sg, su, sd))
     gname = group if isinstance(group, str) else _group_string(group)
     cstr = config if isinstance(config, str) else _config_string(config)
-    precision = _precision(cstr)
-    if x.shape[0] == 0 or precision != "bf16":
-        if precision != "bf16" and torch.compiler.is_compiling():
-            raise MoEInputError(f"MoEConfig(precision={precision!r}) has no registered operator yet: "
-                                f"torch.compile cannot trace it; run the layer eagerly")
+    if x.shape[0] == 0:
         return moe_function(x, topk_idx, topk_weights, w_gate, w_up, w_down, None if sg is None else (sg, su, sd),
                             group=resolve_group(gname), config=parse_config(cstr))
     out = torch.ops.tabby.moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, sg, su, sd, gname, cstr, save)
