@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="profile the default layer (the forward megakernel) instead of the sync-free path")
     pr.add_argument("--fwd-only", action="store_true",
                     help="forward passes only (under autograd, as the bench's forward), no backward")
+    pr.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp8-forward"],
+                    help="MoEConfig.precision of the profiled layer (FP8: the sync-free path, not with --mega)")
     tu = sub.add_parser("tune", help="time Tabby's variants (GPU)",
                         description="Forward time of Tabby's variants against the sync-free path and the floor. "
                                     "A variant is floor, sync-free or mega, with tabby.Tuning fields after a colon "
@@ -230,8 +232,10 @@ def main(argv=None) -> int:
         from . import profile
 
         _shapes(args.shapes, profile.PROFILE_SHAPES, parser, "known")
+        if args.mega and args.precision != "bf16":
+            parser.error("--precision fp8 / fp8-forward runs on the sync-free path: drop --mega")
         profile.run(args.shapes, args.tokens, args.ep, args.iters, args.warmup, args.out, mega=args.mega,
-                    fwd_only=args.fwd_only)
+                    fwd_only=args.fwd_only, precision=args.precision)
         return 0
     if args.command == "tune":
         from . import tune

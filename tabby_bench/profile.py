@@ -75,9 +75,9 @@ class StageTimer:
         return out
 
 
-def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only=False):
+def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only=False, precision="bf16"):
     """Per-stage medians on this rank: {stage: ms} (``mega``: the default config, the megakernel;
-    ``fwd_only``: no backward)."""
+    ``fwd_only``: no backward; ``precision``: ``MoEConfig.precision``)."""
     import torch.distributed as dist
 
     from tabby.functional.config import MoEConfig
@@ -93,7 +93,7 @@ def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only
     group = dist.group.WORLD if world > 1 else None
     x, weights = inp.x, [inp.w_gate, inp.w_up, inp.w_down]
     timer = StageTimer()
-    config = MoEConfig(megakernel=mega)
+    config = MoEConfig(megakernel=mega, precision=precision)
     for it in range(warmup + iters):
         if it == warmup and torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -115,7 +115,7 @@ def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only
     return per_rank
 
 
-def run(shapes, tokens, eps, iters=10, warmup=3, out=None, mega=False, fwd_only=False) -> list:
+def run(shapes, tokens, eps, iters=10, warmup=3, out=None, mega=False, fwd_only=False, precision="bf16") -> list:
     from .records import git_commit
 
     rows = []
@@ -123,14 +123,14 @@ def run(shapes, tokens, eps, iters=10, warmup=3, out=None, mega=False, fwd_only=
         for T in tokens:
             for ep in eps:
                 if ep > 1:
-                    per_rank = launch(profile_rank, shape, T, iters, warmup, mega, fwd_only, nprocs=ep)
+                    per_rank = launch(profile_rank, shape, T, iters, warmup, mega, fwd_only, precision, nprocs=ep)
                 else:
-                    per_rank = profile_rank(0, 1, shape, T, iters, warmup, mega, fwd_only)
+                    per_rank = profile_rank(0, 1, shape, T, iters, warmup, mega, fwd_only, precision)
                 stages = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
                 rows.append(dict(shape=shape, tokens_per_gpu=T, ep=ep, megakernel=mega, fwd_only=fwd_only,
-                                 stages_ms=stages, stages_ms_per_rank=per_rank))
+                                 precision=precision, stages_ms=stages, stages_ms_per_rank=per_rank))
                 total = {p: sum(v for k, v in stages.items() if k.startswith(p)) for p in ("fwd", "bwd")}
-                print(f"{shape} T={T} EP{ep}: fwd {total['fwd']:.3f} ms, bwd {total['bwd']:.3f} ms "
+                print(f"{shape} T={T} EP{ep} {precision}: fwd {total['fwd']:.3f} ms, bwd {total['bwd']:.3f} ms "
                       f"(sums of the slowest rank's stage times; per rank: the columns)", flush=True)
                 for k, v in stages.items():
                     ranks = " ".join(f"{r[k]:9.3f}" for r in per_rank) if len(per_rank) > 1 else ""

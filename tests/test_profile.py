@@ -81,3 +81,19 @@ def test_plot_trace_draws_a_timeline(tmp_path):
     out = tmp_path / "trace.png"
     plot_trace(_synthetic_trace(), str(out), "synthetic")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_profile_fp8_tiny_cpu(tmp_path):
+    """--precision fp8: the FP8 layer's stages, its quantizations and weight gradients apart."""
+    out = tmp_path / "stages.json"
+    assert main(["profile", "--precision", "fp8", "--shapes", "tiny", "--tokens", "8", "--iters", "1",
+                 "--warmup", "0", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["precision"] == "fp8"
+    want = {"fwd:publish+wait", "fwd:schedule", "fwd:wait_x", "fwd:dispatch", "fwd:gate_up", "fwd:down+push",
+            "fwd:signal+wait", "fwd:combine", "bwd:publish+wait", "bwd:dispatch_dy", "bwd:quantize_dy",
+            "bwd:down_dgrad+swiglu", "bwd:quantize_dgu", "bwd:gate_up_dgrad+push", "bwd:router_grad",
+            "bwd:quantize_cols_down", "bwd:wgrad_down", "bwd:quantize_cols_gate_up", "bwd:wgrad_gate_up",
+            "bwd:signal+wait", "bwd:combine"}
+    assert set(row["stages_ms"]) == want
+    assert all(v > 0 for v in row["stages_ms"].values())

@@ -237,12 +237,14 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     # Each buffer is dropped once its last launch is queued: the caching allocator hands it only to
     # later work on this stream, so the next buffers reuse it and the peak stays near one set.
     dys_q, dys_s = fp8.quantize_rows(dys, num_tiles=sched.num_tiles, tile_rows=BM)
+    mark(probe, "bwd:quantize_dy")
     dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(
         dys_q, dys_s, *fp8_weight_t(w_down), gu, row_w, sched.tile_expert, sched.num_tiles,
         config=GemmConfig(BM=BM, BN=128, BK=FP8_BLOCK, num_warps=8, num_stages=4, GROUP_M=8))
     del dys_q, dys_s, gu, row_w
     mark(probe, "bwd:down_dgrad+swiglu")
     dgu_q, dgu_qs = quantize_gate_up_grad(dgu, I, sched.num_tiles, BM)
+    mark(probe, "bwd:quantize_dgu")
     gemm_fp8.rows_gemm_fp8(dgu_q, dgu_qs, *fp8_gate_up_t(w_gate, w_up), sched.tile_expert, sched.num_tiles,
                            row_src=sched.row_src, dst_ptrs=ws.ptrs["dx_in"], TK=TK,
                            config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=BM))
@@ -262,13 +264,16 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     seg = (sched.expert_start, sched.expert_count)
     (dy_t, dy_s), (hw_t, hw_s) = cols(dys), cols(hw)
     del dys, hw
+    mark(probe, "bwd:quantize_cols_down")
     dw_down = gemm_fp8.expert_wgrad_fp8(dy_t, dy_s, hw_t, hw_s, *seg, out_dtype=w_down.dtype)
     del dy_t, dy_s, hw_t, hw_s
+    mark(probe, "bwd:wgrad_down")
     (dgu_t, dgu_s), (xs_t, xs_s) = cols(dgu), cols(xq, x_scale)
     del dgu, xq, x_scale
+    mark(probe, "bwd:quantize_cols_gate_up")
     dw_gate = gemm_fp8.expert_wgrad_fp8(dgu_t[:I], dgu_s[:, :I], xs_t, xs_s, *seg, out_dtype=w_gate.dtype)
     dw_up = gemm_fp8.expert_wgrad_fp8(dgu_t[I:], dgu_s[:, I:], xs_t, xs_s, *seg, out_dtype=w_up.dtype)
-    mark(probe, "bwd:wgrad")
+    mark(probe, "bwd:wgrad_gate_up")
     dx, dtopk = finish_backward(ws, plan, dy, T, k, probe)
     return dx, dtopk, dw_gate, dw_up, dw_down
 
