@@ -11,7 +11,7 @@
 #           (SOAK_S, FUZZ_S: their time budgets in seconds, default 120 each; FUZZ_PRECOMPILE_S: the
 #           fuzzer's kernels compiled first in parallel, default 120)
 #   fp8     the FP8 tests and scripts/fp8_bench.py (GEMM TFLOP/s and the layer, FP8 against bf16), then the
-#           layer bench at 16384 tokens: tabby against tabby-fp8 with fixed weights (their FP8 copies
+#           FP8 layer's stage profile at kimi-k2 and the layer bench at 16384 tokens: tabby against tabby-fp8 with fixed weights (their FP8 copies
 #           reused), tabby-fp8 against torch-fp8 from a new weight version per call (both quantize)
 #   all     tests, then bench
 # Logs and results go under $OUT (default /tmp/tabby-out); TABBY_GIT_COMMIT names the commit where the
@@ -72,6 +72,8 @@ if [ "$stage" = fp8 ]; then
   python3 scripts/fp8_bench.py "$@" 2>&1 | tee "$OUT/fp8-bench.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fp8_shapes=kimi-k2,glm-5,qwen3-30b-a3b,gpt-oss-120b,qwen3.5-397b
+  python3 -m tabby_bench profile --precision fp8 --shapes kimi-k2 --tokens 16384 --out "$OUT/res/profile-fp8.json" \
+    2>&1 | tail -30
   python3 -m tabby_bench bench --ep 1 --tokens 16384 --shapes $fp8_shapes --impls tabby,tabby-fp8 --weights fixed \
     --iters 10 --warmup 3 --out "$OUT/res" --tag fp8-fixed 2>&1 | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
