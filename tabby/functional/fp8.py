@@ -120,11 +120,12 @@ def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor):
         E, I, H = gq.shape
         Ip = gate_up_k(I)
         q = torch.empty(E, H, 2 * Ip, dtype=fp8.E4M3, device=gq.device)
-        for half, wq in enumerate((gq, uq)):
-            gemm_fp8.transpose_blocks(wq, gs, out=q[:, :, half * Ip:half * Ip + I])
+        scales = []
+        for half, (wq, ws_) in enumerate(((gq, gs), (uq, us))):
+            scales.append(gemm_fp8.transpose_blocks(wq, ws_, out=q[:, :, half * Ip:half * Ip + I])[1])
             if Ip > I:
                 q.view(torch.uint8)[:, :, half * Ip + I:(half + 1) * Ip].zero_()
-        return q, torch.cat([gs.transpose(-2, -1), us.transpose(-2, -1)], dim=-1)
+        return q, torch.cat(scales, dim=-1)
     return _cached("gate_up_t", (w_gate, w_up), make)
 
 
