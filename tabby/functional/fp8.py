@@ -1,6 +1,7 @@
-"""The FP8 layer, ``MoEConfig(precision="fp8", megakernel=False)``: the sync-free path of
-``forward.py`` with the routed experts' GEMMs in FP8 (the recipe: tabby/reference_fp8.py,
-docs/fp8.md), and the bf16 backward of ``backward.py``.
+"""The FP8 layer, ``MoEConfig(precision="fp8" | "fp8-forward", megakernel=False)``: the sync-free
+path of ``forward.py`` with the routed experts' GEMMs in FP8 (the recipe: tabby/reference_fp8.py,
+docs/fp8.md); "fp8" also runs the backward's GEMMs in FP8 (``moe_backward_fp8``), "fp8-forward"
+the bf16 backward of ``backward.py``.
 
 Forward, on every rank (no host sync; the steps not named here are forward.py's):
 
@@ -23,10 +24,11 @@ per weight version and cached: a cached copy is used while the tensor is the sam
 the same address, with the same ``_version`` (an optimizer's in-place step increments it). A
 change through ``.data`` does not increment ``_version``: call :func:`clear_weight_cache` after one.
 
-Backward: ``backward.moe_backward`` as it is, in bf16 from the bf16 weights, with the g | u of the
-FP8 forward: the gradient of the high-precision layer evaluated at the FP8 forward's activations
-("FP8 forward, bf16 backward"; ``reference_fp8.moe_reference_fp8`` defines it). The shared
-expert stays in bf16 (plain PyTorch, as on the bf16 sync-free path).
+Backward: "fp8": ``moe_backward_fp8`` (``reference_fp8.moe_backward_reference_fp8`` defines it).
+"fp8-forward": ``backward.moe_backward`` as it is, in bf16 from the bf16 weights, with the g | u of
+the FP8 forward: the gradient of the high-precision layer evaluated at the FP8 forward's
+activations (``reference_fp8.moe_reference_fp8``'s autograd defines it). The shared expert stays
+in bf16 (plain PyTorch, as on the bf16 sync-free path).
 """
 from __future__ import annotations
 
