@@ -12,6 +12,24 @@ import torch
 from tabby.functional.threads import ThreadGroup, ThreadRank, patch_interpreter_for_threads, run_ranks  # noqa: F401
 
 
+# The GPU tests' cases (test_moe_gpu.py, test_fp8_layer.py): each bench shape's true H, I and k
+# with a small expert count per rank, and the odd ones (T = 333, k = 1, every row to one expert,
+# every token to the last rank's experts, most of them empty).
+# name: (T per rank, H, I, E_local, k, shared, route)
+GPU_CASES = {
+    "kimi-k2": (256, 7168, 2048, 8, 8, False, "random"),
+    "glm-5": (256, 6144, 2048, 8, 8, False, "random"),
+    "qwen3.5-397b": (256, 4096, 1024, 16, 10, False, "random"),
+    "deepseek-v4-pro": (256, 7168, 3072, 8, 6, False, "random"),
+    "qwen3-30b-a3b": (512, 2048, 768, 16, 8, True, "random"),
+    "gpt-oss-120b": (256, 2880, 2880, 8, 4, False, "random"),
+    "odd-T": (333, 2048, 768, 16, 8, False, "random"),
+    "k1": (300, 2048, 768, 16, 1, False, "random"),
+    "one-expert": (200, 2048, 768, 16, 4, False, "one_expert"),
+    "one-rank-empty-experts": (200, 2048, 768, 16, 2, False, "one_rank"),
+}
+
+
 def make_problem(W, T, H, I, E_local, k, shared=False, seed=0, dtype=torch.bfloat16, route="random"):
     """Global inputs for W ranks: x [W*T, H], idx [W*T, k], weights, expert weights [W*E_local, ...]."""
     g = torch.Generator().manual_seed(seed)

@@ -15,7 +15,7 @@ from tabby.functional import fp8 as fp8_layer
 from tabby.functional.config import MoEConfig, Tuning
 from tabby.functional.moe import moe
 
-from harness import make_problem, rel_err, run_ranks
+from harness import GPU_CASES, make_problem, rel_err, run_ranks
 
 CUDA = torch.cuda.is_available()
 # how the kernels' bf16 stores round: the interpreter truncates, so the CPU reference does too
@@ -300,30 +300,18 @@ def test_fp8_layer_gpu(H, I, E, k, T, backward):
         assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
-# The bf16 GPU tests' cases (test_moe_gpu.py): each bench shape's H, I and k with few experts, and
-# the odd ones. name: (T, H, I, E, k, shared, route); "empty": only odd-numbered experts get rows
-GPU_CASES = {
-    "kimi-k2": (256, 7168, 2048, 8, 8, False, "random"),
-    "glm-5": (256, 6144, 2048, 8, 8, False, "random"),
-    "qwen3.5-397b": (256, 4096, 1024, 16, 10, False, "random"),
-    "deepseek-v4-pro": (256, 7168, 3072, 8, 6, False, "random"),
-    "qwen3-30b-a3b": (512, 2048, 768, 16, 8, True, "random"),
-    "gpt-oss-120b": (256, 2880, 2880, 8, 4, False, "random"),
-    "odd-T": (333, 2048, 768, 16, 8, False, "random"),
-    "k1": (300, 2048, 768, 16, 1, False, "random"),
-    "one-expert": (200, 2048, 768, 16, 4, False, "one_expert"),
-    "empty-experts": (200, 2048, 768, 16, 2, False, "empty"),
-}
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_fp8_layer_gpu_cases(case):
-    """precision="fp8" on the bench shapes and the odd cases: y and every gradient against the FP8
-    recipe (plain PyTorch) and against the fp32 layer."""
+    """precision="fp8" on the bf16 GPU tests' cases (harness.GPU_CASES: the bench shapes with few
+    experts, the odd ones): y and every gradient against the FP8 recipe (plain PyTorch) and
+    against the fp32 layer. One rank: "one_rank" becomes rows to odd-numbered experts only (the
+    even ones empty)."""
     T, H, I, E, k, shared, route = GPU_CASES[case]
-    prob = make_problem(1, T, H, I, E, k, shared=shared, seed=T + H, route="random" if route == "empty" else route)
-    if route == "empty":
+    prob = make_problem(1, T, H, I, E, k, shared=shared, seed=T + H, route="random" if route == "one_rank" else route)
+    if route == "one_rank":
         prob = (prob[0], prob[1] % (E // 2) * 2 + 1, *prob[2:])
     got = _run(prob, GPU_CFG_BWD, device="cuda")
     _compare(got, _reference_fp8_backward(prob), 2e-2)

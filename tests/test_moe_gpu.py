@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import rel_err  # noqa: E402
+from harness import GPU_CASES, rel_err  # noqa: E402
 
 
 def sync_free_moe(*args, **kw):
@@ -25,23 +25,10 @@ def sync_free_moe(*args, **kw):
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 TOL = 2e-2
-# name: (T per rank, H, I, E_local, k, shared, route)
-CASES = {
-    "kimi-k2": (256, 7168, 2048, 8, 8, False, "random"),
-    "glm-5": (256, 6144, 2048, 8, 8, False, "random"),
-    "qwen3.5-397b": (256, 4096, 1024, 16, 10, False, "random"),
-    "deepseek-v4-pro": (256, 7168, 3072, 8, 6, False, "random"),
-    "qwen3-30b-a3b": (512, 2048, 768, 16, 8, True, "random"),
-    "gpt-oss-120b": (256, 2880, 2880, 8, 4, False, "random"),
-    "odd-T": (333, 2048, 768, 16, 8, False, "random"),
-    "k1": (300, 2048, 768, 16, 1, False, "random"),
-    "one-expert": (200, 2048, 768, 16, 4, False, "one_expert"),
-    "one-rank-empty-experts": (200, 2048, 768, 16, 2, False, "one_rank"),
-}
 
 
 def _inputs(case, rank, W, device):
-    T, H, I, E_local, k, shared, route = CASES[case]
+    T, H, I, E_local, k, shared, route = GPU_CASES[case]
     g = torch.Generator(device=device).manual_seed(1000 + rank)
     E = E_local * W
     x = torch.randn(T, H, generator=g, device=device).bfloat16()
@@ -176,7 +163,7 @@ def run_on_gpus(check, cases, ep):
 
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])
 def test_tabby_gpu(ep):
-    res = run_on_gpus(check_rank, list(CASES), ep)
+    res = run_on_gpus(check_rank, list(GPU_CASES), ep)
     print(res)
     _assert_ok(res)
 
