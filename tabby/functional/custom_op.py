@@ -15,9 +15,10 @@ The forward returns, besides y, everything its backward needs as tensors: the ro
 (row_src, tile_expert, expert_start, expert_count, num_tiles) and the kept routed rows (xs,
 g | u, the rows' router weights; empty ``[0, ...]`` tensors when the forward keeps nothing and the
 backward recomputes them). ``precision="fp8"`` keeps xs in E4M3 with its 1x128 scales
-``x_scale`` [R, ceil(H/128)] (``fp8.py``); every other precision returns ``x_scale`` empty. Nothing passes between the two through Python objects, so the pair
-works the same in eager mode, in a compiled graph (the kept tensors are ordinary saved
-activations) and inside a captured CUDA graph, and neither reads anything back to the host.
+``x_scale`` [R, ceil(H/128)] (``fp8.py``); every other precision returns ``x_scale`` empty.
+Nothing passes between the two through Python objects, so the pair works the same in eager mode,
+in a compiled graph (the kept tensors are ordinary saved activations) and inside a captured CUDA
+graph, and neither reads anything back to the host.
 ``register_autograd`` wires them together: the forward's ``setup_context`` saves the inputs and
 the kept outputs, the backward calls ``moe_backward``.
 
@@ -70,11 +71,10 @@ from .config import MoEConfig, Tuning
 from .forward import KeptRows, MegaSaved, moe_forward
 from .forward_mega import moe_forward_mega
 from .fp8 import fp8_passes, moe_backward_fp8
-from .moe import group_info, workspace_and_plan
+from .moe import group_info, workspace_and_plan, workspace_key
 from .moe import moe as moe_function
 from .plan import Plan, make_plan
 from .threads import ThreadRank
-from .workspace import WorkspaceKey
 
 __all__ = ["moe", "zero_padding", "group_name", "config_string", "parse_config", "resolve_group"]
 
@@ -254,9 +254,8 @@ def _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group: str, 
         raise MoEInputError("Tabby across processes needs CUDA tensors (GPU symmetric memory)")
     if dims.T == 0:  # (the wrapper ``moe`` sends T = 0 to tabby.moe)
         raise MoEInputError("torch.ops.tabby.moe needs tokens (T = 0); tabby.functional.custom_op.moe takes T = 0")
-    key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device),
-                       fp8=cfg.precision != "bf16")
-    ws, plan = workspace_and_plan(key, dims, cfg, dims.I_shared, x.device, rank, pg, tg, differentiated=save)
+    ws, plan = workspace_and_plan(workspace_key(dims, W, x, cfg), dims, cfg, dims.I_shared, x.device, rank, pg, tg,
+                                  differentiated=save)
     return ws, plan, dims
 
 
@@ -354,8 +353,9 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tens
                      shared_up: torch.Tensor | None, shared_down: torch.Tensor | None, row_src: torch.Tensor,
                      tile_expert: torch.Tensor, expert_start: torch.Tensor, expert_count: torch.Tensor,
                      num_tiles: torch.Tensor, xs: torch.Tensor, gu: torch.Tensor, row_w: torch.Tensor,
-                     x_scale: torch.Tensor, group: str, config: str, save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                       torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     x_scale: torch.Tensor, group: str, config: str,
+                     save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                          torch.Tensor, torch.Tensor, torch.Tensor]:
     shared = _shared(shared_gate, shared_up, shared_down)
     T, k = topk_weights.shape
     # topk_idx is not needed any more: the schedule holds the routing; a placeholder of its shape

@@ -134,6 +134,13 @@ def _plan_key(config: MoEConfig, I_s: int):
             os.environ.get("TABBY_DEBUG"))
 
 
+def workspace_key(dims: MoEDims, world_size: int, x: torch.Tensor, config: MoEConfig) -> WorkspaceKey:
+    """The key of the workspace a call uses: its shapes, dtype and device, and whether it carries the
+    FP8 dispatch's buffers (any precision but bf16)."""
+    return WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, world_size, x.dtype, str(x.device),
+                        fp8=config.precision != "bf16")
+
+
 def workspace_and_plan(key: WorkspaceKey, dims: MoEDims, config: MoEConfig, I_s: int, device, rank, pg, tg,
                         differentiated: bool = True):
     """The cached workspace of this group and shape and its plan for ``config`` and ``I_s``.
@@ -199,8 +206,7 @@ def _moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
     if W > 1 and tg is None and x.device.type != "cuda":
         raise MoEInputError("Tabby across processes needs CUDA tensors (GPU symmetric memory); on the CPU "
                             "run one rank, or simulated ranks (tabby.functional.threads.run_ranks)")
-    key = WorkspaceKey(dims.T, dims.H, dims.k, dims.E_local, dims.I, W, x.dtype, str(x.device),
-                       fp8=config.precision != "bf16")
+    key = workspace_key(dims, W, x, config)
     I_s = shared[0].shape[0] if shared is not None else 0
     if dims.T == 0:
         if W > 1:  # take part in the group's shape agreement (made once per shape): a peer with tokens is reported
