@@ -226,11 +226,17 @@ def test_fixed_weights_keep_one_version_over_the_timed_calls():
         seen.append([w._version for w in inp.weights()])
         return moe_torch_a2a(*args, group=group)
 
-    impl = LayerImpl("x", layer)
+    prepared = []
+
+    class Kept(LayerImpl):  # the run that measure prepares, kept to call its timed passes here
+        def prepare(self, inp, group):
+            prepared.append(super().prepare(inp, group))
+            return prepared[-1]
+
     cfg = bench.Config(shapes=[TINY], tokens=[16], eps=[1], impls=["tabby-fp8"], passes=["fwd"], weights="fixed")
-    bench.measure(impl, inp, None, cfg, timed=False)  # the check: one call
-    run = impl.prepare(inp, None)
-    run.new_weights = cfg.weights == "new"
+    bench.measure(Kept("x", layer), inp, None, cfg, timed=False)  # the check: one call
+    (run,) = prepared
+    assert run.new_weights is False  # measure passed the policy on
     run.run_fwd()
     run.run_fwd()
     assert len(seen) == 3 and seen[1] == seen[2], seen
