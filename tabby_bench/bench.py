@@ -5,8 +5,9 @@ inputs (its own seed), checks the implementation against the fp32 reference (for
 for fwd+bwd, dx, d topk_weights and the weight gradients; relative Frobenius error, tolerance 2e-2
 for bf16 rows and 8e-2 for FP8 rows), then times the forward (autograd enabled) and forward+backward with CUDA events: each
 iteration's time is the maximum over all ranks, the reported time the median over iterations.
-Every timed call starts from a new weight version, as after an optimizer step (``impls.LayerRun``:
-the FP8 rows quantize their weights on every call; :data:`WEIGHTS_NOTE`), and a row's peak memory
+By default every timed call starts from a new weight version, as after an optimizer step
+(``impls.LayerRun``: the FP8 rows quantize their weights on every call; :data:`WEIGHTS_NOTE`;
+``Config.weights`` "fixed" keeps one version, :data:`FIXED_WEIGHTS_NOTE`), and a row's peak memory
 counts what it derives from the weights (Tabby's FP8 weight copies are dropped before each timed pass).
 The floor is timed first and again after a shape's other implementations; its figure is the mean
 of the two (``records.bracket_floor``: the GPU's clock drifts down under sustained load).

@@ -11,9 +11,9 @@ Modules named in the environment variable TABBY_BENCH_PLUGINS are imported and m
 :func:`register` more (spawned workers import this module afresh, so a registration must happen
 when some module is imported).
 
-Every timed call of a layer starts from a new weight version (``LayerRun``): as in a training
-step with one forward per optimizer step, a layer that derives something from its weights pays
-for it on every call. For the FP8 rows that is quantizing the weights: ``torch-fp8`` does it on
+By default every timed call of a layer starts from a new weight version (``LayerRun``; the
+bench's ``--weights fixed`` keeps one): as in a training step with one forward per optimizer
+step, a layer that derives something from its weights pays for it on every call. For the FP8 rows that is quantizing the weights: ``torch-fp8`` does it on
 every call anyway; ``tabby-fp8`` caches its FP8 copies per weight version and so makes them again.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ class LayerRun:
     """A prepared layer implementation: ``fn(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group=)``.
 
     Each timed call (``run_fwd``, ``run_fwdbwd``) starts from a new weight version
-    (:func:`new_weight_version`), as a training step with one forward per optimizer step does:
+    (:func:`new_weight_version`; unless ``new_weights`` is False), as a training step with one forward per optimizer step does:
     every row pays for whatever it derives from the weights (the FP8 rows: quantizing them) on
     every call. ``check`` calls the layer once, on the weights as they are."""
 
@@ -184,7 +184,8 @@ register_layer("torch-symm", moe_torch_symm, anchor=True, supports_cpu=False, is
 register_tabby()
 # FP8 rows, outside the default matrix (checked at the FP8 tolerance): torch-a2a with
 # torch._scaled_grouped_mm (quantization fused by torch.compile), and Tabby's FP8 layer (the path
-# of separate launches); both quantize the weights on every timed call (LayerRun)
+# of separate launches); with new weight versions (the default) both quantize the weights on
+# every timed call (LayerRun)
 register_layer("torch-fp8", moe_torch_fp8, anchor=True, supports_cpu=False, in_default=False, precision="fp8",
                note=lambda: f"quantization {quantize_mode()}")
 register_layer("tabby-fp8", functools.partial(tabby.moe, config=MoEConfig(megakernel=False, precision="fp8")),
