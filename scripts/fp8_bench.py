@@ -91,6 +91,25 @@ def gemms(T, k, E, H, I, variants):
     return out
 
 
+def wgrad_segments(T, k, E, H, I):
+    """The FP8 weight gradient where the experts' rows are not multiples of 128 (kimi-k2: 16384 x 8
+    rows over 384 experts, 341 each): the general kernel (each segment's last block masked, after
+    the loop) against ``padded`` (the layer's zero tail rows, every block in the loop); bf16's too."""
+    rows = T * k
+    R, te, nt, start, count = even_schedule(rows, E)
+    per = rows // E
+    tail = (torch.arange(R, device="cuda") - start[:-1].repeat_interleave(R // E)) >= per  # rows past a segment
+    x = torch.randn(R, H, device="cuda", dtype=torch.bfloat16).masked_fill(tail[:, None], 0)
+    h = torch.randn(R, I, device="cuda", dtype=torch.bfloat16).masked_fill(tail[:, None], 0)
+    (xc, xcs), (hc, hcs) = quantize_cols(x), quantize_cols(h)
+    fl = 2 * E * per * H * I
+    out = {"bf16": fl / bench(lambda: gemm.expert_wgrad(x, h, start, count)) / 1e9}
+    out["fp8 general"] = fl / bench(lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count)) / 1e9
+    out["fp8 padded"] = fl / bench(lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count,
+                                                                     padded=True)) / 1e9
+    return out
+
+
 def layer(T, k, E, H, I, iters=10):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
@@ -138,6 +157,10 @@ def main():
             res = gemms(T, k, E, H, I, variants)
             print(f"GEMM TFLOP/s, T*k={T * k} rows, E={E}, H={H}, I={I}: "
                   + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
+        T, k, E, H, I = 16384, 8, 384, 7168, 2048
+        res = wgrad_segments(T, k, E, H, I)
+        print(f"weight gradient TFLOP/s, {T * k // E} rows per expert, E={E}, H={H}, I={I}: "
+              + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
     if not a.gemm_only:
         for T, k, E, H, I in shapes[:1] + ((4096, 8, 128, 7168, 2048),):
             try:

@@ -234,6 +234,29 @@ def test_expert_wgrad_fp8(M, N):
         assert rel(out[e], a[st:st + c].float().t() @ b[st:st + c].float()) < 6e-2
 
 
+@pytest.mark.parametrize("M,N", [(64, 96), (144, 80)])
+def test_expert_wgrad_fp8_padded_segments(M, N):
+    """``padded=True`` on the layer's layout (segments at multiples of 128, padding rows quantized as
+    zeros; an empty expert, one of one row, one of exactly 256): bitwise the general kernel, which
+    masks each segment's last block; and a buffer whose R is not a multiple of 128 refused."""
+    sch = Sched([37, 0, 256, 5, 1], 128, seed=M * N)
+    a, b = rand(sch.R, M, seed=24), rand(sch.R, N, seed=25)
+    a[sch.row_src_cpu < 0] = float("nan")  # padding rows hold anything before quantize_cols
+    aq, as_ = quantize_cols(a.to(DEV), row_src=sch.row_src, num_tiles=sch.num_tiles, tile_rows=128)
+    bq, bs = quantize_cols(b.to(DEV), row_src=sch.row_src, num_tiles=sch.num_tiles, tile_rows=128)
+    cfg = GemmConfig(BM=64 if not CUDA else 128, BN=64 if not CUDA else 128, BK=128,
+                     num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
+    start = torch.tensor([st for _, st, _ in sch.segments], dtype=torch.int32, device=DEV)
+    count = torch.tensor([c for _, _, c in sch.segments], dtype=torch.int32, device=DEV)
+    general = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, config=cfg)
+    padded = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, config=cfg,
+                                       padded=True)
+    assert torch.equal(general.view(torch.int32), padded.view(torch.int32))
+    assert not padded[1].any()  # the empty expert
+    with pytest.raises(ValueError, match="multiple of 128"):
+        gemm_fp8.expert_wgrad_fp8(aq[:, :-16], as_, bq[:, :-16], bs, start, count, padded=True)
+
+
 @pytest.mark.parametrize("H,I", [(256, 256), (272, 144), (208, 80)])
 def test_down_dgrad_swiglu_fp8(H, I):
     """The FP8 down dgrad (dy per 1x128, W_down's blocks transposed) with gemm.py's SwiGLU backward

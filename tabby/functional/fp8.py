@@ -262,20 +262,22 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
         return fp8.quantize_cols(t, row_src=sched.row_src, num_tiles=sched.num_tiles, tile_rows=BM,
                                  row_scale=row_scale)
 
-    # transposed E4M3 [C, R] and scales [R/128, C]; each operand quantized just before its weight
-    # gradient and dropped after it, with its bf16 source
+    # transposed E4M3 [C, R] and scales [R/128, C], padding rows zeros (the weight gradients'
+    # ``padded``: segments start at multiples of tile_m, a multiple of 128); each operand quantized
+    # just before its weight gradient and dropped after it, with its bf16 source
     seg = (sched.expert_start, sched.expert_count)
     (dy_t, dy_s), (hw_t, hw_s) = cols(dys), cols(hw)
     del dys, hw
     mark(probe, "bwd:quantize_cols_down")
-    dw_down = gemm_fp8.expert_wgrad_fp8(dy_t, dy_s, hw_t, hw_s, *seg, out_dtype=w_down.dtype)
+    dw_down = gemm_fp8.expert_wgrad_fp8(dy_t, dy_s, hw_t, hw_s, *seg, out_dtype=w_down.dtype, padded=True)
     del dy_t, dy_s, hw_t, hw_s
     mark(probe, "bwd:wgrad_down")
     (dgu_t, dgu_s), (xs_t, xs_s) = cols(dgu), cols(xq, x_scale)
     del dgu, xq, x_scale
     mark(probe, "bwd:quantize_cols_gate_up")
-    dw_gate = gemm_fp8.expert_wgrad_fp8(dgu_t[:I], dgu_s[:, :I], xs_t, xs_s, *seg, out_dtype=w_gate.dtype)
-    dw_up = gemm_fp8.expert_wgrad_fp8(dgu_t[I:], dgu_s[:, I:], xs_t, xs_s, *seg, out_dtype=w_up.dtype)
+    dw_gate = gemm_fp8.expert_wgrad_fp8(dgu_t[:I], dgu_s[:, :I], xs_t, xs_s, *seg, out_dtype=w_gate.dtype,
+                                        padded=True)
+    dw_up = gemm_fp8.expert_wgrad_fp8(dgu_t[I:], dgu_s[:, I:], xs_t, xs_s, *seg, out_dtype=w_up.dtype, padded=True)
     mark(probe, "bwd:wgrad_gate_up")
     dx, dtopk = finish_backward(ws, plan, dy, T, k, probe)
     return dx, dtopk, dw_gate, dw_up, dw_down

@@ -523,7 +523,7 @@ def _wgrad_fp8_full(acc, p, kb, kf0, a_row, a_off, b_row, b_off, as_ptr, stride_
 def expert_wgrad_fp8_kernel(at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt, bs_ptr, stride_bsr,
                             c_ptr, stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, R,
                             M: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                            GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
+                            GROUP_M: tl.constexpr, INTERPRET: tl.constexpr, PADDED: tl.constexpr = False):
     """C[e] tile = A_seg^T @ B_seg over expert e's rows, from the transposed operands (At [M, R],
     Bt [N, R]: both read with the rows, the GEMM's K, contiguous: K-major, as the FP8 wgmma takes
     both operands), one program, 128-row blocks in order, each block's product scaled by the
@@ -536,7 +536,12 @@ def expert_wgrad_fp8_kernel(at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, strid
     loop unpipelined). In that loop the
     promotion of block kb - 1 is written after block kb's dot, so that ptxas issues it while the
     MMA runs (Triton still waits for each dot in its own iteration); the sum is the same, in the
-    same order: acc + part_kb * (sa_kb x sb_kb), block after block."""
+    same order: acc + part_kb * (sa_kb x sb_kb), block after block.
+
+    PADDED (the layer's routed rows): every segment starts at a multiple of 128 and the rows from
+    its end to the next multiple of 128 are zeros in both operands (padding rows, quantized as
+    zeros). Its last block then goes through the loop unmasked like the others: zero rows add
+    exact zeros, the same MMA inputs as the masked load's zeroed registers, so the same bits."""
     num_m: tl.constexpr = (M + BM - 1) // BM
     num_n: tl.constexpr = (N + BN - 1) // BN
     pid = tl.program_id(0)
@@ -554,11 +559,15 @@ def expert_wgrad_fp8_kernel(at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, strid
     a_off = (tl.minimum(pid_m * BM + tl.arange(0, BM), M - 1) - pid_m * BM)[:, None] * stride_at + offs_k[None, :]
     b_off = (tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1) - pid_n * BN)[:, None] * stride_bt + offs_k[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    kf0 = (start + 127) // 128  # the blocks [kf0, kf1) lie inside the segment
-    kf1 = end // 128
-    if start % 128 != 0:  # the first block, partly before the segment (or an empty segment's block)
-        acc = _wgrad_fp8_partial(acc, start // 128, start, end, R, a_row, a_off, b_row, b_off, as_ptr, stride_asr,
-                                 bs_ptr, stride_bsr, offs_m, offs_n)
+    if PADDED:  # every block the segment touches, unmasked (its tail rows are zeros)
+        kf0 = start // 128
+        kf1 = (end + 127) // 128
+    else:  # the blocks [kf0, kf1) lie inside the segment
+        kf0 = (start + 127) // 128
+        kf1 = end // 128
+        if start % 128 != 0:  # the first block, partly before the segment (or an empty segment's block)
+            acc = _wgrad_fp8_partial(acc, start // 128, start, end, R, a_row, a_off, b_row, b_off, as_ptr,
+                                     stride_asr, bs_ptr, stride_bsr, offs_m, offs_n)
     p = tl.zeros((BM, BN), dtype=tl.float32)
     if INTERPRET:  # the interpreter cannot take range() of a runtime scalar: the same steps
         kb = kf0
@@ -572,9 +581,10 @@ def expert_wgrad_fp8_kernel(at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, strid
                                      stride_bsr, offs_m, offs_n)
     if kf1 > kf0:  # the last full block's promotion
         acc = acc + p * _wgrad_fp8_scales(kf1 - 1, as_ptr, stride_asr, bs_ptr, stride_bsr, offs_m, offs_n)
-    if (end % 128 != 0) & (kf1 >= kf0):  # the last block, partly past the segment (not the first one)
-        acc = _wgrad_fp8_partial(acc, kf1, start, end, R, a_row, a_off, b_row, b_off, as_ptr, stride_asr,
-                                 bs_ptr, stride_bsr, offs_m, offs_n)
+    if not PADDED:
+        if (end % 128 != 0) & (kf1 >= kf0):  # the last block, partly past the segment (not the first one)
+            acc = _wgrad_fp8_partial(acc, kf1, start, end, R, a_row, a_off, b_row, b_off, as_ptr, stride_asr,
+                                     bs_ptr, stride_bsr, offs_m, offs_n)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     cptrs = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :]
@@ -582,13 +592,18 @@ def expert_wgrad_fp8_kernel(at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, strid
 
 
 def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, out_dtype=torch.bfloat16,
-                     config: GemmConfig | None = None):
+                     config: GemmConfig | None = None, padded: bool = False):
     """C [E, M, N], C[e] = A[s:s+c]^T @ B[s:s+c] (s = expert_start[e], c = expert_count[e]) from
     operands quantized per 128x1 and stored transposed (``ops.fp8.quantize_cols``): at [M, R]
     E4M3 with a_scale [ceil(R/128), M], bt [N, R] with b_scale [ceil(R/128), N]; any row
     strides (row slices of taller buffers), unit column stride. Deterministic: one program per
-    output tile, the expert's rows in order."""
+    output tile, the expert's rows in order. ``padded``: the operands are the layer's routed rows
+    (segments start at multiples of 128, rows between a segment's end and the next multiple of 128
+    zeros, R a multiple of 128; the caller's promise, as ``quantize_cols`` with ``row_src`` makes
+    them): each segment's last block is loaded unmasked, inside the pipelined loop."""
     M, R = at.shape
+    if padded and R % BLOCK:
+        raise ValueError(f"expert_wgrad_fp8(padded=True) needs R a multiple of {BLOCK}, got {R}")
     N = bt.shape[0]
     E = expert_count.numel()
     nr = triton.cdiv(R, BLOCK)
@@ -612,5 +627,5 @@ def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, ou
     expert_wgrad_fp8_kernel[grid](at, at.stride(0), a_scale, a_scale.stride(0), bt, bt.stride(0), b_scale,
                                   b_scale.stride(0), out, out.stride(0), out.stride(1), expert_start, expert_count,
                                   R_k, M, N, BM=cfg.BM, BN=cfg.BN, GROUP_M=cfg.GROUP_M, INTERPRET=INTERPRET,
-                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                  PADDED=padded, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
