@@ -318,7 +318,7 @@ def moe_backward_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, 
       zero-padded to a multiple of 128 along K (:func:`gate_up_grad_operands_ref`);
     - weight gradients from operands quantized per 128x1 along the rows (128-row tiles from the
       expert's first row): ``dW_down = wgrad(dys, hw)``, ``dW_gate = wgrad(dg, xs)``,
-      ``dW_up = wgrad(du, xs)``, xs the rows of x as the forward quantized them (per 1x128,
+      ``dW_up = wgrad(du, xs)``, dys and xs as the passes quantized them (per 1x128,
       dequantized: the forward's E4M3 rows are what the layer keeps, as in DeepSeek-V3's FP8
       activation cache; with power-of-two scales requantizing them per 128x1 rounds only where a
       value falls into E4M3's subnormals); fp32 promotion per 128 rows.
@@ -364,7 +364,7 @@ def moe_backward_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, 
                                                  for wt in (w_gate, w_up)))
         dgq, dgs = gate_up_grad_operands_ref(quantize_rows_ref(dgu[:, :I]), quantize_rows_ref(dgu[:, I:]))
         dx_rows[rows] = bf16(fp8_gemm_ref(dgq, dgs, gq_t, gs_t)).float()
-        (dyc, dycs), (hwc, hwcs) = quantize_cols_ref(dys), quantize_cols_ref(hw)
+        (dyc, dycs), (hwc, hwcs) = quantize_cols_ref(dequantize_rows_ref(dyq, dys_s)), quantize_cols_ref(hw)
         (dgc, dgcs), (xc, xcs) = quantize_cols_ref(dgu), quantize_cols_ref(xd[tok])
         grads[2][e] = fp8_wgrad_ref(dyc, dycs, hwc, hwcs, 0, n)
         grads[0][e] = fp8_wgrad_ref(dgc[:, :I], dgcs[:, :I], xc, xcs, 0, n)

@@ -91,7 +91,7 @@ def test_profile_fp8_tiny_cpu(tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     assert row["precision"] == "fp8"
     want = {"fwd:publish+wait", "fwd:schedule", "fwd:wait_x", "fwd:dispatch", "fwd:gate_up", "fwd:down+push",
-            "fwd:signal+wait", "fwd:combine", "bwd:publish+wait", "bwd:dispatch_dy", "bwd:quantize_dy",
+            "fwd:signal+wait", "fwd:combine", "bwd:publish+wait", "bwd:dispatch_dy",
             "bwd:down_dgrad+swiglu", "bwd:quantize_dgu", "bwd:gate_up_dgrad+push", "bwd:router_grad",
             "bwd:quantize_cols_down", "bwd:wgrad_down", "bwd:quantize_cols_gate_up", "bwd:wgrad_gate_up",
             "bwd:signal+wait", "bwd:combine"}

@@ -231,20 +231,21 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     k, TK = sched.k, sched.T * sched.k
     BM = plan.tile_m
     mark(probe, "bwd:start")
-    ws.dy_pub.copy_(dy)
+    # dy quantized per 1x128 at its source, as x in the forward: the rows pulled are E4M3 + scales
+    fp8.quantize_rows(dy.contiguous(), out=ws.dyq_pub.view(fp8.E4M3), scale_out=ws.dys_pub)
     signal_and_wait(ws, BWD_READY, BWD, True, sync.ERR_WAIT_PEER_READY, plan)
     mark(probe, "bwd:publish+wait")
-    dys = dy.new_empty((sched.R_max, H))
-    pull_routed_rows(plan, sched, ws.ptrs["dy_pub"], dys, TK, k)
+    dys_q = torch.empty((sched.R_max, H), dtype=fp8.E4M3, device=dy.device)
+    dys_s = torch.empty((sched.R_max, ws.dys_pub.shape[1]), dtype=torch.float32, device=dy.device)
+    pull_routed_rows(plan, sched, ws.ptrs["dyq_pub"], dys_q.view(torch.uint8), TK, k)
+    pull_routed_rows(plan, sched, ws.ptrs["dys_pub"], dys_s, TK, k)
     mark(probe, "bwd:dispatch_dy")
     # Each buffer is dropped once its last launch is queued: the caching allocator hands it only to
     # later work on this stream, so the next buffers reuse it and the peak stays near one set.
-    dys_q, dys_s = fp8.quantize_rows(dys, num_tiles=sched.num_tiles, tile_rows=BM)
-    mark(probe, "bwd:quantize_dy")
     dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(
         dys_q, dys_s, *fp8_weight_t(w_down), gu, row_w, sched.tile_expert, sched.num_tiles,
         config=GemmConfig(BM=BM, BN=128, BK=FP8_BLOCK, num_warps=8, num_stages=4, GROUP_M=8))
-    del dys_q, dys_s, gu, row_w
+    del gu, row_w
     mark(probe, "bwd:down_dgrad+swiglu")
     dgu_q, dgu_qs = quantize_gate_up_grad(dgu, I, sched.num_tiles, BM)
     mark(probe, "bwd:quantize_dgu")
@@ -266,8 +267,8 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     # ``padded``: segments start at multiples of tile_m, a multiple of 128); each operand quantized
     # just before its weight gradient and dropped after it, with its bf16 source
     seg = (sched.expert_start, sched.expert_count)
-    (dy_t, dy_s), (hw_t, hw_s) = cols(dys), cols(hw)
-    del dys, hw
+    (dy_t, dy_s), (hw_t, hw_s) = cols(dys_q, dys_s), cols(hw)
+    del dys_q, dys_s, hw
     mark(probe, "bwd:quantize_cols_down")
     dw_down = gemm_fp8.expert_wgrad_fp8(dy_t, dy_s, hw_t, hw_s, *seg, out_dtype=w_down.dtype, padded=True)
     del dy_t, dy_s, hw_t, hw_s

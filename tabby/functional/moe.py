@@ -295,6 +295,7 @@ def memory_needs(plan: Plan) -> MemoryNeeds:
         fp8_weights = 3 * d.E_local * I * H  # the three weights' 128x128-block copies
         if plan.precision == "fp8":
             kept += rows_fp8(H) - R * 2 * H  # the rows kept in E4M3 with their scales, not bf16
+            bwd -= R * 2 * H  # dy rows pulled in E4M3 (counted below), never bf16
             # dy rows and dg|du (halves padded) per 1x128; dy, hw, dg|du, xs per 128x1 (R a multiple of
             # 128: 33/32 byte a value); W_down^T and [W_gate^T | W_up^T] (halves padded)
             bwd += rows_fp8(H) + 2 * rows_fp8(Ip) + R * (H + I + 2 * I + H) * 33 // 32

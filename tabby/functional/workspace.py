@@ -5,6 +5,7 @@ Symmetric buffers (every rank holds one copy; peers reach it through an address 
     x_pub   [T, H]   bf16   this rank's tokens, published for the experts' pull dispatch
     xq_pub  [T, H]   E4M3   FP8 workspaces (key.fp8): the tokens quantized per 1x128, pulled
     xs_pub  [T, H/128] fp32   instead of x_pub by the FP8 forward, and their scales
+    dyq_pub, dys_pub          the same of dy, pulled by the FP8 backward instead of dy_pub
     idx_pub [T, k]   int32  this rank's routing, read by every rank's schedule
     w_pub   [T, k]   fp32   router weights, pulled with the rows (the backward needs them)
     y_in    [T*k, H] bf16   expert outputs pushed here by the experts' ranks, row t*k + kk
@@ -60,7 +61,9 @@ class WorkspaceKey:
 
 def _layout(key: WorkspaceKey):
     T, H, k, W = key.T, key.H, key.k, key.world_size
-    fp8 = [("xq_pub", (T, H), torch.uint8), ("xs_pub", (T, -(-H // 128)), torch.float32)] if key.fp8 else []
+    nb = -(-H // 128)
+    fp8 = [("xq_pub", (T, H), torch.uint8), ("xs_pub", (T, nb), torch.float32),
+           ("dyq_pub", (T, H), torch.uint8), ("dys_pub", (T, nb), torch.float32)] if key.fp8 else []
     return [  # name, shape, dtype
         ("x_pub", (T, H), key.dtype),
         ("idx_pub", (T, k), torch.int32),
