@@ -99,9 +99,10 @@ def fp8_weight(w: torch.Tensor):
 
 
 def fp8_weight_t(w: torch.Tensor):
-    """``fp8_weight(w)`` transposed: (E4M3 [E, K, N], scales [E, ceil(K/128), ceil(N/128)]), exactly;
-    cached."""
-    return _cached("blocks_t", (w,), lambda: gemm_fp8.transpose_blocks(*fp8_weight(w)))
+    """``fp8_weight(w)`` transposed: (E4M3 [E, K, N], scales [E, ceil(K/128), ceil(N/128)]), exactly.
+    Made by each backward from the cached copy and dropped after its GEMM (not cached: a cached
+    transpose would hold another byte per parameter between steps)."""
+    return gemm_fp8.transpose_blocks(*fp8_weight(w))
 
 
 def gate_up_k(I: int) -> int:
@@ -112,7 +113,7 @@ def gate_up_k(I: int) -> int:
 def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor):
     """[W_gate^T | W_up^T] quantized, (E4M3 [E, H, 2Ip], scales [E, ceil(H/128), 2Ip/128]), Ip =
     ``gate_up_k(I)``: the gate/up dgrad's B (dxs = dg @ W_gate + du @ W_up is one GEMM over K =
-    2Ip); cached. Each half is its weight's 128x128 quantization transposed (``fp8_weight_t``'s
+    2Ip); made by each backward, not cached (as ``fp8_weight_t``). Each half is its weight's 128x128 quantization transposed (``fp8_weight_t``'s
     values), followed by Ip - I zero columns where 128 does not divide I: every K block of 128 then
     lies in one half and takes that half's scale, and the padding's products are zeros
     (``reference_fp8.gate_up_grad_operands_ref`` defines the operand; ``quantize_gate_up_grad``
@@ -128,7 +129,7 @@ def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor):
             if Ip > I:
                 q.view(torch.uint8)[:, :, half * Ip + I:(half + 1) * Ip].zero_()
         return q, torch.cat(scales, dim=-1)
-    return _cached("gate_up_t", (w_gate, w_up), make)
+    return make()
 
 
 def quantize_gate_up_grad(dgu: torch.Tensor, I: int, num_tiles: torch.Tensor, tile_rows: int):
@@ -242,17 +243,19 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     mark(probe, "bwd:dispatch_dy")
     # Each buffer is dropped once its last launch is queued: the caching allocator hands it only to
     # later work on this stream, so the next buffers reuse it and the peak stays near one set.
+    wd_t = fp8_weight_t(w_down)
     dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(
-        dys_q, dys_s, *fp8_weight_t(w_down), gu, row_w, sched.tile_expert, sched.num_tiles,
+        dys_q, dys_s, *wd_t, gu, row_w, sched.tile_expert, sched.num_tiles,
         config=GemmConfig(BM=BM, BN=128, BK=FP8_BLOCK, num_warps=8, num_stages=4, GROUP_M=8))
-    del gu, row_w
+    del gu, row_w, wd_t
     mark(probe, "bwd:down_dgrad+swiglu")
     dgu_q, dgu_qs = quantize_gate_up_grad(dgu, I, sched.num_tiles, BM)
     mark(probe, "bwd:quantize_dgu")
-    gemm_fp8.rows_gemm_fp8(dgu_q, dgu_qs, *fp8_gate_up_t(w_gate, w_up), sched.tile_expert, sched.num_tiles,
+    gu_t = fp8_gate_up_t(w_gate, w_up)
+    gemm_fp8.rows_gemm_fp8(dgu_q, dgu_qs, *gu_t, sched.tile_expert, sched.num_tiles,
                            row_src=sched.row_src, dst_ptrs=ws.ptrs["dx_in"], TK=TK,
                            config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=BM))
-    del dgu_q, dgu_qs
+    del dgu_q, dgu_qs, gu_t
     mark(probe, "bwd:gate_up_dgrad+push")
     dw_rows = gemm.reduce_dw(dw_part)
     comm.push_scalars_kernel[(64,)](dw_rows, sched.row_src, sched.num_tiles, ws.ptrs["dw_in"], TK,
