@@ -1,6 +1,7 @@
 """torch.ops.tabby.moe: the registered operator against tabby.moe (bitwise), torch.library.opcheck,
 torch.compile(fullgraph=True) of a block that calls it (one graph holding the operator; the same
-bits as eager), the recompute path, and the group/config strings."""
+bits as eager), the recompute path, and the group/config strings. On the GPU where there is one (the
+same checks of the compiled kernels), else on the CPU under the interpreter."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ CFG = MoEConfig(megakernel=False, tuning=Tuning(tile_m=16, dispatch_rows=16, dis
 # The megakernel with a short ring and few programs: the interpreter's time goes with the tickets.
 MEGA = MoEConfig(tuning=Tuning(ring_rows=256, programs=2, dispatch_programs=4))
 T, H, I, E, K, I_S = 16, 64, 32, 8, 2, 48
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def problem(seed, shared=True):
@@ -24,7 +26,13 @@ def problem(seed, shared=True):
     r = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(torch.bfloat16)  # noqa: E731
     vals, idx = torch.randn(T, E, generator=g).topk(K, dim=1)
     sh = (r(I_S, H), r(I_S, H), r(H, I_S)) if shared else None
-    return r(T, H), idx, vals.softmax(dim=1), (r(E, I, H), r(E, I, H), r(E, H, I)), sh, r(T, H)
+    return on_device((r(T, H), idx, vals.softmax(dim=1), (r(E, I, H), r(E, I, H), r(E, H, I)), sh, r(T, H)))
+
+
+def on_device(prob):
+    """The problem's tensors on DEVICE (made on the CPU from one generator: the same values either way)."""
+    return tuple(t.to(DEVICE) if isinstance(t, torch.Tensor) else None if t is None else tuple(u.to(DEVICE) for u in t)
+                 for t in prob)
 
 
 def run(fn, prob, config, **kw):
@@ -77,7 +85,8 @@ def _fp8_problem(shared):
     r = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(torch.bfloat16)  # noqa: E731
     vals, idx = torch.randn(Tq, Eq, generator=g).topk(1, dim=1)
     sh = (r(48, Hq), r(48, Hq), r(Hq, 48)) if shared else None
-    return r(Tq, Hq), idx, vals.softmax(dim=1), (r(Eq, Iq, Hq), r(Eq, Iq, Hq), r(Eq, Hq, Iq)), sh, r(Tq, Hq)
+    return on_device((r(Tq, Hq), idx, vals.softmax(dim=1), (r(Eq, Iq, Hq), r(Eq, Iq, Hq), r(Eq, Hq, Iq)), sh,
+                      r(Tq, Hq)))
 
 
 @pytest.mark.parametrize("precision,shared", [("fp8-forward", False), ("fp8", True)])
@@ -195,6 +204,7 @@ class Block(torch.nn.Module):
         self.norm = torch.nn.RMSNorm(H, dtype=torch.bfloat16)
         self.router = torch.nn.Linear(H, E, bias=False, dtype=torch.bfloat16)
         self.experts = Experts(E, H, I, layout="fused", config=CFG)
+        self.to(DEVICE)
 
     def forward(self, x):
         h = self.norm(x)
@@ -205,7 +215,7 @@ class Block(torch.nn.Module):
 def test_compile_fullgraph_no_graph_break():
     torch.manual_seed(3)
     block = Block()
-    x = torch.randn(2, T // 2, H).bfloat16()
+    x = torch.randn(2, T // 2, H).bfloat16().to(DEVICE)
 
     def step(fn):
         xl = x.clone().requires_grad_(True)
@@ -250,7 +260,7 @@ def test_selective_checkpointing_names_the_op():
 
     torch.manual_seed(4)
     block = Block()
-    x = torch.randn(T, H).bfloat16()
+    x = torch.randn(T, H).bfloat16().to(DEVICE)
 
     def step(checkpointed):
         xl = x.clone().requires_grad_(True)
