@@ -114,6 +114,7 @@ def resolve_group(name: str):
 
 
 _CONFIG_FIELDS = tuple(f.name for f in fields(MoEConfig) if f.name != "tuning")
+_DEFAULT_CONFIG = MoEConfig()
 
 
 def config_string(config: MoEConfig | None) -> str:
@@ -123,11 +124,10 @@ def config_string(config: MoEConfig | None) -> str:
         return ""
     if not isinstance(config, MoEConfig):
         raise MoEInputError(f"config must be a tabby.MoEConfig, got {type(config).__name__}")
-    default = MoEConfig()
     parts = []
     for name in _CONFIG_FIELDS:
         v = getattr(config, name)
-        if v != getattr(default, name):
+        if v != getattr(_DEFAULT_CONFIG, name):
             parts.append(f"{name}={int(v) if isinstance(v, bool) else v}")
     tuning = config.tuning.describe()
     if tuning:
@@ -437,11 +437,6 @@ def _group_string(group) -> str:
     return group_name(group)
 
 
-@torch.compiler.assume_constant_result
-def _config_string(config) -> str:
-    return config_string(config)
-
-
 def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None, config: MoEConfig | None = None):
     """``tabby.moe`` through the registered operator ``torch.ops.tabby.moe``: the same arguments,
     the same result and gradients, and ``torch.compile(fullgraph=True)`` traces it without a graph
@@ -459,7 +454,7 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
     save = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, sg, su, sd))
     gname = group if isinstance(group, str) else _group_string(group)
-    cstr = config if isinstance(config, str) else _config_string(config)
+    cstr = config if isinstance(config, str) else config_string(config)
     if x.shape[0] == 0:
         return moe_function(x, topk_idx, topk_weights, w_gate, w_up, w_down, None if sg is None else (sg, su, sd),
                             group=resolve_group(gname), config=parse_config(cstr))
