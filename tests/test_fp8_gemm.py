@@ -236,10 +236,10 @@ def test_expert_wgrad_fp8(M, N):
 
 @pytest.mark.parametrize("M,N", [(64, 96), (144, 80)])
 def test_expert_wgrad_fp8_padded_segments(M, N):
-    """``padded=True`` (the persistent kernel) on the layer's layout (segments at multiples of 128,
-    padding rows quantized as zeros; empty experts first, between and last, one of one row, one of
-    exactly 256; each program takes several tiles): bitwise the general kernel, which masks each
-    segment's last block; and a buffer whose R is not a multiple of 128 refused."""
+    """``padded=True`` on the layer's layout (segments at multiples of 128, padding rows quantized as
+    zeros; empty experts first, between and last, one of one row, one of exactly 256): bitwise the
+    general kernel, which masks each segment's last block; and a buffer whose R is not a multiple
+    of 128 refused."""
     sch = Sched([0, 37, 0, 256, 5, 1, 0], 128, seed=M * N)
     a, b = rand(sch.R, M, seed=24), rand(sch.R, N, seed=25)
     a[sch.row_src_cpu < 0] = float("nan")  # padding rows hold anything before quantize_cols

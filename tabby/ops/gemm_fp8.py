@@ -51,7 +51,7 @@ import triton.language as tl
 from . import INTERPRET
 from .fp8 import BLOCK, E4M3, quantize_tile_rows
 from .gemm import (_TL_DTYPES, GemmConfig, _check_schedule, _push_rows, _row_tile_expert, _store_rows,
-                   _swiglu_bwd_split_epilogue, _wgrad_programs, _wgrad_steps_of, grouped_tile, tma_aligned)
+                   _swiglu_bwd_split_epilogue, grouped_tile, tma_aligned)
 
 KIND_GATE_UP = "gate_up"
 KIND_ROWS = "rows"
@@ -481,10 +481,9 @@ def transpose_blocks(q: torch.Tensor, s: torch.Tensor, *, out: torch.Tensor | No
 
 
 @triton.jit
-def _wgrad_fp8_scales(kb, as_ptr, stride_asr, bs_ptr, stride_bsr, offs_m, offs_n, live=1.0):
-    """The promotion factors of 128-row block kb: the outer product a_scale[kb][m] * b_scale[kb][n]
-    (times ``live``, 1 or 0: exact)."""
-    sa = tl.load(as_ptr + kb * stride_asr + offs_m) * live
+def _wgrad_fp8_scales(kb, as_ptr, stride_asr, bs_ptr, stride_bsr, offs_m, offs_n):
+    """The promotion factors of 128-row block kb: the outer product a_scale[kb][m] * b_scale[kb][n]."""
+    sa = tl.load(as_ptr + kb * stride_asr + offs_m)
     sb = tl.load(bs_ptr + kb * stride_bsr + offs_n)
     return sa[:, None] * sb[None, :]
 
@@ -592,102 +591,6 @@ def expert_wgrad_fp8_kernel(at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, strid
     tl.store(cptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-@triton.jit
-def _wgrad_fp8_tile_ptrs(at_ptr, stride_at, bt_ptr, stride_bt, kb, pid_m, pid_n, M: tl.constexpr, N: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr):
-    """Block kb's A [BM, 128] and B [BN, 128] pointers of output tile (pid_m, pid_n) (rows past M, N
-    read row M - 1, N - 1: in bounds, not stored)."""
-    offs_k = kb.to(tl.int64) * 128 + tl.arange(0, 128)
-    rows_a = tl.minimum(pid_m * BM + tl.arange(0, BM), M - 1).to(tl.int64)
-    rows_b = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1).to(tl.int64)
-    return (at_ptr + rows_a[:, None] * stride_at + offs_k[None, :],
-            bt_ptr + rows_b[:, None] * stride_bt + offs_k[None, :])
-
-
-@triton.jit
-def _wgrad_fp8_step(acc, p, kt, nk, kb, tile, e, pid_m, pid_n, live, a_ptrs, b_ptrs, P,
-                    at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt, bs_ptr, stride_bsr, c_ptr, stride_ce,
-                    stride_cm, expert_start_ptr, expert_count_ptr, M: tl.constexpr, N: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """Step kt of the current output tile in the persistent weight gradient's (tile, block) loop. At
-    kt == nk the program's next tile (tile + P) starts: its expert's first block kb, its nk blocks
-    (at least one: an empty expert's tile runs one step with ``live`` 0, its scales zeroed, so it
-    stores zeros). Each step issues block kb's MMA and promotes ``p``, block kb - 1's product (zeros
-    at a tile's first step); the last step also promotes its own product and stores the tile. The
-    fp32 operations are ``expert_wgrad_fp8_kernel``'s, in its order: the same bits."""
-    num_m: tl.constexpr = (M + BM - 1) // BM
-    num_n: tl.constexpr = (N + BN - 1) // BN
-    if kt == nk:
-        tile += P
-        e = tile // (num_m * num_n)
-        pid_m, pid_n = grouped_tile(tile % (num_m * num_n), num_m, num_n, GROUP_M)
-        start = tl.load(expert_start_ptr + e)
-        cnt = tl.load(expert_count_ptr + e)
-        live = tl.where(cnt > 0, 1.0, 0.0)
-        nk = tl.maximum(tl.cdiv(cnt, 128), 1)
-        kb = tl.where(cnt > 0, start // 128, 0)  # an empty expert reads block 0 (in bounds), scaled by 0
-        kt = 0
-        a_ptrs, b_ptrs = _wgrad_fp8_tile_ptrs(at_ptr, stride_at, bt_ptr, stride_bt, kb, pid_m, pid_n, M, N, BM, BN)
-    a = tl.load(a_ptrs)
-    b = tl.load(b_ptrs)
-    nxt = tl.dot(a, tl.trans(b))
-    offs_m = (pid_m * BM + tl.arange(0, BM)) % M
-    offs_n = (pid_n * BN + tl.arange(0, BN)) % N
-    acc = acc + p * _wgrad_fp8_scales(kb - (kt > 0).to(tl.int32), as_ptr, stride_asr, bs_ptr, stride_bsr, offs_m,
-                                      offs_n, live)
-    if kt == nk - 1:
-        acc = acc + nxt * _wgrad_fp8_scales(kb, as_ptr, stride_asr, bs_ptr, stride_bsr, offs_m, offs_n, live)
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        cptrs = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :]
-        tl.store(cptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        nxt = tl.zeros((BM, BN), dtype=tl.float32)
-    return acc, nxt, kt + 1, nk, kb + 1, tile, e, pid_m, pid_n, live, a_ptrs + 128, b_ptrs + 128
-
-
-@triton.jit
-def expert_wgrad_fp8_persistent_kernel(at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, stride_bt, bs_ptr,
-                                       stride_bsr, c_ptr, stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E,
-                                       M: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                                       GROUP_M: tl.constexpr, NE_P2: tl.constexpr, INTERPRET: tl.constexpr):
-    """``expert_wgrad_fp8_kernel`` with PADDED (the layer's segments: each starts at a multiple of
-    128, zeros to the next one) by a persistent grid, as gemm.py's ``expert_wgrad_kernel``: program
-    pid takes tiles pid, pid + P, ... (expert-major) and runs their blocks as one flat loop, so the
-    pipeliner's async copies run on into the next tile across a tile's promotion and store (a
-    segment of a few blocks leaves a per-tile loop mostly prologue)."""
-    num_m: tl.constexpr = (M + BM - 1) // BM
-    num_n: tl.constexpr = (N + BN - 1) // BN
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    total = _wgrad_steps_of(pid, P, num_m * num_n, expert_count_ptr, E, 128, NE_P2)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    p = tl.zeros((BM, BN), dtype=tl.float32)
-    kt = 0
-    nk = 0  # kt == nk: the first step starts the program's first tile, pid
-    kb = pid * 0
-    tile = pid - P
-    e = pid * 0
-    pid_m = pid * 0
-    pid_n = pid * 0
-    live = (pid * 0).to(tl.float32)
-    a_ptrs, b_ptrs = _wgrad_fp8_tile_ptrs(at_ptr, stride_at, bt_ptr, stride_bt, kb, pid_m, pid_n, M, N, BM, BN)
-    if INTERPRET:  # the interpreter cannot take range() of a runtime scalar: the same steps
-        it = 0
-        while it < total:
-            acc, p, kt, nk, kb, tile, e, pid_m, pid_n, live, a_ptrs, b_ptrs = _wgrad_fp8_step(
-                acc, p, kt, nk, kb, tile, e, pid_m, pid_n, live, a_ptrs, b_ptrs, P, at_ptr, stride_at, as_ptr,
-                stride_asr, bt_ptr, stride_bt, bs_ptr, stride_bsr, c_ptr, stride_ce, stride_cm, expert_start_ptr,
-                expert_count_ptr, M, N, BM, BN, GROUP_M)
-            it += 1
-    else:
-        for _ in range(0, total):
-            acc, p, kt, nk, kb, tile, e, pid_m, pid_n, live, a_ptrs, b_ptrs = _wgrad_fp8_step(
-                acc, p, kt, nk, kb, tile, e, pid_m, pid_n, live, a_ptrs, b_ptrs, P, at_ptr, stride_at, as_ptr,
-                stride_asr, bt_ptr, stride_bt, bs_ptr, stride_bsr, c_ptr, stride_ce, stride_cm, expert_start_ptr,
-                expert_count_ptr, M, N, BM, BN, GROUP_M)
-
-
 def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, out_dtype=torch.bfloat16,
                      config: GemmConfig | None = None, padded: bool = False):
     """C [E, M, N], C[e] = A[s:s+c]^T @ B[s:s+c] (s = expert_start[e], c = expert_count[e]) from
@@ -720,14 +623,6 @@ def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, ou
     if max(cfg.BM * at.stride(0), cfg.BN * bt.stride(0)) >= 2 ** 31:
         raise ValueError("expert_wgrad_fp8: a tile's rows must span less than 2^31 bytes (int32 offsets)")
     out = torch.empty(E, M, N, dtype=out_dtype, device=at.device)
-    if padded:
-        if E:
-            expert_wgrad_fp8_persistent_kernel[(_wgrad_programs(at.device),)](
-                at, at.stride(0), a_scale, a_scale.stride(0), bt, bt.stride(0), b_scale, b_scale.stride(0), out,
-                out.stride(0), out.stride(1), expert_start, expert_count, E, M, N, BM=cfg.BM, BN=cfg.BN,
-                GROUP_M=cfg.GROUP_M, NE_P2=triton.next_power_of_2(E), INTERPRET=INTERPRET, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
-        return out
     grid = (E * triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN),)
     expert_wgrad_fp8_kernel[grid](at, at.stride(0), a_scale, a_scale.stride(0), bt, bt.stride(0), b_scale,
                                   b_scale.stride(0), out, out.stride(0), out.stride(1), expert_start, expert_count,
