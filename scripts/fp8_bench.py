@@ -107,7 +107,24 @@ def wgrad_segments(T, k, E, H, I):
     out["fp8 general"] = fl / bench(lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count)) / 1e9
     out["fp8 padded"] = fl / bench(lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count,
                                                                      padded=True)) / 1e9
+    # other tiles of the padded kernel: at 4 warps two programs fit an SM (sm_90a, 243-251 registers,
+    # 99 KB of shared memory at 4 stages), so one's promotion and store overlap the other's loads;
+    # 64 x 64 fits three
+    for BM, BN, warps, stages in ((128, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3)):
+        cfg = GemmConfig(BM=BM, BN=BN, BK=128, num_warps=warps, num_stages=stages, GROUP_M=8)
+        out[f"fp8 padded {BM}x{BN} w{warps} s{stages}"] = fl / bench(
+            lambda cfg=cfg: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count, padded=True, config=cfg)) / 1e9
     return out
+
+
+def transpose_rate(E, N, K):
+    """GB/s (read + written) of the E4M3 weight transpose each FP8 backward makes (kimi-k2's
+    W_down: [384, 7168, 2048], 5.6 GB)."""
+    q = torch.randint(-100, 100, (E, N, K), device="cuda", dtype=torch.int8).view(torch.float8_e4m3fn)
+    s = torch.ones(E, -(-N // 128), -(-K // 128), device="cuda")
+    out = torch.empty(E, K, N, dtype=q.dtype, device="cuda")
+    t = bench(lambda: gemm_fp8.transpose_blocks(q, s, out=out), iters=5)
+    return 2 * q.numel() / t / 1e6
 
 
 def layer(T, k, E, H, I, iters=10):
@@ -161,6 +178,7 @@ def main():
         res = wgrad_segments(T, k, E, H, I)
         print(f"weight gradient TFLOP/s, {T * k // E} rows per expert, E={E}, H={H}, I={I}: "
               + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
+        print(f"E4M3 weight transpose [E={E}, {H}, {I}]: {transpose_rate(E, H, I):.0f} GB/s", flush=True)
     if not a.gemm_only:
         for T, k, E, H, I in shapes[:1] + ((4096, 8, 128, 7168, 2048),):
             try:
