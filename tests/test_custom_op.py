@@ -46,7 +46,8 @@ def run(fn, prob, config, **kw):
 
 
 @pytest.mark.parametrize("config", [
-    None, MoEConfig(megakernel=False), CFG, MoEConfig(precision="fp8", megakernel=False), MoEConfig(save_for_backward=False, debug=True, max_wait_ms=5.5),
+    None, MoEConfig(megakernel=False), CFG, MoEConfig(precision="fp8", megakernel=False),
+    MoEConfig(save_for_backward=False, debug=True, max_wait_ms=5.5),
     MoEConfig(tuning=Tuning(group_m=2, tma=False, pull_tokens=True), max_wait_polls=100),
 ])
 def test_config_string_round_trip(config):

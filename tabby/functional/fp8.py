@@ -113,23 +113,21 @@ def gate_up_k(I: int) -> int:
 def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor):
     """[W_gate^T | W_up^T] quantized, (E4M3 [E, H, 2Ip], scales [E, ceil(H/128), 2Ip/128]), Ip =
     ``gate_up_k(I)``: the gate/up dgrad's B (dxs = dg @ W_gate + du @ W_up is one GEMM over K =
-    2Ip); made by each backward, not cached (as ``fp8_weight_t``). Each half is its weight's 128x128 quantization transposed (``fp8_weight_t``'s
-    values), followed by Ip - I zero columns where 128 does not divide I: every K block of 128 then
-    lies in one half and takes that half's scale, and the padding's products are zeros
-    (``reference_fp8.gate_up_grad_operands_ref`` defines the operand; ``quantize_gate_up_grad``
-    lays out A alike)."""
-    def make():
-        (gq, gs), (uq, us) = fp8_weight(w_gate), fp8_weight(w_up)  # [E, I, H], [E, ceil(I/128), ceil(H/128)]
-        E, I, H = gq.shape
-        Ip = gate_up_k(I)
-        q = torch.empty(E, H, 2 * Ip, dtype=fp8.E4M3, device=gq.device)
-        scales = []
-        for half, (wq, ws_) in enumerate(((gq, gs), (uq, us))):
-            scales.append(gemm_fp8.transpose_blocks(wq, ws_, out=q[:, :, half * Ip:half * Ip + I])[1])
-            if Ip > I:
-                q.view(torch.uint8)[:, :, half * Ip + I:(half + 1) * Ip].zero_()
-        return q, torch.cat(scales, dim=-1)
-    return make()
+    2Ip); made by each backward, not cached (as ``fp8_weight_t``). Each half is its weight's
+    128x128 quantization transposed (``fp8_weight_t``'s values), followed by Ip - I zero columns
+    where 128 does not divide I: every K block of 128 then lies in one half and takes that half's
+    scale, and the padding's products are zeros (``reference_fp8.gate_up_grad_operands_ref``
+    defines the operand; ``quantize_gate_up_grad`` lays out A alike)."""
+    (gq, gs), (uq, us) = fp8_weight(w_gate), fp8_weight(w_up)  # [E, I, H], [E, ceil(I/128), ceil(H/128)]
+    E, I, H = gq.shape
+    Ip = gate_up_k(I)
+    q = torch.empty(E, H, 2 * Ip, dtype=fp8.E4M3, device=gq.device)
+    scales = []
+    for half, (wq, ws_) in enumerate(((gq, gs), (uq, us))):
+        scales.append(gemm_fp8.transpose_blocks(wq, ws_, out=q[:, :, half * Ip:half * Ip + I])[1])
+        if Ip > I:
+            q.view(torch.uint8)[:, :, half * Ip + I:(half + 1) * Ip].zero_()
+    return q, torch.cat(scales, dim=-1)
 
 
 def quantize_gate_up_grad(dgu: torch.Tensor, I: int, num_tiles: torch.Tensor, tile_rows: int):

@@ -319,7 +319,8 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        descs = (TensorDescriptor.from_tensor(aq, [block_m, BLOCK]), TensorDescriptor.from_tensor(wg_q, [1, BLOCK, BLOCK]),
+        descs = (TensorDescriptor.from_tensor(aq, [block_m, BLOCK]),
+                 TensorDescriptor.from_tensor(wg_q, [1, BLOCK, BLOCK]),
                  TensorDescriptor.from_tensor(wu_q, [1, BLOCK, BLOCK]))
     gate_up_swiglu_fp8_kernel[(num_m * triton.cdiv(I, BLOCK),)](
         aq, aq.stride(0), a_scale, a_scale.stride(0), wg_q, wu_q, wg_q.stride(0), wg_q.stride(1),
