@@ -10,7 +10,7 @@
 #           fuzzer at EP1
 #           (SOAK_S, FUZZ_S: their time budgets in seconds, default 120 each; FUZZ_PRECOMPILE_S: the
 #           fuzzer's kernels compiled first in parallel, default 120)
-#   fp8     the FP8 tests and scripts/fp8_bench.py (GEMM TFLOP/s and the layer, FP8 against bf16), then the
+#   fp8     the FP8 tests and test_custom_op (in parallel, as tests), scripts/fp8_bench.py (GEMM TFLOP/s and the layer, FP8 against bf16), then the
 #           FP8 layer's stage profile at kimi-k2 and the layer bench at 16384 tokens: tabby against tabby-fp8 with fixed weights (their FP8 copies
 #           reused), tabby-fp8 against torch-fp8 from a new weight version per call (both quantize)
 #   all     tests, then bench
@@ -29,21 +29,25 @@ nvidia-smi topo -m >> "$OUT/machine.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" >> "$OUT/machine.txt"
 echo "commit ${TABBY_GIT_COMMIT:-unknown: pass TABBY_GIT_COMMIT}" >> "$OUT/machine.txt"
 status=0
-if [ "$stage" = tests ] || [ "$stage" = all ]; then
+run_tests() {
   # one pytest process per file, all at once: cold, each file is bound by compiling its kernels
   # (one core each), so in parallel the suite fits one call; their GPU work is small
-  pids=()
-  for f in ${GPU_TESTS:-tests/test_*_gpu.py}; do
+  local pids=() f log p
+  for f in "$@"; do
     log="$OUT/gpu-tests-$(basename "$f" .py).log"
     (TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${TESTS_TIMEOUT:-580} \
       python3 -m pytest -q -rA -p no:cacheprovider "$f" > "$log" 2>&1) &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || status=1; done
-  for log in "$OUT"/gpu-tests-*.log; do
+  for f in "$@"; do
+    log="$OUT/gpu-tests-$(basename "$f" .py).log"
     echo "== $(basename "$log"): $(tail -1 "$log")"
     grep -E "^(FAILED|ERROR)|Error|assert" "$log" | head -10
   done
+}
+if [ "$stage" = tests ] || [ "$stage" = all ]; then
+  run_tests ${GPU_TESTS:-tests/test_*_gpu.py}
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 -m tabby_bench bench --ep 1 \
@@ -67,8 +71,8 @@ if [ "$stage" = reliability ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$stage" = fp8 ]; then
-  python3 -m pytest -q -rA -p no:cacheprovider tests/test_fp8*.py 2>&1 | tee "$OUT/fp8-tests.log" | tail -15
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  # the FP8 files and the registered operator's (which runs FP8 through torch.compile), in parallel
+  run_tests tests/test_fp8*.py tests/test_custom_op.py
   python3 scripts/fp8_bench.py "$@" 2>&1 | tee "$OUT/fp8-bench.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fp8_shapes=kimi-k2,glm-5,qwen3-30b-a3b,gpt-oss-120b,qwen3.5-397b
