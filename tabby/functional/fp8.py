@@ -151,6 +151,19 @@ def quantize_gate_up_grad(dgu: torch.Tensor, I: int, num_tiles: torch.Tensor, ti
     return q, s
 
 
+def pull_fp8_rows(ws, plan: Plan, sched, name: str, H: int, TK: int, *weights):
+    """The schedule's rows of the E4M3 buffer ``{name}q_pub`` and their 1x128 scales ``{name}s_pub``
+    (published quantized at their source) pulled from every rank: (E4M3 [R_max, H], fp32 scales
+    [R_max, ceil(H/128)]); padding rows come as zeros, scale 0. ``weights``: (w_ptrs, ws_out),
+    the router weights pulled with the values, as ``pull_routed_rows``'s."""
+    scales_pub = getattr(ws, f"{name}s_pub")
+    q = torch.empty((sched.R_max, H), dtype=fp8.E4M3, device=scales_pub.device)
+    s = torch.empty((sched.R_max, scales_pub.shape[1]), dtype=torch.float32, device=scales_pub.device)
+    pull_routed_rows(plan, sched, ws.ptrs[f"{name}q_pub"], q.view(torch.uint8), TK, sched.k, *weights)
+    pull_routed_rows(plan, sched, ws.ptrs[f"{name}s_pub"], s, TK, sched.k)
+    return q, s
+
+
 def check_fp8(dims, plan: Plan, fp8_backward: bool) -> None:
     """Raise ``MoEInputError`` where the FP8 path cannot run this shape or plan."""
     if dims.H % FP8_ALIGN or dims.I % FP8_ALIGN:
@@ -187,11 +200,8 @@ def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_d
         xq, x_scale = fp8.quantize_rows(xs, num_tiles=sched.num_tiles, tile_rows=plan.tile_m)
         mark(probe, "fwd:quantize")
         kept = KeptRows(sched, xs, None, row_w)
-    else:  # padding rows are pulled as zeros, scale 0
-        xq = torch.empty((sched.R_max, H), dtype=fp8.E4M3, device=x.device)
-        x_scale = torch.empty((sched.R_max, ws.xs_pub.shape[1]), dtype=torch.float32, device=x.device)
-        pull_routed_rows(plan, sched, ws.ptrs["xq_pub"], xq.view(torch.uint8), TK, sched.k, ws.ptrs["w_pub"], row_w)
-        pull_routed_rows(plan, sched, ws.ptrs["xs_pub"], x_scale, TK, sched.k)
+    else:
+        xq, x_scale = pull_fp8_rows(ws, plan, sched, "x", H, TK, ws.ptrs["w_pub"], row_w)
         mark(probe, "fwd:dispatch")
         kept = KeptRows(sched, xq, None, row_w, x_scale=x_scale)
     hq, h_scale, gu = gemm_fp8.gate_up_swiglu_fp8(
@@ -234,10 +244,7 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     fp8.quantize_rows(dy.contiguous(), out=ws.dyq_pub.view(fp8.E4M3), scale_out=ws.dys_pub)
     signal_and_wait(ws, BWD_READY, BWD, True, sync.ERR_WAIT_PEER_READY, plan)
     mark(probe, "bwd:publish+wait")
-    dys_q = torch.empty((sched.R_max, H), dtype=fp8.E4M3, device=dy.device)
-    dys_s = torch.empty((sched.R_max, ws.dys_pub.shape[1]), dtype=torch.float32, device=dy.device)
-    pull_routed_rows(plan, sched, ws.ptrs["dyq_pub"], dys_q.view(torch.uint8), TK, k)
-    pull_routed_rows(plan, sched, ws.ptrs["dys_pub"], dys_s, TK, k)
+    dys_q, dys_s = pull_fp8_rows(ws, plan, sched, "dy", H, TK)
     mark(probe, "bwd:dispatch_dy")
     # Each buffer is dropped once its last launch is queued: the caching allocator hands it only to
     # later work on this stream, so the next buffers reuse it and the peak stays near one set.
