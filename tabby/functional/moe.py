@@ -22,7 +22,7 @@ from .backward import gate_up_wgrad_first, moe_backward
 from .config import MoEConfig
 from .forward import MegaSaved, moe_forward
 from .forward_mega import moe_forward_mega
-from .fp8 import fp8_passes
+from .fp8 import fp8_passes, gate_up_k
 from .plan import Plan, make_plan
 from .probe import Probe
 from .threads import ThreadRank
@@ -290,7 +290,7 @@ def memory_needs(plan: Plan) -> MemoryNeeds:
         def rows_fp8(C):  # R rows of C E4M3 bytes and an fp32 scale per 1x128 tile, a partial last one too
             return R * (C + 4 * triton.cdiv(C, 128))
 
-        Ip = triton.cdiv(I, 128) * 128  # the gate/up dgrad's K halves, padded (fp8.gate_up_k)
+        Ip = gate_up_k(I)  # the gate/up dgrad's K halves, padded
         fwd = rows_fp8(H) + rows_fp8(I)  # the routed rows and h in E4M3 (h never bf16)
         fp8_weights = 3 * d.E_local * I * H  # the three weights' 128x128-block copies
         if plan.precision == "fp8":
