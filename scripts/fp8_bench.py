@@ -107,10 +107,9 @@ def wgrad_segments(T, k, E, H, I):
     out["fp8 general"] = fl / bench(lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count)) / 1e9
     out["fp8 padded"] = fl / bench(lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count,
                                                                      padded=True)) / 1e9
-    # other tiles of the padded kernel: at 4 warps two programs fit an SM (sm_90a, 243-251 registers,
-    # 99 KB of shared memory at 4 stages), so one's promotion and store overlap the other's loads;
-    # 64 x 64 fits three
-    for BM, BN, warps, stages in ((128, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3)):
+    # other tiles of the padded kernel ("fp8 padded" is the default, 128 x 64 at 4 warps, 3 stages:
+    # two programs an SM, one's promotion and store under the other's loads)
+    for BM, BN, warps, stages in ((128, 128, 8, 4), (128, 64, 4, 2), (64, 128, 4, 3), (128, 64, 4, 4)):
         cfg = GemmConfig(BM=BM, BN=BN, BK=128, num_warps=warps, num_stages=stages, GROUP_M=8)
         out[f"fp8 padded {BM}x{BN} w{warps} s{stages}"] = fl / bench(
             lambda cfg=cfg: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count, padded=True, config=cfg)) / 1e9
@@ -123,8 +122,16 @@ def transpose_rate(E, N, K):
     q = torch.randint(-100, 100, (E, N, K), device="cuda", dtype=torch.int8).view(torch.float8_e4m3fn)
     s = torch.ones(E, -(-N // 128), -(-K // 128), device="cuda")
     out = torch.empty(E, K, N, dtype=q.dtype, device="cuda")
-    t = bench(lambda: gemm_fp8.transpose_blocks(q, s, out=out), iters=5)
-    return 2 * q.numel() / t / 1e6
+    out_rate = {"default": 2 * q.numel() / bench(lambda: gemm_fp8.transpose_blocks(q, s, out=out), iters=5) / 1e6}
+    # other tiles of the byte transpose (the kernel's BT x BT tile, its warps)
+    qb, ob = q.view(torch.uint8), out.view(torch.uint8)
+    for BT, warps in ((64, 8), (128, 4), (128, 8), (128, 16), (32, 4)):
+        grid = (E, -(-N // BT), -(-K // BT))
+        out_rate[f"BT{BT} w{warps}"] = 2 * q.numel() / bench(
+            lambda BT=BT, warps=warps, grid=grid: gemm_fp8.transpose_bytes_kernel[grid](
+                qb, qb.stride(0), qb.stride(1), ob, ob.stride(0), ob.stride(1), N, K, BT=BT, num_warps=warps),
+            iters=5) / 1e6
+    return out_rate
 
 
 def layer(T, k, E, H, I, iters=10):
@@ -178,7 +185,8 @@ def main():
         res = wgrad_segments(T, k, E, H, I)
         print(f"weight gradient TFLOP/s, {T * k // E} rows per expert, E={E}, H={H}, I={I}: "
               + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
-        print(f"E4M3 weight transpose [E={E}, {H}, {I}]: {transpose_rate(E, H, I):.0f} GB/s", flush=True)
+        print(f"E4M3 weight transpose GB/s [E={E}, {H}, {I}]: "
+              + "; ".join(f"{n} {v:.0f}" for n, v in transpose_rate(E, H, I).items()), flush=True)
     if not a.gemm_only:
         for T, k, E, H, I in shapes[:1] + ((4096, 8, 128, 7168, 2048),):
             try:
