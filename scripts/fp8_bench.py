@@ -125,7 +125,7 @@ def transpose_rate(E, N, K):
     out_rate = {"default": 2 * q.numel() / bench(lambda: gemm_fp8.transpose_blocks(q, s, out=out), iters=5) / 1e6}
     # other tiles of the byte transpose (the kernel's BT x BT tile, its warps)
     qb, ob = q.view(torch.uint8), out.view(torch.uint8)
-    for BT, warps in ((64, 8), (128, 4), (128, 8), (128, 16), (32, 4)):
+    for BT, warps in ((64, 4), (128, 4), (128, 16)):
         grid = (E, -(-N // BT), -(-K // BT))
         out_rate[f"BT{BT} w{warps}"] = 2 * q.numel() / bench(
             lambda BT=BT, warps=warps, grid=grid: gemm_fp8.transpose_bytes_kernel[grid](
