@@ -85,12 +85,13 @@ def _down_dgrad(H, I):
 def _wgrad(M, N):
     from tabby.ops import gemm_fp8
 
+    cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_WGRAD)
     args = dict(at_ptr="*fp8e4nv", stride_at="i32:16", as_ptr="*fp32", stride_asr="i32:16", bt_ptr="*fp8e4nv",
                 stride_bt="i32:16", bs_ptr="*fp32", stride_bsr="i32:16", c_ptr="*bf16", stride_ce="i32:16",
                 stride_cm="i32:16", expert_start_ptr="*i32", expert_count_ptr="*i32", R="i32:16",
-                M=Const(M), N=Const(N), BM=Const(128), BN=Const(128), GROUP_M=Const(8), INTERPRET=Const(False),
-                PADDED=Const(False))
-    return compile_args(gemm_fp8.expert_wgrad_fp8_kernel, args, num_warps=8, num_stages=4)
+                M=Const(M), N=Const(N), BM=Const(cfg.BM), BN=Const(cfg.BN), GROUP_M=Const(cfg.GROUP_M),
+                INTERPRET=Const(False), PADDED=Const(True))  # the layer's: its routed rows, padded segments
+    return compile_args(gemm_fp8.expert_wgrad_fp8_kernel, args, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def kernels():
