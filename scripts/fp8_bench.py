@@ -110,16 +110,16 @@ def wgrad_segments(T, k, E, H, I):
                                                                      padded=True)) / 1e9
     # other tiles of the padded kernel ("fp8 padded" is the default, 128 x 64 at 4 warps, 3 stages:
     # two programs an SM, one's promotion and store under the other's loads)
-    for BM, BN, warps, stages in ((128, 128, 8, 4), (128, 64, 4, 2), (64, 128, 4, 3), (128, 64, 4, 4)):
+    for BM, BN, warps, stages in ((128, 128, 8, 4), (64, 128, 4, 3)):
         cfg = GemmConfig(BM=BM, BN=BN, BK=128, num_warps=warps, num_stages=stages, GROUP_M=8)
         out[f"fp8 padded {BM}x{BN} w{warps} s{stages}"] = fl / bench(
             lambda cfg=cfg: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count, padded=True, config=cfg)) / 1e9
     return out
 
 
-def dgrad_tiles(T, k, E, H, I):
-    """The FP8 down dgrad (dys [R, H] @ W_down per expert, SwiGLU backward epilogue, W_down^T as
-    ``transpose_blocks`` makes it) at its default tiles and at 4 warps (two programs an SM)."""
+def down_dgrad(T, k, E, H, I):
+    """TFLOP/s of the FP8 down dgrad (dys [R, H] @ W_down per expert, SwiGLU backward epilogue,
+    W_down^T as ``transpose_blocks`` makes it)."""
     rows = T * k
     R, te, nt, start, count = even_schedule(rows, E)
     dys = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
@@ -128,13 +128,7 @@ def dgrad_tiles(T, k, E, H, I):
     wd = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5
     dq, ds = quantize_rows(dys)
     wtq, wts = gemm_fp8.transpose_blocks(*quantize_blocks(wd))
-    fl = 2 * rows * I * H
-    out = {"default": fl / bench(lambda: gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, wtq, wts, gu, ws, te, nt)) / 1e9}
-    for BN, warps, stages in ((64, 4, 4), (64, 4, 3)):
-        cfg = GemmConfig(BM=128, BN=BN, BK=128, num_warps=warps, num_stages=stages, GROUP_M=8)
-        out[f"128x{BN} w{warps} s{stages}"] = fl / bench(
-            lambda cfg=cfg: gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, wtq, wts, gu, ws, te, nt, config=cfg)) / 1e9
-    return out
+    return 2 * rows * I * H / bench(lambda: gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, wtq, wts, gu, ws, te, nt)) / 1e9
 
 
 def transpose_rate(E, N, K):
@@ -143,16 +137,7 @@ def transpose_rate(E, N, K):
     q = torch.randint(-100, 100, (E, N, K), device="cuda", dtype=torch.int8).view(torch.float8_e4m3fn)
     s = torch.ones(E, -(-N // 128), -(-K // 128), device="cuda")
     out = torch.empty(E, K, N, dtype=q.dtype, device="cuda")
-    out_rate = {"default": 2 * q.numel() / bench(lambda: gemm_fp8.transpose_blocks(q, s, out=out), iters=5) / 1e6}
-    # other tiles of the byte transpose (the kernel's BT x BT tile, its warps)
-    qb, ob = q.view(torch.uint8), out.view(torch.uint8)
-    for BT, warps in ((64, 4), (128, 4), (128, 16)):
-        grid = (E, -(-N // BT), -(-K // BT))
-        out_rate[f"BT{BT} w{warps}"] = 2 * q.numel() / bench(
-            lambda BT=BT, warps=warps, grid=grid: gemm_fp8.transpose_bytes_kernel[grid](
-                qb, qb.stride(0), qb.stride(1), ob, ob.stride(0), ob.stride(1), N, K, BT=BT, num_warps=warps),
-            iters=5) / 1e6
-    return out_rate
+    return 2 * q.numel() / bench(lambda: gemm_fp8.transpose_blocks(q, s, out=out), iters=5) / 1e6
 
 
 def layer(T, k, E, H, I, iters=10):
@@ -188,14 +173,9 @@ def main():
     ap.add_argument("--layer-only", action="store_true")
     a = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    C = GemmConfig
-    # gate/up (TMA loads, 64-row kernel tiles): 40 KB per stage (at most 5 fit); down at BN 256:
-    # 48 KB, at BN 128: 32 KB
-    # the rows GEMM at 4 warps, 128 x 64 (sm_90a: 166 registers, no spills): two or three programs
-    # an SM, one's promotion under another's MMAs (gate/up at 4 warps spills: 64 x 128 g and u)
-    variants = [("default", None, None),
-                ("dn:128x64 w4 s4", None, C(BN=64, BK=128, num_warps=4, num_stages=4)),
-                ("dn:128x64 w4 s3", None, C(BN=64, BK=128, num_warps=4, num_stages=3))]
+    # (name, gate/up config, rows GEMM config): the defaults; add tiles here to compare them
+    # (gate/up's TMA stage is 40 KB, at most 5 fit; the rows GEMM's 32 KB at BN 128)
+    variants = [("default", None, None)]
     shapes = ((16384, 8, 128, 2048, 768), (16384, 8, 128, 7168, 2048))
     if not a.layer_only:
         for T, k, E, H, I in shapes:
@@ -206,10 +186,8 @@ def main():
         res = wgrad_segments(T, k, E, H, I)
         print(f"weight gradient TFLOP/s, {T * k // E} rows per expert, E={E}, H={H}, I={I}: "
               + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
-        print(f"FP8 down dgrad TFLOP/s, E={E}, H={H}, I={I}: "
-              + "; ".join(f"{n} {v:.0f}" for n, v in dgrad_tiles(T, k, E, H, I).items()), flush=True)
-        print(f"E4M3 weight transpose GB/s [E={E}, {H}, {I}]: "
-              + "; ".join(f"{n} {v:.0f}" for n, v in transpose_rate(E, H, I).items()), flush=True)
+        print(f"FP8 down dgrad TFLOP/s, E={E}, H={H}, I={I}: {down_dgrad(T, k, E, H, I):.0f}", flush=True)
+        print(f"E4M3 weight transpose [E={E}, {H}, {I}]: {transpose_rate(E, H, I):.0f} GB/s", flush=True)
     if not a.gemm_only:
         for T, k, E, H, I in shapes[:1] + ((4096, 8, 128, 7168, 2048),):
             try:
