@@ -12,7 +12,7 @@ import torch
 from tabby.functional.threads import ThreadGroup, ThreadRank, patch_interpreter_for_threads, run_ranks  # noqa: F401
 
 
-# The GPU tests' cases (test_moe_gpu.py, test_fp8_layer.py): each bench shape's true H, I and k
+# The GPU tests' cases (test_moe_gpu.py, test_fp8_cases_gpu.py): each bench shape's true H, I and k
 # with a small expert count per rank, and the odd ones (T = 333, k = 1, every row to one expert,
 # every token to the last rank's experts, most of them empty).
 # name: (T per rank, H, I, E_local, k, shared, route)

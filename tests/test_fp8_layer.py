@@ -2,20 +2,18 @@
 every gradient against the same quantizations in plain PyTorch (``tabby.moe_reference_fp8``;
 ``reference_fp8.moe_backward_reference_fp8`` for the FP8 backward; for "fp8-forward", the
 gradient of the fp32 layer at the FP8 forward's activations) and against the fp32 reference;
-config checks, the weight cache, determinism, simulated expert parallelism. CPU: ranks as
-threads, kernels interpreted; on a GPU, one rank with realistic sizes."""
-import dataclasses
-
+config checks, the weight cache, determinism, simulated expert parallelism, on the CPU (ranks as
+threads, kernels interpreted). The GPU cases, one rank at realistic sizes, use this file's helpers:
+test_fp8_layer_gpu.py and test_fp8_cases_gpu.py."""
 import pytest
 import torch
+from harness import make_problem, rel_err, run_ranks
 
 import tabby
 from tabby import reference_fp8
 from tabby.functional import fp8 as fp8_layer
 from tabby.functional.config import MoEConfig, Tuning
 from tabby.functional.moe import moe
-
-from harness import GPU_CASES, make_problem, rel_err, run_ranks
 
 CUDA = torch.cuda.is_available()
 # how the kernels' bf16 stores round: the interpreter truncates, so the CPU reference does too
@@ -27,7 +25,7 @@ CFG = MoEConfig(megakernel=False, precision="fp8-forward", tuning=Tuning(**SMALL
 CFG_BWD = MoEConfig(megakernel=False, precision="fp8", tuning=Tuning(**dict(SMALL, tile_m=128)))
 GPU_CFG = MoEConfig(megakernel=False, precision="fp8-forward")
 # the CPU harness (simulated ranks, interpreted kernels on CPU tensors) runs where there is no GPU
-cpu_only = pytest.mark.skipif(CUDA, reason="CPU harness: runs without a GPU (the GPU cases: test_fp8_layer_gpu)")
+cpu_only = pytest.mark.skipif(CUDA, reason="CPU harness: runs without a GPU (the GPU cases: test_fp8_layer_gpu.py, test_fp8_cases_gpu.py)")
 GPU_CFG_BWD = MoEConfig(megakernel=False, precision="fp8")
 
 
@@ -275,93 +273,3 @@ def test_fp8_config_checks():
     x, idx, wts, ws, _, _ = prob
     with pytest.raises(tabby.MoEInputError, match="tile_m"):
         moe(x, idx, wts, *ws, config=MoEConfig(megakernel=False, precision="fp8", tuning=Tuning(**SMALL)))
-
-
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backward", ["fp8", "bf16"])
-@pytest.mark.parametrize("H,I,E,k,T", [(2048, 768, 16, 8, 1024), (1024, 512, 8, 2, 333),
-                                       # gpt-oss-120b's H = I = 2880 (22.5 blocks of 128), and partial
-                                       # tiles of 16 (H) and 80 (I)
-                                       (2880, 2880, 8, 4, 512), (1040, 720, 8, 2, 333)])
-def test_fp8_layer_gpu(H, I, E, k, T, backward):
-    prob = make_problem(1, T, H, I, E, k, seed=H + T)
-    cfg = GPU_CFG_BWD if backward == "fp8" else GPU_CFG
-    got = _run(prob, cfg, device="cuda")
-    want = _reference_fp8_backward(prob) if backward == "fp8" else _reference(prob)
-    # the same quantizations; fp32 sums in other orders, Hopper's FP8 MMA accumulation, and E4M3
-    # roundings of values that differ in their last bits land on neighbouring E4M3 values
-    errs = _compare(got, want[:6], 2e-2)
-    exact = _reference(prob, fp8=False)
-    e_exact = {NAMES[i]: rel_err(g, w) for i, (g, w) in enumerate(zip(got, exact[:6]))}
-    print(f"GPU fp8 layer H={H} I={I} E={E} k={k} T={T} backward={backward}: vs recipe {errs}; vs fp32 {e_exact}")
-    assert all(v < 1e-1 for v in e_exact.values()), e_exact
-    for _ in range(19):  # bitwise deterministic: 20 runs, every output and gradient the first run's bits
-        again = _run(prob, cfg, device="cuda")
-        assert all(torch.equal(a, b) for a, b in zip(got, again))
-
-
-
-
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", list(GPU_CASES))
-def test_fp8_layer_gpu_cases(case):
-    """precision="fp8" on the bf16 GPU tests' cases (harness.GPU_CASES: the bench shapes with few
-    experts, the odd ones): y and every gradient against the FP8 recipe (plain PyTorch) and
-    against the fp32 layer. One rank: "one_rank" becomes rows to odd-numbered experts only (the
-    even ones empty)."""
-    T, H, I, E, k, shared, route = GPU_CASES[case]
-    prob = make_problem(1, T, H, I, E, k, shared=shared, seed=T + H, route="random" if route == "one_rank" else route)
-    if route == "one_rank":
-        prob = (prob[0], prob[1] % (E // 2) * 2 + 1, *prob[2:])
-    got = _run(prob, GPU_CFG_BWD, device="cuda")
-    _compare(got, _reference_fp8_backward(prob), 2e-2)
-    e_exact = {NAMES[i]: rel_err(g, w) for i, (g, w) in enumerate(zip(got, _reference(prob, fp8=False)))}
-    assert all(v < 1e-1 for v in e_exact.values()), e_exact
-
-
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_fp8_layer_gpu_no_host_sync_and_graph_replay():
-    """precision="fp8" forward + backward: no host sync (also when an updated weight is quantized
-    again), and a CUDA graph replayed after an in-place weight update gives what an eager call
-    with the updated weights gives, bit for bit (the graph quantizes the weights itself)."""
-    x, idx, wts, ws, _, dy = make_problem(1, 512, 1024, 512, 8, 2, seed=3)
-    x, idx, wts, dy = (t.cuda() for t in (x, idx, wts, dy))
-    params = [w.cuda().requires_grad_(True) for w in ws]
-    xs = x.clone().requires_grad_(True)
-    # debug off whatever TABBY_DEBUG says: the debug mode reads the error record after each pass,
-    # a host sync by design
-    cfg = dataclasses.replace(GPU_CFG_BWD, debug=False)
-
-    def step():
-        y = moe(xs, idx, wts, *params, config=cfg)
-        y.backward(dy)
-        return y
-
-    step()
-    torch.cuda.synchronize()
-    with torch.no_grad():
-        params[0].mul_(0.5)  # a new version: quantized again inside the checked call
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm up on a side stream, as graph capture wants
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    for t in (xs, *params):
-        t.grad = None
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = step()
-    with torch.no_grad():
-        params[2].mul_(2.0)
-    g.replay()
-    torch.cuda.synchronize()
-    with torch.no_grad():
-        eager = moe(xs.detach(), idx, wts, *(p.detach() for p in params), config=cfg)
-    assert torch.equal(y, eager)
-    tabby.check_errors()
