@@ -71,18 +71,18 @@ def default_config_fp8(kind: str, N: int | None = None, BM: int = 128) -> GemmCo
     per tile row). ``BM`` is the schedule's tile height."""
     if kind == KIND_GATE_UP:
         # for the TMA loop (64-row kernel tiles): A 64 x 128 + 2 x (128 x 128) B, one byte each,
-        # 40 KB per stage; 5 stages (200 KB of sm_90's 227 KB) ran fastest on an H200
-        # (docs/fp8.md, "Measurements"); the pointer loop runs at most GATE_UP_PTR_STAGES
+        # 40 KB per stage; 5 stages (200 KB of sm_90's 227 KB) were the fastest measured
+        # (docs/fp8.md); the pointer loop runs at most GATE_UP_PTR_STAGES
         return GemmConfig(BM=BM, BN=128, BK=BLOCK, num_warps=8, num_stages=5, GROUP_M=8)
     if kind == KIND_ROWS:
-        # 128 x 128 tiles, 4 stages (32 KB each): on an H200 1.7x the TFLOP/s of 128 x 256 at 3
-        # stages (docs/fp8.md, "Measurements")
+        # 128 x 128 tiles at 8 warps, 4 stages (32 KB each): K runs many blocks, and two warpgroups
+        # on one tile feed more MMAs per load than 128 x 256 or 4-warp tiles (docs/fp8.md)
         BN = 128 if N is None or N >= 128 else max(16, triton.next_power_of_2(N))
         return GemmConfig(BM=BM, BN=BN, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
     if kind == KIND_WGRAD:
-        # 128 x 64 output tiles at 4 warps, 3 stages (24 KB each): two programs per SM, one's
-        # promotion under the other's MMAs; on an H200 at 341 rows per expert 346 TFLOP/s against
-        # 305 for 128 x 128 at 8 warps (docs/fp8.md, "Measurements")
+        # 128 x 64 output tiles at 4 warps, 3 stages (24 KB each): K is an expert's rows, a few
+        # blocks, so a tile is mostly pipeline fill and store; two programs an SM run one's
+        # promotion and store under the other's loads and MMAs (docs/fp8.md)
         return GemmConfig(BM=128, BN=64, BK=BLOCK, num_warps=4, num_stages=3, GROUP_M=8)
     raise ValueError(f"unknown FP8 GEMM kind {kind!r}")
 
@@ -480,8 +480,7 @@ def transpose_blocks(q: torch.Tensor, s: torch.Tensor, *, out: torch.Tensor | No
     if tuple(out.shape) != (E, K, N) or out.stride(-1) != 1 or q.stride(-1) != 1 or out.dtype != q.dtype:
         raise ValueError(f"transpose_blocks: out must be {q.dtype} [E, K, N] = {(E, K, N)} with a unit last stride")
     if q.numel():
-        # 128 x 128 byte tiles at 8 warps: on an H200 3382 GB/s against 2585 for 64 x 64 at 4
-        # (docs/fp8.md, "Measurements")
+        # 128 x 128 byte tiles at 8 warps: the fastest of the tiles measured (docs/fp8.md)
         BT = 128
         transpose_bytes_kernel[(E, triton.cdiv(N, BT), triton.cdiv(K, BT))](
             q.view(torch.uint8), q.stride(0), q.stride(1), out.view(torch.uint8), out.stride(0), out.stride(1), N, K,
