@@ -188,7 +188,7 @@ register_tabby()
 # every timed call (LayerRun)
 register_layer("torch-fp8", moe_torch_fp8, anchor=True, supports_cpu=False, in_default=False, precision="fp8",
                note=lambda: f"quantization {quantize_mode()}")
-register_layer("tabby-fp8", functools.partial(tabby.moe, config=MoEConfig(megakernel=False, precision="fp8")),
+register_layer("tabby-fp8", functools.partial(tabby.moe, config=MoEConfig(precision="fp8")),
                device_errors=tabby.check_errors, in_default=False, precision="fp8")
 load_plugins()
 

@@ -263,8 +263,14 @@ def test_fp8_config_checks():
     with pytest.raises(tabby.MoEInputError, match="precision"):
         MoEConfig(precision="fp16")
     for p in ("fp8", "fp8-forward"):
-        with pytest.raises(tabby.MoEInputError, match="megakernel=False"):
-            MoEConfig(precision=p)
+        with pytest.raises(tabby.MoEInputError, match="megakernel=True"):
+            MoEConfig(precision=p, megakernel=True)
+        # the precision alone picks the path that has it, and says which
+        assert MoEConfig(precision=p).megakernel is False
+        assert MoEConfig(precision=p) == MoEConfig(precision=p, megakernel=False)
+    assert MoEConfig().megakernel is True and MoEConfig(precision="bf16", megakernel=False).megakernel is False
+    with pytest.raises(tabby.MoEInputError, match="megakernel"):
+        MoEConfig(megakernel=1)
     for H, I in ((88, 128), (128, 200)):  # not multiples of 16
         x, idx, wts, ws, _, _ = make_problem(1, 8, H, I, 2, 1, seed=1)
         with pytest.raises(tabby.MoEInputError, match="multiples of 16"):

@@ -115,7 +115,10 @@ class MoEConfig:
     """What a user decides about the layer.
 
     megakernel:        the forward's dispatch, expert GEMMs, push and shared expert in one persistent
-                       launch (True), or the sync-free path of separate launches (False).
+                       launch (True), or the sync-free path of separate launches (False); None (the
+                       default): the megakernel where the precision has one (bf16), else the path
+                       of separate launches. Resolved when the config is made: a made config's
+                       ``megakernel`` is True or False.
     save_for_backward: a differentiated megakernel forward also keeps the routed rows, g | u and the
                        rows' router weights for the backward (True), or keeps only its ring and the
                        backward recomputes them (False: less memory, a slower backward).
@@ -130,13 +133,13 @@ class MoEConfig:
     precision:         "bf16" (the default); "fp8": the routed experts' GEMMs in FP8, forward
                        and backward (E4M3, DeepSeek-V3's recipe: docs/fp8.md); "fp8-forward": the
                        forward's in FP8, the backward in bf16 at the FP8 forward's activations.
-                       For now FP8 runs on the path of separate launches only
-                       (``megakernel=False``, else ``MoEInputError``) and needs H and I multiples
+                       For now FP8 runs on the path of separate launches only (the default
+                       for it; ``megakernel=True`` raises ``MoEInputError``) and needs H and I multiples
                        of 16 (a last 1x128 tile or 128x128 block may be partial, with its own
                        scale); "fp8" also a routed tile height ``Tuning.tile_m`` multiple of 128.
     """
 
-    megakernel: bool = True
+    megakernel: bool | None = None
     save_for_backward: bool = True
     max_wait_ms: float | None = None
     max_wait_polls: int | None = None
@@ -147,9 +150,12 @@ class MoEConfig:
     def __post_init__(self):
         if self.precision not in ("bf16", "fp8", "fp8-forward"):
             raise MoEInputError(f"MoEConfig(precision={self.precision!r}): must be 'bf16', 'fp8' or 'fp8-forward'")
+        if self.megakernel is None:  # frozen: set once, here, before anything reads it
+            object.__setattr__(self, "megakernel", self.precision == "bf16")
         if self.precision != "bf16" and self.megakernel is True:
-            raise MoEInputError(f"MoEConfig(precision={self.precision!r}): the forward megakernel has no FP8 path "
-                                "yet; pass megakernel=False (FP8 runs on the path of separate launches)")
+            raise MoEInputError(f"MoEConfig(precision={self.precision!r}, megakernel=True): the forward megakernel "
+                                "has no FP8 path yet; leave megakernel unset (or False): FP8 runs on the path of "
+                                "separate launches")
         for name in ("megakernel", "save_for_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise MoEInputError(f"MoEConfig({name}={getattr(self, name)!r}): must be True or False")
