@@ -10,9 +10,12 @@
 #           fuzzer at EP1
 #           (SOAK_S, FUZZ_S: their time budgets in seconds, default 120 each; FUZZ_PRECOMPILE_S: the
 #           fuzzer's kernels compiled first in parallel, default 120)
-#   fp8     the FP8 tests and test_custom_op (in parallel, as tests), scripts/fp8_bench.py (GEMM TFLOP/s and the layer, FP8 against bf16), then the
-#           FP8 layer's stage profile at kimi-k2 and the layer bench at 16384 tokens: tabby against tabby-fp8 with fixed weights (their FP8 copies
-#           reused), tabby-fp8 against torch-fp8 from a new weight version per call (both quantize)
+#   fp8-tests  the FP8 test files and test_custom_op (which runs FP8 through torch.compile), in parallel as
+#           tests (cold, about 330 s: the longest file's compiles)
+#   fp8-bench  scripts/fp8_bench.py (GEMM TFLOP/s and the layer, FP8 against bf16; extra args go to it), the
+#           FP8 layer's stage profile at kimi-k2, and the layer bench at 16384 tokens on the six shapes: tabby
+#           against tabby-fp8 with fixed weights (their FP8 copies reused), tabby-fp8 against torch-fp8 from a
+#           new weight version per call (both quantize); about 450 s. Each FP8 stage fits one call's 600 s.
 #   all     tests, then bench
 # Logs and results go under $OUT (default /tmp/tabby-out); TABBY_GIT_COMMIT names the commit where the
 # tree has no .git.
@@ -22,8 +25,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-/tmp/tabby-out}
 mkdir -p "$OUT/res"
 stage=${1:-all}; shift || true
-case "$stage" in tests|bench|train|reliability|fp8|all) ;;
-  *) echo "unknown stage '$stage': tests, bench, train, reliability, fp8 or all" >&2; exit 2;; esac
+case "$stage" in tests|bench|train|reliability|fp8-tests|fp8-bench|all) ;;
+  *) echo "unknown stage '$stage': tests, bench, train, reliability, fp8-tests, fp8-bench or all" >&2; exit 2;; esac
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/machine.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/machine.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" >> "$OUT/machine.txt"
@@ -70,12 +73,13 @@ if [ "$stage" = reliability ]; then
     --precompile "${FUZZ_PRECOMPILE_S:-120}" --device cuda --out "$OUT/fuzz" 2>&1 | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
-if [ "$stage" = fp8 ]; then
-  # the FP8 files and the registered operator's (which runs FP8 through torch.compile), in parallel
+if [ "$stage" = fp8-tests ]; then
   run_tests tests/test_fp8*.py tests/test_custom_op.py
+fi
+if [ "$stage" = fp8-bench ]; then
   python3 scripts/fp8_bench.py "$@" 2>&1 | tee "$OUT/fp8-bench.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  fp8_shapes=kimi-k2,glm-5,qwen3-30b-a3b,gpt-oss-120b,qwen3.5-397b
+  fp8_shapes=kimi-k2,glm-5,deepseek-v4-pro,qwen3-30b-a3b,gpt-oss-120b,qwen3.5-397b
   python3 -m tabby_bench profile --precision fp8 --shapes kimi-k2 --tokens 16384 --out "$OUT/res/profile-fp8.json" \
     2>&1 | tail -30
   python3 -m tabby_bench bench --ep 1 --tokens 16384 --shapes $fp8_shapes --impls tabby,tabby-fp8 --weights fixed \
