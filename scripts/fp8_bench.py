@@ -1,4 +1,4 @@
-"""FP8 measurements on one GPU (docs/fp8.md, "Measurements").
+"""FP8 measurements on one GPU (docs/fp8-measurements.md).
 
 1. The expert GEMMs at T*k routed rows over E experts (rows spread evenly, 128-row tiles):
    TFLOP/s of Tabby's bf16 GEMMs (gemm.py) and of the FP8 ones (gemm_fp8.py), with and without

@@ -58,11 +58,11 @@ KIND_ROWS = "rows"
 KIND_WGRAD = "wgrad"
 # gate/up's kernel tile height with TMA loads (a divisor of the schedule's): at 8 warps each
 # warpgroup holds a 64 x 64 quarter of g and of u (32 registers per tile); 128 rows spill
-# (docs/fp8.md)
+# (docs/fp8-measurements.md)
 GATE_UP_TMA_BM = 64
 # the most stages of gate/up's pointer loop: its tile is the schedule's (128 rows: A 128 x 128 +
 # 2 x (128 x 128) B, one byte each, 48 KB per stage), where the TMA loop's 5 stages would not fit
-# in shared memory; 3 is the count it was measured at (docs/fp8.md)
+# in shared memory; 3 is the count it was measured at (docs/fp8-measurements.md)
 GATE_UP_PTR_STAGES = 3
 
 
@@ -72,17 +72,17 @@ def default_config_fp8(kind: str, N: int | None = None, BM: int = 128) -> GemmCo
     if kind == KIND_GATE_UP:
         # for the TMA loop (64-row kernel tiles): A 64 x 128 + 2 x (128 x 128) B, one byte each,
         # 40 KB per stage; 5 stages (200 KB of sm_90's 227 KB) were the fastest measured
-        # (docs/fp8.md); the pointer loop runs at most GATE_UP_PTR_STAGES
+        # (docs/fp8-measurements.md); the pointer loop runs at most GATE_UP_PTR_STAGES
         return GemmConfig(BM=BM, BN=128, BK=BLOCK, num_warps=8, num_stages=5, GROUP_M=8)
     if kind == KIND_ROWS:
         # 128 x 128 tiles at 8 warps, 4 stages (32 KB each): K runs many blocks, and two warpgroups
-        # on one tile feed more MMAs per load than 128 x 256 or 4-warp tiles (docs/fp8.md)
+        # on one tile feed more MMAs per load than 128 x 256 or 4-warp tiles (docs/fp8-measurements.md)
         BN = 128 if N is None or N >= 128 else max(16, triton.next_power_of_2(N))
         return GemmConfig(BM=BM, BN=BN, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
     if kind == KIND_WGRAD:
         # 128 x 64 output tiles at 4 warps, 3 stages (24 KB each): K is an expert's rows, a few
         # blocks, so a tile is mostly pipeline fill and store; two programs an SM run one's
-        # promotion and store under the other's loads and MMAs (docs/fp8.md)
+        # promotion and store under the other's loads and MMAs (docs/fp8-measurements.md)
         return GemmConfig(BM=128, BN=64, BK=BLOCK, num_warps=4, num_stages=3, GROUP_M=8)
     raise ValueError(f"unknown FP8 GEMM kind {kind!r}")
 
@@ -182,7 +182,7 @@ def _fp8_gate_up_mainloop_tma(row0, pid_n, e, a_desc, as_ptr, stride_asm, wg_des
     out-of-bounds K reads as zeros (the pointer loop's other=0.0), and so do weight rows past I
     (bounds are per dimension: the next expert's rows are not read). No per-thread load addresses
     are held (the pointer loop at BM = 128 holds 12 int64 ones, and spills them inside the loop:
-    docs/fp8.md).
+    docs/fp8-measurements.md).
     Meant for BM = 64 at 8 warps: each warpgroup holds a 64 x 64 quarter of g and of u, 32 fp32
     registers per tile and thread (at BM = 128 ptxas spills 344 bytes: it issues u's MMA before
     g's promotion, so both 64-register products are live beside the two accumulators). Each
@@ -480,7 +480,7 @@ def transpose_blocks(q: torch.Tensor, s: torch.Tensor, *, out: torch.Tensor | No
     if tuple(out.shape) != (E, K, N) or out.stride(-1) != 1 or q.stride(-1) != 1 or out.dtype != q.dtype:
         raise ValueError(f"transpose_blocks: out must be {q.dtype} [E, K, N] = {(E, K, N)} with a unit last stride")
     if q.numel():
-        # 128 x 128 byte tiles at 8 warps: the fastest of the tiles measured (docs/fp8.md)
+        # 128 x 128 byte tiles at 8 warps: the fastest of the tiles measured (docs/fp8-measurements.md)
         BT = 128
         transpose_bytes_kernel[(E, triton.cdiv(N, BT), triton.cdiv(K, BT))](
             q.view(torch.uint8), q.stride(0), q.stride(1), out.view(torch.uint8), out.stride(0), out.stride(1), N, K,
