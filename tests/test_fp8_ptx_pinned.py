@@ -72,14 +72,16 @@ def _rows_push(N, K):
 def _down_dgrad(H, I):
     from tabby.ops import gemm_fp8
 
+    cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_DOWN_DGRAD)
     nk, ni = -(-H // 128), -(-I // 128)
     args = dict(a_ptr="*fp8e4nv", stride_am=_i32(H), as_ptr="*fp32", stride_asm=_i32(nk), b_ptr="*fp8e4nv",
                 stride_be=_i32(I * H), stride_bn=_i32(H), bs_ptr="*fp32", stride_bse=_i32(ni * nk),
                 stride_bsn=_i32(nk), gu_ptr="*bf16", stride_gum=_i32(2 * I), ws_ptr="*fp32", dgu_ptr="*bf16",
                 stride_dgum=_i32(2 * I), hw_ptr="*bf16", stride_hwm=_i32(I), dwp_ptr="*fp32", stride_dwpm=_i32(ni),
                 tile_expert_ptr="*i32", num_tiles_ptr="*i32", num_m="i32:16", H=Const(H), I=Const(I),
-                BM=Const(128), BN=Const(128), GROUP_M=Const(8), EVEN_K=Const(H % 128 == 0))
-    return compile_args(gemm_fp8.down_dgrad_swiglu_fp8_kernel, args, num_warps=8, num_stages=4)
+                BM=Const(cfg.BM), BN=Const(cfg.BN), GROUP_M=Const(cfg.GROUP_M), EVEN_K=Const(H % 128 == 0))
+    return compile_args(gemm_fp8.down_dgrad_swiglu_fp8_kernel, args, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages)
 
 
 def _wgrad(M, N):

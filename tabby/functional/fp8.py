@@ -39,7 +39,6 @@ import torch
 import triton
 
 from ..ops import comm, fp8, gemm, gemm_fp8, sync
-from ..ops.gemm import GemmConfig
 from ..validate import MoEInputError
 from .backward import moe_backward
 from .forward import KeptRows
@@ -251,7 +250,7 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     wd_t = fp8_weight_t(w_down)
     dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(
         dys_q, dys_s, *wd_t, gu, row_w, sched.tile_expert, sched.num_tiles,
-        config=GemmConfig(BM=BM, BN=128, BK=FP8_BLOCK, num_warps=8, num_stages=4, GROUP_M=8))
+        config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_DOWN_DGRAD, BM=BM))
     del gu, row_w, wd_t
     mark(probe, "bwd:down_dgrad+swiglu")
     dgu_q, dgu_qs = quantize_gate_up_grad(dgu, I, sched.num_tiles, BM)

@@ -56,6 +56,7 @@ from .gemm import (_TL_DTYPES, GemmConfig, _check_schedule, _push_rows, _row_til
 KIND_GATE_UP = "gate_up"
 KIND_ROWS = "rows"
 KIND_WGRAD = "wgrad"
+KIND_DOWN_DGRAD = "down_dgrad"
 # gate/up's kernel tile height with TMA loads (a divisor of the schedule's): at 8 warps each
 # warpgroup holds a 64 x 64 quarter of g and of u (32 registers per tile); 128 rows spill
 # (docs/fp8-measurements.md)
@@ -79,6 +80,9 @@ def default_config_fp8(kind: str, N: int | None = None, BM: int = 128) -> GemmCo
         # on one tile feed more MMAs per load than 128 x 256 or 4-warp tiles (docs/fp8-measurements.md)
         BN = 128 if N is None or N >= 128 else max(16, triton.next_power_of_2(N))
         return GemmConfig(BM=BM, BN=BN, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
+    if kind == KIND_DOWN_DGRAD:
+        # the rows GEMM's main loop and tiles, 128 columns of I (whatever I) for the SwiGLU backward
+        return GemmConfig(BM=BM, BN=128, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
     if kind == KIND_WGRAD:
         # 128 x 64 output tiles at 4 warps, 3 stages (24 KB each): K is an expert's rows, a few
         # blocks, so a tile is mostly pipeline fill and store; two programs an SM run one's
@@ -442,7 +446,7 @@ def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_exp
     _check_fp8_rows("dys_q", dys_q, dys_scale, R)
     _check_fp8_weights("wd_t_q", wd_t_q, wd_t_scale)
     assert gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
-    cfg = config or GemmConfig(BM=128, BN=128, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
+    cfg = config or default_config_fp8(KIND_DOWN_DGRAD)
     _check_schedule(tile_expert, num_tiles, R, cfg.BM)
     nt_n = triton.cdiv(I, cfg.BN)
     dgu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dys_q.device)
