@@ -28,7 +28,8 @@ class Const:
 def compile_args(fn, args: dict, **options):
     """``triton.compile`` of ``fn`` for sm_90 with its arguments described by ``args``: parameter
     name -> a leaf or a (named) tuple of leaves, as the JIT would specialize them at run time. A
-    leaf is ``Const(value)``, or a type string ('*bf16', 'i32', 'i64', 'tensordesc<bf16[128,64]>')
+    leaf is ``Const(value)``, or a type string ('*bf16', 'i32', 'i64', 'tensordesc<bf16[128,64]>'; a
+    Gluon kernel's descriptors name their shared layout: 'tensordesc<fp8e4nv[64,128],NVMMASharedLayout(...)>')
     where pointers are 16-byte aligned and an integer written 'i32:16' is a multiple of 16."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -53,6 +54,8 @@ def compile_args(fn, args: dict, **options):
 
     for i, name in enumerate(fn.arg_names):
         signature[name] = walk((i,), args.get(name, "i32"))
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 

@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRET
+from . import INTERPRET, gemm_fp8_ws
 from .fp8 import BLOCK, E4M3, quantize_tile_rows
 from .gemm import (_TL_DTYPES, GemmConfig, _check_schedule, _push_rows, _row_tile_expert, _store_rows,
                    _swiglu_bwd_split_epilogue, grouped_tile, tma_aligned)
@@ -390,6 +390,11 @@ def rows_gemm_fp8(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None,
         c, stride_c = out, out.stride(0)
         row_src = dst_ptrs = tile_expert  # unused
         TK, stride_d = 1, 0
+    if cfg == default_config_fp8(KIND_ROWS, N, BM=cfg.BM) and gemm_fp8_ws.fits(aq, bq, cfg.BM):
+        epi = ((row_src, dst_ptrs, TK, stride_d, dst_ptrs.view(dst_dtype)) if push else (c, stride_c))
+        gemm_fp8_ws.launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, cfg.BM,
+                           gemm_fp8_ws.EPI_PUSH if push else gemm_fp8_ws.EPI_STORE, epi, N)
+        return None if push else out
     num_m = R // cfg.BM
     rows_gemm_fp8_kernel[(num_m * triton.cdiv(N, cfg.BN),)](
         aq, aq.stride(0), a_scale, a_scale.stride(0), bq, bq.stride(0), bq.stride(1), b_scale, b_scale.stride(0),
@@ -452,6 +457,11 @@ def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_exp
     dgu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dys_q.device)
     hw = torch.empty(R, I, dtype=torch.bfloat16, device=dys_q.device)
     dw_part = torch.empty(R, nt_n, dtype=torch.float32, device=dys_q.device)
+    if cfg == default_config_fp8(KIND_DOWN_DGRAD, BM=cfg.BM) and gemm_fp8_ws.fits(dys_q, wd_t_q, cfg.BM):
+        gemm_fp8_ws.launch(dys_q, dys_scale, wd_t_q, wd_t_scale, tile_expert, num_tiles, cfg.BM,
+                           gemm_fp8_ws.EPI_SWIGLU_BWD, (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0),
+                                                        dw_part, dw_part.stride(0)), I)
+        return dgu, hw, dw_part
     num_m = R // cfg.BM
     down_dgrad_swiglu_fp8_kernel[(num_m * nt_n,)](
         dys_q, dys_q.stride(0), dys_scale, dys_scale.stride(0), wd_t_q, wd_t_q.stride(0), wd_t_q.stride(1),

@@ -32,12 +32,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import INTERPRET
 from .fp8 import BLOCK
 from .gemm import _check_schedule
 
 BM = 128  # two consumer warpgroups of 64 rows
 BN = 128
 HALF = 64
+# ring depth: 4 stages of 32 KB (A's halves and B's block) measured as fast as 5 or 6 and leave
+# shared memory for the epilogue's layout conversions
+STAGES = 4
 
 
 @gluon.jit
@@ -49,17 +53,33 @@ def _tile_of(t, num_m, num_n, GROUP_M: gl.constexpr):
     return first_m + (t % per_group) % size_m, (t % per_group) // size_m
 
 
+EPI_STORE = gl.constexpr(0)  # bf16 rows into C [R, N] (gemm.rows_gemm's local form)
+EPI_PUSH = gl.constexpr(1)  # each row to its origin (gemm._push_rows: dst_ptrs[row_src // TK], row row_src % TK)
+EPI_SWIGLU_BWD = gl.constexpr(2)  # the down dgrad's SwiGLU backward (gemm._swiglu_bwd_split_epilogue)
+
+
+@gluon.jit
+def _tile_expert(pid_m, tile_expert_ptr, nt, SCHED_BM: gl.constexpr):
+    """Expert of kernel row tile pid_m (128 rows inside the schedule's SCHED_BM-row tile), -1 when
+    that schedule tile is unused."""
+    st = (pid_m * 128) // SCHED_BM
+    e = gl.load(tile_expert_ptr + st)
+    return gl.where(st < nt, e, -1)
+
+
 @gluon.jit
 def _producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, N,
-              NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    num_n = N // 128
+              NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
+    num_n = gl.cdiv(N, 128)
     nt = gl.load(num_tiles_ptr)
     it = 0
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
-        e = gl.load(tile_expert_ptr + pid_m)
-        if (pid_m < nt) & (e >= 0):
+        e = _tile_expert(pid_m, tile_expert_ptr, nt, SCHED_BM)
+        if e >= 0:
             row0 = pid_m * 128
+            # a partial last column tile reads the next expert's first rows (or TMA's zeros past
+            # the last): finite E4M3, and their columns are not stored
             brow = e * N + pid_n * 128
             for kb in range(NK):
                 s = it % STAGES
@@ -74,21 +94,89 @@ def _producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr,
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, c_ptr, stride_cm,
+def _sigmoid(x):
+    return 1 / (1 + gl.exp(-x))  # tl.sigmoid's definition, so that the epilogue is the Triton kernel's
+
+
+@gluon.jit
+def _swiglu_bwd_half(acc, rows, cols, w, I, epi):
+    """gemm._swiglu_bwd_epilogue on a [64, 64] slice: dg | du and h * w stored, sum_cols acc * h returned."""
+    gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm = epi
+    cmask = (cols < I)[None, :]
+    gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
+    g = gl.load(gptrs, mask=cmask, other=0.0).to(gl.float32)
+    u = gl.load(gptrs + I, mask=cmask, other=0.0).to(gl.float32)
+    sg = _sigmoid(g)
+    silu = g * sg
+    h = silu * u
+    dw = gl.sum(acc * h, axis=1)  # masked columns: g = u = 0 -> h = 0
+    dh = acc * w[:, None]
+    dg = dh * u * sg * (1.0 + g * (1.0 - sg))
+    du = dh * silu
+    dptrs = dgu_ptr + rows[:, None] * stride_dgum + cols[None, :]
+    gl.store(dptrs, dg.to(dgu_ptr.dtype.element_ty), mask=cmask)
+    gl.store(dptrs + I, du.to(dgu_ptr.dtype.element_ty), mask=cmask)
+    gl.store(hw_ptr + rows[:, None] * stride_hwm + cols[None, :], (h * w[:, None]).to(hw_ptr.dtype.element_ty),
+             mask=cmask)
+    return dw
+
+
+@gluon.jit
+def _epilogue(acc, rows, pid_n, N, epi, EPILOGUE: gl.constexpr, layout: gl.constexpr):
+    # stores and pushes from a layout of 16-byte row pieces (8 bf16 a thread, a warp two rows of
+    # 128): the MMA layout holds 2 adjacent columns a thread
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    if EPILOGUE == EPI_STORE:
+        c_ptr, stride_cm = epi
+        val = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_layout)
+        rows_o = gl.convert_layout(rows, gl.SliceLayout(1, out_layout))
+        cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, out_layout))
+        gl.store(c_ptr + rows_o[:, None] * stride_cm + cols[None, :], val, mask=(cols < N)[None, :])
+    elif EPILOGUE == EPI_PUSH:
+        row_src_ptr, dst_ptrs_ptr, TK, stride_dm, ref = epi
+        val = gl.convert_layout(acc.to(ref.dtype.element_ty), out_layout)
+        rows_o = gl.convert_layout(rows, gl.SliceLayout(1, out_layout))
+        cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, out_layout))
+        rs = gl.load(row_src_ptr + rows_o)
+        valid = rs >= 0
+        rs = gl.where(valid, rs, 0)
+        base = gl.load(dst_ptrs_ptr + rs // TK, mask=valid, other=0)
+        # each row addressed as an element offset from ``ref`` (the table's address as a pointer of
+        # the destination type), as gemm._push_rows_prep: with 16-byte aligned bases and row strides
+        # the rows store in 16-byte vectors
+        ESIZE: gl.constexpr = ref.dtype.element_ty.primitive_bitwidth // 8
+        ref_addr = dst_ptrs_ptr.to(gl.int64, bitcast=True)
+        row_off = gl.multiple_of((base - ref_addr) // ESIZE + (rs % TK).to(gl.int64) * stride_dm, 16 // ESIZE)
+        gl.store(ref + row_off[:, None] + cols[None, :], val, mask=valid[:, None] & (cols < N)[None, :])
+    else:
+        gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm = epi
+        w = gl.load(ws_ptr + rows)
+        # the two column halves one after the other, as the Triton kernel (fewer live tiles; the
+        # same dw sums)
+        acc_lo, acc_hi = gl.split(gl.permute(gl.reshape(acc, (64, 2, 64)), (0, 2, 1)))
+        cols_lo = pid_n * 128 + gl.arange(0, 64, layout=gl.SliceLayout(0, acc_lo.type.layout))
+        rows_h = gl.convert_layout(rows, gl.SliceLayout(1, acc_lo.type.layout))
+        w_h = gl.convert_layout(w, gl.SliceLayout(1, acc_lo.type.layout))
+        dw = _swiglu_bwd_half(acc_lo, rows_h, cols_lo, w_h, N, epi)
+        dw += _swiglu_bwd_half(acc_hi, rows_h, cols_lo + 64, w_h, N, epi)
+        gl.store(dwp_ptr + rows_h * stride_dwpm + pid_n, dw)
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
               tile_expert_ptr, num_tiles_ptr, num_m, N, HALF_ROW: gl.constexpr, NK: gl.constexpr,
-              STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+              STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
-    num_n = N // 128
+    num_n = gl.cdiv(N, 128)
     nt = gl.load(num_tiles_ptr)
     it = 0
     part = gl.zeros([64, 128], gl.float32, layout)
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
-        e = gl.load(tile_expert_ptr + pid_m)
-        if (pid_m < nt) & (e >= 0):
-            rows = pid_m * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-            cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
-            as_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
+        e = _tile_expert(pid_m, tile_expert_ptr, nt, SCHED_BM)
+        if e >= 0:
+            rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+            as_ptrs = as_ptr + rows * stride_asm
             bs_base = bs_ptr + e.to(gl.int64) * stride_bse + pid_n * stride_bsn
             sa = gl.load(as_ptrs)
             sb = gl.load(bs_base)
@@ -109,14 +197,13 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_b
                 sa = sa_next
                 sb = sb_next
                 it += 1
-            ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
-            gl.store(ptrs, acc.to(c_ptr.dtype.element_ty))
+            _epilogue(acc, rows, pid_n, N, epi, EPILOGUE, layout)
 
 
 @gluon.jit
-def rows_gemm_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_bse, stride_bsn, c_ptr, stride_cm,
+def rows_gemm_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_bse, stride_bsn, epi,
                             tile_expert_ptr, num_tiles_ptr, num_m, N, NK: gl.constexpr, STAGES: gl.constexpr,
-                            GROUP_M: gl.constexpr):
+                            GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
     a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -126,44 +213,53 @@ def rows_gemm_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_b
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     gl.warp_specialize([
-        (_consumer, (a_lo, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, c_ptr,
-                     stride_cm, tile_expert_ptr, num_tiles_ptr, num_m, N, 0, NK, STAGES, GROUP_M)),
-        (_consumer, (a_hi, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, c_ptr,
-                     stride_cm, tile_expert_ptr, num_tiles_ptr, num_m, N, 64, NK, STAGES, GROUP_M)),
+        (_consumer, (a_lo, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
+                     tile_expert_ptr, num_tiles_ptr, num_m, N, 0, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
+        (_consumer, (a_hi, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
+                     tile_expert_ptr, num_tiles_ptr, num_m, N, 64, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
         (_producer, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, N,
-                     NK, STAGES, GROUP_M)),
+                     NK, STAGES, GROUP_M, SCHED_BM)),
     ], [4, 1], [232, 40])
 
 
-def _descriptors(aq, bq):
+def fits(aq: torch.Tensor, bq: torch.Tensor, sched_bm: int) -> bool:
+    """Whether these operands run here: a CUDA device of compute capability 9 (wgmma, TMA), the
+    schedule's tiles a multiple of 128 rows, contiguous operands with K a multiple of 16 (TMA's
+    16-byte strides). Elsewhere gemm_fp8's Triton kernels run (the same sums)."""
+    return (aq.is_cuda and not INTERPRET and torch.cuda.get_device_capability(aq.device)[0] == 9
+            and sched_bm % BM == 0 and aq.shape[1] % 16 == 0 and aq.is_contiguous() and bq.is_contiguous())
+
+
+def launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, N: int, *,
+           stages: int = STAGES, grid: int | None = None, GROUP_M: int = 8):
+    """One persistent launch over the routed rows (R = aq.shape[0], kernel tiles of 128 rows) and
+    N columns with ``epilogue`` (EPI_*) and its arguments ``epi``; the caller has checked operands."""
+    R, K = aq.shape
+    E, NB, KB = bq.shape
     a_layout = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK], gl.float8e4nv)
     b_layout = gl.NVMMASharedLayout.get_default_for([BN, BLOCK], gl.float8e4nv)
-    E, N, K = bq.shape
     a_desc = TensorDescriptor.from_tensor(aq, [HALF, BLOCK], a_layout)
-    b_desc = TensorDescriptor(bq, [E * N, K], [K, 1], [BN, BLOCK], b_layout)
-    return a_desc, b_desc
+    b_desc = TensorDescriptor(bq, [E * NB, KB], [KB, 1], [BN, BLOCK], b_layout)
+    num_m = R // BM
+    tiles = num_m * triton.cdiv(N, BN)
+    if grid is None:
+        grid = torch.cuda.get_device_properties(aq.device).multi_processor_count
+    rows_gemm_fp8_ws_kernel[(max(1, min(grid, tiles)),)](
+        a_desc, a_scale, a_scale.stride(0), b_desc, b_scale, b_scale.stride(0), b_scale.stride(1), epi, tile_expert,
+        num_tiles, num_m, N, NK=triton.cdiv(K, BLOCK), STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm,
+        EPILOGUE=epilogue, num_warps=4)
 
 
-def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None, stages: int = 4,
-                     grid: int | None = None, GROUP_M: int = 8):
-    """``gemm_fp8.rows_gemm_fp8``'s stored form (bf16 ``out [R, N]``), warp-specialized."""
+def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None, sched_bm: int = BM, **kw):
+    """``gemm_fp8.rows_gemm_fp8``'s stored form (bf16 ``out [R, N]``), here (``fits``)."""
     R, K = aq.shape
-    E, N, Kb = bq.shape
-    if Kb != K or K % 16 or N % BN:
-        raise ValueError(f"rows_gemm_fp8_ws needs K (A {K}, B {Kb}) equal and a multiple of 16, N ({N}) of {BN}")
-    if not (aq.is_contiguous() and bq.is_contiguous()):
-        raise ValueError("rows_gemm_fp8_ws needs contiguous aq and bq")
-    _check_schedule(tile_expert, num_tiles, R, BM)
+    N = bq.shape[1]
+    if not fits(aq, bq, sched_bm) or bq.shape[2] != K:
+        raise ValueError(f"rows_gemm_fp8_ws: A {tuple(aq.shape)}, B {tuple(bq.shape)}, schedule tiles of {sched_bm} "
+                         "rows do not run on the warp-specialized kernel (see fits)")
+    _check_schedule(tile_expert, num_tiles, R, sched_bm)
     if out is None:
         out = torch.empty(R, N, dtype=torch.bfloat16, device=aq.device)
     assert out.shape == (R, N) and out.stride(-1) == 1
-    num_m = R // BM
-    tiles = num_m * (N // BN)
-    if grid is None:
-        grid = min(tiles, torch.cuda.get_device_properties(aq.device).multi_processor_count)
-    a_desc, b_desc = _descriptors(aq, bq)
-    rows_gemm_fp8_ws_kernel[(max(1, grid),)](
-        a_desc, a_scale, a_scale.stride(0), b_desc, b_scale, b_scale.stride(0), b_scale.stride(1), out,
-        out.stride(0), tile_expert, num_tiles, num_m, N, NK=triton.cdiv(K, BLOCK), STAGES=stages, GROUP_M=GROUP_M,
-        num_warps=4)
+    launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, sched_bm, EPI_STORE, (out, out.stride(0)), N, **kw)
     return out

@@ -1,0 +1,53 @@
+"""The warp-specialized FP8 rows GEMM (tabby/ops/gemm_fp8_ws.py) compiles for sm_90a, on a machine
+without a GPU, to the structure it was written for, for each epilogue (store, push, SwiGLU
+backward): no serialized wgmma (ptxas's C7514 / C7515: every wgmma would wait for the one
+before, and one warpgroup's promotion could no longer run under the other's MMA), no spills, each
+block's wgmma waited for at once (wait 0) rather than overlapped within a warpgroup, and the
+stores and pushes in 16-byte vectors. Its values: test_fp8_gemm_ws_gpu.py."""
+import re
+
+from sm90 import Const, compile_args, ptxas_report, run_compiled_check
+
+
+def _report():
+    from triton.experimental.gluon import language as gl
+
+    from tabby.ops import gemm_fp8_ws as ws
+
+    a_layout = gl.NVMMASharedLayout.get_default_for([ws.HALF, 128], gl.float8e4nv)
+    b_layout = gl.NVMMASharedLayout.get_default_for([ws.BN, 128], gl.float8e4nv)
+    epis = {ws.EPI_STORE.value: ("*bf16", "i32:16"),
+            ws.EPI_PUSH.value: ("*i32", "*i64", "i32", "i32:16", "*bf16"),
+            ws.EPI_SWIGLU_BWD.value: ("*bf16", "i32:16", "*fp32", "*bf16", "i32:16", "*bf16", "i32:16", "*fp32",
+                                      "i32")}
+    for epilogue, epi in epis.items():
+        for nk in (16, 23):  # kimi-k2's down (K 2048) and gpt-oss-120b's (K 2880: a partial last block)
+            args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
+                        b_desc=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", bs_ptr="*fp32", stride_bse="i32",
+                        stride_bsn="i32", epi=epi, tile_expert_ptr="*i32", num_tiles_ptr="*i32", num_m="i32",
+                        N="i32:16", NK=Const(nk), STAGES=Const(ws.STAGES), GROUP_M=Const(8), SCHED_BM=Const(128),
+                        EPILOGUE=Const(epilogue))
+            k = compile_args(ws.rows_gemm_fp8_ws_kernel, args, num_warps=4)
+            ptx, rep = k.asm["ptx"], ptxas_report(k)
+            spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", rep))
+            print(f"epilogue{epilogue}/nk{nk}", "wgmma_e4m3", len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
+                  "wait_nonzero", len(re.findall(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
+                  "v4_stores", len(re.findall(r"st\.global(\.\w+)*\.v4", ptx)),
+                  "spills", spills, "serialized", int("are serialized" in rep), "warp_specialized",
+                  int("setmaxnreg" in ptx))
+
+
+def test_warp_specialized_rows_gemm_compiles_unserialized():
+    lines = run_compiled_check(__file__).splitlines()
+    assert len(lines) == 6, lines
+    for line in lines:
+        f = line.split()
+        c = dict(zip(f[1::2], map(int, f[2::2])))
+        assert c["wgmma_e4m3"] >= 8 and c["warp_specialized"] == 1, line  # 4 per block, two consumers
+        assert c["spills"] == 0 and c["serialized"] == 0 and c["wait_nonzero"] == 0, line
+        if not f[0].startswith("epilogue2"):
+            assert c["v4_stores"] > 0, line
+
+
+if __name__ == "__main__":
+    _report()
