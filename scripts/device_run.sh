@@ -11,7 +11,8 @@
 #           (SOAK_S, FUZZ_S: their time budgets in seconds, default 120 each; FUZZ_PRECOMPILE_S: the
 #           fuzzer's kernels compiled first in parallel, default 120)
 #   fp8-tests  the FP8 test files and test_custom_op (which runs FP8 through torch.compile), in parallel as
-#           tests (cold, about 330 s: the longest file's compiles)
+#           tests, the two FP8 layer files one process per test case (cold, each file's compiles in one
+#           process ran past 380 s)
 #   fp8-bench  scripts/fp8_bench.py (GEMM TFLOP/s and the layer, FP8 against bf16; extra args go to it), the
 #           FP8 layer's stage profile at kimi-k2, and the layer bench at 16384 tokens on the six shapes: tabby
 #           against tabby-fp8 with fixed weights (their FP8 copies reused), tabby-fp8 against torch-fp8 from a
@@ -49,6 +50,27 @@ run_tests() {
     grep -E "^(FAILED|ERROR)|Error|assert" "$log" | head -10
   done
 }
+run_tests_by_case() {
+  # one pytest process per test case of the files: each case of the FP8 layer files compiles its own
+  # shapes' kernels, so one process per file is bound by the sum of its cases' compiles
+  local pids=() ids=() id log p i=0
+  mapfile -t ids < <(python3 -m pytest --collect-only -q -p no:cacheprovider "$@" 2>/dev/null | grep '::')
+  for id in "${ids[@]}"; do
+    log="$OUT/gpu-tests-$(basename "${id%%::*}" .py)-case$i.log"
+    i=$((i + 1))
+    (TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${TESTS_TIMEOUT:-580} \
+      python3 -m pytest -q -rA -p no:cacheprovider "$id" > "$log" 2>&1) &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || status=1; done
+  i=0
+  for id in "${ids[@]}"; do
+    log="$OUT/gpu-tests-$(basename "${id%%::*}" .py)-case$i.log"
+    i=$((i + 1))
+    echo "== $id: $(tail -1 "$log")"
+    grep -E "^(FAILED|ERROR)|Error|assert" "$log" | head -10
+  done
+}
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
   run_tests ${GPU_TESTS:-tests/test_*_gpu.py}
 fi
@@ -74,7 +96,11 @@ if [ "$stage" = reliability ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$stage" = fp8-tests ]; then
-  run_tests tests/test_fp8*.py tests/test_custom_op.py
+  by_case="tests/test_fp8_cases_gpu.py tests/test_fp8_layer_gpu.py"
+  (run_tests $(ls tests/test_fp8*.py tests/test_custom_op.py | grep -v -F -x -e ${by_case// / -e }); exit $status) &
+  files=$!
+  run_tests_by_case $by_case
+  wait $files || status=1
 fi
 if [ "$stage" = fp8-bench ]; then
   python3 scripts/fp8_bench.py "$@" 2>&1 | tee "$OUT/fp8-bench.log" | tail -40

@@ -1,7 +1,8 @@
 """The warp-specialized FP8 rows GEMM (tabby/ops/gemm_fp8_ws.py) on a GPU, bitwise against the
 Triton kernels of gemm_fp8.py (the same wgmma and promotion over the same operands; the Triton
 kernel runs where a caller names other tiles than the defaults, as here) for each epilogue: the
-stored rows, the rows pushed to their origins, the down dgrad's SwiGLU backward. Odd K (a partial
+stored rows, the rows pushed to their origins, the down dgrad's SwiGLU backward (its row sums dw
+within 1e-6: another order). Odd K (a partial
 last block), N not a multiple of 128, empty experts, unused tiles, schedule tiles of 256 rows,
 several ring depths and a grid smaller than the tiles (persistent); 20 repeats bitwise.
 Its sm_90a code (no serialized wgmma, no spills): test_fp8_gemm_ws_compile.py."""
@@ -88,8 +89,11 @@ def test_ws_down_dgrad_swiglu_matches_triton_bitwise(counts, H, I):
     got = gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, wq, wsc, gu, w, sch.tile_expert, sch.num_tiles)
     want = gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, wq, wsc, gu, w, sch.tile_expert, sch.num_tiles, config=_triton())
     used = slice(0, sch.used)
-    for name, x, y in zip(("dgu", "hw", "dw_part"), got, want):
+    for name, x, y in zip(("dgu", "hw"), got[:2], want[:2]):
         assert torch.equal(x[used], y[used]), (name, (x[used].float() - y[used].float()).abs().max())
+    # dw's row sums over a tile's 128 columns: the same products, added in another order (the
+    # reduction follows each kernel's register layout)
+    assert rel(got[2][used], want[2][used]) < 1e-6
 
 
 def test_ws_deterministic():
