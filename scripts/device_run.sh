@@ -10,9 +10,10 @@
 #           fuzzer at EP1
 #           (SOAK_S, FUZZ_S: their time budgets in seconds, default 120 each; FUZZ_PRECOMPILE_S: the
 #           fuzzer's kernels compiled first in parallel, default 120)
-#   fp8-tests  the FP8 test files and test_custom_op (which runs FP8 through torch.compile), in parallel as
-#           tests, the two FP8 layer files one process per test case (cold, each file's compiles in one
-#           process ran past 380 s)
+#   fp8-tests  the FP8 test files but the layer's two, and test_custom_op (which runs FP8 through
+#           torch.compile), in parallel as tests
+#   fp8-layer-tests  the FP8 layer's GPU files (test_fp8_cases_gpu.py, test_fp8_layer_gpu.py), one process per
+#           test case, at most one per core (cold, each case compiles its shapes' kernels)
 #   fp8-bench  scripts/fp8_bench.py (GEMM TFLOP/s and the layer, FP8 against bf16; extra args go to it), the
 #           FP8 layer's stage profile at kimi-k2, and the layer bench at 16384 tokens on the six shapes: tabby
 #           against tabby-fp8 with fixed weights (their FP8 copies reused), tabby-fp8 against torch-fp8 from a
@@ -26,8 +27,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 OUT=${OUT:-/tmp/tabby-out}
 mkdir -p "$OUT/res"
 stage=${1:-all}; shift || true
-case "$stage" in tests|bench|train|reliability|fp8-tests|fp8-bench|all) ;;
-  *) echo "unknown stage '$stage': tests, bench, train, reliability, fp8-tests, fp8-bench or all" >&2; exit 2;; esac
+case "$stage" in tests|bench|train|reliability|fp8-tests|fp8-layer-tests|fp8-bench|all) ;;
+  *) echo "unknown stage '$stage': tests, bench, train, reliability, fp8-tests, fp8-layer-tests, fp8-bench or all" >&2; exit 2;; esac
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/machine.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/machine.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" >> "$OUT/machine.txt"
@@ -51,19 +52,16 @@ run_tests() {
   done
 }
 run_tests_by_case() {
-  # one pytest process per test case of the files: each case of the FP8 layer files compiles its own
-  # shapes' kernels, so one process per file is bound by the sum of its cases' compiles
-  local pids=() ids=() id log p i=0
+  # one pytest process per test case of the files, at most one per core: each case of the FP8 layer
+  # files compiles its own shapes' kernels, so one process per file is bound by the sum of its cases'
+  # compiles (past 380 s), and more processes than cores slow every one of them
+  local ids
   mapfile -t ids < <(python3 -m pytest --collect-only -q -p no:cacheprovider "$@" 2>/dev/null | grep '::')
-  for id in "${ids[@]}"; do
-    log="$OUT/gpu-tests-$(basename "${id%%::*}" .py)-case$i.log"
-    i=$((i + 1))
-    (TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${TESTS_TIMEOUT:-580} \
-      python3 -m pytest -q -rA -p no:cacheprovider "$id" > "$log" 2>&1) &
-    pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p" || status=1; done
-  i=0
+  printf '%s\n' "${ids[@]}" | awk '{print NR-1 "\t" $0}' | OUT="$OUT" xargs -P "$(nproc)" -L 1 bash -c '
+    log="$OUT/gpu-tests-$(basename "${1%%::*}" .py)-case$0.log"
+    TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${TESTS_TIMEOUT:-580} \
+      python3 -m pytest -q -rA -p no:cacheprovider "$1" > "$log" 2>&1' || status=1
+  local i=0 id log
   for id in "${ids[@]}"; do
     log="$OUT/gpu-tests-$(basename "${id%%::*}" .py)-case$i.log"
     i=$((i + 1))
@@ -95,12 +93,12 @@ if [ "$stage" = reliability ]; then
     --precompile "${FUZZ_PRECOMPILE_S:-120}" --device cuda --out "$OUT/fuzz" 2>&1 | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+fp8_layer_files="tests/test_fp8_cases_gpu.py tests/test_fp8_layer_gpu.py"
 if [ "$stage" = fp8-tests ]; then
-  by_case="tests/test_fp8_cases_gpu.py tests/test_fp8_layer_gpu.py"
-  (run_tests $(ls tests/test_fp8*.py tests/test_custom_op.py | grep -v -F -x -e ${by_case// / -e }); exit $status) &
-  files=$!
-  run_tests_by_case $by_case
-  wait $files || status=1
+  run_tests $(ls tests/test_fp8*.py tests/test_custom_op.py | grep -v -F -x -e ${fp8_layer_files// / -e })
+fi
+if [ "$stage" = fp8-layer-tests ]; then
+  run_tests_by_case $fp8_layer_files
 fi
 if [ "$stage" = fp8-bench ]; then
   python3 scripts/fp8_bench.py "$@" 2>&1 | tee "$OUT/fp8-bench.log" | tail -40

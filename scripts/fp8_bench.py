@@ -174,7 +174,10 @@ def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     # (name, gate/up config, rows GEMM config): the defaults; add tiles here to compare them
     # (gate/up's TMA stage is 40 KB, at most 5 fit; the rows GEMM's 32 KB at BN 128)
-    variants = [("default", None, None)]
+    # "triton rows": the rows GEMM's Triton kernel (other tiles than the defaults: the default runs
+    # the warp-specialized one on sm_90)
+    variants = [("default", None, None),
+                ("triton rows", None, GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=4, GROUP_M=4))]
     shapes = ((16384, 8, 128, 2048, 768), (16384, 8, 128, 7168, 2048))
     if not a.layer_only:
         for T, k, E, H, I in shapes:

@@ -38,6 +38,12 @@ Kernels:
    other inputs go through pointer loads at the schedule's tile (``_fp8_gate_up_mainloop``).
 2. ``rows_gemm_fp8`` / ``down_push_fp8``: A @ B[e]^T stored locally or pushed row by row to
    the origin (bf16).
+3. ``down_dgrad_swiglu_fp8``: the down dgrad with the SwiGLU backward in its epilogue.
+On sm_90, at the default tiles, 2 and 3 run gemm_fp8_ws.py's warp-specialized Gluon kernel
+(the same sums: bitwise the stored and pushed rows, dgu and hw; dw's row sums within 1e-6), where
+one warpgroup's promotion runs under the other's MMA; the Triton kernels here run elsewhere (the
+interpreter, schedule tiles not a multiple of 128, K not a multiple of 16) and where a caller names
+other tiles.
 
 Under the interpreter Triton 3.6's fp8 ``tl.dot`` works as it is (it widens E4M3 to fp16,
 exactly, and multiplies in fp32), so no upcast is needed there (unlike gemm.py's bf16 ``_dot``).

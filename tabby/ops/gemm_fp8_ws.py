@@ -16,12 +16,17 @@ Here the CTA is three partitions of one ``gl.warp_specialize``:
   wgmma, wait for it (wait 0: ptxas serializes every wgmma of a kernel that reads an accumulator
   while another wgmma is in flight, C7514), release the stage, promote. Nothing ties the two
   consumers together but the ring, so one's promotion runs while the other's MMA does.
-Persistent: ``grid`` programs walk the tiles in ``grouped_tile`` order; every partition walks the
-same sequence and the ring's stage and phase follow a running K-block count, so the producer
+Persistent: one program per SM walks the tiles in ``grouped_tile`` order; every partition walks
+the same sequence and the ring's stage and phase follow a running K-block count, so the producer
 runs into the next tile while the consumers store the last.
 
-Requirements (checked by the wrapper): K a multiple of 16 (TMA strides), N a multiple of 128 (a
-tile never reads another expert's weight rows), the schedule's tile height 128.
+Epilogues (``EPILOGUE``): the stored rows, the rows pushed to their origins (the forward's down,
+the gate/up dgrad) and the down dgrad's SwiGLU backward, each gemm.py's over a warpgroup's 64
+rows; stores and pushes go through a layout of 16-byte row pieces.
+
+Runs where ``fits``: sm_90, the schedule's tiles a multiple of 128 rows, K a multiple of 16 (TMA's
+strides). N is free: a partial last column tile reads the next expert's first weight rows (or
+TMA's zeros past the last), finite E4M3 whose columns are not stored.
 """
 from __future__ import annotations
 
@@ -39,8 +44,8 @@ from .gemm import _check_schedule
 BM = 128  # two consumer warpgroups of 64 rows
 BN = 128
 HALF = 64
-# ring depth: 4 stages of 32 KB (A's halves and B's block) measured as fast as 5 or 6 and leave
-# shared memory for the epilogue's layout conversions
+# ring depth: 4 stages of 32 KB (A's halves and B's block); 5 or 6 measured no faster, and 4 leave
+# shared memory for the epilogue's layout conversions (8 KB a consumer)
 STAGES = 4
 
 
