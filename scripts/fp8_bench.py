@@ -16,7 +16,7 @@ import time
 import torch
 
 import tabby
-from tabby.ops import gemm, gemm_fp8
+from tabby.ops import gemm, gemm_fp8, gemm_fp8_ws
 from tabby.ops.fp8 import quantize_blocks, quantize_cols, quantize_rows
 from tabby.ops.gemm import GemmConfig
 
@@ -81,6 +81,17 @@ def gemms(T, k, E, H, I, variants):
             out[f"fp8 down {name}"] = fl_dn / t / 1e9
         except Exception as e:  # noqa: BLE001
             out[f"fp8 down {name} FAILED {type(e).__name__}"] = float("nan")
+    # the warp-specialized gate/up (not yet what the layer runs), marked where not bitwise the Triton kernel's
+    want = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, te, nt)
+    for stages in (4, 5):
+        try:
+            got = gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, te, nt, stages=stages)
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
+            t = bench(lambda: gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, te, nt, stages=stages))
+            out[f"fp8 gate_up ws s{stages}{'' if same else ' MISMATCH'}"] = fl_gu / t / 1e9
+        except Exception as e:  # noqa: BLE001
+            out[f"fp8 gate_up ws s{stages} FAILED {type(e).__name__}: {e}"[:160]] = float("nan")
+    del want
     xc, xcs = quantize_cols(x)
     hc, hcs = quantize_cols(h)
     try:

@@ -3,7 +3,8 @@ without a GPU, to the structure it was written for, for each epilogue (store, pu
 backward): no serialized wgmma (ptxas's C7514 / C7515: every wgmma would wait for the one
 before, and one warpgroup's promotion could no longer run under the other's MMA), no spills, each
 block's wgmma waited for at once (wait 0) rather than overlapped within a warpgroup, and the
-stores and pushes in 16-byte vectors. Its values: test_fp8_gemm_ws_gpu.py."""
+stores and pushes in 16-byte vectors; and the warp-specialized gate/up alike. Its values:
+test_fp8_gemm_ws_gpu.py."""
 import re
 
 from sm90 import Const, compile_args, ptxas_report, run_compiled_check
@@ -35,17 +36,32 @@ def _report():
                   "v4_stores", len(re.findall(r"st\.global(\.\w+)*\.v4", ptx)),
                   "spills", spills, "serialized", int("are serialized" in rep), "warp_specialized",
                   int("setmaxnreg" in ptx))
+    for nk in (16, 56, 23):  # gate/up at H 2048, 7168 and 2880 (a partial last block)
+        args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
+                    w_desc_g=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>",
+                    w_desc_u=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", gs_ptr="*fp32", us_ptr="*fp32",
+                    stride_wse="i32", stride_wsn="i32", hq_ptr="*fp8e4nv", stride_hm="i32:16", hs_ptr="*fp32",
+                    stride_hsm="i32", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
+                    num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk), STAGES=Const(4), GROUP_M=Const(8),
+                    SCHED_BM=Const(128), SAVE_GU=Const(True))
+        k = compile_args(ws.gate_up_swiglu_fp8_ws_kernel, args, num_warps=4)
+        ptx, rep = k.asm["ptx"], ptxas_report(k)
+        spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", rep))
+        print(f"gate_up/nk{nk}", "wgmma_e4m3", len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
+              "wait_nonzero", len(re.findall(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
+              "spills", spills, "serialized", int("are serialized" in rep), "warp_specialized",
+              int("setmaxnreg" in ptx))
 
 
 def test_warp_specialized_rows_gemm_compiles_unserialized():
     lines = run_compiled_check(__file__).splitlines()
-    assert len(lines) == 6, lines
+    assert len(lines) == 9, lines
     for line in lines:
         f = line.split()
         c = dict(zip(f[1::2], map(int, f[2::2])))
         assert c["wgmma_e4m3"] >= 8 and c["warp_specialized"] == 1, line  # 4 per block, two consumers
         assert c["spills"] == 0 and c["serialized"] == 0 and c["wait_nonzero"] == 0, line
-        if not f[0].startswith("epilogue2"):
+        if f[0].startswith(("epilogue0", "epilogue1")):
             assert c["v4_stores"] > 0, line
 
 

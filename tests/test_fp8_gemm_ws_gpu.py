@@ -4,7 +4,8 @@ kernel runs where a caller names other tiles than the defaults, as here) for eac
 stored rows, the rows pushed to their origins, the down dgrad's SwiGLU backward (its row sums dw
 within 1e-6: another order). Odd K (a partial
 last block), N not a multiple of 128, empty experts, unused tiles, schedule tiles of 256 rows,
-several ring depths and a grid smaller than the tiles (persistent); 20 repeats bitwise.
+several ring depths and a grid smaller than the tiles (persistent); 20 repeats bitwise. The
+warp-specialized gate/up (not yet what the layer runs) likewise against the Triton gate/up.
 Its sm_90a code (no serialized wgmma, no spills): test_fp8_gemm_ws_compile.py."""
 import pytest
 import torch
@@ -108,3 +109,41 @@ def test_ws_rejects_what_it_cannot_run():
     sch, a, b, aq, as_, bq, bs = _case([128], 256, 256, seed=3)
     with pytest.raises(ValueError, match="warp-specialized"):
         gemm_fp8_ws.rows_gemm_fp8_ws(aq[:, :200], as_, bq[:, :, :200], bs, sch.tile_expert, sch.num_tiles)
+
+
+@pytest.mark.parametrize("counts,H,I", [([300, 0, 128, 5], 256, 256), ([129, 1, 700], 1040, 720),
+                                        ([77, 500, 3], 2880, 2880), ([512] * 4, 7168, 2048)])
+@pytest.mark.parametrize("stages,grid", [(4, None), (5, 7)])
+def test_ws_gate_up_matches_triton_bitwise(counts, H, I, stages, grid):
+    """hq, h_scale and g | u bitwise the Triton kernel's (its TMA loop at the default tiles)."""
+    sch = Sched(counts, 128, seed=H + I)
+    x = rand(sch.R, H, seed=11).cuda()
+    wg = rand(len(counts), I, H, seed=12, scale=H ** -0.5).cuda()
+    wu = rand(len(counts), I, H, seed=13, scale=H ** -0.5).cuda()
+    xq, xs = quantize_rows(x)
+    (gq, gs), (uq, us) = quantize_blocks(wg), quantize_blocks(wu)
+    want = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles)
+    got = gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles, stages=stages,
+                                            grid=grid)
+    used = slice(0, sch.used)
+    for name, a, b in zip(("hq", "h_scale", "gu"), got, want):
+        a, b = a[used], b[used]
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
+
+
+def test_ws_gate_up_deterministic_and_without_gu():
+    sch = Sched([1000, 3, 257, 0, 640], 128, seed=21)
+    xq, xs = quantize_rows(rand(sch.R, 2048, seed=22).cuda())
+    (gq, gs), (uq, us) = (quantize_blocks(rand(5, 768, 2048, seed=s, scale=2048 ** -0.5).cuda()) for s in (23, 24))
+    first = gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles)
+    for _ in range(20):
+        again = gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles)
+        for a, b in zip(again, first):
+            assert torch.equal(a[:sch.used].view(torch.uint8), b[:sch.used].view(torch.uint8))
+    hq, hs, gu = gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles,
+                                                   save_gu=False)
+    assert gu is None
+    assert torch.equal(hq[:sch.used].view(torch.uint8), first[0][:sch.used].view(torch.uint8))
+    assert torch.equal(hs[:sch.used], first[1][:sch.used])

@@ -1,4 +1,9 @@
-"""The FP8 rows GEMM warp-specialized (Gluon): promotion of one warpgroup under the other's MMA.
+"""FP8 expert GEMMs warp-specialized (Gluon): one warpgroup's promotion under the other's MMA.
+
+- ``rows_gemm_fp8_ws`` / ``launch``: the rows GEMM with three epilogues; gemm_fp8 runs the
+  layer's rows GEMMs on it where it ``fits``.
+- ``gate_up_swiglu_fp8_ws``: gate/up with the SwiGLU and h's quantization (its section below);
+  the layer still runs gemm_fp8's Triton gate/up (docs/fp8.md, "What is left").
 
 Same operands, layout contract and sum as ``gemm_fp8.rows_gemm_fp8`` (its docstring): routed rows
 ``aq [R, K]`` E4M3 with 1x128 scales, weights ``bq [E, N, K]`` with 128x128 block scales, each
@@ -64,12 +69,17 @@ EPI_SWIGLU_BWD = gl.constexpr(2)  # the down dgrad's SwiGLU backward (gemm._swig
 
 
 @gluon.jit
-def _tile_expert(pid_m, tile_expert_ptr, nt, SCHED_BM: gl.constexpr):
-    """Expert of kernel row tile pid_m (128 rows inside the schedule's SCHED_BM-row tile), -1 when
-    that schedule tile is unused."""
-    st = (pid_m * 128) // SCHED_BM
+def _tile_expert_rows(pid_m, ROWS: gl.constexpr, tile_expert_ptr, nt, SCHED_BM: gl.constexpr):
+    """Expert of kernel row tile pid_m (ROWS rows inside the schedule's SCHED_BM-row tile), -1
+    when that schedule tile is unused."""
+    st = (pid_m * ROWS) // SCHED_BM
     e = gl.load(tile_expert_ptr + st)
     return gl.where(st < nt, e, -1)
+
+
+@gluon.jit
+def _tile_expert(pid_m, tile_expert_ptr, nt, SCHED_BM: gl.constexpr):
+    return _tile_expert_rows(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
 
 
 @gluon.jit
@@ -268,3 +278,186 @@ def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=No
     assert out.shape == (R, N) and out.stride(-1) == 1
     launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, sched_bm, EPI_STORE, (out, out.stride(0)), N, **kw)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# gate/up with the SwiGLU and h's 1x128 quantization in the epilogue
+# --------------------------------------------------------------------------------------------
+#
+# gemm_fp8.gate_up_swiglu_fp8's sums, warp-specialized. A consumer holding g, u and a block's
+# product for 64 rows x 128 columns needs 192 registers (the cap is 168), so the tile is 64 rows
+# x 128 columns of h and each consumer owns 64 of the columns: its B block is W_gate's 64 rows
+# over W_up's 64 rows (one 128-row wgmma operand), its product [64, 128] is g's columns beside
+# u's, promoted with g's and u's block scales. h's 1x128 tile spans both consumers, so each
+# writes its rows' amax over its 64 columns to shared memory and waits for the other's (max is
+# exact in any order: the scales, and so the E4M3 values, are the Triton kernel's).
+
+
+@gluon.jit
+def _gu_producer(a_desc, w_desc_g, w_desc_u, a_bufs, b0_bufs, b1_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr,
+                 num_m, I, NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
+    num_n = gl.cdiv(I, 128)
+    nt = gl.load(num_tiles_ptr)
+    it = 0
+    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
+        e = _tile_expert_rows(pid_m, 64, tile_expert_ptr, nt, SCHED_BM)
+        if e >= 0:
+            row0 = pid_m * 64
+            # a partial last column tile reads the next expert's first rows (or TMA's zeros past
+            # the last): finite E4M3, their h columns zeroed before the amax and not stored
+            wrow = e * I + pid_n * 128
+            for kb in range(NK):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + 4 * w_desc_g.block_type.nbytes)
+                k0 = kb * 128
+                tma.async_copy_global_to_shared(a_desc, [row0, k0], ready.index(s), a_bufs.index(s))
+                b0 = b0_bufs.index(s)
+                b1 = b1_bufs.index(s)
+                tma.async_copy_global_to_shared(w_desc_g, [wrow, k0], ready.index(s), b0.slice(0, 64))
+                tma.async_copy_global_to_shared(w_desc_u, [wrow, k0], ready.index(s), b0.slice(64, 64))
+                tma.async_copy_global_to_shared(w_desc_g, [wrow + 64, k0], ready.index(s), b1.slice(0, 64))
+                tma.async_copy_global_to_shared(w_desc_u, [wrow + 64, k0], ready.index(s), b1.slice(64, 64))
+                it += 1
+
+
+@gluon.jit
+def _to_e4m3_tile(h, amax):
+    """fp8.quantize_tile_rows given the rows' amax: (E4M3 h * 2^-j, fp32 2^j), j the smallest
+    integer with amax <= 448 * 2^j, at least -126 (fp8.scale_exponent, exp2_int)."""
+    bits = amax.to(gl.int32, bitcast=True)
+    ea = ((bits >> 23) & 0xFF) - 127
+    j = gl.maximum(ea - 8 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32), -126)
+    inv = ((127 - j) << 23).to(gl.float32, bitcast=True)
+    return (h * inv[:, None]).to(gl.float8e4nv), ((j + 127) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _gu_consumer(a_bufs, b_bufs, ready, empty, amax_smem, amax_bar, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
+                 stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr, num_tiles_ptr,
+                 num_m, I, HALF_COL: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                 SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    num_n = gl.cdiv(I, 128)
+    nt = gl.load(num_tiles_ptr)
+    it = 0
+    done = 0
+    part = gl.zeros([64, 128], gl.float32, layout)
+    is_g = gl.arange(0, 128, layout=gl.SliceLayout(0, layout)) < 64
+    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
+        e = _tile_expert_rows(pid_m, 64, tile_expert_ptr, nt, SCHED_BM)
+        if e >= 0:
+            rows = pid_m.to(gl.int64) * 64 + gl.arange(0, 64, layout=rows_layout)
+            as_ptrs = as_ptr + rows * stride_asm
+            ws_off = e.to(gl.int64) * stride_wse + pid_n * stride_wsn
+            sa = gl.load(as_ptrs)
+            sg = gl.load(gs_ptr + ws_off)
+            su = gl.load(us_ptr + ws_off)
+            acc = gl.zeros([64, 128], gl.float32, layout)  # g's 64 columns, then u's
+            for kb in range(NK):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                a = a_bufs.index(s)
+                b = b_bufs.index(s)
+                tok = warpgroup_mma(a, b.permute((1, 0)), part, use_acc=False, is_async=True)
+                kn = gl.minimum(kb + 1, NK - 1)
+                sa_next = gl.load(as_ptrs + kn)
+                sg_next = gl.load(gs_ptr + ws_off + kn)
+                su_next = gl.load(us_ptr + ws_off + kn)
+                part = warpgroup_mma_wait(0, deps=(tok, ))
+                mbarrier.arrive(empty.index(s), count=1)
+                # g's columns by sa * sg, u's by sa * su: the Triton kernel's products
+                acc += part * gl.where(is_g[None, :], (sa * sg)[:, None], (sa * su)[:, None])
+                sa = sa_next
+                sg = sg_next
+                su = su_next
+                it += 1
+            g, u = gl.split(gl.permute(gl.reshape(acc, (64, 2, 64)), (0, 2, 1)))
+            hl: gl.constexpr = g.type.layout
+            cols = pid_n * 128 + HALF_COL + gl.arange(0, 64, layout=gl.SliceLayout(0, hl))
+            rows_h = gl.convert_layout(rows, gl.SliceLayout(1, hl))
+            cmask = (cols < I)[None, :]
+            h = g * (1 / (1 + gl.exp(-g))) * u  # tl.sigmoid's definition
+            h = gl.where(cmask, h, 0.0)  # columns past I take no part in the tile's scale
+            # the rows' amax over the tile's 128 columns: this consumer's 64, then the other's
+            slot = done % 2
+            mine = amax_smem.index(2 * slot + HALF_COL // 64)
+            mine.store(gl.convert_layout(gl.max(gl.abs(h), axis=1), rows_layout))
+            mbarrier.arrive(amax_bar.index(slot), count=1)
+            mbarrier.wait(amax_bar.index(slot), (done // 2) & 1)
+            other = amax_smem.index(2 * slot + 1 - HALF_COL // 64)
+            amax = gl.maximum(mine.load(rows_layout), other.load(rows_layout))
+            hq, hs = _to_e4m3_tile(h, gl.convert_layout(amax, gl.SliceLayout(1, hl)))
+            gl.store(hq_ptr + rows_h[:, None] * stride_hm + cols[None, :], hq, mask=cmask)
+            if HALF_COL == 0:
+                gl.store(hs_ptr + rows_h * stride_hsm + pid_n, hs)
+            if SAVE_GU:
+                gptrs = gu_ptr + rows_h[:, None] * stride_gum + cols[None, :]
+                gl.store(gptrs, g.to(gu_ptr.dtype.element_ty), mask=cmask)
+                gl.store(gptrs + I, u.to(gu_ptr.dtype.element_ty), mask=cmask)
+            done += 1
+
+
+@gluon.jit
+def gate_up_swiglu_fp8_ws_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u, gs_ptr, us_ptr, stride_wse,
+                                 stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
+                                 tile_expert_ptr, num_tiles_ptr, num_m, I, NK: gl.constexpr, STAGES: gl.constexpr,
+                                 GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b0_bufs = gl.allocate_shared_memory(w_desc_g.dtype, [STAGES, 128, 128], w_desc_g.layout)
+    b1_bufs = gl.allocate_shared_memory(w_desc_g.dtype, [STAGES, 128, 128], w_desc_g.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # two slots (tiles alternate): a consumer writes a slot again only after passing the other
+    # slot's barrier, which the other consumer reaches after reading this one
+    amax_smem = gl.allocate_shared_memory(gl.float32, [4, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    amax_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(amax_bar.index(i), count=2)
+    gl.warp_specialize([
+        (_gu_consumer, (a_bufs, b0_bufs, ready, empty, amax_smem, amax_bar, as_ptr, stride_asm, gs_ptr, us_ptr,
+                        stride_wse, stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
+                        tile_expert_ptr, num_tiles_ptr, num_m, I, 0, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
+        (_gu_consumer, (a_bufs, b1_bufs, ready, empty, amax_smem, amax_bar, as_ptr, stride_asm, gs_ptr, us_ptr,
+                        stride_wse, stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
+                        tile_expert_ptr, num_tiles_ptr, num_m, I, 64, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
+        (_gu_producer, (a_desc, w_desc_g, w_desc_u, a_bufs, b0_bufs, b1_bufs, ready, empty, tile_expert_ptr,
+                        num_tiles_ptr, num_m, I, NK, STAGES, GROUP_M, SCHED_BM)),
+    ], [4, 1], [232, 40])
+
+
+def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *, sched_bm: int = BM,
+                          save_gu: bool = True, stages: int = 4, grid: int | None = None, GROUP_M: int = 8):
+    """``gemm_fp8.gate_up_swiglu_fp8`` warp-specialized: (hq [R, I] E4M3, h_scale [R, ceil(I/128)],
+    gu [R, 2I] bf16 or None), the same values. Runs where the rows GEMM does (``fits``) at
+    schedule tiles a multiple of 64 rows; W_gate and W_up contiguous [E, I, H]."""
+    R, H = aq.shape
+    E, I, H2 = wg_q.shape
+    if (H2 != H or wu_q.shape != wg_q.shape or wu_scale.stride() != wg_scale.stride() or not fits(aq, wg_q, BM)
+            or not wu_q.is_contiguous() or sched_bm % HALF):
+        raise ValueError(f"gate_up_swiglu_fp8_ws: A {tuple(aq.shape)}, W {tuple(wg_q.shape)}, schedule tiles of "
+                         f"{sched_bm} rows do not run on the warp-specialized kernel")
+    _check_schedule(tile_expert, num_tiles, R, sched_bm)
+    hq = torch.empty(R, I, dtype=torch.float8_e4m3fn, device=aq.device)
+    h_scale = torch.empty(R, triton.cdiv(I, BLOCK), dtype=torch.float32, device=aq.device)
+    gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device) if save_gu else h_scale
+    layout = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK], gl.float8e4nv)
+    a_desc = TensorDescriptor.from_tensor(aq, [HALF, BLOCK], layout)
+    wg_desc = TensorDescriptor(wg_q, [E * I, H], [H, 1], [HALF, BLOCK], layout)
+    wu_desc = TensorDescriptor(wu_q, [E * I, H], [H, 1], [HALF, BLOCK], layout)
+    num_m = R // HALF
+    tiles = num_m * triton.cdiv(I, BLOCK)
+    if grid is None:
+        grid = torch.cuda.get_device_properties(aq.device).multi_processor_count
+    gate_up_swiglu_fp8_ws_kernel[(max(1, min(grid, tiles)),)](
+        a_desc, a_scale, a_scale.stride(0), wg_desc, wu_desc, wg_scale, wu_scale, wg_scale.stride(0),
+        wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0), gu, gu.stride(0), tile_expert, num_tiles,
+        num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu,
+        num_warps=4)
+    return hq, h_scale, (gu if save_gu else None)
