@@ -118,6 +118,15 @@ def wgrad_segments(T, k, E, H, I):
     out["fp8 general"] = fl / bench(lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count)) / 1e9
     out["fp8 padded"] = fl / bench(lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count,
                                                                      padded=True)) / 1e9
+    # the warp-specialized kernel (not yet what the layer runs), marked where not bitwise the Triton kernel's
+    want = gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count, padded=True)
+    for stages in (3, 4, 6):
+        try:
+            same = torch.equal(gemm_fp8_ws.expert_wgrad_fp8_ws(xc, xcs, hc, hcs, start, count, stages=stages), want)
+            out[f"fp8 padded ws s{stages}{'' if same else ' MISMATCH'}"] = fl / bench(
+                lambda: gemm_fp8_ws.expert_wgrad_fp8_ws(xc, xcs, hc, hcs, start, count, stages=stages)) / 1e9
+        except Exception as e:  # noqa: BLE001
+            out[f"fp8 padded ws s{stages} FAILED {type(e).__name__}: {e}"[:160]] = float("nan")
     # other tiles of the padded kernel ("fp8 padded" is the default, 128 x 64 at 4 warps, 3 stages:
     # two programs an SM, one's promotion and store under the other's loads)
     for BM, BN, warps, stages in ((128, 128, 8, 4), (64, 128, 4, 3)):

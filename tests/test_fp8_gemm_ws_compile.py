@@ -3,7 +3,7 @@ without a GPU, to the structure it was written for, for each epilogue (store, pu
 backward): no serialized wgmma (ptxas's C7514 / C7515: every wgmma would wait for the one
 before, and one warpgroup's promotion could no longer run under the other's MMA), no spills, each
 block's wgmma waited for at once (wait 0) rather than overlapped within a warpgroup, and the
-stores and pushes in 16-byte vectors; and the warp-specialized gate/up alike. Its values:
+stores and pushes in 16-byte vectors; and the warp-specialized gate/up and weight gradient alike. Its values:
 test_fp8_gemm_ws_gpu.py."""
 import re
 
@@ -51,17 +51,32 @@ def _report():
               "wait_nonzero", len(re.findall(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
               "spills", spills, "serialized", int("are serialized" in rep), "warp_specialized",
               int("setmaxnreg" in ptx))
+    b_half = gl.NVMMASharedLayout.get_default_for([ws.BN, 128], gl.float8e4nv)
+    for M, N in ((7168, 2048), (2048, 7168), (2880, 2880)):  # kimi-k2's dW_down and dW_gate, gpt-oss-120b's
+        args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asr="i32",
+                    b_desc=f"tensordesc<fp8e4nv[{ws.BN},128],{b_half!r}>", bs_ptr="*fp32", stride_bsr="i32",
+                    c_ptr="*bf16", stride_ce="i32:16", stride_cm="i32:16", expert_start_ptr="*i32",
+                    expert_count_ptr="*i32", E="i32", M="i32:16", N="i32:16", STAGES=Const(ws.STAGES),
+                    GROUP_M=Const(8))
+        k = compile_args(ws.expert_wgrad_fp8_ws_kernel, args, num_warps=4)
+        ptx, rep = k.asm["ptx"], ptxas_report(k)
+        spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", rep))
+        print(f"wgrad/{M}x{N}", "wgmma_e4m3", len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
+              "wait_nonzero", len(re.findall(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
+              "v4_stores", len(re.findall(r"st\.global(\.\w+)*\.v4", ptx)),
+              "spills", spills, "serialized", int("are serialized" in rep), "warp_specialized",
+              int("setmaxnreg" in ptx))
 
 
 def test_warp_specialized_rows_gemm_compiles_unserialized():
     lines = run_compiled_check(__file__).splitlines()
-    assert len(lines) == 9, lines
+    assert len(lines) == 12, lines
     for line in lines:
         f = line.split()
         c = dict(zip(f[1::2], map(int, f[2::2])))
         assert c["wgmma_e4m3"] >= 8 and c["warp_specialized"] == 1, line  # 4 per block, two consumers
         assert c["spills"] == 0 and c["serialized"] == 0 and c["wait_nonzero"] == 0, line
-        if f[0].startswith(("epilogue0", "epilogue1")):
+        if f[0].startswith(("epilogue0", "epilogue1", "wgrad")):
             assert c["v4_stores"] > 0, line
 
 

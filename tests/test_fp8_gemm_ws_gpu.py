@@ -5,7 +5,8 @@ stored rows, the rows pushed to their origins, the down dgrad's SwiGLU backward 
 within 1e-6: another order). Odd K (a partial
 last block), N not a multiple of 128, empty experts, unused tiles, schedule tiles of 256 rows,
 several ring depths and a grid smaller than the tiles (persistent); 20 repeats bitwise. The
-warp-specialized gate/up (not yet what the layer runs) likewise against the Triton gate/up.
+warp-specialized gate/up and weight gradient (not yet what the layer runs) likewise against the
+Triton kernels.
 Its sm_90a code (no serialized wgmma, no spills): test_fp8_gemm_ws_compile.py."""
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 from tabby.ops import gemm_fp8, gemm_fp8_ws  # noqa: E402
-from tabby.ops.fp8 import quantize_blocks, quantize_rows  # noqa: E402
+from tabby.ops.fp8 import quantize_blocks, quantize_cols, quantize_rows  # noqa: E402
 from tabby.ops.gemm import GemmConfig  # noqa: E402
 
 from test_fp8_gemm import Sched, rand, rel  # noqa: E402
@@ -147,3 +148,24 @@ def test_ws_gate_up_deterministic_and_without_gu():
     assert gu is None
     assert torch.equal(hq[:sch.used].view(torch.uint8), first[0][:sch.used].view(torch.uint8))
     assert torch.equal(hs[:sch.used], first[1][:sch.used])
+
+
+@pytest.mark.parametrize("M,N", [(256, 192), (7168, 2048), (2880, 2880), (320, 200)])
+@pytest.mark.parametrize("grid", [None, 3])
+def test_ws_wgrad_matches_triton_bitwise(M, N, grid):
+    """The padded weight gradient (the layer's segments: at multiples of 128, padding rows zeros;
+    empty experts first, between and last, one of one row, one of exactly 256) bitwise the Triton
+    kernel's at the layer's tiles."""
+    sch = Sched([0, 37, 0, 256, 5, 1, 300, 0], 128, seed=M + N)
+    a, b = rand(sch.R, M, seed=31), rand(sch.R, N, seed=32)
+    a[sch.row_src_cpu < 0] = float("nan")  # padding rows hold anything before quantize_cols
+    aq, as_ = quantize_cols(a.cuda(), row_src=sch.row_src, num_tiles=sch.num_tiles, tile_rows=128)
+    bq, bs = quantize_cols(b.cuda(), row_src=sch.row_src, num_tiles=sch.num_tiles, tile_rows=128)
+    start = torch.tensor([st for _, st, _ in sch.segments], dtype=torch.int32, device="cuda")
+    count = torch.tensor([c for _, _, c in sch.segments], dtype=torch.int32, device="cuda")
+    want = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, padded=True)
+    got = gemm_fp8_ws.expert_wgrad_fp8_ws(aq, as_, bq, bs, start, count, out_dtype=torch.float32, grid=grid)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (got - want).abs().max()
+    assert not got[[0, 2, 7]].any()  # the empty experts
+    again = gemm_fp8_ws.expert_wgrad_fp8_ws(aq, as_, bq, bs, start, count, out_dtype=torch.float32, grid=grid)
+    assert torch.equal(again.view(torch.int32), got.view(torch.int32))

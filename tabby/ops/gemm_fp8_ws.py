@@ -2,8 +2,9 @@
 
 - ``rows_gemm_fp8_ws`` / ``launch``: the rows GEMM with three epilogues; gemm_fp8 runs the
   layer's rows GEMMs on it where it ``fits``.
-- ``gate_up_swiglu_fp8_ws``: gate/up with the SwiGLU and h's quantization (its section below);
-  the layer still runs gemm_fp8's Triton gate/up (docs/fp8.md, "What is left").
+- ``gate_up_swiglu_fp8_ws``: gate/up with the SwiGLU and h's quantization, and
+  ``expert_wgrad_fp8_ws``: the weight gradient over the layer's padded segments (their sections
+  below); the layer still runs gemm_fp8's Triton kernels for these (docs/fp8.md, "What is left").
 
 Same operands, layout contract and sum as ``gemm_fp8.rows_gemm_fp8`` (its docstring): routed rows
 ``aq [R, K]`` E4M3 with 1x128 scales, weights ``bq [E, N, K]`` with 128x128 block scales, each
@@ -461,3 +462,135 @@ def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expe
         num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu,
         num_warps=4)
     return hq, h_scale, (gu if save_gu else None)
+
+
+# --------------------------------------------------------------------------------------------
+# per-expert weight gradients over the layer's padded segments
+# --------------------------------------------------------------------------------------------
+#
+# gemm_fp8.expert_wgrad_fp8(padded=True)'s sums, warp-specialized: C[e] = A_seg^T @ B_seg from the
+# transposed operands (At [M, R], Bt [N, R], K-major), each 128-row block's product promoted by
+# the outer product of its 128x1 scales, blocks in order. K is an expert's rows, a few blocks, so
+# a tile is mostly fill and store; here the producer runs into the next tile while the consumers
+# promote and store, and the two consumers (64 rows of the tile's M each) overlap each other's
+# promotion with their MMAs.
+
+
+@gluon.jit
+def _wgrad_tile(t, num_m, num_n, expert_start_ptr, expert_count_ptr, GROUP_M: gl.constexpr):
+    """Tile t -> (e, pid_m, pid_n, first block, end block) of the padded segment of expert e."""
+    per_e = num_m * num_n
+    e = t // per_e
+    pid_m, pid_n = _tile_of(t % per_e, num_m, num_n, GROUP_M)
+    start = gl.load(expert_start_ptr + e)
+    end = start + gl.load(expert_count_ptr + e)
+    return e, pid_m, pid_n, start // 128, (end + 127) // 128
+
+
+@gluon.jit
+def _wgrad_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_start_ptr, expert_count_ptr, E, M, N,
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    num_m = gl.cdiv(M, 128)
+    num_n = gl.cdiv(N, 128)
+    it = 0
+    for t in range(gl.program_id(0), E * num_m * num_n, gl.num_programs(0)):
+        e, pid_m, pid_n, kf0, kf1 = _wgrad_tile(t, num_m, num_n, expert_start_ptr, expert_count_ptr, GROUP_M)
+        for kb in range(kf0, kf1):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [pid_m * 128, kb * 128], ready.index(s), a_lo.index(s))
+            tma.async_copy_global_to_shared(a_desc, [pid_m * 128 + 64, kb * 128], ready.index(s), a_hi.index(s))
+            tma.async_copy_global_to_shared(b_desc, [pid_n * 128, kb * 128], ready.index(s), b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce, stride_cm,
+                    expert_start_ptr, expert_count_ptr, E, M, N, HALF_ROW: gl.constexpr, STAGES: gl.constexpr,
+                    GROUP_M: gl.constexpr):
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    num_m = gl.cdiv(M, 128)
+    num_n = gl.cdiv(N, 128)
+    it = 0
+    part = gl.zeros([64, 128], gl.float32, layout)
+    for t in range(gl.program_id(0), E * num_m * num_n, gl.num_programs(0)):
+        e, pid_m, pid_n, kf0, kf1 = _wgrad_tile(t, num_m, num_n, expert_start_ptr, expert_count_ptr, GROUP_M)
+        offs_m = pid_m * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        offs_n = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+        # rows past M, columns past N: TMA's zeros in the product, scale 0, not stored
+        mmask = offs_m < M
+        nmask = offs_n < N
+        sa = gl.load(as_ptr + kf0 * stride_asr + offs_m, mask=mmask & (kf1 > kf0), other=0.0)
+        sb = gl.load(bs_ptr + kf0 * stride_bsr + offs_n, mask=nmask & (kf1 > kf0), other=0.0)
+        acc = gl.zeros([64, 128], gl.float32, layout)
+        for kb in range(kf0, kf1):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            a = a_bufs.index(s)
+            b = b_bufs.index(s)
+            tok = warpgroup_mma(a, b.permute((1, 0)), part, use_acc=False, is_async=True)
+            kn = gl.minimum(kb + 1, kf1 - 1)
+            sa_next = gl.load(as_ptr + kn * stride_asr + offs_m, mask=mmask, other=0.0)
+            sb_next = gl.load(bs_ptr + kn * stride_bsr + offs_n, mask=nmask, other=0.0)
+            part = warpgroup_mma_wait(0, deps=(tok, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc = acc + part * (sa[:, None] * sb[None, :])  # the Triton kernel's promotion
+            sa = sa_next
+            sb = sb_next
+            it += 1
+        val = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_layout)
+        rm = pid_m * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
+        rn = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, out_layout))
+        ptrs = c_ptr + e.to(gl.int64) * stride_ce + rm.to(gl.int64)[:, None] * stride_cm + rn[None, :]
+        gl.store(ptrs, val, mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@gluon.jit
+def expert_wgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, stride_bsr, c_ptr, stride_ce, stride_cm,
+                               expert_start_ptr, expert_count_ptr, E, M, N, STAGES: gl.constexpr,
+                               GROUP_M: gl.constexpr):
+    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize([
+        (_wgrad_consumer, (a_lo, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce,
+                           stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 0, STAGES, GROUP_M)),
+        (_wgrad_consumer, (a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce,
+                           stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 64, STAGES, GROUP_M)),
+        (_wgrad_producer, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_start_ptr, expert_count_ptr, E,
+                           M, N, STAGES, GROUP_M)),
+    ], [4, 1], [232, 40])
+
+
+def expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count, *, out_dtype=torch.bfloat16,
+                        stages: int = STAGES, grid: int | None = None, GROUP_M: int = 8):
+    """``gemm_fp8.expert_wgrad_fp8(..., padded=True)`` warp-specialized: C [E, M, N] from at [M, R],
+    bt [N, R] E4M3 (128x1 scales [R/128, M], [R/128, N]), the layer's padded segments (each starts
+    at a multiple of 128, zeros from its end to the next). Needs sm_90, R a multiple of 128 and
+    16-byte aligned rows (TMA)."""
+    M, R = at.shape
+    N = bt.shape[0]
+    E = expert_count.numel()
+    if (not at.is_cuda or INTERPRET or torch.cuda.get_device_capability(at.device)[0] != 9 or R % BLOCK
+            or bt.shape[1] != R or any(q.stride(-1) != 1 or q.stride(0) % 16 or q.data_ptr() % 16 for q in (at, bt))):
+        raise ValueError(f"expert_wgrad_fp8_ws: at {tuple(at.shape)}, bt {tuple(bt.shape)} do not run on the "
+                         "warp-specialized kernel (sm_90, R a multiple of 128, 16-byte aligned rows)")
+    out = torch.empty(E, M, N, dtype=out_dtype, device=at.device)
+    a_layout = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK], gl.float8e4nv)
+    b_layout = gl.NVMMASharedLayout.get_default_for([BN, BLOCK], gl.float8e4nv)
+    a_desc = TensorDescriptor(at, [M, R], [at.stride(0), 1], [HALF, BLOCK], a_layout)
+    b_desc = TensorDescriptor(bt, [N, R], [bt.stride(0), 1], [BN, BLOCK], b_layout)
+    tiles = E * triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    if grid is None:
+        grid = torch.cuda.get_device_properties(at.device).multi_processor_count
+    expert_wgrad_fp8_ws_kernel[(max(1, min(grid, tiles)),)](
+        a_desc, a_scale, a_scale.stride(0), b_desc, b_scale, b_scale.stride(0), out, out.stride(0), out.stride(1),
+        expert_start, expert_count, E, M, N, STAGES=stages, GROUP_M=GROUP_M, num_warps=4)
+    return out
