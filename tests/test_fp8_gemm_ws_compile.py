@@ -10,6 +10,17 @@ import re
 from sm90 import Const, compile_args, ptxas_report, run_compiled_check
 
 
+def _line(name, k):
+    """One line of counts for the test: FP8 wgmmas, nonzero waits, 16-byte stores, spilled bytes,
+    ptxas's serialization note, warp specialization (setmaxnreg)."""
+    ptx, rep = k.asm["ptx"], ptxas_report(k)
+    print(name, "wgmma_e4m3", len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
+          "wait_nonzero", len(re.findall(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
+          "v4_stores", len(re.findall(r"st\.global(\.\w+)*\.v4", ptx)),
+          "spills", sum(int(n) for n in re.findall(r"(\d+) bytes spill", rep)),
+          "serialized", int("are serialized" in rep), "warp_specialized", int("setmaxnreg" in ptx))
+
+
 def _report():
     from triton.experimental.gluon import language as gl
 
@@ -28,14 +39,7 @@ def _report():
                         stride_bsn="i32", epi=epi, tile_expert_ptr="*i32", num_tiles_ptr="*i32", num_m="i32",
                         N="i32:16", NK=Const(nk), STAGES=Const(ws.STAGES), GROUP_M=Const(8), SCHED_BM=Const(128),
                         EPILOGUE=Const(epilogue))
-            k = compile_args(ws.rows_gemm_fp8_ws_kernel, args, num_warps=4)
-            ptx, rep = k.asm["ptx"], ptxas_report(k)
-            spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", rep))
-            print(f"epilogue{epilogue}/nk{nk}", "wgmma_e4m3", len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
-                  "wait_nonzero", len(re.findall(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
-                  "v4_stores", len(re.findall(r"st\.global(\.\w+)*\.v4", ptx)),
-                  "spills", spills, "serialized", int("are serialized" in rep), "warp_specialized",
-                  int("setmaxnreg" in ptx))
+            _line(f"epilogue{epilogue}/nk{nk}", compile_args(ws.rows_gemm_fp8_ws_kernel, args, num_warps=4))
     for nk in (16, 56, 23):  # gate/up at H 2048, 7168 and 2880 (a partial last block)
         args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
                     w_desc_g=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>",
@@ -44,13 +48,7 @@ def _report():
                     stride_hsm="i32", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
                     num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk), STAGES=Const(4), GROUP_M=Const(8),
                     SCHED_BM=Const(128), SAVE_GU=Const(True))
-        k = compile_args(ws.gate_up_swiglu_fp8_ws_kernel, args, num_warps=4)
-        ptx, rep = k.asm["ptx"], ptxas_report(k)
-        spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", rep))
-        print(f"gate_up/nk{nk}", "wgmma_e4m3", len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
-              "wait_nonzero", len(re.findall(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
-              "spills", spills, "serialized", int("are serialized" in rep), "warp_specialized",
-              int("setmaxnreg" in ptx))
+        _line(f"gate_up/nk{nk}", compile_args(ws.gate_up_swiglu_fp8_ws_kernel, args, num_warps=4))
     b_half = gl.NVMMASharedLayout.get_default_for([ws.BN, 128], gl.float8e4nv)
     for M, N in ((7168, 2048), (2048, 7168), (2880, 2880)):  # kimi-k2's dW_down and dW_gate, gpt-oss-120b's
         args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asr="i32",
@@ -58,14 +56,7 @@ def _report():
                     c_ptr="*bf16", stride_ce="i32:16", stride_cm="i32:16", expert_start_ptr="*i32",
                     expert_count_ptr="*i32", E="i32", M="i32:16", N="i32:16", STAGES=Const(ws.STAGES),
                     GROUP_M=Const(8))
-        k = compile_args(ws.expert_wgrad_fp8_ws_kernel, args, num_warps=4)
-        ptx, rep = k.asm["ptx"], ptxas_report(k)
-        spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", rep))
-        print(f"wgrad/{M}x{N}", "wgmma_e4m3", len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
-              "wait_nonzero", len(re.findall(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
-              "v4_stores", len(re.findall(r"st\.global(\.\w+)*\.v4", ptx)),
-              "spills", spills, "serialized", int("are serialized" in rep), "warp_specialized",
-              int("setmaxnreg" in ptx))
+        _line(f"wgrad/{M}x{N}", compile_args(ws.expert_wgrad_fp8_ws_kernel, args, num_warps=4))
 
 
 def test_warp_specialized_rows_gemm_compiles_unserialized():

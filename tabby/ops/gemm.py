@@ -742,8 +742,8 @@ def down_dgrad_swiglu_tile(pid_m, pid_n,
             dw = _swiglu_bwd_split_epilogue(acc, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
                                             hw_ptr, stride_hwm, I, BM, BN)
         else:
-            dw = _swiglu_bwd_epilogue(acc, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
-                                      hw_ptr, stride_hwm, I, BN)
+            dw = _swiglu_bwd_epilogue(acc, rows, pid_n * BN + tl.arange(0, BN), w, gu_ptr, stride_gum, dgu_ptr,
+                                      stride_dgum, hw_ptr, stride_hwm, I)
         tl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw)
 
 
@@ -753,18 +753,18 @@ def _swiglu_bwd_split_epilogue(acc, rows, col0, w, gu_ptr, stride_gum, dgu_ptr, 
     """``_swiglu_bwd_epilogue`` on the tile's two column halves, one after the other: a whole-tile
     epilogue keeps ~6 fp32 tiles live and spills at BN=128."""
     acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
-    dw_lo = _swiglu_bwd_epilogue(acc_lo, rows, col0, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
-                                 hw_ptr, stride_hwm, I, BN // 2)
-    dw_hi = _swiglu_bwd_epilogue(acc_hi, rows, col0 + BN // 2, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
-                                 hw_ptr, stride_hwm, I, BN // 2)
+    dw_lo = _swiglu_bwd_epilogue(acc_lo, rows, col0 + tl.arange(0, BN // 2), w, gu_ptr, stride_gum, dgu_ptr,
+                                 stride_dgum, hw_ptr, stride_hwm, I)
+    dw_hi = _swiglu_bwd_epilogue(acc_hi, rows, col0 + BN // 2 + tl.arange(0, BN // 2), w, gu_ptr, stride_gum,
+                                 dgu_ptr, stride_dgum, hw_ptr, stride_hwm, I)
     return dw_lo + dw_hi
 
 
 @triton.jit
-def _swiglu_bwd_epilogue(acc, rows, col0, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
-                         I: tl.constexpr, BNE: tl.constexpr):
-    """SwiGLU backward on a [BM, BNE] slice of dh_raw (columns col0...); returns sum_cols dh_raw * h."""
-    cols = col0 + tl.arange(0, BNE)
+def _swiglu_bwd_epilogue(acc, rows, cols, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
+                         I: tl.constexpr):
+    """SwiGLU backward on a slice of dh_raw (its rows and columns given); returns sum_cols dh_raw * h.
+    Layout-free (no arange of its own), so that gemm_fp8_ws's Gluon kernel calls it too."""
     cmask = (cols < I)[None, :]
     gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
     g = tl.load(gptrs, mask=cmask, other=0.0).to(tl.float32)

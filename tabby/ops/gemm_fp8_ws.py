@@ -38,14 +38,15 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import INTERPRET
-from .fp8 import BLOCK
-from .gemm import _check_schedule
+from .fp8 import BLOCK, exp2_int, scale_exponent, to_e4m3
+from .gemm import _check_schedule, _swiglu_bwd_epilogue
 
 BM = 128  # two consumer warpgroups of 64 rows
 BN = 128
@@ -67,6 +68,58 @@ def _tile_of(t, num_m, num_n, GROUP_M: gl.constexpr):
 EPI_STORE = gl.constexpr(0)  # bf16 rows into C [R, N] (gemm.rows_gemm's local form)
 EPI_PUSH = gl.constexpr(1)  # each row to its origin (gemm._push_rows: dst_ptrs[row_src // TK], row row_src % TK)
 EPI_SWIGLU_BWD = gl.constexpr(2)  # the down dgrad's SwiGLU backward (gemm._swiglu_bwd_split_epilogue)
+
+
+@gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """The ring's barriers per stage: ``ready`` (the producer's TMA transactions land) and ``empty``
+    (one arrival per consumer warpgroup: both have read the stage)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    return ready, empty
+
+
+@gluon.jit
+def _ring_128x128(a_desc, b_desc, STAGES: gl.constexpr):
+    """The ring of a 128 x 128 output tile: per stage A's two 64-row halves (one per consumer), B's
+    128 x 128 block, and the barriers (``_ring_barriers``)."""
+    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready, empty = _ring_barriers(STAGES)
+    return a_lo, a_hi, b_bufs, ready, empty
+
+
+@gluon.jit
+def _ring_fill(ready, empty, it, nbytes, STAGES: gl.constexpr):
+    """Producer, K block number ``it`` (counted over all tiles): wait until its stage is free and
+    expect ``nbytes`` on its ready barrier; returns (stage, ready barrier). A fresh mbarrier counts
+    as having completed the phase before 0, so the first round's waits (parity 1) pass."""
+    s = it % STAGES
+    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), nbytes)
+    return s, ready.index(s)
+
+
+@gluon.jit
+def _ring_mma(a_bufs, b_bufs, ready, it, part, STAGES: gl.constexpr):
+    """Consumer, K block ``it``: wait for its stage and issue A @ B^T into ``part``'s registers
+    (not accumulating: the caller promotes); returns the wgmma token."""
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    return warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), part, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _ring_retire(tok, empty, it, STAGES: gl.constexpr):
+    """Consumer: wait for block ``it``'s MMA (wait 0: reading a product while another wgmma is in
+    flight serializes every wgmma, C7514) and release its stage; returns the product."""
+    part = warpgroup_mma_wait(0, deps=(tok, ))
+    mbarrier.arrive(empty.index(it % STAGES), count=1)
+    return part
 
 
 @gluon.jit
@@ -98,43 +151,12 @@ def _producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr,
             # the last): finite E4M3, and their columns are not stored
             brow = e * N + pid_n * 128
             for kb in range(NK):
-                s = it % STAGES
-                # a fresh mbarrier counts as having completed the phase before 0: the first
-                # round's waits (parity 1) pass
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], ready.index(s), a_lo.index(s))
-                tma.async_copy_global_to_shared(a_desc, [row0 + 64, kb * 128], ready.index(s), a_hi.index(s))
-                tma.async_copy_global_to_shared(b_desc, [brow, kb * 128], ready.index(s), b_bufs.index(s))
+                s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes,
+                                    STAGES)
+                tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], bar, a_lo.index(s))
+                tma.async_copy_global_to_shared(a_desc, [row0 + 64, kb * 128], bar, a_hi.index(s))
+                tma.async_copy_global_to_shared(b_desc, [brow, kb * 128], bar, b_bufs.index(s))
                 it += 1
-
-
-@gluon.jit
-def _sigmoid(x):
-    return 1 / (1 + gl.exp(-x))  # tl.sigmoid's definition, so that the epilogue is the Triton kernel's
-
-
-@gluon.jit
-def _swiglu_bwd_half(acc, rows, cols, w, I, epi):
-    """gemm._swiglu_bwd_epilogue on a [64, 64] slice: dg | du and h * w stored, sum_cols acc * h returned."""
-    gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm = epi
-    cmask = (cols < I)[None, :]
-    gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
-    g = gl.load(gptrs, mask=cmask, other=0.0).to(gl.float32)
-    u = gl.load(gptrs + I, mask=cmask, other=0.0).to(gl.float32)
-    sg = _sigmoid(g)
-    silu = g * sg
-    h = silu * u
-    dw = gl.sum(acc * h, axis=1)  # masked columns: g = u = 0 -> h = 0
-    dh = acc * w[:, None]
-    dg = dh * u * sg * (1.0 + g * (1.0 - sg))
-    du = dh * silu
-    dptrs = dgu_ptr + rows[:, None] * stride_dgum + cols[None, :]
-    gl.store(dptrs, dg.to(dgu_ptr.dtype.element_ty), mask=cmask)
-    gl.store(dptrs + I, du.to(dgu_ptr.dtype.element_ty), mask=cmask)
-    gl.store(hw_ptr + rows[:, None] * stride_hwm + cols[None, :], (h * w[:, None]).to(hw_ptr.dtype.element_ty),
-             mask=cmask)
-    return dw
 
 
 @gluon.jit
@@ -173,8 +195,10 @@ def _epilogue(acc, rows, pid_n, N, epi, EPILOGUE: gl.constexpr, layout: gl.const
         cols_lo = pid_n * 128 + gl.arange(0, 64, layout=gl.SliceLayout(0, acc_lo.type.layout))
         rows_h = gl.convert_layout(rows, gl.SliceLayout(1, acc_lo.type.layout))
         w_h = gl.convert_layout(w, gl.SliceLayout(1, acc_lo.type.layout))
-        dw = _swiglu_bwd_half(acc_lo, rows_h, cols_lo, w_h, N, epi)
-        dw += _swiglu_bwd_half(acc_hi, rows_h, cols_lo + 64, w_h, N, epi)
+        dw = _swiglu_bwd_epilogue(acc_lo, rows_h, cols_lo, w_h, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr,
+                                  stride_hwm, N)
+        dw += _swiglu_bwd_epilogue(acc_hi, rows_h, cols_lo + 64, w_h, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr,
+                                   stride_hwm, N)
         gl.store(dwp_ptr + rows_h * stride_dwpm + pid_n, dw)
 
 
@@ -198,17 +222,12 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_b
             sb = gl.load(bs_base)
             acc = gl.zeros([64, 128], gl.float32, layout)
             for kb in range(NK):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                a = a_bufs.index(s)
-                b = b_bufs.index(s)
-                tok = warpgroup_mma(a, b.permute((1, 0)), part, use_acc=False, is_async=True)
+                tok = _ring_mma(a_bufs, b_bufs, ready, it, part, STAGES)
                 # the next block's scales load under this block's MMA
                 kn = gl.minimum(kb + 1, NK - 1)
                 sa_next = gl.load(as_ptrs + kn)
                 sb_next = gl.load(bs_base + kn)
-                part = warpgroup_mma_wait(0, deps=(tok, ))
-                mbarrier.arrive(empty.index(s), count=1)
+                part = _ring_retire(tok, empty, it, STAGES)
                 acc += part * (sa * sb)[:, None]
                 sa = sa_next
                 sb = sb_next
@@ -220,14 +239,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_b
 def rows_gemm_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_bse, stride_bsn, epi,
                             tile_expert_ptr, num_tiles_ptr, num_m, N, NK: gl.constexpr, STAGES: gl.constexpr,
                             GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
-    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    a_lo, a_hi, b_bufs, ready, empty = _ring_128x128(a_desc, b_desc, STAGES)
     gl.warp_specialize([
         (_consumer, (a_lo, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
                      tile_expert_ptr, num_tiles_ptr, num_m, N, 0, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
@@ -246,24 +258,30 @@ def fits(aq: torch.Tensor, bq: torch.Tensor, sched_bm: int) -> bool:
             and sched_bm % BM == 0 and aq.shape[1] % 16 == 0 and aq.is_contiguous() and bq.is_contiguous())
 
 
+def _e4m3_desc(t: torch.Tensor, rows: int, block_rows: int) -> TensorDescriptor:
+    """A TMA descriptor over ``t`` seen as [rows, t.shape[-1]] E4M3 (row stride t.stride(-2)), in
+    blocks of block_rows x 128 with the 128-byte swizzle the wgmma reads."""
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, BLOCK], gl.float8e4nv)
+    return TensorDescriptor(t, [rows, t.shape[-1]], [t.stride(-2), 1], [block_rows, BLOCK], layout)
+
+
+def _grid(device, tiles: int, grid: int | None) -> tuple:
+    """Persistent: one program per SM (or ``grid``), no more than the tiles."""
+    if grid is None:
+        grid = torch.cuda.get_device_properties(device).multi_processor_count
+    return (max(1, min(grid, tiles)),)
+
+
 def launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, N: int, *,
            stages: int = STAGES, grid: int | None = None, GROUP_M: int = 8):
     """One persistent launch over the routed rows (R = aq.shape[0], kernel tiles of 128 rows) and
     N columns with ``epilogue`` (EPI_*) and its arguments ``epi``; the caller has checked operands."""
     R, K = aq.shape
-    E, NB, KB = bq.shape
-    a_layout = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK], gl.float8e4nv)
-    b_layout = gl.NVMMASharedLayout.get_default_for([BN, BLOCK], gl.float8e4nv)
-    a_desc = TensorDescriptor.from_tensor(aq, [HALF, BLOCK], a_layout)
-    b_desc = TensorDescriptor(bq, [E * NB, KB], [KB, 1], [BN, BLOCK], b_layout)
     num_m = R // BM
-    tiles = num_m * triton.cdiv(N, BN)
-    if grid is None:
-        grid = torch.cuda.get_device_properties(aq.device).multi_processor_count
-    rows_gemm_fp8_ws_kernel[(max(1, min(grid, tiles)),)](
-        a_desc, a_scale, a_scale.stride(0), b_desc, b_scale, b_scale.stride(0), b_scale.stride(1), epi, tile_expert,
-        num_tiles, num_m, N, NK=triton.cdiv(K, BLOCK), STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm,
-        EPILOGUE=epilogue, num_warps=4)
+    rows_gemm_fp8_ws_kernel[_grid(aq.device, num_m * triton.cdiv(N, BN), grid)](
+        _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bq, bq.shape[0] * bq.shape[1], BN), b_scale,
+        b_scale.stride(0), b_scale.stride(1), epi, tile_expert, num_tiles, num_m, N, NK=triton.cdiv(K, BLOCK),
+        STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, EPILOGUE=epilogue, num_warps=4)
 
 
 def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None, sched_bm: int = BM, **kw):
@@ -309,29 +327,17 @@ def _gu_producer(a_desc, w_desc_g, w_desc_u, a_bufs, b0_bufs, b1_bufs, ready, em
             # the last): finite E4M3, their h columns zeroed before the amax and not stored
             wrow = e * I + pid_n * 128
             for kb in range(NK):
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + 4 * w_desc_g.block_type.nbytes)
+                s, bar = _ring_fill(ready, empty, it, a_desc.block_type.nbytes + 4 * w_desc_g.block_type.nbytes,
+                                    STAGES)
                 k0 = kb * 128
-                tma.async_copy_global_to_shared(a_desc, [row0, k0], ready.index(s), a_bufs.index(s))
+                tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_bufs.index(s))
                 b0 = b0_bufs.index(s)
                 b1 = b1_bufs.index(s)
-                tma.async_copy_global_to_shared(w_desc_g, [wrow, k0], ready.index(s), b0.slice(0, 64))
-                tma.async_copy_global_to_shared(w_desc_u, [wrow, k0], ready.index(s), b0.slice(64, 64))
-                tma.async_copy_global_to_shared(w_desc_g, [wrow + 64, k0], ready.index(s), b1.slice(0, 64))
-                tma.async_copy_global_to_shared(w_desc_u, [wrow + 64, k0], ready.index(s), b1.slice(64, 64))
+                tma.async_copy_global_to_shared(w_desc_g, [wrow, k0], bar, b0.slice(0, 64))
+                tma.async_copy_global_to_shared(w_desc_u, [wrow, k0], bar, b0.slice(64, 64))
+                tma.async_copy_global_to_shared(w_desc_g, [wrow + 64, k0], bar, b1.slice(0, 64))
+                tma.async_copy_global_to_shared(w_desc_u, [wrow + 64, k0], bar, b1.slice(64, 64))
                 it += 1
-
-
-@gluon.jit
-def _to_e4m3_tile(h, amax):
-    """fp8.quantize_tile_rows given the rows' amax: (E4M3 h * 2^-j, fp32 2^j), j the smallest
-    integer with amax <= 448 * 2^j, at least -126 (fp8.scale_exponent, exp2_int)."""
-    bits = amax.to(gl.int32, bitcast=True)
-    ea = ((bits >> 23) & 0xFF) - 127
-    j = gl.maximum(ea - 8 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32), -126)
-    inv = ((127 - j) << 23).to(gl.float32, bitcast=True)
-    return (h * inv[:, None]).to(gl.float8e4nv), ((j + 127) << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -359,17 +365,12 @@ def _gu_consumer(a_bufs, b_bufs, ready, empty, amax_smem, amax_bar, as_ptr, stri
             su = gl.load(us_ptr + ws_off)
             acc = gl.zeros([64, 128], gl.float32, layout)  # g's 64 columns, then u's
             for kb in range(NK):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                a = a_bufs.index(s)
-                b = b_bufs.index(s)
-                tok = warpgroup_mma(a, b.permute((1, 0)), part, use_acc=False, is_async=True)
+                tok = _ring_mma(a_bufs, b_bufs, ready, it, part, STAGES)
                 kn = gl.minimum(kb + 1, NK - 1)
                 sa_next = gl.load(as_ptrs + kn)
                 sg_next = gl.load(gs_ptr + ws_off + kn)
                 su_next = gl.load(us_ptr + ws_off + kn)
-                part = warpgroup_mma_wait(0, deps=(tok, ))
-                mbarrier.arrive(empty.index(s), count=1)
+                part = _ring_retire(tok, empty, it, STAGES)
                 # g's columns by sa * sg, u's by sa * su: the Triton kernel's products
                 acc += part * gl.where(is_g[None, :], (sa * sg)[:, None], (sa * su)[:, None])
                 sa = sa_next
@@ -381,7 +382,7 @@ def _gu_consumer(a_bufs, b_bufs, ready, empty, amax_smem, amax_bar, as_ptr, stri
             cols = pid_n * 128 + HALF_COL + gl.arange(0, 64, layout=gl.SliceLayout(0, hl))
             rows_h = gl.convert_layout(rows, gl.SliceLayout(1, hl))
             cmask = (cols < I)[None, :]
-            h = g * (1 / (1 + gl.exp(-g))) * u  # tl.sigmoid's definition
+            h = g * tl.sigmoid(g) * u
             h = gl.where(cmask, h, 0.0)  # columns past I take no part in the tile's scale
             # the rows' amax over the tile's 128 columns: this consumer's 64, then the other's
             slot = done % 2
@@ -391,7 +392,10 @@ def _gu_consumer(a_bufs, b_bufs, ready, empty, amax_smem, amax_bar, as_ptr, stri
             mbarrier.wait(amax_bar.index(slot), (done // 2) & 1)
             other = amax_smem.index(2 * slot + 1 - HALF_COL // 64)
             amax = gl.maximum(mine.load(rows_layout), other.load(rows_layout))
-            hq, hs = _to_e4m3_tile(h, gl.convert_layout(amax, gl.SliceLayout(1, hl)))
+            # fp8.quantize_tile_rows from the tile's amax
+            j = scale_exponent(gl.convert_layout(amax, gl.SliceLayout(1, hl)))
+            hq = to_e4m3(h * exp2_int(-j)[:, None], False)
+            hs = exp2_int(j)
             gl.store(hq_ptr + rows_h[:, None] * stride_hm + cols[None, :], hq, mask=cmask)
             if HALF_COL == 0:
                 gl.store(hs_ptr + rows_h * stride_hsm + pid_n, hs)
@@ -410,15 +414,11 @@ def gate_up_swiglu_fp8_ws_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u,
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b0_bufs = gl.allocate_shared_memory(w_desc_g.dtype, [STAGES, 128, 128], w_desc_g.layout)
     b1_bufs = gl.allocate_shared_memory(w_desc_g.dtype, [STAGES, 128, 128], w_desc_g.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready, empty = _ring_barriers(STAGES)
     # two slots (tiles alternate): a consumer writes a slot again only after passing the other
     # slot's barrier, which the other consumer reaches after reading this one
     amax_smem = gl.allocate_shared_memory(gl.float32, [4, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     amax_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(amax_bar.index(i), count=2)
     gl.warp_specialize([
@@ -448,16 +448,10 @@ def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expe
     hq = torch.empty(R, I, dtype=torch.float8_e4m3fn, device=aq.device)
     h_scale = torch.empty(R, triton.cdiv(I, BLOCK), dtype=torch.float32, device=aq.device)
     gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device) if save_gu else h_scale
-    layout = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK], gl.float8e4nv)
-    a_desc = TensorDescriptor.from_tensor(aq, [HALF, BLOCK], layout)
-    wg_desc = TensorDescriptor(wg_q, [E * I, H], [H, 1], [HALF, BLOCK], layout)
-    wu_desc = TensorDescriptor(wu_q, [E * I, H], [H, 1], [HALF, BLOCK], layout)
     num_m = R // HALF
-    tiles = num_m * triton.cdiv(I, BLOCK)
-    if grid is None:
-        grid = torch.cuda.get_device_properties(aq.device).multi_processor_count
-    gate_up_swiglu_fp8_ws_kernel[(max(1, min(grid, tiles)),)](
-        a_desc, a_scale, a_scale.stride(0), wg_desc, wu_desc, wg_scale, wu_scale, wg_scale.stride(0),
+    gate_up_swiglu_fp8_ws_kernel[_grid(aq.device, num_m * triton.cdiv(I, BLOCK), grid)](
+        _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(wg_q, E * I, HALF),
+        _e4m3_desc(wu_q, E * I, HALF), wg_scale, wu_scale, wg_scale.stride(0),
         wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0), gu, gu.stride(0), tile_expert, num_tiles,
         num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu,
         num_warps=4)
@@ -496,12 +490,10 @@ def _wgrad_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_sta
     for t in range(gl.program_id(0), E * num_m * num_n, gl.num_programs(0)):
         e, pid_m, pid_n, kf0, kf1 = _wgrad_tile(t, num_m, num_n, expert_start_ptr, expert_count_ptr, GROUP_M)
         for kb in range(kf0, kf1):
-            s = it % STAGES
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [pid_m * 128, kb * 128], ready.index(s), a_lo.index(s))
-            tma.async_copy_global_to_shared(a_desc, [pid_m * 128 + 64, kb * 128], ready.index(s), a_hi.index(s))
-            tma.async_copy_global_to_shared(b_desc, [pid_n * 128, kb * 128], ready.index(s), b_bufs.index(s))
+            s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes, STAGES)
+            tma.async_copy_global_to_shared(a_desc, [pid_m * 128, kb * 128], bar, a_lo.index(s))
+            tma.async_copy_global_to_shared(a_desc, [pid_m * 128 + 64, kb * 128], bar, a_hi.index(s))
+            tma.async_copy_global_to_shared(b_desc, [pid_n * 128, kb * 128], bar, b_bufs.index(s))
             it += 1
 
 
@@ -526,16 +518,11 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, st
         sb = gl.load(bs_ptr + kf0 * stride_bsr + offs_n, mask=nmask & (kf1 > kf0), other=0.0)
         acc = gl.zeros([64, 128], gl.float32, layout)
         for kb in range(kf0, kf1):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            a = a_bufs.index(s)
-            b = b_bufs.index(s)
-            tok = warpgroup_mma(a, b.permute((1, 0)), part, use_acc=False, is_async=True)
+            tok = _ring_mma(a_bufs, b_bufs, ready, it, part, STAGES)
             kn = gl.minimum(kb + 1, kf1 - 1)
             sa_next = gl.load(as_ptr + kn * stride_asr + offs_m, mask=mmask, other=0.0)
             sb_next = gl.load(bs_ptr + kn * stride_bsr + offs_n, mask=nmask, other=0.0)
-            part = warpgroup_mma_wait(0, deps=(tok, ))
-            mbarrier.arrive(empty.index(s), count=1)
+            part = _ring_retire(tok, empty, it, STAGES)
             acc = acc + part * (sa[:, None] * sb[None, :])  # the Triton kernel's promotion
             sa = sa_next
             sb = sb_next
@@ -551,14 +538,7 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, st
 def expert_wgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, stride_bsr, c_ptr, stride_ce, stride_cm,
                                expert_start_ptr, expert_count_ptr, E, M, N, STAGES: gl.constexpr,
                                GROUP_M: gl.constexpr):
-    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    a_lo, a_hi, b_bufs, ready, empty = _ring_128x128(a_desc, b_desc, STAGES)
     gl.warp_specialize([
         (_wgrad_consumer, (a_lo, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce,
                            stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 0, STAGES, GROUP_M)),
@@ -583,14 +563,7 @@ def expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count, *,
         raise ValueError(f"expert_wgrad_fp8_ws: at {tuple(at.shape)}, bt {tuple(bt.shape)} do not run on the "
                          "warp-specialized kernel (sm_90, R a multiple of 128, 16-byte aligned rows)")
     out = torch.empty(E, M, N, dtype=out_dtype, device=at.device)
-    a_layout = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK], gl.float8e4nv)
-    b_layout = gl.NVMMASharedLayout.get_default_for([BN, BLOCK], gl.float8e4nv)
-    a_desc = TensorDescriptor(at, [M, R], [at.stride(0), 1], [HALF, BLOCK], a_layout)
-    b_desc = TensorDescriptor(bt, [N, R], [bt.stride(0), 1], [BN, BLOCK], b_layout)
-    tiles = E * triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    if grid is None:
-        grid = torch.cuda.get_device_properties(at.device).multi_processor_count
-    expert_wgrad_fp8_ws_kernel[(max(1, min(grid, tiles)),)](
-        a_desc, a_scale, a_scale.stride(0), b_desc, b_scale, b_scale.stride(0), out, out.stride(0), out.stride(1),
-        expert_start, expert_count, E, M, N, STAGES=stages, GROUP_M=GROUP_M, num_warps=4)
+    expert_wgrad_fp8_ws_kernel[_grid(at.device, E * triton.cdiv(M, BM) * triton.cdiv(N, BN), grid)](
+        _e4m3_desc(at, M, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bt, N, BN), b_scale, b_scale.stride(0), out,
+        out.stride(0), out.stride(1), expert_start, expert_count, E, M, N, STAGES=stages, GROUP_M=GROUP_M, num_warps=4)
     return out
