@@ -22,9 +22,9 @@ Here the CTA is three partitions of one ``gl.warp_specialize``:
   wgmma, wait for it (wait 0: ptxas serializes every wgmma of a kernel that reads an accumulator
   while another wgmma is in flight, C7514), release the stage, promote. Nothing ties the two
   consumers together but the ring, so one's promotion runs while the other's MMA does.
-Persistent: one program per SM walks the tiles in ``grouped_tile`` order; every partition walks
-the same sequence and the ring's stage and phase follow a running K-block count, so the producer
-runs into the next tile while the consumers store the last.
+Persistent: one program per SM walks the tiles in ``gemm.grouped_tile`` order; every partition
+walks the same sequence and the ring's stage and phase follow a running K-block count, so the
+producer runs into the next tile while the consumers store the last.
 
 Epilogues (``EPILOGUE``): the stored rows, the rows pushed to their origins (the forward's down,
 the gate/up dgrad) and the down dgrad's SwiGLU backward, each gemm.py's over a warpgroup's 64
@@ -46,7 +46,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import INTERPRET
 from .fp8 import BLOCK, exp2_int, scale_exponent, to_e4m3
-from .gemm import _check_schedule, _swiglu_bwd_epilogue
+from .gemm import _check_schedule, _swiglu_bwd_epilogue, grouped_tile
 
 BM = 128  # two consumer warpgroups of 64 rows
 BN = 128
@@ -54,15 +54,6 @@ HALF = 64
 # ring depth: 4 stages of 32 KB (A's halves and B's block); 5 or 6 measured no faster, and 4 leave
 # shared memory for the epilogue's layout conversions (8 KB a consumer)
 STAGES = 4
-
-
-@gluon.jit
-def _tile_of(t, num_m, num_n, GROUP_M: gl.constexpr):
-    """``gemm.grouped_tile``: GROUP_M row tiles per column sweep."""
-    per_group = GROUP_M * num_n
-    first_m = (t // per_group) * GROUP_M
-    size_m = gl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (t % per_group) % size_m, (t % per_group) // size_m
 
 
 EPI_STORE = gl.constexpr(0)  # bf16 rows into C [R, N] (gemm.rows_gemm's local form)
@@ -123,17 +114,13 @@ def _ring_retire(tok, empty, it, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _tile_expert_rows(pid_m, ROWS: gl.constexpr, tile_expert_ptr, nt, SCHED_BM: gl.constexpr):
+def _tile_expert(pid_m, ROWS: gl.constexpr, tile_expert_ptr, nt, SCHED_BM: gl.constexpr):
     """Expert of kernel row tile pid_m (ROWS rows inside the schedule's SCHED_BM-row tile), -1
-    when that schedule tile is unused."""
-    st = (pid_m * ROWS) // SCHED_BM
+    when that schedule tile is unused (at or past ``nt``, the used tiles: gemm._row_tile_expert
+    with the count loaded once per program)."""
+    st = pid_m * ROWS // SCHED_BM
     e = gl.load(tile_expert_ptr + st)
     return gl.where(st < nt, e, -1)
-
-
-@gluon.jit
-def _tile_expert(pid_m, tile_expert_ptr, nt, SCHED_BM: gl.constexpr):
-    return _tile_expert_rows(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
 
 
 @gluon.jit
@@ -143,8 +130,8 @@ def _producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr,
     nt = gl.load(num_tiles_ptr)
     it = 0
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
-        e = _tile_expert(pid_m, tile_expert_ptr, nt, SCHED_BM)
+        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
+        e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
         if e >= 0:
             row0 = pid_m * 128
             # a partial last column tile reads the next expert's first rows (or TMA's zeros past
@@ -212,8 +199,8 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_b
     it = 0
     part = gl.zeros([64, 128], gl.float32, layout)
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
-        e = _tile_expert(pid_m, tile_expert_ptr, nt, SCHED_BM)
+        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
+        e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
         if e >= 0:
             rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             as_ptrs = as_ptr + rows * stride_asm
@@ -319,8 +306,8 @@ def _gu_producer(a_desc, w_desc_g, w_desc_u, a_bufs, b0_bufs, b1_bufs, ready, em
     nt = gl.load(num_tiles_ptr)
     it = 0
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
-        e = _tile_expert_rows(pid_m, 64, tile_expert_ptr, nt, SCHED_BM)
+        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
+        e = _tile_expert(pid_m, 64, tile_expert_ptr, nt, SCHED_BM)
         if e >= 0:
             row0 = pid_m * 64
             # a partial last column tile reads the next expert's first rows (or TMA's zeros past
@@ -354,8 +341,8 @@ def _gu_consumer(a_bufs, b_bufs, ready, empty, amax_smem, amax_bar, as_ptr, stri
     part = gl.zeros([64, 128], gl.float32, layout)
     is_g = gl.arange(0, 128, layout=gl.SliceLayout(0, layout)) < 64
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
-        e = _tile_expert_rows(pid_m, 64, tile_expert_ptr, nt, SCHED_BM)
+        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
+        e = _tile_expert(pid_m, 64, tile_expert_ptr, nt, SCHED_BM)
         if e >= 0:
             rows = pid_m.to(gl.int64) * 64 + gl.arange(0, 64, layout=rows_layout)
             as_ptrs = as_ptr + rows * stride_asm
@@ -475,7 +462,7 @@ def _wgrad_tile(t, num_m, num_n, expert_start_ptr, expert_count_ptr, GROUP_M: gl
     """Tile t -> (e, pid_m, pid_n, first block, end block) of the padded segment of expert e."""
     per_e = num_m * num_n
     e = t // per_e
-    pid_m, pid_n = _tile_of(t % per_e, num_m, num_n, GROUP_M)
+    pid_m, pid_n = grouped_tile(t % per_e, num_m, num_n, GROUP_M)
     start = gl.load(expert_start_ptr + e)
     end = start + gl.load(expert_count_ptr + e)
     return e, pid_m, pid_n, start // 128, (end + 127) // 128
