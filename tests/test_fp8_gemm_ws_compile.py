@@ -67,7 +67,7 @@ def test_warp_specialized_rows_gemm_compiles_unserialized():
         c = dict(zip(f[1::2], map(int, f[2::2])))
         assert c["wgmma_e4m3"] >= 8 and c["warp_specialized"] == 1, line  # 4 per block, two consumers
         assert c["spills"] == 0 and c["serialized"] == 0 and c["wait_nonzero"] == 0, line
-        if f[0].startswith(("epilogue0", "epilogue1", "wgrad")):
+        if not f[0].startswith("epilogue2"):  # the SwiGLU backward stores from the MMA layout
             assert c["v4_stores"] > 0, line
 
 

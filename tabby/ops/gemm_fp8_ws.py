@@ -328,6 +328,16 @@ def _gu_producer(a_desc, w_desc_g, w_desc_u, a_bufs, b0_bufs, b1_bufs, ready, em
 
 
 @gluon.jit
+def _store_tile(ptr, stride, val, rows, col0, ncols, layout: gl.constexpr):
+    """val [64, 64] into ptr's rows ``rows`` and columns col0.. (those below ncols), through
+    ``layout``."""
+    val = gl.convert_layout(val, layout)
+    r = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+    gl.store(ptr + r[:, None] * stride + cols[None, :], val, mask=(cols < ncols)[None, :])
+
+
+@gluon.jit
 def _gu_consumer(a_bufs, b_bufs, ready, empty, amax_smem, amax_bar, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
                  stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr, num_tiles_ptr,
                  num_m, I, HALF_COL: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
@@ -383,13 +393,18 @@ def _gu_consumer(a_bufs, b_bufs, ready, empty, amax_smem, amax_bar, as_ptr, stri
             j = scale_exponent(gl.convert_layout(amax, gl.SliceLayout(1, hl)))
             hq = to_e4m3(h * exp2_int(-j)[:, None], False)
             hs = exp2_int(j)
-            gl.store(hq_ptr + rows_h[:, None] * stride_hm + cols[None, :], hq, mask=cmask)
             if HALF_COL == 0:
                 gl.store(hs_ptr + rows_h * stride_hsm + pid_n, hs)
+            # hq, g and u stored from layouts of 16-byte row pieces (the MMA layout holds 2 adjacent
+            # columns a thread): 16 E4M3 a thread, 4 threads a row; 8 bf16 a thread, 8 a row
+            _store_tile(hq_ptr, stride_hm, hq, rows, pid_n * 128 + HALF_COL, I,
+                        gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
             if SAVE_GU:
-                gptrs = gu_ptr + rows_h[:, None] * stride_gum + cols[None, :]
-                gl.store(gptrs, g.to(gu_ptr.dtype.element_ty), mask=cmask)
-                gl.store(gptrs + I, u.to(gu_ptr.dtype.element_ty), mask=cmask)
+                bf16_rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+                _store_tile(gu_ptr, stride_gum, g.to(gu_ptr.dtype.element_ty), rows, pid_n * 128 + HALF_COL, I,
+                            bf16_rows)
+                _store_tile(gu_ptr + I, stride_gum, u.to(gu_ptr.dtype.element_ty), rows, pid_n * 128 + HALF_COL,
+                            I, bf16_rows)
             done += 1
 
 
