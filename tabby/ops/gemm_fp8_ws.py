@@ -148,6 +148,8 @@ def _producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr,
 
 @gluon.jit
 def _epilogue(acc, rows, pid_n, N, epi, EPILOGUE: gl.constexpr, layout: gl.constexpr):
+    """A consumer's 64 rows (``rows``, int64) of column tile pid_n, fp32 ``acc`` in the MMA
+    ``layout``, through ``EPILOGUE`` with its arguments ``epi``; columns at or past N untouched."""
     # stores and pushes from a layout of 16-byte row pieces (8 bf16 a thread, a warp two rows of
     # 128): the MMA layout holds 2 adjacent columns a thread
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
