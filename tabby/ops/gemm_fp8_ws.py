@@ -147,6 +147,17 @@ def _producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr,
 
 
 @gluon.jit
+def _store_tile(ptr, stride, val, rows, col0, ncols, layout: gl.constexpr):
+    """val [rows, C] into ptr's rows ``rows`` and columns col0 .. col0 + C - 1 (those below ncols),
+    converted to ``layout`` first (16-byte row pieces: the MMA layout holds 2 adjacent columns a
+    thread)."""
+    val = gl.convert_layout(val, layout)
+    r = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, val.shape[1], layout=gl.SliceLayout(0, layout))
+    gl.store(ptr + r[:, None] * stride + cols[None, :], val, mask=(cols < ncols)[None, :])
+
+
+@gluon.jit
 def _epilogue(acc, rows, pid_n, N, epi, EPILOGUE: gl.constexpr, layout: gl.constexpr):
     """A consumer's 64 rows (``rows``, int64) of column tile pid_n, fp32 ``acc`` in the MMA
     ``layout``, through ``EPILOGUE`` with its arguments ``epi``; columns at or past N untouched."""
@@ -155,10 +166,7 @@ def _epilogue(acc, rows, pid_n, N, epi, EPILOGUE: gl.constexpr, layout: gl.const
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     if EPILOGUE == EPI_STORE:
         c_ptr, stride_cm = epi
-        val = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_layout)
-        rows_o = gl.convert_layout(rows, gl.SliceLayout(1, out_layout))
-        cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, out_layout))
-        gl.store(c_ptr + rows_o[:, None] * stride_cm + cols[None, :], val, mask=(cols < N)[None, :])
+        _store_tile(c_ptr, stride_cm, acc.to(c_ptr.dtype.element_ty), rows, pid_n * 128, N, out_layout)
     elif EPILOGUE == EPI_PUSH:
         row_src_ptr, dst_ptrs_ptr, TK, stride_dm, ref = epi
         val = gl.convert_layout(acc.to(ref.dtype.element_ty), out_layout)
@@ -330,16 +338,6 @@ def _gu_producer(a_desc, w_desc_g, w_desc_u, a_bufs, b0_bufs, b1_bufs, ready, em
 
 
 @gluon.jit
-def _store_tile(ptr, stride, val, rows, col0, ncols, layout: gl.constexpr):
-    """val [64, 64] into ptr's rows ``rows`` and columns col0.. (those below ncols), through
-    ``layout``."""
-    val = gl.convert_layout(val, layout)
-    r = gl.convert_layout(rows, gl.SliceLayout(1, layout))
-    cols = col0 + gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-    gl.store(ptr + r[:, None] * stride + cols[None, :], val, mask=(cols < ncols)[None, :])
-
-
-@gluon.jit
 def _gu_consumer(a_bufs, b_bufs, ready, empty, amax_smem, amax_bar, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
                  stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr, num_tiles_ptr,
                  num_m, I, HALF_COL: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
@@ -397,8 +395,7 @@ def _gu_consumer(a_bufs, b_bufs, ready, empty, amax_smem, amax_bar, as_ptr, stri
             hs = exp2_int(j)
             if HALF_COL == 0:
                 gl.store(hs_ptr + rows_h * stride_hsm + pid_n, hs)
-            # hq, g and u stored from layouts of 16-byte row pieces (the MMA layout holds 2 adjacent
-            # columns a thread): 16 E4M3 a thread, 4 threads a row; 8 bf16 a thread, 8 a row
+            # hq, g and u in 16-byte row pieces: 16 E4M3 a thread, 4 threads a row; 8 bf16 a thread, 8 a row
             _store_tile(hq_ptr, stride_hm, hq, rows, pid_n * 128 + HALF_COL, I,
                         gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
             if SAVE_GU:
