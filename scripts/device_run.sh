@@ -34,6 +34,11 @@ nvidia-smi topo -m >> "$OUT/machine.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" >> "$OUT/machine.txt"
 echo "commit ${TABBY_GIT_COMMIT:-unknown: pass TABBY_GIT_COMMIT}" >> "$OUT/machine.txt"
 status=0
+report_log() {
+  # NAME LOG: the log's last line (pytest's summary) and its first failures
+  echo "== $1: $(tail -1 "$2")"
+  grep -E "^(FAILED|ERROR)|Error|assert" "$2" | head -10
+}
 run_tests() {
   # one pytest process per file, all at once: cold, each file is bound by compiling its kernels
   # (one core each), so in parallel the suite fits one call; their GPU work is small
@@ -47,8 +52,7 @@ run_tests() {
   for p in "${pids[@]}"; do wait "$p" || status=1; done
   for f in "$@"; do
     log="$OUT/gpu-tests-$(basename "$f" .py).log"
-    echo "== $(basename "$log"): $(tail -1 "$log")"
-    grep -E "^(FAILED|ERROR)|Error|assert" "$log" | head -10
+    report_log "$(basename "$log")" "$log"
   done
 }
 run_tests_by_case() {
@@ -61,12 +65,10 @@ run_tests_by_case() {
     log="$OUT/gpu-tests-$(basename "${1%%::*}" .py)-case$0.log"
     TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${TESTS_TIMEOUT:-580} \
       python3 -m pytest -q -rA -p no:cacheprovider "$1" > "$log" 2>&1' || status=1
-  local i=0 id log
+  local i=0 id
   for id in "${ids[@]}"; do
-    log="$OUT/gpu-tests-$(basename "${id%%::*}" .py)-case$i.log"
+    report_log "$id" "$OUT/gpu-tests-$(basename "${id%%::*}" .py)-case$i.log"
     i=$((i + 1))
-    echo "== $id: $(tail -1 "$log")"
-    grep -E "^(FAILED|ERROR)|Error|assert" "$log" | head -10
   done
 }
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
