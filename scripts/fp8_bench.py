@@ -81,16 +81,14 @@ def gemms(T, k, E, H, I, variants):
             out[f"fp8 down {name}"] = fl_dn / t / 1e9
         except Exception as e:  # noqa: BLE001
             out[f"fp8 down {name} FAILED {type(e).__name__}"] = float("nan")
-    # the warp-specialized gate/up (not yet what the layer runs), marked where not bitwise the Triton kernel's
-    want = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, te, nt)
+    # gate/up's ring depths (the default takes gemm_fp8_ws.gate_up_stages), marked where not bitwise
+    # the Triton kernel's
+    want = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, te, nt, config=variants[1][1])
     for stages in (4, 5):
-        try:
-            got = gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, te, nt, stages=stages)
-            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
-            t = bench(lambda: gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, te, nt, stages=stages))
-            out[f"fp8 gate_up ws s{stages}{'' if same else ' MISMATCH'}"] = fl_gu / t / 1e9
-        except Exception as e:  # noqa: BLE001
-            out[f"fp8 gate_up ws s{stages} FAILED {type(e).__name__}: {e}"[:160]] = float("nan")
+        got = gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, te, nt, stages=stages)
+        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
+        t = bench(lambda: gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, te, nt, stages=stages))
+        out[f"fp8 gate_up ws s{stages}{'' if same else ' MISMATCH'}"] = fl_gu / t / 1e9
     del want
     xc, xcs = quantize_cols(x)
     hc, hcs = quantize_cols(h)
@@ -116,23 +114,13 @@ def wgrad_segments(T, k, E, H, I):
     fl = 2 * E * per * H * I
     out = {"bf16": fl / bench(lambda: gemm.expert_wgrad(x, h, start, count)) / 1e9}
     out["fp8 general"] = fl / bench(lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count)) / 1e9
-    out["fp8 padded"] = fl / bench(lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count,
-                                                                     padded=True)) / 1e9
-    # the warp-specialized kernel (not yet what the layer runs), marked where not bitwise the Triton kernel's
-    want = gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count, padded=True)
-    for stages in (3, 4, 6):
-        try:
-            same = torch.equal(gemm_fp8_ws.expert_wgrad_fp8_ws(xc, xcs, hc, hcs, start, count, stages=stages), want)
-            out[f"fp8 padded ws s{stages}{'' if same else ' MISMATCH'}"] = fl / bench(
-                lambda: gemm_fp8_ws.expert_wgrad_fp8_ws(xc, xcs, hc, hcs, start, count, stages=stages)) / 1e9
-        except Exception as e:  # noqa: BLE001
-            out[f"fp8 padded ws s{stages} FAILED {type(e).__name__}: {e}"[:160]] = float("nan")
-    # other tiles of the padded kernel ("fp8 padded" is the default, 128 x 64 at 4 warps, 3 stages:
-    # two programs an SM, one's promotion and store under the other's loads)
-    for BM, BN, warps, stages in ((128, 128, 8, 4), (64, 128, 4, 3)):
-        cfg = GemmConfig(BM=BM, BN=BN, BK=128, num_warps=warps, num_stages=stages, GROUP_M=8)
-        out[f"fp8 padded {BM}x{BN} w{warps} s{stages}"] = fl / bench(
-            lambda cfg=cfg: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count, padded=True, config=cfg)) / 1e9
+    triton_cfg = GemmConfig(BM=128, BN=64, BK=128, num_warps=4, num_stages=3, GROUP_M=4)  # not the default
+    want = gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count, padded=True, config=triton_cfg)
+    same = torch.equal(gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count, padded=True), want)
+    out[f"fp8 padded{'' if same else ' MISMATCH'}"] = fl / bench(
+        lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count, padded=True)) / 1e9
+    out["fp8 padded triton"] = fl / bench(
+        lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count, padded=True, config=triton_cfg)) / 1e9
     return out
 
 
@@ -192,12 +180,11 @@ def main():
     ap.add_argument("--layer-only", action="store_true")
     a = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    # (name, gate/up config, rows GEMM config): the defaults; add tiles here to compare them
-    # (gate/up's TMA stage is 40 KB, at most 5 fit; the rows GEMM's 32 KB at BN 128)
-    # "triton rows": the rows GEMM's Triton kernel (other tiles than the defaults: the default runs
-    # the warp-specialized one on sm_90)
+    # (name, gate/up config, rows GEMM config): the defaults (the warp-specialized kernels on sm_90),
+    # and "triton": gemm_fp8's Triton kernels (other tiles than the defaults, GROUP_M 4: the same sums)
     variants = [("default", None, None),
-                ("triton rows", None, GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=4, GROUP_M=4))]
+                ("triton", GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=5, GROUP_M=4),
+                 GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=4, GROUP_M=4))]
     shapes = ((16384, 8, 128, 2048, 768), (16384, 8, 128, 7168, 2048))
     if not a.layer_only:
         for T, k, E, H, I in shapes:

@@ -5,8 +5,8 @@ stored rows, the rows pushed to their origins, the down dgrad's SwiGLU backward 
 within 1e-6: another order). Odd K (a partial
 last block), N not a multiple of 128, empty experts, unused tiles, schedule tiles of 256 rows,
 several ring depths and a grid smaller than the tiles (persistent); 20 repeats bitwise. The
-warp-specialized gate/up and weight gradient (not yet what the layer runs) likewise against the
-Triton kernels.
+warp-specialized gate/up and weight gradient likewise against the Triton kernels, and gemm_fp8's
+entry points at their default tiles running them.
 Its sm_90a code (no serialized wgmma, no spills): test_fp8_gemm_ws_compile.py."""
 import pytest
 import torch
@@ -26,6 +26,16 @@ CASES = [([300, 0, 128, 5], 256, 256), ([129, 1, 700], 1040, 384), ([512] * 6, 2
 def _triton(BM=128):
     """Tiles other than the defaults: gemm_fp8 runs its Triton kernel (stages do not change sums)."""
     return GemmConfig(BM=BM, BN=128, BK=128, num_warps=8, num_stages=3, GROUP_M=8)
+
+
+def _triton_gate_up():
+    """gate/up's tiles other than the defaults (4 stages, not 5): gemm_fp8 runs its Triton TMA loop."""
+    return GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=4, GROUP_M=8)
+
+
+def _triton_wgrad():
+    """The weight gradient's tiles other than the defaults (4 stages, not 3): the Triton kernel."""
+    return GemmConfig(BM=128, BN=64, BK=128, num_warps=4, num_stages=4, GROUP_M=8)
 
 
 def _case(counts, K, N, seed, BM=128):
@@ -123,15 +133,24 @@ def test_ws_gate_up_matches_triton_bitwise(counts, H, I, stages, grid):
     wu = rand(len(counts), I, H, seed=13, scale=H ** -0.5).cuda()
     xq, xs = quantize_rows(x)
     (gq, gs), (uq, us) = quantize_blocks(wg), quantize_blocks(wu)
-    want = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles)
+    assert gemm_fp8_ws.fits_gate_up(xq, gq, uq, 128)
+    want = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles,
+                                       config=_triton_gate_up())
     got = gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles, stages=stages,
                                             grid=grid)
+    # the entry point at its default tiles: the warp-specialized kernel (gate_up_stages), into given outputs
+    outs = (torch.full_like(want[0].view(torch.uint8), 0x7F).view(torch.float8_e4m3fn),
+            torch.full_like(want[1], -1.0), torch.full_like(want[2], -1.0))
+    dflt = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles, hq=outs[0],
+                                       h_scale=outs[1], gu=outs[2])
+    assert all(d is o for d, o in zip(dflt, outs))
     used = slice(0, sch.used)
-    for name, a, b in zip(("hq", "h_scale", "gu"), got, want):
-        a, b = a[used], b[used]
+    for name, a, b, d in zip(("hq", "h_scale", "gu"), got, want, dflt):
+        a, b, d = a[used], b[used], d[used]
         if a.dtype == torch.float8_e4m3fn:
-            a, b = a.view(torch.uint8), b.view(torch.uint8)
+            a, b, d = a.view(torch.uint8), b.view(torch.uint8), d.view(torch.uint8)
         assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
+        assert torch.equal(d, b), (name, "default entry point", (d.float() - b.float()).abs().max())
 
 
 def test_ws_gate_up_deterministic_and_without_gu():
@@ -163,9 +182,13 @@ def test_ws_wgrad_matches_triton_bitwise(M, N, grid):
     bq, bs = quantize_cols(b.cuda(), row_src=sch.row_src, num_tiles=sch.num_tiles, tile_rows=128)
     start = torch.tensor([st for _, st, _ in sch.segments], dtype=torch.int32, device="cuda")
     count = torch.tensor([c for _, _, c in sch.segments], dtype=torch.int32, device="cuda")
-    want = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, padded=True)
+    assert gemm_fp8_ws.fits_wgrad(aq, bq)
+    want = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, padded=True,
+                                     config=_triton_wgrad())
     got = gemm_fp8_ws.expert_wgrad_fp8_ws(aq, as_, bq, bs, start, count, out_dtype=torch.float32, grid=grid)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (got - want).abs().max()
+    dflt = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, padded=True)
+    assert torch.equal(dflt.view(torch.int32), want.view(torch.int32)), "default entry point"
     assert not got[[0, 2, 7]].any()  # the empty experts
     again = gemm_fp8_ws.expert_wgrad_fp8_ws(aq, as_, bq, bs, start, count, out_dtype=torch.float32, grid=grid)
     assert torch.equal(again.view(torch.int32), got.view(torch.int32))

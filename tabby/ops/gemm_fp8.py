@@ -39,11 +39,12 @@ Kernels:
 2. ``rows_gemm_fp8`` / ``down_push_fp8``: A @ B[e]^T stored locally or pushed row by row to
    the origin (bf16).
 3. ``down_dgrad_swiglu_fp8``: the down dgrad with the SwiGLU backward in its epilogue.
-On sm_90, at the default tiles, 2 and 3 run gemm_fp8_ws.py's warp-specialized Gluon kernel
-(the same sums: bitwise the stored and pushed rows, dgu and hw; dw's row sums within 1e-6), where
-one warpgroup's promotion runs under the other's MMA; the Triton kernels here run elsewhere (the
-interpreter, schedule tiles not a multiple of 128, K not a multiple of 16) and where a caller names
-other tiles.
+4. ``expert_wgrad_fp8``: the per-expert weight gradients from operands quantized per 128x1.
+On sm_90, at the default tiles, each runs gemm_fp8_ws.py's warp-specialized Gluon kernel where it
+fits (1-3: K a multiple of 16, contiguous operands, schedule tiles a multiple of 128 rows, 64 for
+gate/up; 4: ``padded``): the same sums (bitwise every output but the down dgrad's row sums dw,
+within 1e-6), with one warpgroup's promotion under the other's MMA. The Triton kernels here run
+elsewhere (the interpreter, other shapes) and where a caller names other tiles.
 
 Under the interpreter Triton 3.6's fp8 ``tl.dot`` works as it is (it widens E4M3 to fp16,
 exactly, and multiplies in fp32), so no upcast is needed there (unlike gemm.py's bf16 ``_dot``).
@@ -325,6 +326,10 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
     if save_gu and gu is None:
         gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device)
     gu_arg = gu if save_gu else h_scale
+    if (cfg == default_config_fp8(KIND_GATE_UP, BM=cfg.BM)
+            and gemm_fp8_ws.fits_gate_up(aq, wg_q, wu_q, cfg.BM)):
+        return gemm_fp8_ws.gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles,
+                                                 hq=hq, h_scale=h_scale, gu=gu, sched_bm=cfg.BM, save_gu=save_gu)
     # a tensor descriptor needs 16-byte aligned rows: where they are not, the pointer loop
     use_tma = R > 0 and all(tma_aligned(t) for t in (aq, wg_q, wu_q))
     block_m = GATE_UP_TMA_BM if use_tma and cfg.BM % GATE_UP_TMA_BM == 0 else cfg.BM
@@ -641,6 +646,9 @@ def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, ou
         if s.dtype != torch.float32 or tuple(s.shape) != (nr, C) or s.stride(-1) != 1:
             raise ValueError(f"{name}'s scales must be fp32 [ceil(R/128), C] = {(nr, C)}, got {tuple(s.shape)}")
     cfg = config or default_config_fp8(KIND_WGRAD)
+    if padded and cfg == default_config_fp8(KIND_WGRAD) and gemm_fp8_ws.fits_wgrad(at, bt):
+        return gemm_fp8_ws.expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count,
+                                               out_dtype=out_dtype)
     R_k = R
     if R % 16 or any(q.stride(0) % 16 or q.data_ptr() % 16 for q in (at, bt)):
         # rows of 16-byte multiples, 16-byte aligned: the main loop's loads become 16-byte async

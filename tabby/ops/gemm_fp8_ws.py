@@ -1,10 +1,10 @@
 """FP8 expert GEMMs warp-specialized (Gluon): one warpgroup's promotion under the other's MMA.
 
-- ``rows_gemm_fp8_ws`` / ``launch``: the rows GEMM with three epilogues; gemm_fp8 runs the
-  layer's rows GEMMs on it where it ``fits``.
-- ``gate_up_swiglu_fp8_ws``: gate/up with the SwiGLU and h's quantization, and
-  ``expert_wgrad_fp8_ws``: the weight gradient over the layer's padded segments (their sections
-  below); the layer still runs gemm_fp8's Triton kernels for these (docs/fp8.md, "What is left").
+- ``rows_gemm_fp8_ws`` / ``launch``: the rows GEMM with three epilogues (``fits``);
+- ``gate_up_swiglu_fp8_ws``: gate/up with the SwiGLU and h's quantization (``fits_gate_up``);
+- ``expert_wgrad_fp8_ws``: the weight gradient over the layer's padded segments (``fits_wgrad``).
+gemm_fp8's entry points run these wherever they fit at the default tiles; so every FP8 GEMM of
+the layer runs here on an H200.
 
 Same operands, layout contract and sum as ``gemm_fp8.rows_gemm_fp8`` (its docstring): routed rows
 ``aq [R, K]`` E4M3 with 1x128 scales, weights ``bq [E, N, K]`` with 128x128 block scales, each
@@ -46,7 +46,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import INTERPRET
 from .fp8 import BLOCK, exp2_int, scale_exponent, to_e4m3
-from .gemm import _check_schedule, _swiglu_bwd_epilogue, grouped_tile
+from .gemm import _check_schedule, _swiglu_bwd_epilogue, grouped_tile, tma_aligned
 
 BM = 128  # two consumer warpgroups of 64 rows
 BN = 128
@@ -247,12 +247,35 @@ def rows_gemm_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_b
     ], [4, 1], [232, 40])
 
 
+def _sm90(t: torch.Tensor) -> bool:
+    return t.is_cuda and not INTERPRET and torch.cuda.get_device_capability(t.device)[0] == 9
+
+
 def fits(aq: torch.Tensor, bq: torch.Tensor, sched_bm: int) -> bool:
-    """Whether these operands run here: a CUDA device of compute capability 9 (wgmma, TMA), the
-    schedule's tiles a multiple of 128 rows, contiguous operands with K a multiple of 16 (TMA's
-    16-byte strides). Elsewhere gemm_fp8's Triton kernels run (the same sums)."""
-    return (aq.is_cuda and not INTERPRET and torch.cuda.get_device_capability(aq.device)[0] == 9
-            and sched_bm % BM == 0 and aq.shape[1] % 16 == 0 and aq.is_contiguous() and bq.is_contiguous())
+    """Whether the rows GEMM runs here: a CUDA device of compute capability 9 (wgmma, TMA), the
+    schedule's tiles a multiple of 128 rows, contiguous operands with K a multiple of 16 at 16-byte
+    aligned addresses (TMA). Elsewhere gemm_fp8's Triton kernels run (the same sums)."""
+    return (_sm90(aq) and sched_bm % BM == 0 and aq.is_contiguous() and bq.is_contiguous()
+            and tma_aligned(aq) and tma_aligned(bq))
+
+
+def fits_gate_up(aq: torch.Tensor, wg_q: torch.Tensor, wu_q: torch.Tensor, sched_bm: int) -> bool:
+    """Whether gate/up runs here: as ``fits``, at schedule tiles a multiple of 64 rows (its kernel
+    tile), W_gate and W_up contiguous [E, I, H]."""
+    return (_sm90(aq) and sched_bm % HALF == 0 and all(t.is_contiguous() and tma_aligned(t) for t in (aq, wg_q, wu_q)))
+
+
+def fits_wgrad(at: torch.Tensor, bt: torch.Tensor) -> bool:
+    """Whether the padded weight gradient runs here: sm_90, R a multiple of 128, rows 16-byte
+    aligned with a unit column stride (TMA)."""
+    return (_sm90(at) and at.shape[1] % BLOCK == 0 and bt.shape[1] == at.shape[1]
+            and tma_aligned(at) and tma_aligned(bt))
+
+
+def gate_up_stages(K: int) -> int:
+    """gate/up's ring depth (40 KB a stage): 5 where K runs long (H 7168: 852 against 820 TFLOP/s at
+    4), 4 where it is short (H 2048: 726 against 694 at 5; docs/fp8-measurements.md)."""
+    return 5 if K >= 4096 else 4
 
 
 def _e4m3_desc(t: torch.Tensor, rows: int, block_rows: int) -> TensorDescriptor:
@@ -434,28 +457,35 @@ def gate_up_swiglu_fp8_ws_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u,
     ], [4, 1], [232, 40])
 
 
-def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *, sched_bm: int = BM,
-                          save_gu: bool = True, stages: int = 4, grid: int | None = None, GROUP_M: int = 8):
+def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *, hq=None,
+                          h_scale=None, gu=None, sched_bm: int = BM, save_gu: bool = True, stages: int | None = None,
+                          grid: int | None = None, GROUP_M: int = 8):
     """``gemm_fp8.gate_up_swiglu_fp8`` warp-specialized: (hq [R, I] E4M3, h_scale [R, ceil(I/128)],
-    gu [R, 2I] bf16 or None), the same values. Runs where the rows GEMM does (``fits``) at
-    schedule tiles a multiple of 64 rows; W_gate and W_up contiguous [E, I, H]."""
+    gu [R, 2I] bf16 or None), the same values, into the given outputs or new ones. Runs where
+    ``fits_gate_up``; ``stages`` defaults to ``gate_up_stages(H)``."""
     R, H = aq.shape
     E, I, H2 = wg_q.shape
-    if (H2 != H or wu_q.shape != wg_q.shape or wu_scale.stride() != wg_scale.stride() or not fits(aq, wg_q, BM)
-            or not wu_q.is_contiguous() or sched_bm % HALF):
+    if (H2 != H or wu_q.shape != wg_q.shape or wu_scale.stride() != wg_scale.stride()
+            or not fits_gate_up(aq, wg_q, wu_q, sched_bm)):
         raise ValueError(f"gate_up_swiglu_fp8_ws: A {tuple(aq.shape)}, W {tuple(wg_q.shape)}, schedule tiles of "
-                         f"{sched_bm} rows do not run on the warp-specialized kernel")
+                         f"{sched_bm} rows do not run on the warp-specialized kernel (see fits_gate_up)")
     _check_schedule(tile_expert, num_tiles, R, sched_bm)
-    hq = torch.empty(R, I, dtype=torch.float8_e4m3fn, device=aq.device)
-    h_scale = torch.empty(R, triton.cdiv(I, BLOCK), dtype=torch.float32, device=aq.device)
-    gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device) if save_gu else h_scale
+    if hq is None:
+        hq = torch.empty(R, I, dtype=torch.float8_e4m3fn, device=aq.device)
+    if h_scale is None:
+        h_scale = torch.empty(R, triton.cdiv(I, BLOCK), dtype=torch.float32, device=aq.device)
+    save_gu = save_gu or gu is not None
+    if save_gu and gu is None:
+        gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device)
+    assert hq.stride(-1) == 1 and h_scale.stride(-1) == 1 and (gu is None or gu.stride(-1) == 1)
+    gu_arg = gu if save_gu else h_scale
     num_m = R // HALF
     gate_up_swiglu_fp8_ws_kernel[_grid(aq.device, num_m * triton.cdiv(I, BLOCK), grid)](
         _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(wg_q, E * I, HALF),
         _e4m3_desc(wu_q, E * I, HALF), wg_scale, wu_scale, wg_scale.stride(0),
-        wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0), gu, gu.stride(0), tile_expert, num_tiles,
-        num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu,
-        num_warps=4)
+        wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0), gu_arg, gu_arg.stride(0), tile_expert,
+        num_tiles, num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages or gate_up_stages(H), GROUP_M=GROUP_M,
+        SCHED_BM=sched_bm, SAVE_GU=save_gu, num_warps=4)
     return hq, h_scale, (gu if save_gu else None)
 
 
@@ -559,10 +589,9 @@ def expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count, *,
     M, R = at.shape
     N = bt.shape[0]
     E = expert_count.numel()
-    if (not at.is_cuda or INTERPRET or torch.cuda.get_device_capability(at.device)[0] != 9 or R % BLOCK
-            or bt.shape[1] != R or any(q.stride(-1) != 1 or q.stride(0) % 16 or q.data_ptr() % 16 for q in (at, bt))):
+    if not fits_wgrad(at, bt):
         raise ValueError(f"expert_wgrad_fp8_ws: at {tuple(at.shape)}, bt {tuple(bt.shape)} do not run on the "
-                         "warp-specialized kernel (sm_90, R a multiple of 128, 16-byte aligned rows)")
+                         "warp-specialized kernel (see fits_wgrad)")
     out = torch.empty(E, M, N, dtype=out_dtype, device=at.device)
     expert_wgrad_fp8_ws_kernel[_grid(at.device, E * triton.cdiv(M, BM) * triton.cdiv(N, BN), grid)](
         _e4m3_desc(at, M, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bt, N, BN), b_scale, b_scale.stride(0), out,
