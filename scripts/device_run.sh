@@ -19,13 +19,22 @@
 #           against tabby-fp8 with fixed weights (their FP8 copies reused), tabby-fp8 against torch-fp8 from a
 #           new weight version per call (both quantize); about 450 s. Each FP8 stage fits one call's 600 s.
 #   all     tests, then bench
-# Logs and results go under $OUT (default /tmp/tabby-out); TABBY_GIT_COMMIT names the commit where the
+# Logs and results go under $RUN_DIR (default /tmp/tabby-run); where $OUT is set (the device tool's
+# folder, from which at most 8 files come back) they are packed into $OUT/tabby-run.tgz after each
+# stage and on exit, so a call cut short still returns what its finished stages wrote.
+# TABBY_GIT_COMMIT names the commit where the
 # tree has no .git.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
-OUT=${OUT:-/tmp/tabby-out}
+RETURN_DIR=${OUT:-}
+OUT=${RUN_DIR:-/tmp/tabby-run}
 mkdir -p "$OUT/res"
+pack() {
+  if [ -n "$RETURN_DIR" ]; then tar czf "$RETURN_DIR/tabby-run.tgz.part" -C "$OUT" . && mv "$RETURN_DIR/tabby-run.tgz.part" "$RETURN_DIR/tabby-run.tgz"; fi
+}
+trap pack EXIT
+trap 'exit 143' TERM
 stage=${1:-all}; shift || true
 case "$stage" in tests|bench|train|reliability|fp8-tests|fp8-layer-tests|fp8-bench|all) ;;
   *) echo "unknown stage '$stage': tests, bench, train, reliability, fp8-tests, fp8-layer-tests, fp8-bench or all" >&2; exit 2;; esac
@@ -74,17 +83,20 @@ run_tests_by_case() {
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
   run_tests ${GPU_TESTS:-tests/test_*_gpu.py}
 fi
+pack
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 -m tabby_bench bench --ep 1 \
     --shapes qwen3-30b-a3b,gpt-oss-120b,deepseek-v4-pro,kimi-k2,glm-5,qwen3.5-397b --tokens 4096,16384 \
     --impls floor,tabby,tabby-sync-free --iters 10 --warmup 3 --out "$OUT/res" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+pack
 if [ "$stage" = train ]; then
   mkdir -p "$OUT/train"
   python3 -m tabby_bench train --out "$OUT/train" "$@" 2>&1 | tee "$OUT/train.log" | grep -v " step " | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+pack
 if [ "$stage" = reliability ]; then
   python3 -m pytest -q -rA -p no:cacheprovider tests/test_faults_gpu.py 2>&1 | tee "$OUT/faults-gpu.log" | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -95,13 +107,16 @@ if [ "$stage" = reliability ]; then
     --precompile "${FUZZ_PRECOMPILE_S:-120}" --device cuda --out "$OUT/fuzz" 2>&1 | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+pack
 fp8_layer_files="tests/test_fp8_cases_gpu.py tests/test_fp8_layer_gpu.py"
 if [ "$stage" = fp8-tests ]; then
   run_tests $(ls tests/test_fp8*.py tests/test_custom_op.py | grep -v -F -x -e ${fp8_layer_files// / -e })
 fi
+pack
 if [ "$stage" = fp8-layer-tests ]; then
   run_tests_by_case $fp8_layer_files
 fi
+pack
 if [ "$stage" = fp8-bench ]; then
   python3 scripts/fp8_bench.py "$@" 2>&1 | tee "$OUT/fp8-bench.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -115,4 +130,5 @@ if [ "$stage" = fp8-bench ]; then
     --iters 10 --warmup 3 --out "$OUT/res" --tag fp8-new 2>&1 | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+pack
 exit $status
