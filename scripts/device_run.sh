@@ -35,6 +35,9 @@ pack() {
 }
 trap pack EXIT
 trap 'exit 143' TERM
+# the tests stages end their test processes by this time (STAGE_BUDGET_S after the start, default 540 s:
+# under a device call's 600) and pack what they have; a case that would start later is not run and says so
+export DEADLINE=$(( $(date +%s) + ${STAGE_BUDGET_S:-540} ))
 stage=${1:-all}; shift || true
 case "$stage" in tests|bench|train|reliability|fp8-tests|fp8-layer-tests|fp8-bench|all) ;;
   *) echo "unknown stage '$stage': tests, bench, train, reliability, fp8-tests, fp8-layer-tests, fp8-bench or all" >&2; exit 2;; esac
@@ -54,7 +57,8 @@ run_tests() {
   local pids=() f log p
   for f in "$@"; do
     log="$OUT/gpu-tests-$(basename "$f" .py).log"
-    (TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${TESTS_TIMEOUT:-580} \
+    (left=$(( DEADLINE - $(date +%s) )); t=${TESTS_TIMEOUT:-580}; [ "$left" -lt "$t" ] && t=$left
+     TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout "$t" \
       python3 -m pytest -q -rA -p no:cacheprovider "$f" > "$log" 2>&1) &
     pids+=($!)
   done
@@ -72,7 +76,9 @@ run_tests_by_case() {
   mapfile -t ids < <(python3 -m pytest --collect-only -q -p no:cacheprovider "$@" 2>/dev/null | grep '::')
   printf '%s\n' "${ids[@]}" | awk '{print NR-1 "\t" $0}' | OUT="$OUT" xargs -P "$(nproc)" -L 1 bash -c '
     log="$OUT/gpu-tests-$(basename "${1%%::*}" .py)-case$0.log"
-    TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout ${TESTS_TIMEOUT:-580} \
+    left=$(( DEADLINE - $(date +%s) )); t=${TESTS_TIMEOUT:-580}; [ "$left" -lt "$t" ] && t=$left
+    if [ "$t" -lt 30 ]; then echo "NOT RUN: the stage budget (STAGE_BUDGET_S) ran out" > "$log"; exit 1; fi
+    TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout "$t" \
       python3 -m pytest -q -rA -p no:cacheprovider "$1" > "$log" 2>&1' || status=1
   local i=0 id
   for id in "${ids[@]}"; do
