@@ -191,10 +191,14 @@ def main():
             res = gemms(T, k, E, H, I, variants)
             print(f"GEMM TFLOP/s, T*k={T * k} rows, E={E}, H={H}, I={I}: "
                   + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
-        T, k, E, H, I = 16384, 8, 384, 7168, 2048
-        res = wgrad_segments(T, k, E, H, I)
-        print(f"weight gradient TFLOP/s, {T * k // E} rows per expert, E={E}, H={H}, I={I}: "
-              + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
+        # the weight gradient at kimi-k2's 341 rows an expert, then at 4x and 16x the rows (what a
+        # tile's fill and store cost against its K)
+        T, k, H, I = 16384, 8, 7168, 2048
+        for E in (384, 96, 24):
+            res = wgrad_segments(T, k, E, H, I)
+            print(f"weight gradient TFLOP/s, {T * k // E} rows per expert, E={E}, H={H}, I={I}: "
+                  + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
+        E = 384
         print(f"FP8 down dgrad TFLOP/s, E={E}, H={H}, I={I}: {down_dgrad(T, k, E, H, I):.0f}", flush=True)
         print(f"E4M3 weight transpose [E={E}, {H}, {I}]: {transpose_rate(E, H, I):.0f} GB/s", flush=True)
     if not a.gemm_only:
