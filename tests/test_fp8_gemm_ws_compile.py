@@ -49,6 +49,15 @@ def _report():
                     num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk), STAGES=Const(4), GROUP_M=Const(8),
                     SCHED_BM=Const(128), SAVE_GU=Const(True))
         _line(f"gate_up/nk{nk}", compile_args(ws.gate_up_swiglu_fp8_ws_kernel, args, num_warps=4))
+    for nk, stages in ((16, 3), (56, 3), (23, 3), (56, 4)):  # the 128-row gate/up (not used by the layer yet)
+        args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
+                    w_desc_g=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>",
+                    w_desc_u=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", gs_ptr="*fp32", us_ptr="*fp32",
+                    stride_wse="i32", stride_wsn="i32", hq_ptr="*fp8e4nv", stride_hm="i32:16", hs_ptr="*fp32",
+                    stride_hsm="i32", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
+                    num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk), STAGES=Const(stages),
+                    GROUP_M=Const(8), SCHED_BM=Const(128), SAVE_GU=Const(True))
+        _line(f"gate_up128/nk{nk}/s{stages}", compile_args(ws.gate_up_swiglu_fp8_ws128_kernel, args, num_warps=4))
     b_half = gl.NVMMASharedLayout.get_default_for([ws.BN, 128], gl.float8e4nv)
     for M, N in ((7168, 2048), (2048, 7168), (2880, 2880)):  # kimi-k2's dW_down and dW_gate, gpt-oss-120b's
         args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asr="i32",
@@ -61,7 +70,7 @@ def _report():
 
 def test_warp_specialized_rows_gemm_compiles_unserialized():
     lines = run_compiled_check(__file__).splitlines()
-    assert len(lines) == 12, lines
+    assert len(lines) == 16, lines
     for line in lines:
         f = line.split()
         c = dict(zip(f[1::2], map(int, f[2::2])))

@@ -153,6 +153,34 @@ def test_ws_gate_up_matches_triton_bitwise(counts, H, I, stages, grid):
         assert torch.equal(d, b), (name, "default entry point", (d.float() - b.float()).abs().max())
 
 
+@pytest.mark.parametrize("counts,H,I", [([300, 0, 128, 5], 256, 256), ([129, 1, 700], 1040, 720),
+                                        ([77, 500, 3], 2880, 2880), ([512] * 4, 7168, 2048)])
+@pytest.mark.parametrize("stages,grid", [(3, None), (4, 7)])
+def test_ws128_gate_up_matches_triton_bitwise(counts, H, I, stages, grid):
+    """The 128-row gate/up (not used by the layer yet): hq, h_scale and g | u bitwise the Triton
+    kernel's, and without g | u the same hq and h_scale."""
+    sch = Sched(counts, 128, seed=H + I)
+    x = rand(sch.R, H, seed=11).cuda()
+    wg = rand(len(counts), I, H, seed=12, scale=H ** -0.5).cuda()
+    wu = rand(len(counts), I, H, seed=13, scale=H ** -0.5).cuda()
+    xq, xs = quantize_rows(x)
+    (gq, gs), (uq, us) = quantize_blocks(wg), quantize_blocks(wu)
+    want = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles,
+                                       config=_triton_gate_up())
+    got = gemm_fp8_ws.gate_up_swiglu_fp8_ws128(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles, stages=stages,
+                                               grid=grid)
+    used = slice(0, sch.used)
+    for name, a, b in zip(("hq", "h_scale", "gu"), got, want):
+        a, b = a[used], b[used]
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
+    hq, hs, gu = gemm_fp8_ws.gate_up_swiglu_fp8_ws128(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles,
+                                                      save_gu=False)
+    assert gu is None
+    assert torch.equal(hq[used].view(torch.uint8), want[0][used].view(torch.uint8)) and torch.equal(hs[used], want[1][used])
+
+
 def test_ws_gate_up_deterministic_and_without_gu():
     sch = Sched([1000, 3, 257, 0, 640], 128, seed=21)
     xq, xs = quantize_rows(rand(sch.R, 2048, seed=22).cuda())

@@ -2,9 +2,10 @@
 
 - ``rows_gemm_fp8_ws`` / ``launch``: the rows GEMM with three epilogues (``fits``);
 - ``gate_up_swiglu_fp8_ws``: gate/up with the SwiGLU and h's quantization (``fits_gate_up``);
+  ``gate_up_swiglu_fp8_ws128``, the same at 128-row tiles, is built and not yet measured;
 - ``expert_wgrad_fp8_ws``: the weight gradient over the layer's padded segments (``fits_wgrad``).
-gemm_fp8's entry points run these wherever they fit at the default tiles; so every FP8 GEMM of
-the layer runs here on an H200.
+gemm_fp8's entry points run the rows GEMM, the 64-row gate/up and the weight gradient wherever
+they fit at the default tiles: every FP8 GEMM of the layer runs here on an H200.
 
 Same operands, layout contract and sum as ``gemm_fp8.rows_gemm_fp8`` (its docstring): routed rows
 ``aq [R, K]`` E4M3 with 1x128 scales, weights ``bq [E, N, K]`` with 128x128 block scales, each
@@ -323,13 +324,13 @@ def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=No
 # gate/up with the SwiGLU and h's 1x128 quantization in the epilogue
 # --------------------------------------------------------------------------------------------
 #
-# gemm_fp8.gate_up_swiglu_fp8's sums, warp-specialized. A consumer holding g, u and a block's
-# product for 64 rows x 128 columns needs 192 registers (the cap is 168), so the tile is 64 rows
-# x 128 columns of h and each consumer owns 64 of the columns: its B block is W_gate's 64 rows
-# over W_up's 64 rows (one 128-row wgmma operand), its product [64, 128] is g's columns beside
-# u's, promoted with g's and u's block scales. h's 1x128 tile spans both consumers, so each
-# writes its rows' amax over its 64 columns to shared memory and waits for the other's (max is
-# exact in any order: the scales, and so the E4M3 values, are the Triton kernel's).
+# gemm_fp8.gate_up_swiglu_fp8's sums, warp-specialized, with one 64 x 128 product and one 64 x 128
+# accumulator a consumer: the tile is 64 rows x 128 columns of h and each consumer owns 64 of the
+# columns. Its B block is W_gate's 64 rows over W_up's 64 rows (one 128-row wgmma operand), its
+# product [64, 128] g's columns beside u's, promoted with g's and u's block scales. h's 1x128 tile
+# spans both consumers, so each writes its rows' amax over its 64 columns to shared memory and
+# waits for the other's (max is exact in any order: the scales, and so the E4M3 values, are the
+# Triton kernel's).
 
 
 @gluon.jit
@@ -487,6 +488,150 @@ def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expe
         num_tiles, num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages or gate_up_stages(H), GROUP_M=GROUP_M,
         SCHED_BM=sched_bm, SAVE_GU=save_gu, num_warps=4)
     return hq, h_scale, (gu if save_gu else None)
+
+
+# --------------------------------------------------------------------------------------------
+# gate/up at 128-row tiles (built, not yet measured on a GPU; the layer runs the 64-row form above)
+# --------------------------------------------------------------------------------------------
+#
+# The same sums at the rows GEMM's tile: two consumers of 64 rows each over a 128-row tile and 128
+# columns of h, both reading one stage of A's two halves and W_gate's and W_up's 128 x 128 blocks
+# (48 KB: half the 64-row form's bytes per product). A consumer holds g's and u's accumulators and
+# one block's product, 192 of the 232 registers its partition gets (setmaxnreg: ptxas allocates
+# past the kernel's 168 inside it), so g's and u's products are issued one after the other, each
+# waited for (wait 0) before its promotion. h's 1x128 tile is a consumer's own: no amax exchange.
+
+
+@gluon.jit
+def _gu128_producer(a_desc, w_desc_g, w_desc_u, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty, tile_expert_ptr,
+                    num_tiles_ptr, num_m, I, NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                    SCHED_BM: gl.constexpr):
+    num_n = gl.cdiv(I, 128)
+    nt = gl.load(num_tiles_ptr)
+    it = 0
+    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
+        e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
+        if e >= 0:
+            row0 = pid_m * 128
+            # a partial last column tile reads the next expert's first rows (or TMA's zeros past
+            # the last): finite E4M3, their h columns zeroed before the amax and not stored
+            wrow = e * I + pid_n * 128
+            for kb in range(NK):
+                s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes + 2 * w_desc_g.block_type.nbytes,
+                                    STAGES)
+                k0 = kb * 128
+                tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_lo.index(s))
+                tma.async_copy_global_to_shared(a_desc, [row0 + 64, k0], bar, a_hi.index(s))
+                tma.async_copy_global_to_shared(w_desc_g, [wrow, k0], bar, bg_bufs.index(s))
+                tma.async_copy_global_to_shared(w_desc_u, [wrow, k0], bar, bu_bufs.index(s))
+                it += 1
+
+
+@gluon.jit
+def _gu128_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
+                    stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
+                    num_tiles_ptr, num_m, I, HALF_ROW: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr,
+                    GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    num_n = gl.cdiv(I, 128)
+    nt = gl.load(num_tiles_ptr)
+    it = 0
+    part = gl.zeros([64, 128], gl.float32, layout)
+    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
+        e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
+        if e >= 0:
+            rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=rows_layout)
+            as_ptrs = as_ptr + rows * stride_asm
+            ws_off = e.to(gl.int64) * stride_wse + pid_n * stride_wsn
+            sa = gl.load(as_ptrs)
+            sg = gl.load(gs_ptr + ws_off)
+            su = gl.load(us_ptr + ws_off)
+            g = gl.zeros([64, 128], gl.float32, layout)
+            u = gl.zeros([64, 128], gl.float32, layout)
+            for kb in range(NK):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                tok = warpgroup_mma(a_bufs.index(s), bg_bufs.index(s).permute((1, 0)), part, use_acc=False,
+                                    is_async=True)
+                kn = gl.minimum(kb + 1, NK - 1)
+                sa_next = gl.load(as_ptrs + kn)
+                sg_next = gl.load(gs_ptr + ws_off + kn)
+                su_next = gl.load(us_ptr + ws_off + kn)
+                part = warpgroup_mma_wait(0, deps=(tok, ))
+                g += part * (sa * sg)[:, None]  # the Triton kernel's promotions
+                tok = warpgroup_mma(a_bufs.index(s), bu_bufs.index(s).permute((1, 0)), part, use_acc=False,
+                                    is_async=True)
+                part = _ring_retire(tok, empty, it, STAGES)
+                u += part * (sa * su)[:, None]
+                sa = sa_next
+                sg = sg_next
+                su = su_next
+                it += 1
+            cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+            h = g * tl.sigmoid(g) * u
+            h = gl.where((cols < I)[None, :], h, 0.0)  # columns past I take no part in the tile's scale
+            # fp8.quantize_tile_rows: the tile's 128 columns are this consumer's
+            j = scale_exponent(gl.max(gl.abs(h), axis=1))
+            hq = to_e4m3(h * exp2_int(-j)[:, None], False)
+            gl.store(hs_ptr + rows * stride_hsm + pid_n, exp2_int(j))
+            # hq, g and u in 16-byte row pieces: 16 E4M3 a thread, 8 threads a row; 8 bf16 a thread, 16 a row
+            _store_tile(hq_ptr, stride_hm, hq, rows, pid_n * 128, I, gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
+            if SAVE_GU:
+                bf16_rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+                _store_tile(gu_ptr, stride_gum, g.to(gu_ptr.dtype.element_ty), rows, pid_n * 128, I, bf16_rows)
+                _store_tile(gu_ptr + I, stride_gum, u.to(gu_ptr.dtype.element_ty), rows, pid_n * 128, I, bf16_rows)
+
+
+@gluon.jit
+def gate_up_swiglu_fp8_ws128_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u, gs_ptr, us_ptr, stride_wse,
+                                    stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
+                                    tile_expert_ptr, num_tiles_ptr, num_m, I, NK: gl.constexpr,
+                                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr,
+                                    SAVE_GU: gl.constexpr):
+    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    bg_bufs = gl.allocate_shared_memory(w_desc_g.dtype, [STAGES] + w_desc_g.block_type.shape, w_desc_g.layout)
+    bu_bufs = gl.allocate_shared_memory(w_desc_u.dtype, [STAGES] + w_desc_u.block_type.shape, w_desc_u.layout)
+    ready, empty = _ring_barriers(STAGES)
+    gl.warp_specialize([
+        (_gu128_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
+                           stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
+                           num_tiles_ptr, num_m, I, 0, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
+        (_gu128_consumer, (a_hi, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
+                           stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
+                           num_tiles_ptr, num_m, I, 64, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
+        (_gu128_producer, (a_desc, w_desc_g, w_desc_u, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty, tile_expert_ptr,
+                           num_tiles_ptr, num_m, I, NK, STAGES, GROUP_M, SCHED_BM)),
+    ], [4, 1], [232, 40])
+
+
+def gate_up_swiglu_fp8_ws128(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *,
+                             sched_bm: int = BM, save_gu: bool = True, stages: int = 3, grid: int | None = None,
+                             GROUP_M: int = 8):
+    """``gate_up_swiglu_fp8_ws`` at 128-row tiles (the section above): the same values. Runs where
+    ``fits_gate_up`` holds at schedule tiles a multiple of 128 rows. Not used by the layer until it
+    measures faster than the 64-row form."""
+    R, H = aq.shape
+    E, I, H2 = wg_q.shape
+    if (H2 != H or wu_q.shape != wg_q.shape or wu_scale.stride() != wg_scale.stride()
+            or not fits_gate_up(aq, wg_q, wu_q, sched_bm) or sched_bm % BM):
+        raise ValueError(f"gate_up_swiglu_fp8_ws128: A {tuple(aq.shape)}, W {tuple(wg_q.shape)}, schedule tiles of "
+                         f"{sched_bm} rows do not run on this kernel (see fits_gate_up; tiles a multiple of {BM})")
+    _check_schedule(tile_expert, num_tiles, R, sched_bm)
+    hq = torch.empty(R, I, dtype=torch.float8_e4m3fn, device=aq.device)
+    h_scale = torch.empty(R, triton.cdiv(I, BLOCK), dtype=torch.float32, device=aq.device)
+    gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device) if save_gu else None
+    gu_arg = gu if save_gu else h_scale
+    num_m = R // BM
+    gate_up_swiglu_fp8_ws128_kernel[_grid(aq.device, num_m * triton.cdiv(I, BLOCK), grid)](
+        _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(wg_q, E * I, BN), _e4m3_desc(wu_q, E * I, BN),
+        wg_scale, wu_scale, wg_scale.stride(0), wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0),
+        gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages,
+        GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, num_warps=4)
+    return hq, h_scale, gu
 
 
 # --------------------------------------------------------------------------------------------
