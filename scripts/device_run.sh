@@ -14,10 +14,11 @@
 #           torch.compile), in parallel as tests
 #   fp8-layer-tests  the FP8 layer's GPU files (test_fp8_cases_gpu.py, test_fp8_layer_gpu.py), one process per
 #           test case, at most one per core (cold, each case compiles its shapes' kernels)
-#   fp8-bench  scripts/fp8_bench.py (GEMM TFLOP/s and the layer, FP8 against bf16; extra args go to it), the
-#           FP8 layer's stage profile at kimi-k2, and the layer bench at 16384 tokens on the six shapes: tabby
-#           against tabby-fp8 with fixed weights (their FP8 copies reused), tabby-fp8 against torch-fp8 from a
-#           new weight version per call (both quantize); about 450 s. Each FP8 stage fits one call's 600 s.
+#   fp8-gemm   scripts/fp8_bench.py --gemm-only (the FP8 GEMMs' TFLOP/s against bf16's and their variants;
+#           extra args go to it)
+#   fp8-bench  the FP8 layer's stage profile at kimi-k2, and the layer bench at 16384 tokens on the six shapes:
+#           tabby against tabby-fp8 with fixed weights (their FP8 copies reused), tabby-fp8 against torch-fp8
+#           from a new weight version per call (both quantize); about 420 s
 #   all     tests, then bench
 # Logs and results go under $RUN_DIR (default /tmp/tabby-run); where $OUT is set (the device tool's
 # folder, from which at most 8 files come back) they are packed into $OUT/tabby-run.tgz after each
@@ -39,8 +40,8 @@ trap 'exit 143' TERM
 # under a device call's 600) and pack what they have; a case that would start later is not run and says so
 export DEADLINE=$(( $(date +%s) + ${STAGE_BUDGET_S:-540} ))
 stage=${1:-all}; shift || true
-case "$stage" in tests|bench|train|reliability|fp8-tests|fp8-layer-tests|fp8-bench|all) ;;
-  *) echo "unknown stage '$stage': tests, bench, train, reliability, fp8-tests, fp8-layer-tests, fp8-bench or all" >&2; exit 2;; esac
+case "$stage" in tests|bench|train|reliability|fp8-tests|fp8-layer-tests|fp8-gemm|fp8-bench|all) ;;
+  *) echo "unknown stage '$stage': tests, bench, train, reliability, fp8-tests, fp8-layer-tests, fp8-gemm, fp8-bench or all" >&2; exit 2;; esac
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/machine.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/machine.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" >> "$OUT/machine.txt"
@@ -123,9 +124,12 @@ if [ "$stage" = fp8-layer-tests ]; then
   run_tests_by_case $fp8_layer_files
 fi
 pack
-if [ "$stage" = fp8-bench ]; then
-  python3 scripts/fp8_bench.py "$@" 2>&1 | tee "$OUT/fp8-bench.log" | tail -40
+if [ "$stage" = fp8-gemm ]; then
+  python3 scripts/fp8_bench.py --gemm-only "$@" 2>&1 | tee "$OUT/fp8-gemm.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+pack
+if [ "$stage" = fp8-bench ]; then
   fp8_shapes=kimi-k2,glm-5,deepseek-v4-pro,qwen3-30b-a3b,gpt-oss-120b,qwen3.5-397b
   python3 -m tabby_bench profile --precision fp8 --shapes kimi-k2 --tokens 16384 --out "$OUT/res/profile-fp8.json" \
     2>&1 | tail -30
