@@ -36,7 +36,7 @@ pack() {
 }
 trap pack EXIT
 trap 'exit 143' TERM
-# the tests stages end their test processes by this time (STAGE_BUDGET_S after the start, default 540 s:
+# the tests and fp8-gemm stages end their processes by this time (STAGE_BUDGET_S after the start, default 540 s:
 # under a device call's 600) and pack what they have; a case that would start later is not run and says so
 export DEADLINE=$(( $(date +%s) + ${STAGE_BUDGET_S:-540} ))
 stage=${1:-all}; shift || true
@@ -125,7 +125,8 @@ if [ "$stage" = fp8-layer-tests ]; then
 fi
 pack
 if [ "$stage" = fp8-gemm ]; then
-  python3 scripts/fp8_bench.py --gemm-only "$@" 2>&1 | tee "$OUT/fp8-gemm.log" | tail -40
+  # bounded like the tests: a kernel that hangs ends the stage, not the call
+  timeout $(( DEADLINE - $(date +%s) )) python3 scripts/fp8_bench.py --gemm-only "$@" 2>&1 | tee "$OUT/fp8-gemm.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 pack
