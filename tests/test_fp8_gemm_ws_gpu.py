@@ -122,63 +122,54 @@ def test_ws_rejects_what_it_cannot_run():
         gemm_fp8_ws.rows_gemm_fp8_ws(aq[:, :200], as_, bq[:, :, :200], bs, sch.tile_expert, sch.num_tiles)
 
 
-@pytest.mark.parametrize("counts,H,I", [([300, 0, 128, 5], 256, 256), ([129, 1, 700], 1040, 720),
-                                        ([77, 500, 3], 2880, 2880), ([512] * 4, 7168, 2048)])
-@pytest.mark.parametrize("stages,grid", [(4, None), (5, 7)])
-def test_ws_gate_up_matches_triton_bitwise(counts, H, I, stages, grid):
-    """hq, h_scale and g | u bitwise the Triton kernel's (its TMA loop at the default tiles)."""
-    sch = Sched(counts, 128, seed=H + I)
-    x = rand(sch.R, H, seed=11).cuda()
-    wg = rand(len(counts), I, H, seed=12, scale=H ** -0.5).cuda()
-    wu = rand(len(counts), I, H, seed=13, scale=H ** -0.5).cuda()
-    xq, xs = quantize_rows(x)
-    (gq, gs), (uq, us) = quantize_blocks(wg), quantize_blocks(wu)
-    assert gemm_fp8_ws.fits_gate_up(xq, gq, uq, 128)
-    want = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles,
-                                       config=_triton_gate_up())
-    got = gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles, stages=stages,
-                                            grid=grid)
-    # the entry point at its default tiles: the warp-specialized kernel (gate_up_stages), into given outputs
-    outs = (torch.full_like(want[0].view(torch.uint8), 0x7F).view(torch.float8_e4m3fn),
-            torch.full_like(want[1], -1.0), torch.full_like(want[2], -1.0))
-    dflt = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles, hq=outs[0],
-                                       h_scale=outs[1], gu=outs[2])
-    assert all(d is o for d, o in zip(dflt, outs))
-    used = slice(0, sch.used)
-    for name, a, b, d in zip(("hq", "h_scale", "gu"), got, want, dflt):
-        a, b, d = a[used], b[used], d[used]
-        if a.dtype == torch.float8_e4m3fn:
-            a, b, d = a.view(torch.uint8), b.view(torch.uint8), d.view(torch.uint8)
-        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
-        assert torch.equal(d, b), (name, "default entry point", (d.float() - b.float()).abs().max())
+GATE_UP_CASES = [([300, 0, 128, 5], 256, 256), ([129, 1, 700], 1040, 720), ([77, 500, 3], 2880, 2880),
+                 ([512] * 4, 7168, 2048)]
 
 
-@pytest.mark.parametrize("counts,H,I", [([300, 0, 128, 5], 256, 256), ([129, 1, 700], 1040, 720),
-                                        ([77, 500, 3], 2880, 2880), ([512] * 4, 7168, 2048)])
-@pytest.mark.parametrize("stages,grid", [(3, None), (4, 7)])
-def test_ws128_gate_up_matches_triton_bitwise(counts, H, I, stages, grid):
-    """The 128-row gate/up (not used by the layer yet): hq, h_scale and g | u bitwise the Triton
-    kernel's, and without g | u the same hq and h_scale."""
+def _gate_up_case(counts, H, I):
+    """(schedule, operands, the Triton kernel's (hq, h_scale, g | u)) of one gate/up case."""
     sch = Sched(counts, 128, seed=H + I)
-    x = rand(sch.R, H, seed=11).cuda()
-    wg = rand(len(counts), I, H, seed=12, scale=H ** -0.5).cuda()
-    wu = rand(len(counts), I, H, seed=13, scale=H ** -0.5).cuda()
-    xq, xs = quantize_rows(x)
-    (gq, gs), (uq, us) = quantize_blocks(wg), quantize_blocks(wu)
-    want = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles,
-                                       config=_triton_gate_up())
-    got = gemm_fp8_ws.gate_up_swiglu_fp8_ws128(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles, stages=stages,
-                                               grid=grid)
-    used = slice(0, sch.used)
+    xq, xs = quantize_rows(rand(sch.R, H, seed=11).cuda())
+    (gq, gs), (uq, us) = (quantize_blocks(rand(len(counts), I, H, seed=s, scale=H ** -0.5).cuda()) for s in (12, 13))
+    ops = (xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles)
+    return sch, ops, gemm_fp8.gate_up_swiglu_fp8(*ops, config=_triton_gate_up())
+
+
+def _assert_bitwise(got, want, used, what=""):
     for name, a, b in zip(("hq", "h_scale", "gu"), got, want):
         a, b = a[used], b[used]
         if a.dtype == torch.float8_e4m3fn:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
-        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
-    hq, hs, gu = gemm_fp8_ws.gate_up_swiglu_fp8_ws128(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles,
-                                                      save_gu=False)
+        assert torch.equal(a, b), (name, what, (a.float() - b.float()).abs().max())
+
+
+@pytest.mark.parametrize("counts,H,I", GATE_UP_CASES)
+@pytest.mark.parametrize("stages,grid", [(4, None), (5, 7)])
+def test_ws_gate_up_matches_triton_bitwise(counts, H, I, stages, grid):
+    """hq, h_scale and g | u bitwise the Triton kernel's (its TMA loop at the default tiles)."""
+    sch, ops, want = _gate_up_case(counts, H, I)
+    assert gemm_fp8_ws.fits_gate_up(ops[0], ops[2], ops[4], 128)
+    used = slice(0, sch.used)
+    _assert_bitwise(gemm_fp8_ws.gate_up_swiglu_fp8_ws(*ops, stages=stages, grid=grid), want, used)
+    # the entry point at its default tiles: the warp-specialized kernel (gate_up_stages), into given outputs
+    outs = (torch.full_like(want[0].view(torch.uint8), 0x7F).view(torch.float8_e4m3fn),
+            torch.full_like(want[1], -1.0), torch.full_like(want[2], -1.0))
+    dflt = gemm_fp8.gate_up_swiglu_fp8(*ops, hq=outs[0], h_scale=outs[1], gu=outs[2])
+    assert all(d is o for d, o in zip(dflt, outs))
+    _assert_bitwise(dflt, want, used, "default entry point")
+
+
+@pytest.mark.parametrize("counts,H,I", GATE_UP_CASES)
+@pytest.mark.parametrize("stages,grid", [(3, None), (4, 7)])
+def test_ws128_gate_up_matches_triton_bitwise(counts, H, I, stages, grid):
+    """The 128-row gate/up (not used by the layer yet): hq, h_scale and g | u bitwise the Triton
+    kernel's, and without g | u the same hq and h_scale."""
+    sch, ops, want = _gate_up_case(counts, H, I)
+    used = slice(0, sch.used)
+    _assert_bitwise(gemm_fp8_ws.gate_up_swiglu_fp8_ws128(*ops, stages=stages, grid=grid), want, used)
+    hq, hs, gu = gemm_fp8_ws.gate_up_swiglu_fp8_ws128(*ops, save_gu=False)
     assert gu is None
-    assert torch.equal(hq[used].view(torch.uint8), want[0][used].view(torch.uint8)) and torch.equal(hs[used], want[1][used])
+    _assert_bitwise((hq, hs), want[:2], used, "without g | u")
 
 
 def test_ws_gate_up_deterministic_and_without_gu():
