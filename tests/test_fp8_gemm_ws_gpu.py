@@ -8,6 +8,8 @@ several ring depths and a grid smaller than the tiles (persistent); 20 repeats b
 warp-specialized gate/up and weight gradient likewise against the Triton kernels, and gemm_fp8's
 entry points at their default tiles running them.
 Its sm_90a code (no serialized wgmma, no spills): test_fp8_gemm_ws_compile.py."""
+import functools
+
 import pytest
 import torch
 
@@ -72,24 +74,46 @@ def test_ws_schedule_tiles_of_256_rows():
     assert torch.equal(got[:sch.used], want[:sch.used])
 
 
+def _push(sch, aq, as_, bq, bs, N, config, W=3):
+    """The rows pushed to W origins of TK rows each, N + 8 columns (the last 8 must stay -3)."""
+    TK = -(-sch.TK // W)
+    dst = [torch.full((TK, N + 8), -3.0, dtype=torch.bfloat16, device="cuda") for _ in range(W)]
+    ptrs = torch.tensor([d.data_ptr() for d in dst], dtype=torch.int64, device="cuda")
+    gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, row_src=sch.row_src, dst_ptrs=ptrs,
+                           TK=TK, dst_stride=N + 8, config=config)
+    return torch.stack(dst)
+
+
 @pytest.mark.parametrize("counts,K,N", CASES[1:4])
 def test_ws_push_matches_triton_bitwise(counts, K, N):
     sch, a, b, aq, as_, bq, bs = _case(counts, K, N, seed=K + 2 * N)
-    W = 3
-    TK = -(-sch.TK // W)
-
-    def push(config):
-        dst = [torch.full((TK, N + 8), -3.0, dtype=torch.bfloat16, device="cuda") for _ in range(W)]
-        ptrs = torch.tensor([d.data_ptr() for d in dst], dtype=torch.int64, device="cuda")
-        gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, row_src=sch.row_src, dst_ptrs=ptrs,
-                               TK=TK, dst_stride=N + 8, config=config)
-        return torch.stack(dst)
-
-    got = push(gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, N))  # the warp-specialized kernel
-    want = push(_triton())
+    got = _push(sch, aq, as_, bq, bs, N, gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, N))  # warp-specialized
+    want = _push(sch, aq, as_, bq, bs, N, _triton())
     assert torch.equal(got, want)
     assert (got[..., N:] == -3.0).all(), "a push wrote past N"
     assert (got != -3.0).any(dim=-1).sum() == sum(counts), "not every routed row arrived once"
+
+
+@pytest.mark.parametrize("counts,K,N", CASES)
+@pytest.mark.parametrize("stages", [3, 4])
+def test_ws256_store_and_push_match_triton_bitwise(counts, K, N, stages, monkeypatch):
+    """The 128 x 256 form (not used by the layer yet; N not a multiple of 256 leaves a half past N):
+    the stored and pushed rows bitwise the Triton kernel's; the SwiGLU backward refused."""
+    sch, a, b, aq, as_, bq, bs = _case(counts, K, N, seed=K + N)
+    want = gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, config=_triton())
+    got = torch.full((sch.R, N), -7.0, dtype=torch.bfloat16, device="cuda")
+    gemm_fp8_ws.rows_gemm_fp8_ws(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, out=got, tile_n=256, stages=stages)
+    for e, st, c in sch.segments:
+        if c:
+            assert torch.equal(got[st:st + c], want[st:st + c]), e
+    assert (got[sch.used:] == -7.0).all(), "an unused tile was written"
+    want_push = _push(sch, aq, as_, bq, bs, N, _triton())
+    monkeypatch.setattr(gemm_fp8_ws, "launch", functools.partial(gemm_fp8_ws.launch, tile_n=256, stages=stages))
+    got_push = _push(sch, aq, as_, bq, bs, N, gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, N))
+    assert torch.equal(got_push, want_push)
+    with pytest.raises(ValueError, match="tile_n"):
+        gemm_fp8_ws.launch(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, 128, gemm_fp8_ws.EPI_SWIGLU_BWD, (), N,
+                           tile_n=256)
 
 
 @pytest.mark.parametrize("counts,H,I", [([300, 0, 128, 5], 1024, 256), ([77, 500, 3], 2880, 320),

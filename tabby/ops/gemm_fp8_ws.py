@@ -1,6 +1,7 @@
 """FP8 expert GEMMs warp-specialized (Gluon): one warpgroup's promotion under the other's MMA.
 
-- ``rows_gemm_fp8_ws`` / ``launch``: the rows GEMM with three epilogues (``fits``);
+- ``rows_gemm_fp8_ws`` / ``launch``: the rows GEMM with three epilogues (``fits``); its form at
+  128 x 256 tiles (``launch(tile_n=256)``) is built and not yet measured;
 - ``gate_up_swiglu_fp8_ws``: gate/up with the SwiGLU and h's quantization (``fits_gate_up``);
   ``gate_up_swiglu_fp8_ws128``, the same at 128-row tiles, is built and not yet measured;
 - ``expert_wgrad_fp8_ws``: the weight gradient over the layer's padded segments (``fits_wgrad``).
@@ -248,6 +249,103 @@ def rows_gemm_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_b
     ], [4, 1], [232, 40])
 
 
+# The same GEMM at 128 x 256 tiles (built, not yet measured on a GPU; ``launch(tile_n=256)``): a
+# stage is A's two halves and B's two 128 x 128 blocks, 48 KB for 128 x 256 products (24 KB per
+# 128 x 128 against 32). A consumer holds two 64 x 128 accumulators and one product (192 of its
+# partition's 232 registers) and issues the two column halves' products one after the other, each
+# waited for before its promotion; each half goes through ``_epilogue`` as a 128-column tile of its
+# own (so the sums are the 128-wide kernel's). The stored and pushed rows only: with the SwiGLU
+# backward's epilogue (its loads of g | u and w beside the other half's accumulator) it spills.
+
+
+@gluon.jit
+def _producer256(a_desc, b_desc, a_lo, a_hi, b_lo, b_hi, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, N,
+                 NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
+    num_n = gl.cdiv(N, 256)
+    nt = gl.load(num_tiles_ptr)
+    it = 0
+    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
+        e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
+        if e >= 0:
+            row0 = pid_m * 128
+            # a column half past N reads the next expert's first rows (or TMA's zeros past the
+            # last): finite E4M3, and its columns are not stored
+            brow = e * N + pid_n * 256
+            for kb in range(NK):
+                s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes,
+                                    STAGES)
+                tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], bar, a_lo.index(s))
+                tma.async_copy_global_to_shared(a_desc, [row0 + 64, kb * 128], bar, a_hi.index(s))
+                tma.async_copy_global_to_shared(b_desc, [brow, kb * 128], bar, b_lo.index(s))
+                tma.async_copy_global_to_shared(b_desc, [brow + 128, kb * 128], bar, b_hi.index(s))
+                it += 1
+
+
+@gluon.jit
+def _consumer256(a_bufs, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
+                 tile_expert_ptr, num_tiles_ptr, num_m, N, HALF_ROW: gl.constexpr, NK: gl.constexpr,
+                 STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    num_n = gl.cdiv(N, 256)
+    last_bn = gl.cdiv(N, 128) - 1  # the weight scales' last block row
+    nt = gl.load(num_tiles_ptr)
+    it = 0
+    part = gl.zeros([64, 128], gl.float32, layout)
+    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
+        e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
+        if e >= 0:
+            rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+            as_ptrs = as_ptr + rows * stride_asm
+            bs_lo = bs_ptr + e.to(gl.int64) * stride_bse + (2 * pid_n) * stride_bsn
+            bs_hi = bs_ptr + e.to(gl.int64) * stride_bse + gl.minimum(2 * pid_n + 1, last_bn) * stride_bsn
+            sa = gl.load(as_ptrs)
+            sb_lo = gl.load(bs_lo)
+            sb_hi = gl.load(bs_hi)
+            acc_lo = gl.zeros([64, 128], gl.float32, layout)
+            acc_hi = gl.zeros([64, 128], gl.float32, layout)
+            for kb in range(NK):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                tok = warpgroup_mma(a_bufs.index(s), b_lo.index(s).permute((1, 0)), part, use_acc=False,
+                                    is_async=True)
+                # the next block's scales load under this block's MMAs
+                kn = gl.minimum(kb + 1, NK - 1)
+                sa_next = gl.load(as_ptrs + kn)
+                sb_lo_next = gl.load(bs_lo + kn)
+                sb_hi_next = gl.load(bs_hi + kn)
+                part = warpgroup_mma_wait(0, deps=(tok, ))
+                acc_lo += part * (sa * sb_lo)[:, None]
+                tok = warpgroup_mma(a_bufs.index(s), b_hi.index(s).permute((1, 0)), part, use_acc=False,
+                                    is_async=True)
+                part = _ring_retire(tok, empty, it, STAGES)
+                acc_hi += part * (sa * sb_hi)[:, None]
+                sa = sa_next
+                sb_lo = sb_lo_next
+                sb_hi = sb_hi_next
+                it += 1
+            _epilogue(acc_lo, rows, 2 * pid_n, N, epi, EPILOGUE, layout)
+            if (2 * pid_n + 1) * 128 < N:  # a half wholly past N has nothing to store (nor a dw partial)
+                _epilogue(acc_hi, rows, 2 * pid_n + 1, N, epi, EPILOGUE, layout)
+
+
+@gluon.jit
+def rows_gemm_fp8_ws256_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_bse, stride_bsn, epi,
+                               tile_expert_ptr, num_tiles_ptr, num_m, N, NK: gl.constexpr, STAGES: gl.constexpr,
+                               GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
+    a_lo, a_hi, b_lo, ready, empty = _ring_128x128(a_desc, b_desc, STAGES)
+    b_hi = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    gl.warp_specialize([
+        (_consumer256, (a_lo, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
+                        tile_expert_ptr, num_tiles_ptr, num_m, N, 0, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
+        (_consumer256, (a_hi, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
+                        tile_expert_ptr, num_tiles_ptr, num_m, N, 64, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
+        (_producer256, (a_desc, b_desc, a_lo, a_hi, b_lo, b_hi, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m,
+                        N, NK, STAGES, GROUP_M, SCHED_BM)),
+    ], [4, 1], [232, 40])
+
+
 def _sm90(t: torch.Tensor) -> bool:
     return t.is_cuda and not INTERPRET and torch.cuda.get_device_capability(t.device)[0] == 9
 
@@ -294,15 +392,22 @@ def _grid(device, tiles: int, grid: int | None) -> tuple:
 
 
 def launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, N: int, *,
-           stages: int = STAGES, grid: int | None = None, GROUP_M: int = 8):
+           stages: int | None = None, grid: int | None = None, GROUP_M: int = 8, tile_n: int = BN):
     """One persistent launch over the routed rows (R = aq.shape[0], kernel tiles of 128 rows) and
-    N columns with ``epilogue`` (EPI_*) and its arguments ``epi``; the caller has checked operands."""
+    N columns with ``epilogue`` (EPI_*) and its arguments ``epi``; the caller has checked operands.
+    ``tile_n`` 256: the 128 x 256 kernel (not yet measured; 3 stages by default)."""
     R, K = aq.shape
     num_m = R // BM
-    rows_gemm_fp8_ws_kernel[_grid(aq.device, num_m * triton.cdiv(N, BN), grid)](
+    if tile_n not in (BN, 2 * BN) or (tile_n != BN and epilogue == EPI_SWIGLU_BWD):
+        # at 128 x 256 the SwiGLU backward's epilogue spills (its loads beside the other half's
+        # accumulator): the stored and pushed rows only
+        raise ValueError(f"tile_n must be {BN}, or {2 * BN} for the stored or pushed rows; got {tile_n}")
+    kernel = rows_gemm_fp8_ws_kernel if tile_n == BN else rows_gemm_fp8_ws256_kernel
+    kernel[_grid(aq.device, num_m * triton.cdiv(N, tile_n), grid)](
         _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bq, bq.shape[0] * bq.shape[1], BN), b_scale,
         b_scale.stride(0), b_scale.stride(1), epi, tile_expert, num_tiles, num_m, N, NK=triton.cdiv(K, BLOCK),
-        STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, EPILOGUE=epilogue, num_warps=4)
+        STAGES=stages or (STAGES if tile_n == BN else 3), GROUP_M=GROUP_M, SCHED_BM=sched_bm, EPILOGUE=epilogue,
+        num_warps=4)
 
 
 def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None, sched_bm: int = BM, **kw):
