@@ -190,8 +190,8 @@ def test_ws128_gate_up_matches_triton_bitwise(counts, H, I, stages, grid):
     kernel's, and without g | u the same hq and h_scale."""
     sch, ops, want = _gate_up_case(counts, H, I)
     used = slice(0, sch.used)
-    _assert_bitwise(gemm_fp8_ws.gate_up_swiglu_fp8_ws128(*ops, stages=stages, grid=grid), want, used)
-    hq, hs, gu = gemm_fp8_ws.gate_up_swiglu_fp8_ws128(*ops, save_gu=False)
+    _assert_bitwise(gemm_fp8_ws.gate_up_swiglu_fp8_ws(*ops, stages=stages, grid=grid, tile_m=128), want, used)
+    hq, hs, gu = gemm_fp8_ws.gate_up_swiglu_fp8_ws(*ops, save_gu=False, tile_m=128)
     assert gu is None
     _assert_bitwise((hq, hs), want[:2], used, "without g | u")
 

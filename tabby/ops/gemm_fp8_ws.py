@@ -3,7 +3,7 @@
 - ``rows_gemm_fp8_ws`` / ``launch``: the rows GEMM with three epilogues (``fits``); its form at
   128 x 256 tiles (``launch(tile_n=256)``) is built and not yet measured;
 - ``gate_up_swiglu_fp8_ws``: gate/up with the SwiGLU and h's quantization (``fits_gate_up``);
-  ``gate_up_swiglu_fp8_ws128``, the same at 128-row tiles, is built and not yet measured;
+  its form at 128-row tiles (``gate_up_swiglu_fp8_ws(tile_m=128)``) is built and not yet measured;
 - ``expert_wgrad_fp8_ws``: the weight gradient over the layer's padded segments (``fits_wgrad``).
 gemm_fp8's entry points run the rows GEMM, the 64-row gate/up and the weight gradient wherever
 they fit at the default tiles: every FP8 GEMM of the layer runs here on an H200.
@@ -259,9 +259,15 @@ def rows_gemm_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_b
 
 
 @gluon.jit
-def _producer256(a_desc, b_desc, a_lo, a_hi, b_lo, b_hi, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, N,
-                 NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
-    num_n = gl.cdiv(N, 256)
+def _two_block_producer(a_desc, b0_desc, b1_desc, a_lo, a_hi, b0_bufs, b1_bufs, ready, empty, tile_expert_ptr,
+                        num_tiles_ptr, num_m, NB, NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                        SCHED_BM: gl.constexpr, TILE_N: gl.constexpr, B1_ROW: gl.constexpr):
+    """Producer of the two-block kernels (128 x 256 rows GEMM, 128-row gate/up): per K block, A's
+    two 64-row halves and two 128 x 128 weight blocks, rows e * NB + pid_n * TILE_N of b0 and
+    B1_ROW rows further of b1, over column tiles of TILE_N. A block past the weight's rows reads
+    the next expert's first rows (or TMA's zeros past the last): finite E4M3, whose columns the
+    consumers neither store nor count."""
+    num_n = gl.cdiv(NB, TILE_N)
     nt = gl.load(num_tiles_ptr)
     it = 0
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
@@ -269,17 +275,49 @@ def _producer256(a_desc, b_desc, a_lo, a_hi, b_lo, b_hi, ready, empty, tile_expe
         e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
         if e >= 0:
             row0 = pid_m * 128
-            # a column half past N reads the next expert's first rows (or TMA's zeros past the
-            # last): finite E4M3, and its columns are not stored
-            brow = e * N + pid_n * 256
+            brow = e * NB + pid_n * TILE_N
             for kb in range(NK):
-                s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes,
+                s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes + 2 * b0_desc.block_type.nbytes,
                                     STAGES)
-                tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], bar, a_lo.index(s))
-                tma.async_copy_global_to_shared(a_desc, [row0 + 64, kb * 128], bar, a_hi.index(s))
-                tma.async_copy_global_to_shared(b_desc, [brow, kb * 128], bar, b_lo.index(s))
-                tma.async_copy_global_to_shared(b_desc, [brow + 128, kb * 128], bar, b_hi.index(s))
+                k0 = kb * 128
+                tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_lo.index(s))
+                tma.async_copy_global_to_shared(a_desc, [row0 + 64, k0], bar, a_hi.index(s))
+                tma.async_copy_global_to_shared(b0_desc, [brow, k0], bar, b0_bufs.index(s))
+                tma.async_copy_global_to_shared(b1_desc, [brow + B1_ROW, k0], bar, b1_bufs.index(s))
                 it += 1
+
+
+@gluon.jit
+def _two_block_mainloop(a_bufs, b0_bufs, b1_bufs, ready, empty, it, part, as_ptrs, s0_ptr, s1_ptr, NK: gl.constexpr,
+                        STAGES: gl.constexpr, layout: gl.constexpr):
+    """A consumer's K loop over one tile of the two-block kernels: (acc0, acc1, part, it), acc_i the
+    sum of A @ B_i^T promoted per block by a_scale[rows] * s_i[kb] (the Triton kernels' promotion).
+    The two products are issued one after the other, each waited for before its promotion (both
+    at once would need 256 registers); the stage is released after the second."""
+    sa = gl.load(as_ptrs)
+    s0 = gl.load(s0_ptr)
+    s1 = gl.load(s1_ptr)
+    acc0 = gl.zeros([64, 128], gl.float32, layout)
+    acc1 = gl.zeros([64, 128], gl.float32, layout)
+    for kb in range(NK):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        tok = warpgroup_mma(a_bufs.index(s), b0_bufs.index(s).permute((1, 0)), part, use_acc=False, is_async=True)
+        # the next block's scales load under this block's MMAs
+        kn = gl.minimum(kb + 1, NK - 1)
+        sa_next = gl.load(as_ptrs + kn)
+        s0_next = gl.load(s0_ptr + kn)
+        s1_next = gl.load(s1_ptr + kn)
+        part = warpgroup_mma_wait(0, deps=(tok, ))
+        acc0 += part * (sa * s0)[:, None]
+        tok = warpgroup_mma(a_bufs.index(s), b1_bufs.index(s).permute((1, 0)), part, use_acc=False, is_async=True)
+        part = _ring_retire(tok, empty, it, STAGES)
+        acc1 += part * (sa * s1)[:, None]
+        sa = sa_next
+        s0 = s0_next
+        s1 = s1_next
+        it += 1
+    return acc0, acc1, part, it
 
 
 @gluon.jit
@@ -297,34 +335,11 @@ def _consumer256(a_bufs, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, s
         e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
         if e >= 0:
             rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-            as_ptrs = as_ptr + rows * stride_asm
-            bs_lo = bs_ptr + e.to(gl.int64) * stride_bse + (2 * pid_n) * stride_bsn
-            bs_hi = bs_ptr + e.to(gl.int64) * stride_bse + gl.minimum(2 * pid_n + 1, last_bn) * stride_bsn
-            sa = gl.load(as_ptrs)
-            sb_lo = gl.load(bs_lo)
-            sb_hi = gl.load(bs_hi)
-            acc_lo = gl.zeros([64, 128], gl.float32, layout)
-            acc_hi = gl.zeros([64, 128], gl.float32, layout)
-            for kb in range(NK):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                tok = warpgroup_mma(a_bufs.index(s), b_lo.index(s).permute((1, 0)), part, use_acc=False,
-                                    is_async=True)
-                # the next block's scales load under this block's MMAs
-                kn = gl.minimum(kb + 1, NK - 1)
-                sa_next = gl.load(as_ptrs + kn)
-                sb_lo_next = gl.load(bs_lo + kn)
-                sb_hi_next = gl.load(bs_hi + kn)
-                part = warpgroup_mma_wait(0, deps=(tok, ))
-                acc_lo += part * (sa * sb_lo)[:, None]
-                tok = warpgroup_mma(a_bufs.index(s), b_hi.index(s).permute((1, 0)), part, use_acc=False,
-                                    is_async=True)
-                part = _ring_retire(tok, empty, it, STAGES)
-                acc_hi += part * (sa * sb_hi)[:, None]
-                sa = sa_next
-                sb_lo = sb_lo_next
-                sb_hi = sb_hi_next
-                it += 1
+            bs_e = bs_ptr + e.to(gl.int64) * stride_bse
+            acc_lo, acc_hi, part, it = _two_block_mainloop(
+                a_bufs, b_lo, b_hi, ready, empty, it, part, as_ptr + rows * stride_asm,
+                bs_e + (2 * pid_n) * stride_bsn, bs_e + gl.minimum(2 * pid_n + 1, last_bn) * stride_bsn, NK, STAGES,
+                layout)
             _epilogue(acc_lo, rows, 2 * pid_n, N, epi, EPILOGUE, layout)
             if (2 * pid_n + 1) * 128 < N:  # a half wholly past N has nothing to store (nor a dw partial)
                 _epilogue(acc_hi, rows, 2 * pid_n + 1, N, epi, EPILOGUE, layout)
@@ -341,8 +356,8 @@ def rows_gemm_fp8_ws256_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, strid
                         tile_expert_ptr, num_tiles_ptr, num_m, N, 0, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
         (_consumer256, (a_hi, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
                         tile_expert_ptr, num_tiles_ptr, num_m, N, 64, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
-        (_producer256, (a_desc, b_desc, a_lo, a_hi, b_lo, b_hi, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m,
-                        N, NK, STAGES, GROUP_M, SCHED_BM)),
+        (_two_block_producer, (a_desc, b_desc, b_desc, a_lo, a_hi, b_lo, b_hi, ready, empty, tile_expert_ptr,
+                               num_tiles_ptr, num_m, N, NK, STAGES, GROUP_M, SCHED_BM, 256, 128)),
     ], [4, 1], [232, 40])
 
 
@@ -565,16 +580,18 @@ def gate_up_swiglu_fp8_ws_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u,
 
 def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *, hq=None,
                           h_scale=None, gu=None, sched_bm: int = BM, save_gu: bool = True, stages: int | None = None,
-                          grid: int | None = None, GROUP_M: int = 8):
+                          grid: int | None = None, GROUP_M: int = 8, tile_m: int = HALF):
     """``gemm_fp8.gate_up_swiglu_fp8`` warp-specialized: (hq [R, I] E4M3, h_scale [R, ceil(I/128)],
     gu [R, 2I] bf16 or None), the same values, into the given outputs or new ones. Runs where
-    ``fits_gate_up``; ``stages`` defaults to ``gate_up_stages(H)``."""
+    ``fits_gate_up`` holds; ``stages`` defaults to ``gate_up_stages(H)``. ``tile_m`` 128: the
+    128-row kernel (not yet measured; schedule tiles a multiple of 128, 3 stages by default)."""
     R, H = aq.shape
     E, I, H2 = wg_q.shape
     if (H2 != H or wu_q.shape != wg_q.shape or wu_scale.stride() != wg_scale.stride()
-            or not fits_gate_up(aq, wg_q, wu_q, sched_bm)):
+            or not fits_gate_up(aq, wg_q, wu_q, sched_bm) or tile_m not in (HALF, BM) or sched_bm % tile_m):
         raise ValueError(f"gate_up_swiglu_fp8_ws: A {tuple(aq.shape)}, W {tuple(wg_q.shape)}, schedule tiles of "
-                         f"{sched_bm} rows do not run on the warp-specialized kernel (see fits_gate_up)")
+                         f"{sched_bm} rows, kernel tiles of {tile_m} do not run on the warp-specialized kernel "
+                         f"(see fits_gate_up; tile_m {HALF} or {BM}, dividing the schedule's)")
     _check_schedule(tile_expert, num_tiles, R, sched_bm)
     if hq is None:
         hq = torch.empty(R, I, dtype=torch.float8_e4m3fn, device=aq.device)
@@ -585,18 +602,23 @@ def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expe
         gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device)
     assert hq.stride(-1) == 1 and h_scale.stride(-1) == 1 and (gu is None or gu.stride(-1) == 1)
     gu_arg = gu if save_gu else h_scale
-    num_m = R // HALF
-    gate_up_swiglu_fp8_ws_kernel[_grid(aq.device, num_m * triton.cdiv(I, BLOCK), grid)](
-        _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(wg_q, E * I, HALF),
-        _e4m3_desc(wu_q, E * I, HALF), wg_scale, wu_scale, wg_scale.stride(0),
+    num_m = R // tile_m
+    if tile_m == HALF:
+        kernel, w_rows, default_stages = gate_up_swiglu_fp8_ws_kernel, HALF, gate_up_stages(H)
+    else:
+        kernel, w_rows, default_stages = gate_up_swiglu_fp8_ws128_kernel, BN, 3
+    kernel[_grid(aq.device, num_m * triton.cdiv(I, BLOCK), grid)](
+        _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(wg_q, E * I, w_rows),
+        _e4m3_desc(wu_q, E * I, w_rows), wg_scale, wu_scale, wg_scale.stride(0),
         wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0), gu_arg, gu_arg.stride(0), tile_expert,
-        num_tiles, num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages or gate_up_stages(H), GROUP_M=GROUP_M,
+        num_tiles, num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages or default_stages, GROUP_M=GROUP_M,
         SCHED_BM=sched_bm, SAVE_GU=save_gu, num_warps=4)
     return hq, h_scale, (gu if save_gu else None)
 
 
 # --------------------------------------------------------------------------------------------
-# gate/up at 128-row tiles (built, not yet measured on a GPU; the layer runs the 64-row form above)
+# gate/up at 128-row tiles (``gate_up_swiglu_fp8_ws(tile_m=128)``: built, not yet measured on a GPU;
+# the layer runs the 64-row form above)
 # --------------------------------------------------------------------------------------------
 #
 # The same sums at the rows GEMM's tile: two consumers of 64 rows each over a 128-row tile and 128
@@ -605,32 +627,6 @@ def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expe
 # one block's product, 192 of the 232 registers its partition gets (setmaxnreg: ptxas allocates
 # past the kernel's 168 inside it), so g's and u's products are issued one after the other, each
 # waited for (wait 0) before its promotion. h's 1x128 tile is a consumer's own: no amax exchange.
-
-
-@gluon.jit
-def _gu128_producer(a_desc, w_desc_g, w_desc_u, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty, tile_expert_ptr,
-                    num_tiles_ptr, num_m, I, NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                    SCHED_BM: gl.constexpr):
-    num_n = gl.cdiv(I, 128)
-    nt = gl.load(num_tiles_ptr)
-    it = 0
-    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
-        e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
-        if e >= 0:
-            row0 = pid_m * 128
-            # a partial last column tile reads the next expert's first rows (or TMA's zeros past
-            # the last): finite E4M3, their h columns zeroed before the amax and not stored
-            wrow = e * I + pid_n * 128
-            for kb in range(NK):
-                s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes + 2 * w_desc_g.block_type.nbytes,
-                                    STAGES)
-                k0 = kb * 128
-                tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_lo.index(s))
-                tma.async_copy_global_to_shared(a_desc, [row0 + 64, k0], bar, a_hi.index(s))
-                tma.async_copy_global_to_shared(w_desc_g, [wrow, k0], bar, bg_bufs.index(s))
-                tma.async_copy_global_to_shared(w_desc_u, [wrow, k0], bar, bu_bufs.index(s))
-                it += 1
 
 
 @gluon.jit
@@ -649,32 +645,11 @@ def _gu128_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, 
         e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
         if e >= 0:
             rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=rows_layout)
-            as_ptrs = as_ptr + rows * stride_asm
             ws_off = e.to(gl.int64) * stride_wse + pid_n * stride_wsn
-            sa = gl.load(as_ptrs)
-            sg = gl.load(gs_ptr + ws_off)
-            su = gl.load(us_ptr + ws_off)
-            g = gl.zeros([64, 128], gl.float32, layout)
-            u = gl.zeros([64, 128], gl.float32, layout)
-            for kb in range(NK):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                tok = warpgroup_mma(a_bufs.index(s), bg_bufs.index(s).permute((1, 0)), part, use_acc=False,
-                                    is_async=True)
-                kn = gl.minimum(kb + 1, NK - 1)
-                sa_next = gl.load(as_ptrs + kn)
-                sg_next = gl.load(gs_ptr + ws_off + kn)
-                su_next = gl.load(us_ptr + ws_off + kn)
-                part = warpgroup_mma_wait(0, deps=(tok, ))
-                g += part * (sa * sg)[:, None]  # the Triton kernel's promotions
-                tok = warpgroup_mma(a_bufs.index(s), bu_bufs.index(s).permute((1, 0)), part, use_acc=False,
-                                    is_async=True)
-                part = _ring_retire(tok, empty, it, STAGES)
-                u += part * (sa * su)[:, None]
-                sa = sa_next
-                sg = sg_next
-                su = su_next
-                it += 1
+            # g's and u's sums, promoted as the Triton kernel's
+            g, u, part, it = _two_block_mainloop(a_bufs, bg_bufs, bu_bufs, ready, empty, it, part,
+                                                 as_ptr + rows * stride_asm, gs_ptr + ws_off, us_ptr + ws_off, NK,
+                                                 STAGES, layout)
             cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
             h = g * tl.sigmoid(g) * u
             h = gl.where((cols < I)[None, :], h, 0.0)  # columns past I take no part in the tile's scale
@@ -708,35 +683,9 @@ def gate_up_swiglu_fp8_ws128_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc
         (_gu128_consumer, (a_hi, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
                            stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
                            num_tiles_ptr, num_m, I, 64, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
-        (_gu128_producer, (a_desc, w_desc_g, w_desc_u, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty, tile_expert_ptr,
-                           num_tiles_ptr, num_m, I, NK, STAGES, GROUP_M, SCHED_BM)),
+        (_two_block_producer, (a_desc, w_desc_g, w_desc_u, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty,
+                               tile_expert_ptr, num_tiles_ptr, num_m, I, NK, STAGES, GROUP_M, SCHED_BM, 128, 0)),
     ], [4, 1], [232, 40])
-
-
-def gate_up_swiglu_fp8_ws128(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *,
-                             sched_bm: int = BM, save_gu: bool = True, stages: int = 3, grid: int | None = None,
-                             GROUP_M: int = 8):
-    """``gate_up_swiglu_fp8_ws`` at 128-row tiles (the section above): the same values. Runs where
-    ``fits_gate_up`` holds at schedule tiles a multiple of 128 rows. Not used by the layer until it
-    measures faster than the 64-row form."""
-    R, H = aq.shape
-    E, I, H2 = wg_q.shape
-    if (H2 != H or wu_q.shape != wg_q.shape or wu_scale.stride() != wg_scale.stride()
-            or not fits_gate_up(aq, wg_q, wu_q, sched_bm) or sched_bm % BM):
-        raise ValueError(f"gate_up_swiglu_fp8_ws128: A {tuple(aq.shape)}, W {tuple(wg_q.shape)}, schedule tiles of "
-                         f"{sched_bm} rows do not run on this kernel (see fits_gate_up; tiles a multiple of {BM})")
-    _check_schedule(tile_expert, num_tiles, R, sched_bm)
-    hq = torch.empty(R, I, dtype=torch.float8_e4m3fn, device=aq.device)
-    h_scale = torch.empty(R, triton.cdiv(I, BLOCK), dtype=torch.float32, device=aq.device)
-    gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device) if save_gu else None
-    gu_arg = gu if save_gu else h_scale
-    num_m = R // BM
-    gate_up_swiglu_fp8_ws128_kernel[_grid(aq.device, num_m * triton.cdiv(I, BLOCK), grid)](
-        _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(wg_q, E * I, BN), _e4m3_desc(wu_q, E * I, BN),
-        wg_scale, wu_scale, wg_scale.stride(0), wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0),
-        gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages,
-        GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, num_warps=4)
-    return hq, h_scale, gu
 
 
 # --------------------------------------------------------------------------------------------
