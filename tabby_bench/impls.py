@@ -157,6 +157,24 @@ def register_layer(name: str, fn, **kw) -> None:
     register(LayerImpl(name, fn, **kw))
 
 
+# Tabby's FP8 layer holds its weights in E4M3 in both orientations between steps (the default,
+# ``cache_fp8_transposes``): 6 bytes a parameter with the bf16 weights and their gradients. Where
+# that passes this share of the GPU's memory (deepseek-v4-pro at EP1 on one H200: 152 GB) the row
+# makes the transposes in each backward instead, and its note says so.
+FP8_HOLD_SHARE = 0.8
+_FP8_CONFIGS = {hold: MoEConfig(precision="fp8", cache_fp8_transposes=hold) for hold in (True, False)}
+_fp8_held = [True]
+
+
+def tabby_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None):
+    """``tabby.moe`` with precision="fp8", its weight transposes cached where they fit (FP8_HOLD_SHARE)."""
+    params = w_gate.numel() + w_up.numel() + w_down.numel()
+    room = torch.cuda.get_device_properties(x.device).total_memory if x.is_cuda else float("inf")
+    _fp8_held[-1] = hold = 6 * params <= FP8_HOLD_SHARE * room
+    return tabby.moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=shared, group=group,
+                     config=_FP8_CONFIGS[hold])
+
+
 def register_tabby(tuning: Tuning | None = None) -> None:
     """Register "tabby" (the default config: the forward megakernel) and "tabby-sync-free" (the path of
     separate launches), both with ``tuning`` (None: the heuristics decide everything)."""
@@ -188,8 +206,8 @@ register_tabby()
 # every timed call (LayerRun)
 register_layer("torch-fp8", moe_torch_fp8, anchor=True, supports_cpu=False, in_default=False, precision="fp8",
                note=lambda: f"quantization {quantize_mode()}")
-register_layer("tabby-fp8", functools.partial(tabby.moe, config=MoEConfig(precision="fp8")),
-               device_errors=tabby.check_errors, in_default=False, precision="fp8")
+register_layer("tabby-fp8", tabby_fp8, device_errors=tabby.check_errors, in_default=False, precision="fp8",
+               note=lambda: f"weight transposes {'cached' if _fp8_held[-1] else 'made per backward'}")
 load_plugins()
 
 

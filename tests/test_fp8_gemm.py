@@ -297,12 +297,15 @@ def test_down_dgrad_swiglu_fp8(H, I):
         assert rel(dh_raw, dys[sl].float() @ wd[e].float()) < 6e-2
 
 
-@pytest.mark.parametrize("H,I", [(272, 144), (208, 80), (256, 256)])
-def test_gate_up_dgrad_fp8_halves_padded(H, I):
+@pytest.mark.parametrize("H,I,made", [(272, 144, "transposed"), (208, 80, "transposed"), (256, 256, "transposed"),
+                                      (272, 144, "with_copies"), (256, 256, "with_copies")])
+def test_gate_up_dgrad_fp8_halves_padded(H, I, made):
     """The gate/up dgrad dxs = dg @ W_gate + du @ W_up as one rows GEMM over K = 2 Ip (Ip = I rounded
     up to 128): A from ``quantize_gate_up_grad`` and B from ``fp8_gate_up_t`` are bitwise the
     recipe's operands (``gate_up_grad_operands_ref``: dg, du, W_gate^T, W_up^T each quantized on its
-    own, each half zero-padded), the product is the recipe's GEMM on them, and near fp32."""
+    own, each half zero-padded), the product is the recipe's GEMM on them, and near fp32. B made
+    either way: transposed from the forward's copies, or with them from one read of the weights
+    (``fp8_layer_weights(transposed=True)``, then found in the cache)."""
     from tabby.functional import fp8 as fp8_layer
 
     BM = 16 if not CUDA else 128
@@ -312,7 +315,20 @@ def test_gate_up_dgrad_fp8_halves_padded(H, I):
     dgu = rand(sch.R, 2 * I, seed=31)
     wg, wu = rand(E, I, H, seed=32, scale=I ** -0.5), rand(E, I, H, seed=33, scale=I ** -0.5)
     aq, as_ = fp8_layer.quantize_gate_up_grad(dgu.to(DEV), I, sch.num_tiles, BM)
-    bq, bs = fp8_layer.fp8_gate_up_t(wg.to(DEV), wu.to(DEV))
+    wg_d, wu_d = wg.to(DEV), wu.to(DEV)
+    fp8_layer.clear_weight_cache()
+    if made == "with_copies":
+        wd_d = rand(E, H, I, seed=34).to(DEV)
+        fp8_layer.fp8_layer_weights(wg_d, wu_d, wd_d, transposed=True)
+        assert len(fp8_layer._weight_cache) == 5  # three copies, two transposed operands
+    bq, bs = fp8_layer.fp8_gate_up_t(wg_d, wu_d, hold=False)
+    if made == "with_copies":
+        assert fp8_layer.fp8_gate_up_t(wg_d, wu_d, hold=False)[0] is bq  # the cached operand
+        wt, wts = fp8_layer.fp8_weight_t(wd_d, hold=False)  # W_down^T: the forward copy's transpose, exactly
+        assert torch.equal(wt.cpu().view(torch.uint8),
+                           fp8_layer.fp8_weight(wd_d)[0].cpu().transpose(1, 2).contiguous().view(torch.uint8))
+        assert torch.equal(wts, fp8_layer.fp8_weight(wd_d)[1].transpose(1, 2))
+    fp8_layer.clear_weight_cache()
     assert aq.shape == (sch.R, 2 * Ip) and bq.shape == (E, H, 2 * Ip) and bs.shape == (E, -(-H // 128), 2 * Ip // 128)
     used = slice(0, sch.used)
     raq, ras = ref.gate_up_grad_operands_ref(ref.quantize_rows_ref(dgu[used, :I]), ref.quantize_rows_ref(dgu[used, I:]))

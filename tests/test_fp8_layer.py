@@ -155,13 +155,16 @@ def test_fp8_weight_cache_follows_the_weight():
     w = torch.randn(2, 256, 128).to(torch.bfloat16)
     q1, s1 = fp8_layer.fp8_weight(w)
     assert fp8_layer.fp8_weight(w)[0] is q1
-    qt = fp8_layer.fp8_weight_t(w)[0]
+    qt = fp8_layer.fp8_weight_t(w, hold=False)[0]
     assert torch.equal(qt.view(torch.uint8), q1.transpose(1, 2).contiguous().view(torch.uint8))
+    assert len(fp8_layer._weight_cache) == 1  # not held: made for one backward and dropped
+    assert fp8_layer.fp8_weight_t(w, hold=True)[0] is fp8_layer.fp8_weight_t(w, hold=False)[0]  # held
     w.mul_(4.0)  # a new version: scales x4, values unchanged
+    qt2 = fp8_layer.fp8_weight_t(w, hold=True)[0]  # both stale entries replaced
+    assert qt2 is not qt and len(fp8_layer._weight_cache) == 2
     q2, s2 = fp8_layer.fp8_weight(w)
     assert q2 is not q1 and torch.equal(q2.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s2, 4 * s1)
-    assert len(fp8_layer._weight_cache) == 1  # the copy (its transposes are made per backward, not kept)
-    del w
+    del w, qt, qt2
     gc.collect()
     assert len(fp8_layer._weight_cache) == 0
     # views made afresh at each call (the halves of a fused weight) hit through their base
@@ -256,6 +259,33 @@ def test_fp8_backward_matches_reference(W, H, I, seed):
     e_exact = {NAMES[i]: rel_err(g, w) for i, (g, w) in enumerate(zip(got[:6], exact[:6]))}
     assert all(v < 1e-1 for v in e_exact.values()), e_exact
     assert min(e_exact.values()) > 1e-2  # FP8 throughout: clearly not the fp32 layer
+
+
+@cpu_only
+def test_fp8_backward_with_cached_transposes_is_bitwise_the_uncached():
+    """cache_fp8_transposes (the default) holds W_down^T and [W_gate^T | W_up^T], made with the
+    forward's copies; False makes them in each backward. The same values and gradients, bit for bit,
+    at a new weight version and at a cached one; the cache holds two more entries (none stale)."""
+    import dataclasses
+
+    prob = make_problem(1, 64, 272, 144, 3, 2, seed=41)
+    uncached = dataclasses.replace(CFG_BWD, cache_fp8_transposes=False)
+    fp8_layer.clear_weight_cache()
+    want = _run(prob, uncached)
+    assert len(fp8_layer._weight_cache) == 0  # the leaves (and their copies) are gone
+    x, idx, wts, ws, _, dy = prob
+    lv = [t.clone().requires_grad_(True) for t in (x, wts, *ws)]
+    for step in range(3):  # a new version, then cached, then a new version (an in-place step)
+        if step == 2:
+            with torch.no_grad():
+                lv[4].mul_(0.5)
+            want = _run((x, idx, wts, [lv[2].detach(), lv[3].detach(), lv[4].detach()], None, dy), uncached)
+        for t in lv:
+            t.grad = None
+        got = _grads(moe(lv[0], idx, lv[1], *lv[2:], config=CFG_BWD), lv, dy)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), step
+        assert len(fp8_layer._weight_cache) == 5
+    fp8_layer.clear_weight_cache()
 
 
 @cpu_only

@@ -175,6 +175,14 @@ def test_quantize_blocks_matches_reference(shape):
     q, s = fp8.quantize_blocks(w.to(DEV))
     rq, rs = ref.quantize_blocks_ref(w)
     assert same(q, rq) and same(s, rs)
+    # both orientations from one read: the transposed values into a wider buffer's view (as the
+    # gate/up dgrad's [W_gate^T | W_up^T]), its other bytes untouched
+    N, K = shape[-2:]
+    wide = torch.full(shape[:-2] + (K, N + 48), 0x7E, dtype=torch.uint8, device=DEV)
+    q2, s2 = fp8.quantize_blocks(w.to(DEV), out_t=wide[..., 16:16 + N].view(fp8.E4M3))
+    assert same(q2, rq) and same(s2, rs)
+    assert same(wide[..., 16:16 + N].view(fp8.E4M3), rq.transpose(-2, -1))
+    assert bool((wide[..., :16] == 0x7E).all()) and bool((wide[..., 16 + N:] == 0x7E).all())
     # round trip: the same values; the same bits unless a block's amax rounded down to 224 * 2^j
     # (it then takes half the scale and twice the values)
     q2, s2 = ref.quantize_blocks_ref(ref.dequantize_blocks_ref(rq, rs))

@@ -144,18 +144,24 @@ def test_fp8_buffers_are_counted():
     """precision="fp8": E4M3 rows and h instead of bf16 h, the FP8 backward's copies, and the weights'
     FP8 copies (kept while the weights live), at 33/32 byte a value (fp32 scale per 128)."""
     dims = MoEDims(T=4096, H=1024, k=8, E_local=16, I=512, world_size=1, I_shared=0)
-    need = {p: moe_mod.memory_needs(make_plan(dims, MoEConfig(megakernel=False, precision=p), torch.device("cpu")))
-            for p in ("bf16", "fp8-forward", "fp8")}
+    def needs(precision, **kw):
+        return moe_mod.memory_needs(make_plan(dims, MoEConfig(megakernel=False, precision=precision, **kw),
+                                              torch.device("cpu")))
+
+    need = {p: needs(p) for p in ("bf16", "fp8-forward", "fp8")}
+    made = needs("fp8", cache_fp8_transposes=False)  # the transposes made in each backward
     R, H, I, E = need["bf16"].R_max, 1024, 512, 16
     assert need["fp8"].R_max == R and need["bf16"].fp8_weights == 0
     assert need["fp8-forward"].forward == need["fp8"].forward == R * (H + I) * 33 // 32
     assert need["fp8-forward"].backward == need["bf16"].backward
-    # dy rows pulled in E4M3, never bf16, and the larger transpose, [W_gate^T | W_up^T], made in the backward
-    assert need["fp8"].backward == (need["bf16"].backward - R * 2 * H + R * (3 * H + 5 * I) * 33 // 32
-                                    + E * H * 2 * I)
+    # dy rows pulled in E4M3, never bf16
+    assert need["fp8"].backward == need["bf16"].backward - R * 2 * H + R * (3 * H + 5 * I) * 33 // 32
+    # made in the backward: the larger transpose, [W_gate^T | W_up^T]; cached: both, with the copies
+    assert made.backward == need["fp8"].backward + E * H * 2 * I
     assert need["fp8"].kept == need["bf16"].kept - R * 2 * H + R * H * 33 // 32  # the rows kept in E4M3
     assert need["fp8-forward"].kept == need["bf16"].kept  # its bf16 backward keeps bf16 rows
-    assert need["fp8-forward"].fp8_weights == need["fp8"].fp8_weights == 3 * E * I * H  # the transposes not kept
+    assert need["fp8-forward"].fp8_weights == made.fp8_weights == 3 * E * I * H
+    assert need["fp8"].fp8_weights == 6 * E * I * H
     assert need["fp8"].peak() > need["fp8-forward"].peak() > need["bf16"].peak()
 
 
@@ -169,5 +175,7 @@ def test_fp8_buffers_with_partial_tiles_are_counted():
     rows = lambda C: R * (C + 4 * -(-C // 128))  # noqa: E731
     assert need["fp8"].forward == rows(H) + rows(I) > R * (H + I) * 33 // 32
     assert need["fp8"].backward == (need["bf16"].backward - R * 2 * H + rows(H) + 2 * rows(Ip)
-                                    + R * (2 * H + 3 * I) * 33 // 32 + E * H * 2 * Ip)
-    assert need["fp8-forward"].fp8_weights == need["fp8"].fp8_weights == 3 * E * I * H
+                                    + R * (2 * H + 3 * I) * 33 // 32)
+    assert need["fp8-forward"].fp8_weights == 3 * E * I * H
+    # the cached transposes: W_down^T and [W_gate^T | W_up^T] with its halves padded
+    assert need["fp8"].fp8_weights == 3 * E * I * H + E * H * (I + 2 * Ip)

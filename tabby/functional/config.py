@@ -137,6 +137,11 @@ class MoEConfig:
                        for it; ``megakernel=True`` raises ``MoEInputError``) and needs H and I multiples
                        of 16 (a last 1x128 tile or 128x128 block may be partial, with its own
                        scale); "fp8" also a routed tile height ``Tuning.tile_m`` multiple of 128.
+    cache_fp8_transposes: precision="fp8": hold the weights' transposed E4M3 copies, which the
+                       backward's dgrads read, cached with the forward's copies and made with them
+                       from one read of each weight (True, the default: one byte per parameter
+                       more between steps); or make them in each backward from the forward's
+                       copies and drop them (False: two bytes a parameter moved per backward).
     """
 
     megakernel: bool | None = None
@@ -146,6 +151,7 @@ class MoEConfig:
     debug: bool | None = None
     tuning: Tuning = field(default_factory=Tuning)
     precision: str = "bf16"
+    cache_fp8_transposes: bool = True
 
     def __post_init__(self):
         if self.precision not in ("bf16", "fp8", "fp8-forward"):
@@ -156,7 +162,7 @@ class MoEConfig:
             raise MoEInputError(f"MoEConfig(precision={self.precision!r}, megakernel=True): the forward megakernel "
                                 "has no FP8 path yet; leave megakernel unset (or False): FP8 runs on the path of "
                                 "separate launches")
-        for name in ("megakernel", "save_for_backward"):
+        for name in ("megakernel", "save_for_backward", "cache_fp8_transposes"):
             if not isinstance(getattr(self, name), bool):
                 raise MoEInputError(f"MoEConfig({name}={getattr(self, name)!r}): must be True or False")
         if self.debug is not None and not isinstance(self.debug, bool):

@@ -145,7 +145,7 @@ def parse_config(text: str) -> MoEConfig:
             raise MoEInputError(f"config string: {item!r} is not field=value with a field of MoEConfig")
         if name == "tuning":
             kw[name] = Tuning.parse(value)
-        elif name in ("megakernel", "save_for_backward", "debug"):
+        elif name in ("megakernel", "save_for_backward", "debug", "cache_fp8_transposes"):
             kw[name] = value == "1"
         elif name == "max_wait_ms":
             kw[name] = float(value)

@@ -23,6 +23,10 @@ Weights: the FP8 copies (E4M3 + 128x128 block scales) of w_gate, w_up and w_down
 per weight version and cached: a cached copy is used while the tensor is the same object, at
 the same address, with the same ``_version`` (an optimizer's in-place step increments it). A
 change through ``.data`` does not increment ``_version``: call :func:`clear_weight_cache` after one.
+The FP8 backward's dgrads read the weights transposed (FP8 wgmma reads B only K-major):
+``MoEConfig(cache_fp8_transposes=True)`` (the default) caches those copies too, made with the
+forward's from one read of each weight; with False each backward transposes the forward's copies
+and drops them (a byte less per parameter held, two bytes a parameter moved per backward).
 
 Backward: "fp8": ``moe_backward_fp8`` (``reference_fp8.moe_backward_reference_fp8`` defines it).
 "fp8-forward": ``backward.moe_backward`` as it is, in bf16 from the bf16 weights, with the g | u of
@@ -63,24 +67,30 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _cached(kind: str, weights, make):
-    """``make()`` of ``weights``, cached until one of them changes (another tensor at the address, a
-    new shape, strides or offset, a new ``_version``) or is freed. A view (e.g. one half of a fused
-    gate_up weight, made afresh at each call) is followed through its base tensor, whose
-    ``_version`` it shares. While a CUDA graph is being captured nothing is cached: the graph
-    quantizes the weights at each replay (the optimizer may have changed them in place)."""
+def _lookup(kind: str, weights):
+    """The cached ``kind`` of ``weights`` if it is still theirs (the same tensors, shapes, strides,
+    offsets and ``_version``s), else None, a stale entry dropped first (so that it and its
+    successor are never held at once). A view (e.g. one half of a fused gate_up weight, made
+    afresh at each call) is followed through its base tensor, whose ``_version`` it shares. While
+    a CUDA graph is being captured nothing is cached: the graph quantizes the weights at each
+    replay (the optimizer may have changed them in place), so nothing is found either."""
     if _capturing():
-        # a CUDA graph replays kernels, not this check: the quantization must be in the graph
-        return make()
-    owners = tuple(w if w._base is None else w._base for w in weights)
-    key = (kind,) + tuple((str(w.device), w.data_ptr()) for w in weights)
-    state = tuple((w.shape, w.stride(), w.storage_offset(), w._version) for w in weights)
+        return None
+    key, owners, state = _cache_key(kind, weights)
     hit = _weight_cache.get(key)
     if hit is not None and all(r() is o for r, o in zip(hit[0], owners)) and hit[1] == state:
         return hit[2]
-    if hit is not None:  # stale: dropped before its successor is made, so the two are never held at once
+    if hit is not None:
         del _weight_cache[key], hit
-    value = make()
+    return None
+
+
+def _store(kind: str, weights, value):
+    """Cache ``value`` as the ``kind`` of ``weights`` until one of them changes or is freed
+    (nothing while a CUDA graph is captured); returns ``value``."""
+    if _capturing():
+        return value
+    key, owners, state = _cache_key(kind, weights)
 
     def forget(ref, key=key):
         entry = _weight_cache.get(key)
@@ -91,17 +101,23 @@ def _cached(kind: str, weights, make):
     return value
 
 
+def _cache_key(kind: str, weights):
+    owners = tuple(w if w._base is None else w._base for w in weights)
+    key = (kind,) + tuple((str(w.device), w.data_ptr()) for w in weights)
+    state = tuple((w.shape, w.stride(), w.storage_offset(), w._version) for w in weights)
+    return key, owners, state
+
+
+def _cached(kind: str, weights, make):
+    """``make()`` of ``weights``, cached per weight version (``_lookup``, ``_store``)."""
+    value = _lookup(kind, weights)
+    return value if value is not None else _store(kind, weights, make())
+
+
 def fp8_weight(w: torch.Tensor):
     """(E4M3 [E, N, K], fp32 scales [E, ceil(N/128), ceil(K/128)]) of the weight ``w`` [E, N, K],
     cached per version."""
     return _cached("blocks", (w,), lambda: fp8.quantize_blocks(w.detach().contiguous()))
-
-
-def fp8_weight_t(w: torch.Tensor):
-    """``fp8_weight(w)`` transposed: (E4M3 [E, K, N], scales [E, ceil(K/128), ceil(N/128)]), exactly.
-    Made by each backward from the cached copy and dropped after its GEMM (not cached: a cached
-    transpose would hold another byte per parameter between steps)."""
-    return gemm_fp8.transpose_blocks(*fp8_weight(w))
 
 
 def gate_up_k(I: int) -> int:
@@ -109,24 +125,69 @@ def gate_up_k(I: int) -> int:
     return triton.cdiv(I, FP8_BLOCK) * FP8_BLOCK
 
 
-def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor):
+def _gate_up_t_buffer(E: int, I: int, H: int, device):
+    """The gate/up dgrad's B values, E4M3 [E, H, 2Ip] (``fp8_gate_up_t``), with its padding columns
+    zeroed, and the two halves' [E, H, I] views that receive the transposed values."""
+    Ip = gate_up_k(I)
+    q = torch.empty(E, H, 2 * Ip, dtype=fp8.E4M3, device=device)
+    if Ip > I:
+        q.view(torch.uint8).view(E, H, 2, Ip)[..., I:].zero_()
+    return q, (q[:, :, :I], q[:, :, Ip:Ip + I])
+
+
+def fp8_weight_t(w: torch.Tensor, hold: bool):
+    """``fp8_weight(w)`` transposed: (E4M3 [E, K, N], scales [E, ceil(K/128), ceil(N/128)]), exactly:
+    the down dgrad's B. Cached with the forward's copy where ``hold`` (one byte per parameter
+    between steps); else made from that copy and dropped after its GEMM."""
+    value = _lookup("t", (w,))
+    if value is None:
+        value = gemm_fp8.transpose_blocks(*fp8_weight(w))
+        if hold:
+            _store("t", (w,), value)
+    return value
+
+
+def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor, hold: bool):
     """[W_gate^T | W_up^T] quantized, (E4M3 [E, H, 2Ip], scales [E, ceil(H/128), 2Ip/128]), Ip =
     ``gate_up_k(I)``: the gate/up dgrad's B (dxs = dg @ W_gate + du @ W_up is one GEMM over K =
-    2Ip); made by each backward, not cached (as ``fp8_weight_t``). Each half is its weight's
-    128x128 quantization transposed (``fp8_weight_t``'s values), followed by Ip - I zero columns
-    where 128 does not divide I: every K block of 128 then lies in one half and takes that half's
-    scale, and the padding's products are zeros (``reference_fp8.gate_up_grad_operands_ref``
-    defines the operand; ``quantize_gate_up_grad`` lays out A alike)."""
-    (gq, gs), (uq, us) = fp8_weight(w_gate), fp8_weight(w_up)  # [E, I, H], [E, ceil(I/128), ceil(H/128)]
-    E, I, H = gq.shape
-    Ip = gate_up_k(I)
-    q = torch.empty(E, H, 2 * Ip, dtype=fp8.E4M3, device=gq.device)
-    scales = []
-    for half, (wq, ws_) in enumerate(((gq, gs), (uq, us))):
-        scales.append(gemm_fp8.transpose_blocks(wq, ws_, out=q[:, :, half * Ip:half * Ip + I])[1])
-        if Ip > I:
-            q.view(torch.uint8)[:, :, half * Ip + I:(half + 1) * Ip].zero_()
-    return q, torch.cat(scales, dim=-1)
+    2Ip); cached where ``hold``, as ``fp8_weight_t``. Each half is its weight's 128x128
+    quantization transposed (``fp8_weight_t``'s values), followed by Ip - I zero columns where 128
+    does not divide I: every K block of 128 then lies in one half and takes that half's scale,
+    and the padding's products are zeros (``reference_fp8.gate_up_grad_operands_ref`` defines the
+    operand; ``quantize_gate_up_grad`` lays out A alike)."""
+    value = _lookup("gate_up_t", (w_gate, w_up))
+    if value is None:
+        (gq, gs), (uq, us) = fp8_weight(w_gate), fp8_weight(w_up)  # [E, I, H], [E, ceil(I/128), ceil(H/128)]
+        E, I, H = gq.shape
+        q, halves = _gate_up_t_buffer(E, I, H, gq.device)
+        scales = [gemm_fp8.transpose_blocks(wq, ws_, out=half)[1] for (wq, ws_), half in zip(((gq, gs), (uq, us)),
+                                                                                           halves)]
+        value = (q, torch.cat(scales, dim=-1))
+        if hold:
+            _store("gate_up_t", (w_gate, w_up), value)
+    return value
+
+
+def fp8_layer_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, transposed: bool):
+    """The forward's E4M3 copies of the three weights, ``fp8_weight`` of each. With ``transposed``
+    (an FP8 backward follows and holds its operands) the backward's two transposed operands are
+    cached too (``fp8_weight_t``, ``fp8_gate_up_t``): where none of the five is cached, both
+    orientations of each weight come from one read of it (``quantize_blocks``'s ``out_t``: four
+    bytes moved a parameter, against five for quantizing and then transposing)."""
+    ws3 = (w_gate, w_up, w_down)
+    # every entry of the layer looked up first: stale ones (after an optimizer step) are dropped
+    # before their successors are made, whichever are made now
+    found = [_lookup("blocks", (w,)) for w in ws3] + [_lookup("t", (w_down,)), _lookup("gate_up_t", (w_gate, w_up))]
+    if transposed and not _capturing() and all(v is None for v in found):
+        E, I, H = w_gate.shape
+        dt = torch.empty(E, I, H, dtype=fp8.E4M3, device=w_down.device)  # W_down [E, H, I] transposed
+        down = fp8.quantize_blocks(w_down.detach().contiguous(), out_t=dt)
+        gu_q, halves = _gate_up_t_buffer(E, I, H, w_gate.device)
+        gate, up = (fp8.quantize_blocks(w.detach().contiguous(), out_t=half) for w, half in zip((w_gate, w_up), halves))
+        _store("t", (w_down,), (dt, down[1].transpose(-2, -1).contiguous()))
+        _store("gate_up_t", (w_gate, w_up), (gu_q, torch.cat([s.transpose(-2, -1) for _, s in (gate, up)], dim=-1)))
+        return tuple(_store("blocks", (w,), v) for w, v in zip(ws3, (gate, up, down)))
+    return tuple(fp8_weight(w) for w in ws3)  # (the backward makes and holds what is missing)
 
 
 def quantize_gate_up_grad(dgu: torch.Tensor, I: int, num_tiles: torch.Tensor, tile_rows: int):
@@ -188,7 +249,8 @@ def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_d
     a bf16 backward) bf16 rows, pulled as such and quantized here."""
     T, H = x.shape
     TK = topk_idx.numel()
-    (wg_q, wg_s), (wu_q, wu_s), (wd_q, wd_s) = (fp8_weight(w) for w in (w_gate, w_up, w_down))
+    (wg_q, wg_s), (wu_q, wu_s), (wd_q, wd_s) = fp8_layer_weights(
+        w_gate, w_up, w_down, transposed=keep and not bf16_rows and plan.cache_fp8_transposes)
     sched = publish_and_schedule(ws, plan, x, topk_idx, topk_weights, wg_q.shape[0], x_fp8=not bf16_rows,
                                  probe=probe)
     row_w = torch.empty(sched.R_max, dtype=torch.float32, device=x.device)
@@ -247,7 +309,7 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     mark(probe, "bwd:dispatch_dy")
     # Each buffer is dropped once its last launch is queued: the caching allocator hands it only to
     # later work on this stream, so the next buffers reuse it and the peak stays near one set.
-    wd_t = fp8_weight_t(w_down)
+    wd_t = fp8_weight_t(w_down, plan.cache_fp8_transposes)
     dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(
         dys_q, dys_s, *wd_t, gu, row_w, sched.tile_expert, sched.num_tiles,
         config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_DOWN_DGRAD, BM=BM))
@@ -255,7 +317,7 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     mark(probe, "bwd:down_dgrad+swiglu")
     dgu_q, dgu_qs = quantize_gate_up_grad(dgu, I, sched.num_tiles, BM)
     mark(probe, "bwd:quantize_dgu")
-    gu_t = fp8_gate_up_t(w_gate, w_up)
+    gu_t = fp8_gate_up_t(w_gate, w_up, plan.cache_fp8_transposes)
     gemm_fp8.rows_gemm_fp8(dgu_q, dgu_qs, *gu_t, sched.tile_expert, sched.num_tiles,
                            row_src=sched.row_src, dst_ptrs=ws.ptrs["dx_in"], TK=TK,
                            config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=BM))

@@ -297,10 +297,14 @@ def memory_needs(plan: Plan) -> MemoryNeeds:
             kept += rows_fp8(H) - R * 2 * H  # the rows kept in E4M3 with their scales, not bf16
             bwd -= R * 2 * H  # dy rows pulled in E4M3 (counted below), never bf16
             # dy rows and dg|du (halves padded) per 1x128; dy, hw, dg|du, xs per 128x1 (R a multiple of
-            # 128: 33/32 byte a value); the larger of the transposes made in the backward, W_down^T and
-            # [W_gate^T | W_up^T] (halves padded), each dropped after its GEMM
-            bwd += (rows_fp8(H) + 2 * rows_fp8(Ip) + R * (H + I + 2 * I + H) * 33 // 32
-                    + d.E_local * H * max(I, 2 * Ip))
+            # 128: 33/32 byte a value)
+            bwd += rows_fp8(H) + 2 * rows_fp8(Ip) + R * (H + I + 2 * I + H) * 33 // 32
+            # the transposes, W_down^T and [W_gate^T | W_up^T] (halves padded): cached with the copies,
+            # or made in the backward, each dropped after its GEMM (the larger counts)
+            if plan.cache_fp8_transposes:
+                fp8_weights += d.E_local * H * (I + 2 * Ip)
+            else:
+                bwd += d.E_local * H * max(I, 2 * Ip)
     return MemoryNeeds(R_max=R, kept=kept, forward=fwd if mega is None else 0,
                        backward=bwd + (kept if recompute else 0), ring=ring, recompute=recompute,
                        fp8_weights=fp8_weights,

@@ -36,6 +36,7 @@ class Plan:
     gemm: dict  # gemm.KIND_* -> GemmConfig of the standalone kernels (sync-free forward, backward)
     mega: MegaPlan | None  # the megakernel forward's launch (None: the sync-free path)
     precision: str = "bf16"  # MoEConfig.precision: the expert GEMMs' operands
+    cache_fp8_transposes: bool = True  # MoEConfig.cache_fp8_transposes
 
     def gemm_config(self, kind: str) -> gemm.GemmConfig:
         return self.gemm[kind]
@@ -78,7 +79,7 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
                 debug=config.resolved_debug(), wait_budget=wait_budget, tile_m=tile_m, align_tiles=align,
                 dispatch_rows=t.dispatch_rows or heuristics.DISPATCH_ROWS, dispatch_cols=dispatch_cols,
                 dispatch_programs=t.dispatch_programs or heuristics.DISPATCH_PROGRAMS, gemm=gemms, mega=mega,
-                precision=config.precision)
+                precision=config.precision, cache_fp8_transposes=config.cache_fp8_transposes)
 
 
 def _mega_plan(dims: MoEDims, config: MoEConfig, sms: int | None, I_s: int, tile_m: int) -> MegaPlan:

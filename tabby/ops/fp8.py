@@ -135,19 +135,29 @@ def _weight_block(N, K):
 
 @triton.jit
 def quantize_blocks_kernel(w_ptr, stride_we, stride_wn, q_ptr, stride_qe, stride_qn, s_ptr, stride_se,
-                           stride_sn, N, K, INTERPRET: tl.constexpr):
-    """One 128x128 block (expert pid(0), row block pid(1), column block pid(2))."""
+                           stride_sn, t_ptr, stride_te, stride_tk, N, K, TRANSPOSED: tl.constexpr,
+                           INTERPRET: tl.constexpr):
+    """One 128x128 block (expert pid(0), row block pid(1), column block pid(2)); with TRANSPOSED
+    also its values transposed, t[e, k, n] = q[e, n, k] (t as bytes; the same bits: one block, one
+    scale serves both orientations)."""
     e, nb, kb, rows, cols, m = _weight_block(N, K)
     w = tl.load(w_ptr + e * stride_we + rows[:, None] * stride_wn + cols[None, :], mask=m, other=0.0)
     w = w.to(tl.float32)
     j = scale_exponent(tl.max(tl.max(tl.abs(w), axis=1), axis=0))
     q = to_e4m3(w * exp2_int(-j), INTERPRET)
     tl.store(q_ptr + e * stride_qe + rows[:, None] * stride_qn + cols[None, :], q, mask=m)
+    if TRANSPOSED:
+        tl.store(t_ptr + e * stride_te + cols.to(tl.int64)[:, None] * stride_tk + rows[None, :],
+                 tl.trans(q.to(tl.uint8, bitcast=True)), mask=tl.trans(m))
     tl.store(s_ptr + e * stride_se + nb * stride_sn + kb, exp2_int(j))
 
 
-def quantize_blocks(w: torch.Tensor, *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None):
-    """Weights w [E, N, K] (or [N, K]) -> (q E4M3 of w's shape, scales [E, ceil(N/128), ceil(K/128)] fp32)."""
+def quantize_blocks(w: torch.Tensor, *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                    out_t: torch.Tensor | None = None):
+    """Weights w [E, N, K] (or [N, K]) -> (q E4M3 of w's shape, scales [E, ceil(N/128), ceil(K/128)] fp32).
+    ``out_t``: an E4M3 [E, K, N] (or [K, N]) view with a unit last stride that also receives the
+    values transposed (the backward's orientation; its scales are the scales transposed), from
+    the same read of w."""
     squeeze = w.dim() == 2
     w3 = w[None] if squeeze else w
     E, N, K = w3.shape
@@ -160,9 +170,13 @@ def quantize_blocks(w: torch.Tensor, *, out: torch.Tensor | None = None, scale_o
     out3 = out[None] if out.dim() == 2 else out
     s3 = scale_out[None] if scale_out.dim() == 2 else scale_out
     assert out3.shape == (E, N, K) and out3.stride(-1) == 1 and s3.shape == (E, nb, kb) and s3.stride(-1) == 1
+    t3 = out3 if out_t is None else (out_t[None] if out_t.dim() == 2 else out_t)
+    if out_t is not None and (t3.shape != (E, K, N) or t3.stride(-1) != 1 or t3.dtype != E4M3):
+        raise ValueError(f"quantize_blocks: out_t must be E4M3 [E, K, N] = {(E, K, N)} with a unit last stride")
     if E and nb and kb:
         quantize_blocks_kernel[(E, nb, kb)](w3, w3.stride(0), w3.stride(1), out3, out3.stride(0), out3.stride(1),
-                                            s3, s3.stride(0), s3.stride(1), N, K, INTERPRET=INTERPRET, num_warps=8)
+                                            s3, s3.stride(0), s3.stride(1), t3.view(torch.uint8), t3.stride(0), t3.stride(1), N, K,
+                                            TRANSPOSED=out_t is not None, INTERPRET=INTERPRET, num_warps=8)
     if squeeze:
         return out3[0], s3[0]
     return out3, s3
