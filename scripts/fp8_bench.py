@@ -81,36 +81,20 @@ def gemms(T, k, E, H, I, variants):
             out[f"fp8 down {name}"] = fl_dn / t / 1e9
         except Exception as e:  # noqa: BLE001
             out[f"fp8 down {name} FAILED {type(e).__name__}"] = float("nan")
-    # the rows GEMM at 128 x 256 tiles (not used by the layer yet), marked where not bitwise the default's
-    down = gemm_fp8.rows_gemm_fp8(hq, hs, dq, ds, te, nt)
+    # the defaults (warp-specialized) bitwise the Triton kernels', and their ring depths
+    want_gu = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, te, nt, config=variants[1][1])
+    got_gu = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, te, nt)
+    out["fp8 gate_up default bitwise triton"] = float(
+        all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got_gu, want_gu)))
+    del want_gu, got_gu
+    out["fp8 down default bitwise triton"] = float(torch.equal(
+        gemm_fp8.rows_gemm_fp8(hq, hs, dq, ds, te, nt), gemm_fp8.rows_gemm_fp8(hq, hs, dq, ds, te, nt,
+                                                                               config=variants[1][2])))
     for stages in (3, 4):
-        try:
-            same = torch.equal(gemm_fp8_ws.rows_gemm_fp8_ws(hq, hs, dq, ds, te, nt, tile_n=256, stages=stages), down)
-            t = bench(lambda: gemm_fp8_ws.rows_gemm_fp8_ws(hq, hs, dq, ds, te, nt, tile_n=256, stages=stages))
-            out[f"fp8 down ws256 s{stages}{'' if same else ' MISMATCH'}"] = fl_dn / t / 1e9
-        except Exception as e:  # noqa: BLE001 -- reported, not fatal
-            out[f"fp8 down ws256 s{stages} FAILED {type(e).__name__}: {e}"[:160]] = float("nan")
-    del down
-    # gate/up's ring depths (the default takes gemm_fp8_ws.gate_up_stages), marked where not bitwise
-    # the Triton kernel's
-    want = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, te, nt, config=variants[1][1])
-    for stages in (4, 5):
-        got = gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, te, nt, stages=stages)
-        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
         t = bench(lambda: gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, te, nt, stages=stages))
-        out[f"fp8 gate_up ws s{stages}{'' if same else ' MISMATCH'}"] = fl_gu / t / 1e9
-    # the 128-row gate/up (not used by the layer yet)
-    for stages in (3, 4):
-        def gate_up128(stages=stages):
-            return gemm_fp8_ws.gate_up_swiglu_fp8_ws(xq, xs, gq, gs, uq, us, te, nt, stages=stages, tile_m=128)
-
-        try:
-            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(gate_up128(), want))
-            t = bench(gate_up128)
-            out[f"fp8 gate_up ws128 s{stages}{'' if same else ' MISMATCH'}"] = fl_gu / t / 1e9
-        except Exception as e:  # noqa: BLE001 -- reported, not fatal
-            out[f"fp8 gate_up ws128 s{stages} FAILED {type(e).__name__}: {e}"[:160]] = float("nan")
-    del want
+        out[f"fp8 gate_up ws s{stages}"] = fl_gu / t / 1e9
+        t = bench(lambda: gemm_fp8_ws.rows_gemm_fp8_ws(hq, hs, dq, ds, te, nt, stages=stages))
+        out[f"fp8 down ws s{stages}"] = fl_dn / t / 1e9
     xc, xcs = quantize_cols(x)
     hc, hcs = quantize_cols(h)
     try:
@@ -159,19 +143,16 @@ def down_dgrad(T, k, E, H, I):
     return 2 * rows * I * H / bench(lambda: gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, wtq, wts, gu, ws, te, nt)) / 1e9
 
 
-def rows_tiles(T, k, E, K, N):
-    """TFLOP/s of the rows GEMM (stored rows) at its default tiles and at 128 x 256 (not used by the
-    layer yet), marked where not bitwise the default's."""
+def rows_stages(T, k, E, K, N):
+    """TFLOP/s of the rows GEMM (stored rows) at its default ring depth (gemm_fp8_ws.wide_stages) and
+    at 3 and 4 stages."""
     R, te, nt, start, count = even_schedule(T * k, E)
     aq, as_ = quantize_rows(torch.randn(R, K, device="cuda", dtype=torch.bfloat16))
     bq, bs = quantize_blocks(torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5)
     fl = 2 * T * k * K * N
-    want = gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, te, nt)
     out = {"default": fl / bench(lambda: gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, te, nt)) / 1e9}
     for stages in (3, 4):
-        same = torch.equal(gemm_fp8_ws.rows_gemm_fp8_ws(aq, as_, bq, bs, te, nt, tile_n=256, stages=stages), want)
-        out[f"ws256 s{stages}{'' if same else ' MISMATCH'}"] = fl / bench(
-            lambda: gemm_fp8_ws.rows_gemm_fp8_ws(aq, as_, bq, bs, te, nt, tile_n=256, stages=stages)) / 1e9
+        out[f"s{stages}"] = fl / bench(lambda: gemm_fp8_ws.rows_gemm_fp8_ws(aq, as_, bq, bs, te, nt, stages=stages)) / 1e9
     return out
 
 
@@ -238,7 +219,7 @@ def main():
         E = 384
         print(f"FP8 down dgrad TFLOP/s, E={E}, H={H}, I={I}: {down_dgrad(T, k, E, H, I):.0f}", flush=True)
         for K, N, what in ((I, H, "down"), (2 * I, H, "gate/up dgrad")):
-            res = rows_tiles(T, k, E, K, N)
+            res = rows_stages(T, k, E, K, N)
             print(f"FP8 rows GEMM TFLOP/s ({what}), E={E}, K={K}, N={N}: "
                   + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
         print(f"E4M3 weight transpose [E={E}, {H}, {I}]: {transpose_rate(E, H, I):.0f} GB/s", flush=True)

@@ -32,36 +32,31 @@ def _report():
             ws.EPI_PUSH.value: ("*i32", "*i64", "i32", "i32:16", "*bf16"),
             ws.EPI_SWIGLU_BWD.value: ("*bf16", "i32:16", "*fp32", "*bf16", "i32:16", "*bf16", "i32:16", "*fp32",
                                       "i32")}
-    for epilogue, epi in epis.items():
-        for nk in (16, 23):  # kimi-k2's down (K 2048) and gpt-oss-120b's (K 2880: a partial last block)
+    # (epilogue, kernel, (NK, STAGES) cases): the stored and pushed rows at 128 x 256 (ring depth
+    # ws.wide_stages: 4 at qwen3-30b-a3b's down, K 768), the SwiGLU backward at 128 x 128; kimi-k2's
+    # K 2048 and gpt-oss-120b's 2880 (a partial last block)
+    wide_cases = ((6, 4), (16, 3), (23, 3))
+    runs = [(ws.EPI_STORE.value, "tile256", ws.rows_gemm_fp8_ws256_kernel, wide_cases),
+            (ws.EPI_PUSH.value, "tile256", ws.rows_gemm_fp8_ws256_kernel, wide_cases),
+            (ws.EPI_SWIGLU_BWD.value, "tile128", ws.rows_gemm_fp8_ws_kernel, ((16, ws.STAGES), (23, ws.STAGES)))]
+    for epilogue, tile, kernel, cases in runs:
+        for nk, stages in cases:
+            assert stages == (ws.wide_stages(nk * 128) if tile == "tile256" else ws.STAGES)
             args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
                         b_desc=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", bs_ptr="*fp32", stride_bse="i32",
-                        stride_bsn="i32", epi=epi, tile_expert_ptr="*i32", num_tiles_ptr="*i32", num_m="i32",
-                        N="i32:16", NK=Const(nk), STAGES=Const(ws.STAGES), GROUP_M=Const(8), SCHED_BM=Const(128),
-                        EPILOGUE=Const(epilogue))
-            _line(f"epilogue{epilogue}/nk{nk}", compile_args(ws.rows_gemm_fp8_ws_kernel, args, num_warps=4))
-            if epilogue != ws.EPI_SWIGLU_BWD.value:  # the 128 x 256 form (not used by the layer yet)
-                args["STAGES"] = Const(3)  # 48 KB a stage
-                _line(f"tile256/epilogue{epilogue}/nk{nk}",
-                      compile_args(ws.rows_gemm_fp8_ws256_kernel, args, num_warps=4))
+                        stride_bsn="i32", epi=epis[epilogue], tile_expert_ptr="*i32", num_tiles_ptr="*i32",
+                        num_m="i32", N="i32:16", NK=Const(nk), STAGES=Const(stages), GROUP_M=Const(8),
+                        SCHED_BM=Const(128), EPILOGUE=Const(epilogue))
+            _line(f"{tile}/epilogue{epilogue}/nk{nk}", compile_args(kernel, args, num_warps=4))
     for nk in (16, 56, 23):  # gate/up at H 2048, 7168 and 2880 (a partial last block)
-        args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
-                    w_desc_g=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>",
-                    w_desc_u=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", gs_ptr="*fp32", us_ptr="*fp32",
-                    stride_wse="i32", stride_wsn="i32", hq_ptr="*fp8e4nv", stride_hm="i32:16", hs_ptr="*fp32",
-                    stride_hsm="i32", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
-                    num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk), STAGES=Const(4), GROUP_M=Const(8),
-                    SCHED_BM=Const(128), SAVE_GU=Const(True))
-        _line(f"gate_up/nk{nk}", compile_args(ws.gate_up_swiglu_fp8_ws_kernel, args, num_warps=4))
-    for nk, stages in ((16, 3), (56, 3), (23, 3), (56, 4)):  # the 128-row gate/up (not used by the layer yet)
         args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
                     w_desc_g=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>",
                     w_desc_u=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", gs_ptr="*fp32", us_ptr="*fp32",
                     stride_wse="i32", stride_wsn="i32", hq_ptr="*fp8e4nv", stride_hm="i32:16", hs_ptr="*fp32",
                     stride_hsm="i32", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
-                    num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk), STAGES=Const(stages),
+                    num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk), STAGES=Const(3),
                     GROUP_M=Const(8), SCHED_BM=Const(128), SAVE_GU=Const(True))
-        _line(f"gate_up128/nk{nk}/s{stages}", compile_args(ws.gate_up_swiglu_fp8_ws128_kernel, args, num_warps=4))
+        _line(f"gate_up/nk{nk}", compile_args(ws.gate_up_swiglu_fp8_ws128_kernel, args, num_warps=4))
     b_half = gl.NVMMASharedLayout.get_default_for([ws.BN, 128], gl.float8e4nv)
     for M, N in ((7168, 2048), (2048, 7168), (2880, 2880)):  # kimi-k2's dW_down and dW_gate, gpt-oss-120b's
         args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asr="i32",
@@ -74,7 +69,7 @@ def _report():
 
 def test_warp_specialized_rows_gemm_compiles_unserialized():
     lines = run_compiled_check(__file__).splitlines()
-    assert len(lines) == 20, lines
+    assert len(lines) == 14, lines
     for line in lines:
         f = line.split()
         c = dict(zip(f[1::2], map(int, f[2::2])))

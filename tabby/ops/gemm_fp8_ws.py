@@ -1,12 +1,12 @@
 """FP8 expert GEMMs warp-specialized (Gluon): one warpgroup's promotion under the other's MMA.
 
-- ``rows_gemm_fp8_ws`` / ``launch``: the rows GEMM with three epilogues (``fits``); its form at
-  128 x 256 tiles (``launch(tile_n=256)``) is built and not yet measured;
-- ``gate_up_swiglu_fp8_ws``: gate/up with the SwiGLU and h's quantization (``fits_gate_up``);
-  its form at 128-row tiles (``gate_up_swiglu_fp8_ws(tile_m=128)``) is built and not yet measured;
+- ``rows_gemm_fp8_ws`` / ``launch``: the rows GEMM with three epilogues (``fits``): the stored and
+  pushed rows at 128 x 256 tiles, the down dgrad's SwiGLU backward at 128 x 128;
+- ``gate_up_swiglu_fp8_ws``: gate/up with the SwiGLU and h's quantization, 128 x 128 tiles of h
+  (``fits_gate_up``);
 - ``expert_wgrad_fp8_ws``: the weight gradient over the layer's padded segments (``fits_wgrad``).
-gemm_fp8's entry points run the rows GEMM, the 64-row gate/up and the weight gradient wherever
-they fit at the default tiles: every FP8 GEMM of the layer runs here on an H200.
+gemm_fp8's entry points run them wherever they fit at the default tiles: every FP8 GEMM of the
+layer runs here on an H200.
 
 Same operands, layout contract and sum as ``gemm_fp8.rows_gemm_fp8`` (its docstring): routed rows
 ``aq [R, K]`` E4M3 with 1x128 scales, weights ``bq [E, N, K]`` with 128x128 block scales, each
@@ -249,13 +249,12 @@ def rows_gemm_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_b
     ], [4, 1], [232, 40])
 
 
-# The same GEMM at 128 x 256 tiles (built, not yet measured on a GPU; ``launch(tile_n=256)``): a
-# stage is A's two halves and B's two 128 x 128 blocks, 48 KB for 128 x 256 products (24 KB per
+# The same GEMM at 128 x 256 tiles, the stored and pushed rows' (``launch``): a stage is A's two halves and B's two 128 x 128 blocks, 48 KB for 128 x 256 products (24 KB per
 # 128 x 128 against 32). A consumer holds two 64 x 128 accumulators and one product (192 of its
 # partition's 232 registers) and issues the two column halves' products one after the other, each
 # waited for before its promotion; each half goes through ``_epilogue`` as a 128-column tile of its
-# own (so the sums are the 128-wide kernel's). The stored and pushed rows only: with the SwiGLU
-# backward's epilogue (its loads of g | u and w beside the other half's accumulator) it spills.
+# own (so the sums are the 128-wide kernel's). With the SwiGLU backward's epilogue (its loads of
+# g | u and w beside the other half's accumulator) it spills: that epilogue runs at 128 x 128.
 
 
 @gluon.jit
@@ -374,9 +373,9 @@ def fits(aq: torch.Tensor, bq: torch.Tensor, sched_bm: int) -> bool:
 
 
 def fits_gate_up(aq: torch.Tensor, wg_q: torch.Tensor, wu_q: torch.Tensor, sched_bm: int) -> bool:
-    """Whether gate/up runs here: as ``fits``, at schedule tiles a multiple of 64 rows (its kernel
-    tile), W_gate and W_up contiguous [E, I, H]."""
-    return (_sm90(aq) and sched_bm % HALF == 0 and all(t.is_contiguous() and tma_aligned(t) for t in (aq, wg_q, wu_q)))
+    """Whether gate/up runs here: as ``fits`` (schedule tiles a multiple of 128 rows), W_gate and
+    W_up contiguous [E, I, H]."""
+    return (_sm90(aq) and sched_bm % BM == 0 and all(t.is_contiguous() and tma_aligned(t) for t in (aq, wg_q, wu_q)))
 
 
 def fits_wgrad(at: torch.Tensor, bt: torch.Tensor) -> bool:
@@ -386,10 +385,11 @@ def fits_wgrad(at: torch.Tensor, bt: torch.Tensor) -> bool:
             and tma_aligned(at) and tma_aligned(bt))
 
 
-def gate_up_stages(K: int) -> int:
-    """gate/up's ring depth (40 KB a stage): 5 where K runs long (H 7168: 852 against 820 TFLOP/s at
-    4), 4 where it is short (H 2048: 726 against 694 at 5; docs/fp8-measurements.md)."""
-    return 5 if K >= 4096 else 4
+def wide_stages(K: int) -> int:
+    """The 128 x 256 rows kernel's ring depth (48 KB a stage): 4 where K is short (K 768: 670
+    against 620 TFLOP/s at 3), 3 from K 1024 (K 2048: 1123 against 1020 at 4; K 4096: 853 against
+    841; docs/fp8-measurements.md)."""
+    return 4 if K < 1024 else 3
 
 
 def _e4m3_desc(t: torch.Tensor, rows: int, block_rows: int) -> TensorDescriptor:
@@ -407,22 +407,20 @@ def _grid(device, tiles: int, grid: int | None) -> tuple:
 
 
 def launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, N: int, *,
-           stages: int | None = None, grid: int | None = None, GROUP_M: int = 8, tile_n: int = BN):
+           stages: int | None = None, grid: int | None = None, GROUP_M: int = 8):
     """One persistent launch over the routed rows (R = aq.shape[0], kernel tiles of 128 rows) and
     N columns with ``epilogue`` (EPI_*) and its arguments ``epi``; the caller has checked operands.
-    ``tile_n`` 256: the 128 x 256 kernel (not yet measured; 3 stages by default)."""
+    The stored and pushed rows run at 128 x 256 tiles (ring depth ``wide_stages(K)``), the SwiGLU
+    backward at 128 x 128 (at 256 its epilogue spills) with ``STAGES``."""
     R, K = aq.shape
     num_m = R // BM
-    if tile_n not in (BN, 2 * BN) or (tile_n != BN and epilogue == EPI_SWIGLU_BWD):
-        # at 128 x 256 the SwiGLU backward's epilogue spills (its loads beside the other half's
-        # accumulator): the stored and pushed rows only
-        raise ValueError(f"tile_n must be {BN}, or {2 * BN} for the stored or pushed rows; got {tile_n}")
-    kernel = rows_gemm_fp8_ws_kernel if tile_n == BN else rows_gemm_fp8_ws256_kernel
-    kernel[_grid(aq.device, num_m * triton.cdiv(N, tile_n), grid)](
+    wide = epilogue != EPI_SWIGLU_BWD
+    kernel = rows_gemm_fp8_ws256_kernel if wide else rows_gemm_fp8_ws_kernel
+    kernel[_grid(aq.device, num_m * triton.cdiv(N, 2 * BN if wide else BN), grid)](
         _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bq, bq.shape[0] * bq.shape[1], BN), b_scale,
         b_scale.stride(0), b_scale.stride(1), epi, tile_expert, num_tiles, num_m, N, NK=triton.cdiv(K, BLOCK),
-        STAGES=stages or (STAGES if tile_n == BN else 3), GROUP_M=GROUP_M, SCHED_BM=sched_bm, EPILOGUE=epilogue,
-        num_warps=4)
+        STAGES=stages or (wide_stages(K) if wide else STAGES), GROUP_M=GROUP_M, SCHED_BM=sched_bm,
+        EPILOGUE=epilogue, num_warps=4)
 
 
 def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None, sched_bm: int = BM, **kw):
@@ -444,186 +442,10 @@ def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=No
 # gate/up with the SwiGLU and h's 1x128 quantization in the epilogue
 # --------------------------------------------------------------------------------------------
 #
-# gemm_fp8.gate_up_swiglu_fp8's sums, warp-specialized, with one 64 x 128 product and one 64 x 128
-# accumulator a consumer: the tile is 64 rows x 128 columns of h and each consumer owns 64 of the
-# columns. Its B block is W_gate's 64 rows over W_up's 64 rows (one 128-row wgmma operand), its
-# product [64, 128] g's columns beside u's, promoted with g's and u's block scales. h's 1x128 tile
-# spans both consumers, so each writes its rows' amax over its 64 columns to shared memory and
-# waits for the other's (max is exact in any order: the scales, and so the E4M3 values, are the
-# Triton kernel's).
-
-
-@gluon.jit
-def _gu_producer(a_desc, w_desc_g, w_desc_u, a_bufs, b0_bufs, b1_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr,
-                 num_m, I, NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
-    num_n = gl.cdiv(I, 128)
-    nt = gl.load(num_tiles_ptr)
-    it = 0
-    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
-        e = _tile_expert(pid_m, 64, tile_expert_ptr, nt, SCHED_BM)
-        if e >= 0:
-            row0 = pid_m * 64
-            # a partial last column tile reads the next expert's first rows (or TMA's zeros past
-            # the last): finite E4M3, their h columns zeroed before the amax and not stored
-            wrow = e * I + pid_n * 128
-            for kb in range(NK):
-                s, bar = _ring_fill(ready, empty, it, a_desc.block_type.nbytes + 4 * w_desc_g.block_type.nbytes,
-                                    STAGES)
-                k0 = kb * 128
-                tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_bufs.index(s))
-                b0 = b0_bufs.index(s)
-                b1 = b1_bufs.index(s)
-                tma.async_copy_global_to_shared(w_desc_g, [wrow, k0], bar, b0.slice(0, 64))
-                tma.async_copy_global_to_shared(w_desc_u, [wrow, k0], bar, b0.slice(64, 64))
-                tma.async_copy_global_to_shared(w_desc_g, [wrow + 64, k0], bar, b1.slice(0, 64))
-                tma.async_copy_global_to_shared(w_desc_u, [wrow + 64, k0], bar, b1.slice(64, 64))
-                it += 1
-
-
-@gluon.jit
-def _gu_consumer(a_bufs, b_bufs, ready, empty, amax_smem, amax_bar, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
-                 stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr, num_tiles_ptr,
-                 num_m, I, HALF_COL: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                 SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
-    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
-    num_n = gl.cdiv(I, 128)
-    nt = gl.load(num_tiles_ptr)
-    it = 0
-    done = 0
-    part = gl.zeros([64, 128], gl.float32, layout)
-    is_g = gl.arange(0, 128, layout=gl.SliceLayout(0, layout)) < 64
-    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
-        e = _tile_expert(pid_m, 64, tile_expert_ptr, nt, SCHED_BM)
-        if e >= 0:
-            rows = pid_m.to(gl.int64) * 64 + gl.arange(0, 64, layout=rows_layout)
-            as_ptrs = as_ptr + rows * stride_asm
-            ws_off = e.to(gl.int64) * stride_wse + pid_n * stride_wsn
-            sa = gl.load(as_ptrs)
-            sg = gl.load(gs_ptr + ws_off)
-            su = gl.load(us_ptr + ws_off)
-            acc = gl.zeros([64, 128], gl.float32, layout)  # g's 64 columns, then u's
-            for kb in range(NK):
-                tok = _ring_mma(a_bufs, b_bufs, ready, it, part, STAGES)
-                kn = gl.minimum(kb + 1, NK - 1)
-                sa_next = gl.load(as_ptrs + kn)
-                sg_next = gl.load(gs_ptr + ws_off + kn)
-                su_next = gl.load(us_ptr + ws_off + kn)
-                part = _ring_retire(tok, empty, it, STAGES)
-                # g's columns by sa * sg, u's by sa * su: the Triton kernel's products
-                acc += part * gl.where(is_g[None, :], (sa * sg)[:, None], (sa * su)[:, None])
-                sa = sa_next
-                sg = sg_next
-                su = su_next
-                it += 1
-            g, u = gl.split(gl.permute(gl.reshape(acc, (64, 2, 64)), (0, 2, 1)))
-            hl: gl.constexpr = g.type.layout
-            cols = pid_n * 128 + HALF_COL + gl.arange(0, 64, layout=gl.SliceLayout(0, hl))
-            rows_h = gl.convert_layout(rows, gl.SliceLayout(1, hl))
-            cmask = (cols < I)[None, :]
-            h = g * tl.sigmoid(g) * u
-            h = gl.where(cmask, h, 0.0)  # columns past I take no part in the tile's scale
-            # the rows' amax over the tile's 128 columns: this consumer's 64, then the other's
-            slot = done % 2
-            mine = amax_smem.index(2 * slot + HALF_COL // 64)
-            mine.store(gl.convert_layout(gl.max(gl.abs(h), axis=1), rows_layout))
-            mbarrier.arrive(amax_bar.index(slot), count=1)
-            mbarrier.wait(amax_bar.index(slot), (done // 2) & 1)
-            other = amax_smem.index(2 * slot + 1 - HALF_COL // 64)
-            amax = gl.maximum(mine.load(rows_layout), other.load(rows_layout))
-            # fp8.quantize_tile_rows from the tile's amax
-            j = scale_exponent(gl.convert_layout(amax, gl.SliceLayout(1, hl)))
-            hq = to_e4m3(h * exp2_int(-j)[:, None], False)
-            hs = exp2_int(j)
-            if HALF_COL == 0:
-                gl.store(hs_ptr + rows_h * stride_hsm + pid_n, hs)
-            # hq, g and u in 16-byte row pieces: 16 E4M3 a thread, 4 threads a row; 8 bf16 a thread, 8 a row
-            _store_tile(hq_ptr, stride_hm, hq, rows, pid_n * 128 + HALF_COL, I,
-                        gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
-            if SAVE_GU:
-                bf16_rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-                _store_tile(gu_ptr, stride_gum, g.to(gu_ptr.dtype.element_ty), rows, pid_n * 128 + HALF_COL, I,
-                            bf16_rows)
-                _store_tile(gu_ptr + I, stride_gum, u.to(gu_ptr.dtype.element_ty), rows, pid_n * 128 + HALF_COL,
-                            I, bf16_rows)
-            done += 1
-
-
-@gluon.jit
-def gate_up_swiglu_fp8_ws_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u, gs_ptr, us_ptr, stride_wse,
-                                 stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
-                                 tile_expert_ptr, num_tiles_ptr, num_m, I, NK: gl.constexpr, STAGES: gl.constexpr,
-                                 GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b0_bufs = gl.allocate_shared_memory(w_desc_g.dtype, [STAGES, 128, 128], w_desc_g.layout)
-    b1_bufs = gl.allocate_shared_memory(w_desc_g.dtype, [STAGES, 128, 128], w_desc_g.layout)
-    ready, empty = _ring_barriers(STAGES)
-    # two slots (tiles alternate): a consumer writes a slot again only after passing the other
-    # slot's barrier, which the other consumer reaches after reading this one
-    amax_smem = gl.allocate_shared_memory(gl.float32, [4, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    amax_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(amax_bar.index(i), count=2)
-    gl.warp_specialize([
-        (_gu_consumer, (a_bufs, b0_bufs, ready, empty, amax_smem, amax_bar, as_ptr, stride_asm, gs_ptr, us_ptr,
-                        stride_wse, stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
-                        tile_expert_ptr, num_tiles_ptr, num_m, I, 0, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
-        (_gu_consumer, (a_bufs, b1_bufs, ready, empty, amax_smem, amax_bar, as_ptr, stride_asm, gs_ptr, us_ptr,
-                        stride_wse, stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
-                        tile_expert_ptr, num_tiles_ptr, num_m, I, 64, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
-        (_gu_producer, (a_desc, w_desc_g, w_desc_u, a_bufs, b0_bufs, b1_bufs, ready, empty, tile_expert_ptr,
-                        num_tiles_ptr, num_m, I, NK, STAGES, GROUP_M, SCHED_BM)),
-    ], [4, 1], [232, 40])
-
-
-def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *, hq=None,
-                          h_scale=None, gu=None, sched_bm: int = BM, save_gu: bool = True, stages: int | None = None,
-                          grid: int | None = None, GROUP_M: int = 8, tile_m: int = HALF):
-    """``gemm_fp8.gate_up_swiglu_fp8`` warp-specialized: (hq [R, I] E4M3, h_scale [R, ceil(I/128)],
-    gu [R, 2I] bf16 or None), the same values, into the given outputs or new ones. Runs where
-    ``fits_gate_up`` holds; ``stages`` defaults to ``gate_up_stages(H)``. ``tile_m`` 128: the
-    128-row kernel (not yet measured; schedule tiles a multiple of 128, 3 stages by default)."""
-    R, H = aq.shape
-    E, I, H2 = wg_q.shape
-    if (H2 != H or wu_q.shape != wg_q.shape or wu_scale.stride() != wg_scale.stride()
-            or not fits_gate_up(aq, wg_q, wu_q, sched_bm) or tile_m not in (HALF, BM) or sched_bm % tile_m):
-        raise ValueError(f"gate_up_swiglu_fp8_ws: A {tuple(aq.shape)}, W {tuple(wg_q.shape)}, schedule tiles of "
-                         f"{sched_bm} rows, kernel tiles of {tile_m} do not run on the warp-specialized kernel "
-                         f"(see fits_gate_up; tile_m {HALF} or {BM}, dividing the schedule's)")
-    _check_schedule(tile_expert, num_tiles, R, sched_bm)
-    if hq is None:
-        hq = torch.empty(R, I, dtype=torch.float8_e4m3fn, device=aq.device)
-    if h_scale is None:
-        h_scale = torch.empty(R, triton.cdiv(I, BLOCK), dtype=torch.float32, device=aq.device)
-    save_gu = save_gu or gu is not None
-    if save_gu and gu is None:
-        gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device)
-    assert hq.stride(-1) == 1 and h_scale.stride(-1) == 1 and (gu is None or gu.stride(-1) == 1)
-    gu_arg = gu if save_gu else h_scale
-    num_m = R // tile_m
-    if tile_m == HALF:
-        kernel, w_rows, default_stages = gate_up_swiglu_fp8_ws_kernel, HALF, gate_up_stages(H)
-    else:
-        kernel, w_rows, default_stages = gate_up_swiglu_fp8_ws128_kernel, BN, 3
-    kernel[_grid(aq.device, num_m * triton.cdiv(I, BLOCK), grid)](
-        _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(wg_q, E * I, w_rows),
-        _e4m3_desc(wu_q, E * I, w_rows), wg_scale, wu_scale, wg_scale.stride(0),
-        wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0), gu_arg, gu_arg.stride(0), tile_expert,
-        num_tiles, num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages or default_stages, GROUP_M=GROUP_M,
-        SCHED_BM=sched_bm, SAVE_GU=save_gu, num_warps=4)
-    return hq, h_scale, (gu if save_gu else None)
-
-
-# --------------------------------------------------------------------------------------------
-# gate/up at 128-row tiles (``gate_up_swiglu_fp8_ws(tile_m=128)``: built, not yet measured on a GPU;
-# the layer runs the 64-row form above)
-# --------------------------------------------------------------------------------------------
-#
-# The same sums at the rows GEMM's tile: two consumers of 64 rows each over a 128-row tile and 128
-# columns of h, both reading one stage of A's two halves and W_gate's and W_up's 128 x 128 blocks
-# (48 KB: half the 64-row form's bytes per product). A consumer holds g's and u's accumulators and
+# gemm_fp8.gate_up_swiglu_fp8's sums at the rows GEMM's tile: two consumers of 64 rows each over a
+# 128-row tile and 128 columns of h, both reading one stage of A's two halves and W_gate's and
+# W_up's 128 x 128 blocks (48 KB; a 64-row tile with one 64 x 128 product a consumer moves twice the
+# bytes per product and exchanges h's amax between the consumers: slower, measured). A consumer holds g's and u's accumulators and
 # one block's product, 192 of the 232 registers its partition gets (setmaxnreg: ptxas allocates
 # past the kernel's 168 inside it), so g's and u's products are issued one after the other, each
 # waited for (wait 0) before its promotion. h's 1x128 tile is a consumer's own: no amax exchange.
@@ -686,6 +508,38 @@ def gate_up_swiglu_fp8_ws128_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc
         (_two_block_producer, (a_desc, w_desc_g, w_desc_u, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty,
                                tile_expert_ptr, num_tiles_ptr, num_m, I, NK, STAGES, GROUP_M, SCHED_BM, 128, 0)),
     ], [4, 1], [232, 40])
+
+
+def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *, hq=None,
+                          h_scale=None, gu=None, sched_bm: int = BM, save_gu: bool = True, stages: int = 3,
+                          grid: int | None = None, GROUP_M: int = 8):
+    """``gemm_fp8.gate_up_swiglu_fp8`` warp-specialized: (hq [R, I] E4M3, h_scale [R, ceil(I/128)],
+    gu [R, 2I] bf16 or None), the same values, into the given outputs or new ones. Runs where
+    ``fits_gate_up`` holds. Ring depth 3 (48 KB a stage): 4 measured no faster at H 2048 or 7168."""
+    R, H = aq.shape
+    E, I, H2 = wg_q.shape
+    if H2 != H or wu_q.shape != wg_q.shape or wu_scale.stride() != wg_scale.stride() or not fits_gate_up(
+            aq, wg_q, wu_q, sched_bm):
+        raise ValueError(f"gate_up_swiglu_fp8_ws: A {tuple(aq.shape)}, W {tuple(wg_q.shape)}, schedule tiles of "
+                         f"{sched_bm} rows do not run on the warp-specialized kernel (see fits_gate_up)")
+    _check_schedule(tile_expert, num_tiles, R, sched_bm)
+    if hq is None:
+        hq = torch.empty(R, I, dtype=torch.float8_e4m3fn, device=aq.device)
+    if h_scale is None:
+        h_scale = torch.empty(R, triton.cdiv(I, BLOCK), dtype=torch.float32, device=aq.device)
+    save_gu = save_gu or gu is not None
+    if save_gu and gu is None:
+        gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device)
+    assert hq.stride(-1) == 1 and h_scale.stride(-1) == 1 and (gu is None or gu.stride(-1) == 1)
+    gu_arg = gu if save_gu else h_scale
+    num_m = R // BM
+    gate_up_swiglu_fp8_ws128_kernel[_grid(aq.device, num_m * triton.cdiv(I, BLOCK), grid)](
+        _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(wg_q, E * I, BN),
+        _e4m3_desc(wu_q, E * I, BN), wg_scale, wu_scale, wg_scale.stride(0),
+        wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0), gu_arg, gu_arg.stride(0), tile_expert,
+        num_tiles, num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages, GROUP_M=GROUP_M,
+        SCHED_BM=sched_bm, SAVE_GU=save_gu, num_warps=4)
+    return hq, h_scale, (gu if save_gu else None)
 
 
 # --------------------------------------------------------------------------------------------
