@@ -75,7 +75,8 @@ run_tests_by_case() {
   # compiles (past 380 s), and more processes than cores slow every one of them
   local ids
   mapfile -t ids < <(python3 -m pytest --collect-only -q -p no:cacheprovider "$@" 2>/dev/null | grep '::')
-  printf '%s\n' "${ids[@]}" | awk '{print NR-1 "\t" $0}' | OUT="$OUT" xargs -P "$(nproc)" -L 1 bash -c '
+  # (one intra-op thread each: as many processes as cores; their references run on the GPU)
+  printf '%s\n' "${ids[@]}" | awk '{print NR-1 "\t" $0}' | OMP_NUM_THREADS=1 OUT="$OUT" xargs -P "$(nproc)" -L 1 bash -c '
     log="$OUT/gpu-tests-$(basename "${1%%::*}" .py)-case$0.log"
     left=$(( DEADLINE - $(date +%s) )); t=${TESTS_TIMEOUT:-580}; [ "$left" -lt "$t" ] && t=$left
     if [ "$t" -lt 30 ]; then echo "NOT RUN: the stage budget (STAGE_BUDGET_S) ran out" > "$log"; exit 1; fi

@@ -17,7 +17,7 @@ def test_fp8_layer_gpu_cases(case):
     if route == "one_rank":
         prob = (prob[0], prob[1] % (E // 2) * 2 + 1, *prob[2:])
     got = helpers._run(prob, helpers.GPU_CFG_BWD, device="cuda")
-    helpers._compare(got, helpers._reference_fp8_backward(prob), 2e-2)
-    exact = helpers._reference(prob, fp8=False)
+    helpers._compare(got, helpers._reference_fp8_backward(prob, device="cuda"), 2e-2)
+    exact = helpers._reference(prob, fp8=False, device="cuda")
     e_exact = {helpers.NAMES[i]: rel_err(g, w) for i, (g, w) in enumerate(zip(got, exact))}
     assert all(v < 1e-1 for v in e_exact.values()), e_exact

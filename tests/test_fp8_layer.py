@@ -64,8 +64,10 @@ def _run(prob, cfg, device="cpu", W=1):
     return [torch.cat([r[i] for r in res]) for i in range(6)]
 
 
-def _reference(prob, fp8=True):
-    lv, idx, dy = _leaves(prob)
+def _reference(prob, fp8=True, device="cpu"):
+    """The plain PyTorch layer's values and gradients (``device``: where it computes; the GPU tests
+    compute it on the GPU, where sixteen test processes do not share the host's cores for it)."""
+    lv, idx, dy = _leaves(prob, device)
     if fp8:
         y = tabby.moe_reference_fp8(lv[0], idx, lv[1], *lv[2:5], shared=lv[5:] or None, bf16_rounding=ROUNDING)
     else:
@@ -217,11 +219,12 @@ def test_fp8_layer_expert_parallel_two_ranks():
     _compare(got, want[:6], 2e-2)
 
 
-def _reference_fp8_backward(prob):
+def _reference_fp8_backward(prob, device="cpu"):
     """Values from moe_reference_fp8, gradients from moe_backward_reference_fp8; a shared expert's
     (bf16 PyTorch in the layer too) from autograd, its dx added to the routed dx (in fp32: the
-    layer adds two bf16 tensors, hence the tolerance where there is one)."""
-    x, idx, wts, ws, sh, dy = prob
+    layer adds two bf16 tensors, hence the tolerance where there is one). Returned on the CPU."""
+    x, idx, wts, ws, sh, dy = (None if t is None else [w.to(device) for w in t] if isinstance(t, (list, tuple))
+                               else t.to(device) for t in prob)
     y = tabby.moe_reference_fp8(x, idx, wts, *ws, shared=sh, bf16_rounding=ROUNDING).float()
     dx, dtopk, dwg, dwu, dwd = reference_fp8.moe_backward_reference_fp8(x, idx, wts, *ws, dy, bf16_rounding=ROUNDING)
     out = [y, dx.float(), dtopk.float(), dwg.float(), dwu.float(), dwd.float()]
@@ -231,7 +234,7 @@ def _reference_fp8_backward(prob):
         dxs, dsg, dsu, dsd = torch.autograd.grad(ys, (xs, sg, su, sd), dy)
         out[1] = out[1] + dxs.float()
         out += [dsg.float(), dsu.float(), dsd.float()]
-    return out
+    return [t.cpu() for t in out]
 
 
 @cpu_only

@@ -33,11 +33,11 @@ def test_fp8_layer_gpu(H, I, E, k, T, backward):
     prob = make_problem(1, T, H, I, E, k, seed=H + T)
     cfg = GPU_CFG_BWD if backward == "fp8" else GPU_CFG
     got = _run(prob, cfg, device="cuda")
-    want = _reference_fp8_backward(prob) if backward == "fp8" else _reference(prob)
+    want = _reference_fp8_backward(prob, device="cuda") if backward == "fp8" else _reference(prob, device="cuda")
     # the same quantizations; fp32 sums in other orders, Hopper's FP8 MMA accumulation, and E4M3
     # roundings of values that differ in their last bits land on neighbouring E4M3 values
     errs = _compare(got, want[:6], 2e-2)
-    exact = _reference(prob, fp8=False)
+    exact = _reference(prob, fp8=False, device="cuda")
     e_exact = {NAMES[i]: rel_err(g, w) for i, (g, w) in enumerate(zip(got, exact[:6]))}
     print(f"GPU fp8 layer H={H} I={I} E={E} k={k} T={T} backward={backward}: vs recipe {errs}; vs fp32 {e_exact}")
     assert all(v < 1e-1 for v in e_exact.values()), e_exact
