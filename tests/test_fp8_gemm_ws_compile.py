@@ -36,8 +36,8 @@ def _report():
     # ws.wide_stages: 4 at qwen3-30b-a3b's down, K 768), the SwiGLU backward at 128 x 128; kimi-k2's
     # K 2048 and gpt-oss-120b's 2880 (a partial last block)
     wide_cases = ((6, 4), (16, 3), (23, 3))
-    runs = [(ws.EPI_STORE.value, "tile256", ws.rows_gemm_fp8_ws256_kernel, wide_cases),
-            (ws.EPI_PUSH.value, "tile256", ws.rows_gemm_fp8_ws256_kernel, wide_cases),
+    runs = [(ws.EPI_STORE.value, "tile256", ws.rows_gemm_fp8_ws_wide_kernel, wide_cases),
+            (ws.EPI_PUSH.value, "tile256", ws.rows_gemm_fp8_ws_wide_kernel, wide_cases),
             (ws.EPI_SWIGLU_BWD.value, "tile128", ws.rows_gemm_fp8_ws_kernel, ((16, ws.STAGES), (23, ws.STAGES)))]
     for epilogue, tile, kernel, cases in runs:
         for nk, stages in cases:
@@ -56,7 +56,7 @@ def _report():
                     stride_hsm="i32", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
                     num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk), STAGES=Const(3),
                     GROUP_M=Const(8), SCHED_BM=Const(128), SAVE_GU=Const(True))
-        _line(f"gate_up/nk{nk}", compile_args(ws.gate_up_swiglu_fp8_ws128_kernel, args, num_warps=4))
+        _line(f"gate_up/nk{nk}", compile_args(ws.gate_up_swiglu_fp8_ws_kernel, args, num_warps=4))
     b_half = gl.NVMMASharedLayout.get_default_for([ws.BN, 128], gl.float8e4nv)
     for M, N in ((7168, 2048), (2048, 7168), (2880, 2880)):  # kimi-k2's dW_down and dW_gate, gpt-oss-120b's
         args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asr="i32",

@@ -320,7 +320,7 @@ def _two_block_mainloop(a_bufs, b0_bufs, b1_bufs, ready, empty, it, part, as_ptr
 
 
 @gluon.jit
-def _consumer256(a_bufs, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
+def _wide_consumer(a_bufs, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
                  tile_expert_ptr, num_tiles_ptr, num_m, N, HALF_ROW: gl.constexpr, NK: gl.constexpr,
                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
@@ -345,15 +345,15 @@ def _consumer256(a_bufs, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, s
 
 
 @gluon.jit
-def rows_gemm_fp8_ws256_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_bse, stride_bsn, epi,
+def rows_gemm_fp8_ws_wide_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_bse, stride_bsn, epi,
                                tile_expert_ptr, num_tiles_ptr, num_m, N, NK: gl.constexpr, STAGES: gl.constexpr,
                                GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
     a_lo, a_hi, b_lo, ready, empty = _ring_128x128(a_desc, b_desc, STAGES)
     b_hi = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     gl.warp_specialize([
-        (_consumer256, (a_lo, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
+        (_wide_consumer, (a_lo, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
                         tile_expert_ptr, num_tiles_ptr, num_m, N, 0, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
-        (_consumer256, (a_hi, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
+        (_wide_consumer, (a_hi, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
                         tile_expert_ptr, num_tiles_ptr, num_m, N, 64, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
         (_two_block_producer, (a_desc, b_desc, b_desc, a_lo, a_hi, b_lo, b_hi, ready, empty, tile_expert_ptr,
                                num_tiles_ptr, num_m, N, NK, STAGES, GROUP_M, SCHED_BM, 256, 128)),
@@ -415,7 +415,7 @@ def launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, sched_bm: int, epil
     R, K = aq.shape
     num_m = R // BM
     wide = epilogue != EPI_SWIGLU_BWD
-    kernel = rows_gemm_fp8_ws256_kernel if wide else rows_gemm_fp8_ws_kernel
+    kernel = rows_gemm_fp8_ws_wide_kernel if wide else rows_gemm_fp8_ws_kernel
     kernel[_grid(aq.device, num_m * triton.cdiv(N, 2 * BN if wide else BN), grid)](
         _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bq, bq.shape[0] * bq.shape[1], BN), b_scale,
         b_scale.stride(0), b_scale.stride(1), epi, tile_expert, num_tiles, num_m, N, NK=triton.cdiv(K, BLOCK),
@@ -452,7 +452,7 @@ def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=No
 
 
 @gluon.jit
-def _gu128_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
+def _gate_up_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
                     stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
                     num_tiles_ptr, num_m, I, HALF_ROW: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr,
                     GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
@@ -488,7 +488,7 @@ def _gu128_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, 
 
 
 @gluon.jit
-def gate_up_swiglu_fp8_ws128_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u, gs_ptr, us_ptr, stride_wse,
+def gate_up_swiglu_fp8_ws_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u, gs_ptr, us_ptr, stride_wse,
                                     stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
                                     tile_expert_ptr, num_tiles_ptr, num_m, I, NK: gl.constexpr,
                                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr,
@@ -499,10 +499,10 @@ def gate_up_swiglu_fp8_ws128_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc
     bu_bufs = gl.allocate_shared_memory(w_desc_u.dtype, [STAGES] + w_desc_u.block_type.shape, w_desc_u.layout)
     ready, empty = _ring_barriers(STAGES)
     gl.warp_specialize([
-        (_gu128_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
+        (_gate_up_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
                            stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
                            num_tiles_ptr, num_m, I, 0, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
-        (_gu128_consumer, (a_hi, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
+        (_gate_up_consumer, (a_hi, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
                            stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
                            num_tiles_ptr, num_m, I, 64, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
         (_two_block_producer, (a_desc, w_desc_g, w_desc_u, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty,
@@ -533,7 +533,7 @@ def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expe
     assert hq.stride(-1) == 1 and h_scale.stride(-1) == 1 and (gu is None or gu.stride(-1) == 1)
     gu_arg = gu if save_gu else h_scale
     num_m = R // BM
-    gate_up_swiglu_fp8_ws128_kernel[_grid(aq.device, num_m * triton.cdiv(I, BLOCK), grid)](
+    gate_up_swiglu_fp8_ws_kernel[_grid(aq.device, num_m * triton.cdiv(I, BLOCK), grid)](
         _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(wg_q, E * I, BN),
         _e4m3_desc(wu_q, E * I, BN), wg_scale, wu_scale, wg_scale.stride(0),
         wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0), gu_arg, gu_arg.stride(0), tile_expert,
