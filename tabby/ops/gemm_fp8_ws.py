@@ -249,12 +249,13 @@ def rows_gemm_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_b
     ], [4, 1], [232, 40])
 
 
-# The same GEMM at 128 x 256 tiles, the stored and pushed rows' (``launch``): a stage is A's two halves and B's two 128 x 128 blocks, 48 KB for 128 x 256 products (24 KB per
-# 128 x 128 against 32). A consumer holds two 64 x 128 accumulators and one product (192 of its
-# partition's 232 registers) and issues the two column halves' products one after the other, each
-# waited for before its promotion; each half goes through ``_epilogue`` as a 128-column tile of its
-# own (so the sums are the 128-wide kernel's). With the SwiGLU backward's epilogue (its loads of
-# g | u and w beside the other half's accumulator) it spills: that epilogue runs at 128 x 128.
+# The same GEMM at 128 x 256 tiles, the stored and pushed rows' (``launch``): a stage is A's two
+# halves and B's two 128 x 128 blocks, 48 KB for 128 x 256 products (24 KB per 128 x 128 against
+# 32). A consumer holds two 64 x 128 accumulators and one product (192 of its partition's 232
+# registers) and issues the two column halves' products one after the other, each waited for
+# before its promotion; each half goes through ``_epilogue`` as a 128-column tile of its own (so
+# the sums are the 128-wide kernel's). With the SwiGLU backward's epilogue (its loads of g | u and
+# w beside the other half's accumulator) it spills: that epilogue runs at 128 x 128.
 
 
 @gluon.jit
@@ -321,8 +322,8 @@ def _two_block_mainloop(a_bufs, b0_bufs, b1_bufs, ready, empty, it, part, as_ptr
 
 @gluon.jit
 def _wide_consumer(a_bufs, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
-                 tile_expert_ptr, num_tiles_ptr, num_m, N, HALF_ROW: gl.constexpr, NK: gl.constexpr,
-                 STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
+                   tile_expert_ptr, num_tiles_ptr, num_m, N, HALF_ROW: gl.constexpr, NK: gl.constexpr,
+                   STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     num_n = gl.cdiv(N, 256)
     last_bn = gl.cdiv(N, 128) - 1  # the weight scales' last block row
@@ -444,18 +445,19 @@ def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=No
 #
 # gemm_fp8.gate_up_swiglu_fp8's sums at the rows GEMM's tile: two consumers of 64 rows each over a
 # 128-row tile and 128 columns of h, both reading one stage of A's two halves and W_gate's and
-# W_up's 128 x 128 blocks (48 KB; a 64-row tile with one 64 x 128 product a consumer moves twice the
-# bytes per product and exchanges h's amax between the consumers: slower, measured). A consumer holds g's and u's accumulators and
-# one block's product, 192 of the 232 registers its partition gets (setmaxnreg: ptxas allocates
-# past the kernel's 168 inside it), so g's and u's products are issued one after the other, each
-# waited for (wait 0) before its promotion. h's 1x128 tile is a consumer's own: no amax exchange.
+# W_up's 128 x 128 blocks (48 KB). A consumer holds g's and u's accumulators and one block's
+# product, 192 of the 232 registers its partition gets (setmaxnreg: ptxas allocates past the
+# kernel's 168 inside it), so g's and u's products are issued one after the other, each waited
+# for (wait 0) before its promotion. h's 1x128 tile is a consumer's own. (A 64-row tile with one
+# 64 x 128 product a consumer moves twice the bytes per product and exchanges h's amax between
+# the consumers: slower, measured.)
 
 
 @gluon.jit
 def _gate_up_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
-                    stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
-                    num_tiles_ptr, num_m, I, HALF_ROW: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr,
-                    GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
+                      stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
+                      num_tiles_ptr, num_m, I, HALF_ROW: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr,
+                      GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
     num_n = gl.cdiv(I, 128)
