@@ -163,6 +163,9 @@ def test_fp8_buffers_are_counted():
     assert need["fp8-forward"].fp8_weights == made.fp8_weights == 3 * E * I * H
     assert need["fp8"].fp8_weights == 6 * E * I * H
     assert need["fp8"].peak() > need["fp8-forward"].peak() > need["bf16"].peak()
+    report = moe_mod.memory_report(make_plan(dims, MoEConfig(megakernel=False, precision="fp8"), torch.device("cpu")))
+    assert f"E4M3 copies (with their transposes) {6 * E * I * H / 2**20:.1f} MiB" in report
+    assert "E4M3" not in moe_mod.memory_report(make_plan(dims, MoEConfig(megakernel=False), torch.device("cpu")))
 
 
 def test_fp8_buffers_with_partial_tiles_are_counted():

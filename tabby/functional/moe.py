@@ -324,9 +324,13 @@ def memory_report(plan: Plan) -> str:
                 f"recomputes the routed rows" if n.recompute else
                 f"megakernel ring {n.ring / MiB:.1f} MiB; a differentiated forward keeps {n.kept / MiB:.1f} MiB per "
                 f"layer for the backward (without autograd: only the ring)")
+    copies = ""
+    if n.fp8_weights:
+        what = "with their transposes" if plan.precision == "fp8" and plan.cache_fp8_transposes else "forward's only"
+        copies = f"; the weights' E4M3 copies ({what}) {n.fp8_weights / MiB:.1f} MiB, held while the weights live"
     return (f"T={d.T} H={d.H} I={d.I} k={d.k} E_local={d.E_local} EP{d.world_size}: routed rows sized for the worst "
             f"case: R_max={n.R_max} rows; {mode}; backward transient {n.backward / MiB:.1f} MiB (tabby.moe's, "
-            f"which frees the kept rows as it goes: {n.backward_moe / MiB:.1f} MiB)")
+            f"which frees the kept rows as it goes: {n.backward_moe / MiB:.1f} MiB){copies}")
 
 
 def free_device_bytes(device: torch.device) -> int | None:
