@@ -287,8 +287,14 @@ def run_notes(cfg: Config, records: list) -> list:
     note ran (torch-fp8: whether its quantization was fused)."""
     note = WEIGHTS_NOTE if cfg.weights == "new" else FIXED_WEIGHTS_NOTE
     notes = [note] if any(getattr(IMPLS.get(n), "precision", "") == "fp8" for n in cfg.impls) else []
-    return notes + [f"{name}: {note}" for name, note in dict.fromkeys((r["impl"], r["note"]) for r in records
-                                                                       if r.get("note"))]
+    shapes: dict = {}  # (impl, note) -> the shapes it ran with that note, in order
+    for r in records:
+        if r.get("note"):
+            shapes.setdefault((r["impl"], r["note"]), {})[r["shape"]] = None
+    impls = [name for name, _ in shapes]
+    # an implementation that ran with several notes says which shapes each covers
+    return notes + [f"{name}: {note} ({', '.join(s)})" if impls.count(name) > 1 else f"{name}: {note}"
+                    for (name, note), s in shapes.items()]
 
 
 def run(cfg: Config) -> dict:

@@ -271,6 +271,33 @@ def test_the_bench_names_the_policy_and_records_how_torch_fp8_quantized():
     assert bench.run_notes(bench.Config(shapes=[TINY], tokens=[16], eps=[1], impls=["tabby-fp8", "torch-fp8"],
                                         passes=["fwd"]), [fp8, fp8]) == [
         bench.WEIGHTS_NOTE, "torch-fp8: quantization fused (torch.compile)"]
+    # a row that ran with several notes (tabby-fp8 caching its transposes or not, by shape) names the shapes
+    held, made = (dict(recs[0], impl="tabby-fp8", shape=s, note=n)
+                  for s, n in (("a", "weight transposes cached"), ("b", "weight transposes made per backward")))
+    assert bench.run_notes(cfg, [held, fp8, made, dict(held, shape="c")]) == [
+        "tabby-fp8: weight transposes cached (a, c)", "torch-fp8: quantization fused (torch.compile)",
+        "tabby-fp8: weight transposes made per backward (b)"]
+
+
+def test_tabby_fp8_row_caches_transposes_where_they_fit(monkeypatch):
+    """The tabby-fp8 bench row keeps the default (transposes cached) unless the weights, their
+    gradients and both E4M3 orientations (6 bytes a parameter) pass FP8_HOLD_SHARE of the GPU."""
+    import tabby_bench.impls as impls
+
+    seen = []
+    monkeypatch.setattr(impls.tabby, "moe", lambda *a, config, **kw: seen.append(config.cache_fp8_transposes))
+    w = torch.empty(2, 8, 16)
+    impls.tabby_fp8(torch.empty(4, 16), None, None, w, w, w.transpose(1, 2))
+    assert seen == [True] and impls._fp8_held[-1]
+
+    class Props:
+        total_memory = int(6 * 3 * w.numel() / impls.FP8_HOLD_SHARE) - 1
+
+    x = torch.empty(4, 16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
+    impls.tabby_fp8(x, None, None, w, w, w.transpose(1, 2))
+    assert seen == [True, False] and not impls._fp8_held[-1]
 
 
 # ----------------------------------------------------------------------------------------------
