@@ -124,6 +124,9 @@ def wgrad_segments(T, k, E, H, I):
     same = torch.equal(gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count, padded=True), want)
     out[f"fp8 padded{'' if same else ' MISMATCH'}"] = fl / bench(
         lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count, padded=True)) / 1e9
+    alt = lambda: gemm_fp8_ws.expert_wgrad_fp8_ws(xc, xcs, hc, hcs, start, count, alternate=True)  # noqa: E731
+    same = torch.equal(alt(), want)
+    out[f"fp8 padded alternate{'' if same else ' MISMATCH'}"] = fl / bench(alt) / 1e9
     out["fp8 padded triton"] = fl / bench(
         lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count, padded=True, config=triton_cfg)) / 1e9
     return out

@@ -65,11 +65,13 @@ def _report():
                     expert_count_ptr="*i32", E="i32", M="i32:16", N="i32:16", STAGES=Const(ws.STAGES),
                     GROUP_M=Const(8))
         _line(f"wgrad/{M}x{N}", compile_args(ws.expert_wgrad_fp8_ws_kernel, args, num_warps=4))
+        # whole tiles per consumer, alternating (not used by the layer yet)
+        _line(f"wgrad_alt/{M}x{N}", compile_args(ws.expert_wgrad_fp8_ws_alt_kernel, args, num_warps=4))
 
 
 def test_warp_specialized_rows_gemm_compiles_unserialized():
     lines = run_compiled_check(__file__).splitlines()
-    assert len(lines) == 14, lines
+    assert len(lines) == 17, lines
     for line in lines:
         f = line.split()
         c = dict(zip(f[1::2], map(int, f[2::2])))

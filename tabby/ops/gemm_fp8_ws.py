@@ -64,25 +64,25 @@ EPI_SWIGLU_BWD = gl.constexpr(2)  # the down dgrad's SwiGLU backward (gemm._swig
 
 
 @gluon.jit
-def _ring_barriers(STAGES: gl.constexpr):
+def _ring_barriers(STAGES: gl.constexpr, READERS: gl.constexpr = 2):
     """The ring's barriers per stage: ``ready`` (the producer's TMA transactions land) and ``empty``
-    (one arrival per consumer warpgroup: both have read the stage)."""
+    (one arrival per consumer warpgroup that reads the stage: READERS, both by default)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=READERS)
     return ready, empty
 
 
 @gluon.jit
-def _ring_128x128(a_desc, b_desc, STAGES: gl.constexpr):
-    """The ring of a 128 x 128 output tile: per stage A's two 64-row halves (one per consumer), B's
-    128 x 128 block, and the barriers (``_ring_barriers``)."""
+def _ring_128x128(a_desc, b_desc, STAGES: gl.constexpr, READERS: gl.constexpr = 2):
+    """The ring of a 128 x 128 output tile: per stage A's two 64-row halves, B's 128 x 128 block,
+    and the barriers (``_ring_barriers``; READERS: the consumers that read each stage)."""
     a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready, empty = _ring_barriers(STAGES)
+    ready, empty = _ring_barriers(STAGES, READERS)
     return a_lo, a_hi, b_bufs, ready, empty
 
 
@@ -635,12 +635,106 @@ def expert_wgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, strid
     ], [4, 1], [232, 40])
 
 
+# The weight gradient with whole tiles per consumer (``expert_wgrad_fp8_ws(alternate=True)``: built,
+# not yet measured on a GPU). Above, both consumers read every stage (64 rows of the tile each), so
+# they reach each tile's end together and both promote, convert and store while the tensor cores
+# idle: at kimi-k2's three K blocks a tile, an output tile costs about four blocks' time. Here the
+# consumers take alternate tiles of the walk, each the tile's 128 rows (A's two halves against B:
+# two accumulators and one product, each half's MMA waited for before its promotion, as the
+# two-block kernels), so one's epilogue and next tile's start run under the other's MMAs. A stage
+# has one reader; a consumer counts the other's blocks to keep the ring's stage and phase. The
+# scales are loaded at each block (no prefetch: the two accumulators, the product and 32 column
+# scales fill a consumer's registers).
+
+
+@gluon.jit
+def _wgrad_alt_promote(acc, part, sa_ptr, rows, M, sb_ptr, n_left, layout: gl.constexpr):
+    """acc + part promoted by the outer product of this half's row scales and the tile's 128
+    column scales (``sb_ptr``: the tile's first column; ``n_left`` columns remain before N). The
+    column scales are loaded one a thread and spread to the accumulator's layout through shared
+    memory: loaded in that layout, each thread would hold 32 addresses."""
+    sa = gl.load(sa_ptr + rows, mask=rows < M, other=0.0)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    cols = gl.arange(0, 128, layout=one)
+    sb = gl.convert_layout(gl.load(sb_ptr + cols, mask=cols < n_left, other=0.0), gl.SliceLayout(0, layout))
+    return acc + part * (sa[:, None] * sb[None, :])
+
+
+@gluon.jit
+def _wgrad_alt_store(acc, c_ptr, stride_cm, rows_out, rn, M, N, out_layout: gl.constexpr):
+    val = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_layout)
+    ptrs = c_ptr + rows_out.to(gl.int64)[:, None] * stride_cm + rn[None, :]
+    gl.store(ptrs, val, mask=(rows_out < M)[:, None] & (rn < N)[None, :])
+
+
+@gluon.jit
+def _wgrad_alt_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce,
+                        stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, WHICH: gl.constexpr,
+                        STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    num_m = gl.cdiv(M, 128)
+    num_n = gl.cdiv(N, 128)
+    it = 0
+    mine = WHICH
+    part = gl.zeros([64, 128], gl.float32, layout)
+    for t in range(gl.program_id(0), E * num_m * num_n, gl.num_programs(0)):
+        e, pid_m, pid_n, kf0, kf1 = _wgrad_tile(t, num_m, num_n, expert_start_ptr, expert_count_ptr, GROUP_M)
+        if mine == 0:
+            rows = pid_m * 128 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+            sb_ptr = bs_ptr + pid_n * 128
+            n_left = N - pid_n * 128
+            acc_lo = gl.zeros([64, 128], gl.float32, layout)
+            acc_hi = gl.zeros([64, 128], gl.float32, layout)
+            for kb in range(kf0, kf1):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                tok = warpgroup_mma(a_lo.index(s), b_bufs.index(s).permute((1, 0)), part, use_acc=False,
+                                    is_async=True)
+                # (rows past M, columns past N: TMA's zeros in the product, scale 0, not stored)
+                part = warpgroup_mma_wait(0, deps=(tok, ))
+                acc_lo = _wgrad_alt_promote(acc_lo, part, as_ptr + kb * stride_asr, rows, M, sb_ptr + kb * stride_bsr,
+                                            n_left, layout)
+                tok = warpgroup_mma(a_hi.index(s), b_bufs.index(s).permute((1, 0)), part, use_acc=False,
+                                    is_async=True)
+                part = _ring_retire(tok, empty, it, STAGES)
+                acc_hi = _wgrad_alt_promote(acc_hi, part, as_ptr + kb * stride_asr, rows + 64, M,
+                                            sb_ptr + kb * stride_bsr, n_left, layout)
+                it += 1
+            rm = pid_m * 128 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
+            rn = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, out_layout))
+            c_e = c_ptr + e.to(gl.int64) * stride_ce
+            _wgrad_alt_store(acc_lo, c_e, stride_cm, rm, rn, M, N, out_layout)
+            _wgrad_alt_store(acc_hi, c_e, stride_cm, rm + 64, rn, M, N, out_layout)
+        else:
+            it += kf1 - kf0  # the other consumer's blocks pass through the ring
+        mine = 1 - mine
+
+
+@gluon.jit
+def expert_wgrad_fp8_ws_alt_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, stride_bsr, c_ptr, stride_ce,
+                                   stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, STAGES: gl.constexpr,
+                                   GROUP_M: gl.constexpr):
+    a_lo, a_hi, b_bufs, ready, empty = _ring_128x128(a_desc, b_desc, STAGES, 1)
+    gl.warp_specialize([
+        (_wgrad_alt_consumer, (a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
+                               stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 0, STAGES,
+                               GROUP_M)),
+        (_wgrad_alt_consumer, (a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
+                               stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 1, STAGES,
+                               GROUP_M)),
+        (_wgrad_producer, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_start_ptr, expert_count_ptr, E,
+                           M, N, STAGES, GROUP_M)),
+    ], [4, 1], [232, 40])
+
+
 def expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count, *, out_dtype=torch.bfloat16,
-                        stages: int = STAGES, grid: int | None = None, GROUP_M: int = 8):
+                        stages: int = STAGES, grid: int | None = None, GROUP_M: int = 8, alternate: bool = False):
     """``gemm_fp8.expert_wgrad_fp8(..., padded=True)`` warp-specialized: C [E, M, N] from at [M, R],
     bt [N, R] E4M3 (128x1 scales [R/128, M], [R/128, N]), the layer's padded segments (each starts
     at a multiple of 128, zeros from its end to the next). Needs sm_90, R a multiple of 128 and
-    16-byte aligned rows (TMA)."""
+    16-byte aligned rows (TMA). ``alternate``: whole tiles per consumer, alternating (above: not yet
+    measured; the layer runs the other)."""
     M, R = at.shape
     N = bt.shape[0]
     E = expert_count.numel()
@@ -648,7 +742,8 @@ def expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count, *,
         raise ValueError(f"expert_wgrad_fp8_ws: at {tuple(at.shape)}, bt {tuple(bt.shape)} do not run on the "
                          "warp-specialized kernel (see fits_wgrad)")
     out = torch.empty(E, M, N, dtype=out_dtype, device=at.device)
-    expert_wgrad_fp8_ws_kernel[_grid(at.device, E * triton.cdiv(M, BM) * triton.cdiv(N, BN), grid)](
+    kernel = expert_wgrad_fp8_ws_alt_kernel if alternate else expert_wgrad_fp8_ws_kernel
+    kernel[_grid(at.device, E * triton.cdiv(M, BM) * triton.cdiv(N, BN), grid)](
         _e4m3_desc(at, M, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bt, N, BN), b_scale, b_scale.stride(0), out,
         out.stride(0), out.stride(1), expert_start, expert_count, E, M, N, STAGES=stages, GROUP_M=GROUP_M, num_warps=4)
     return out
