@@ -643,8 +643,10 @@ def expert_wgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, strid
 # two accumulators and one product, each half's MMA waited for before its promotion, as the
 # two-block kernels), so one's epilogue and next tile's start run under the other's MMAs. A stage
 # has one reader; a consumer counts the other's blocks to keep the ring's stage and phase. The
-# scales are loaded at each block (no prefetch: the two accumulators, the product and 32 column
-# scales fill a consumer's registers).
+# scales load at their use, after the MMA's wait: the two accumulators and the product fill a
+# consumer's registers, and any scale loaded earlier (even both halves' row scales, 2 registers
+# more across an MMA) spills at sm_90a. Their latency is then the consumer's own, for the other
+# consumer's MMAs to cover.
 
 
 @gluon.jit
