@@ -4,7 +4,8 @@
   pushed rows at 128 x 256 tiles, the down dgrad's SwiGLU backward at 128 x 128;
 - ``gate_up_swiglu_fp8_ws``: gate/up with the SwiGLU and h's quantization, 128 x 128 tiles of h
   (``fits_gate_up``);
-- ``expert_wgrad_fp8_ws``: the weight gradient over the layer's padded segments (``fits_wgrad``).
+- ``expert_wgrad_fp8_ws``: the weight gradient over the layer's padded segments (``fits_wgrad``);
+  its form with whole tiles per consumer (``alternate=True``) is built and not yet measured.
 gemm_fp8's entry points run them wherever they fit at the default tiles: every FP8 GEMM of the
 layer runs here on an H200.
 
