@@ -135,7 +135,7 @@ def _gate_up_t_buffer(E: int, I: int, H: int, device):
     return q, (q[:, :, :I], q[:, :, Ip:Ip + I])
 
 
-def fp8_weight_t(w: torch.Tensor, hold: bool):
+def fp8_weight_t(w: torch.Tensor, *, hold: bool):
     """``fp8_weight(w)`` transposed: (E4M3 [E, K, N], scales [E, ceil(K/128), ceil(N/128)]), exactly:
     the down dgrad's B. Cached with the forward's copy where ``hold`` (one byte per parameter
     between steps); else made from that copy and dropped after its GEMM."""
@@ -147,7 +147,7 @@ def fp8_weight_t(w: torch.Tensor, hold: bool):
     return value
 
 
-def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor, hold: bool):
+def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor, *, hold: bool):
     """[W_gate^T | W_up^T] quantized, (E4M3 [E, H, 2Ip], scales [E, ceil(H/128), 2Ip/128]), Ip =
     ``gate_up_k(I)``: the gate/up dgrad's B (dxs = dg @ W_gate + du @ W_up is one GEMM over K =
     2Ip); cached where ``hold``, as ``fp8_weight_t``. Each half is its weight's 128x128
@@ -168,7 +168,7 @@ def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor, hold: bool):
     return value
 
 
-def fp8_layer_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, transposed: bool):
+def fp8_layer_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *, transposed: bool):
     """The forward's E4M3 copies of the three weights, ``fp8_weight`` of each. With ``transposed``
     (an FP8 backward follows and holds its operands) the backward's two transposed operands are
     cached too (``fp8_weight_t``, ``fp8_gate_up_t``): where none of the five is cached, both
@@ -309,7 +309,7 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     mark(probe, "bwd:dispatch_dy")
     # Each buffer is dropped once its last launch is queued: the caching allocator hands it only to
     # later work on this stream, so the next buffers reuse it and the peak stays near one set.
-    wd_t = fp8_weight_t(w_down, plan.cache_fp8_transposes)
+    wd_t = fp8_weight_t(w_down, hold=plan.cache_fp8_transposes)
     dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(
         dys_q, dys_s, *wd_t, gu, row_w, sched.tile_expert, sched.num_tiles,
         config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_DOWN_DGRAD, BM=BM))
@@ -317,7 +317,7 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     mark(probe, "bwd:down_dgrad+swiglu")
     dgu_q, dgu_qs = quantize_gate_up_grad(dgu, I, sched.num_tiles, BM)
     mark(probe, "bwd:quantize_dgu")
-    gu_t = fp8_gate_up_t(w_gate, w_up, plan.cache_fp8_transposes)
+    gu_t = fp8_gate_up_t(w_gate, w_up, hold=plan.cache_fp8_transposes)
     gemm_fp8.rows_gemm_fp8(dgu_q, dgu_qs, *gu_t, sched.tile_expert, sched.num_tiles,
                            row_src=sched.row_src, dst_ptrs=ws.ptrs["dx_in"], TK=TK,
                            config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=BM))
