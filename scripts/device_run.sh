@@ -13,7 +13,7 @@
 #   fp8-tests  the FP8 test files but the layer's two, and test_custom_op (which runs FP8 through
 #           torch.compile), in parallel as tests
 #   fp8-layer-tests  the FP8 layer's GPU files (test_fp8_cases_gpu.py, test_fp8_layer_gpu.py), one process per
-#           test case, at most one per core (cold, each case compiles its shapes' kernels)
+#           group of cases of one shape (scripts/gpu_case_groups.py: each shape's kernels compile once)
 #   fp8-gemm   scripts/fp8_bench.py --gemm-only (the FP8 GEMMs' TFLOP/s against bf16's and their variants;
 #           extra args go to it)
 #   fp8-bench  the FP8 layer's stage profile at kimi-k2, and the layer bench at 16384 tokens on the six shapes:
@@ -69,22 +69,32 @@ run_tests() {
     report_log "$(basename "$log")" "$log"
   done
 }
-run_tests_by_case() {
-  # one pytest process per test case of the files, at most one per core: each case of the FP8 layer
-  # files compiles its own shapes' kernels, so one process per file is bound by the sum of its cases'
-  # compiles (past 380 s), and more processes than cores slow every one of them
-  local ids
-  mapfile -t ids < <(python3 -m pytest --collect-only -q -p no:cacheprovider "$@" 2>/dev/null | grep '::')
-  # (one intra-op thread each: as many processes as cores; their references run on the GPU)
-  printf '%s\n' "${ids[@]}" | awk '{print NR-1 "\t" $0}' | OMP_NUM_THREADS=1 OUT="$OUT" xargs -P "$(nproc)" -L 1 bash -c '
-    log="$OUT/gpu-tests-$(basename "${1%%::*}" .py)-case$0.log"
-    left=$(( DEADLINE - $(date +%s) )); t=${TESTS_TIMEOUT:-580}; [ "$left" -lt "$t" ] && t=$left
-    if [ "$t" -lt 30 ]; then echo "NOT RUN: the stage budget (STAGE_BUDGET_S) ran out" > "$log"; exit 1; fi
-    TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout "$t" \
-      python3 -m pytest -q -rA -p no:cacheprovider "$1" > "$log" 2>&1' || status=1
-  local i=0 id
-  for id in "${ids[@]}"; do
-    report_log "$id" "$OUT/gpu-tests-$(basename "${id%%::*}" .py)-case$i.log"
+run_tests_by_shape() {
+  # one pytest process per group of test cases that compile the same shapes' kernels
+  # (scripts/gpu_case_groups.py), all at once: one process per case compiled each shape's kernels
+  # once per case, sixteen at once on sixteen cores, and did not finish 16 of 19 cases in 540 s
+  local groups g id i=0
+  mapfile -t groups < <(python3 -m pytest --collect-only -q -p no:cacheprovider "$@" 2>/dev/null | grep '::' |
+                        python3 scripts/gpu_case_groups.py)
+  local pids=()
+  for g in "${groups[@]}"; do
+    (log="$OUT/gpu-tests-fp8-layer-group$i.log"
+     left=$(( DEADLINE - $(date +%s) )); t=${TESTS_TIMEOUT:-580}; [ "$left" -lt "$t" ] && t=$left
+     # (one intra-op thread each; the references run on the GPU)
+     OMP_NUM_THREADS=1 TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout "$t" \
+       python3 -m pytest -q -rA --durations=0 -p no:cacheprovider $g > "$log" 2>&1) &
+    pids+=($!)
+    i=$((i + 1))
+  done
+  for g in "${pids[@]}"; do wait "$g" || status=1; done
+  i=0
+  for g in "${groups[@]}"; do
+    report_log "group $i ($(echo $g | wc -w) cases)" "$OUT/gpu-tests-fp8-layer-group$i.log"
+    # cases not reached before the timeout: not in the log's PASSED / FAILED lines
+    for id in $g; do
+      grep -q -F -e "PASSED $id" -e "FAILED $id" -e "ERROR $id" "$OUT/gpu-tests-fp8-layer-group$i.log" ||
+        echo "   NOT FINISHED (or skipped): $id"
+    done
     i=$((i + 1))
   done
 }
@@ -122,7 +132,7 @@ if [ "$stage" = fp8-tests ]; then
 fi
 pack
 if [ "$stage" = fp8-layer-tests ]; then
-  run_tests_by_case $fp8_layer_files
+  run_tests_by_shape $fp8_layer_files
 fi
 pack
 if [ "$stage" = fp8-gemm ]; then
