@@ -16,7 +16,7 @@
 #           group of cases of one shape (scripts/gpu_case_groups.py: each shape's kernels compile once)
 #   fp8-gemm   scripts/fp8_bench.py --gemm-only (the FP8 GEMMs' TFLOP/s against bf16's and their variants;
 #           extra args go to it)
-#   fp8-bench  the FP8 layer's stage profile at kimi-k2, and the layer bench at 16384 tokens on the six shapes:
+#   fp8-bench  the FP8 layer's stage profile at kimi-k2 and deepseek-v4-pro, and the layer bench at 16384 tokens on the six shapes:
 #           tabby against tabby-fp8 with fixed weights (their FP8 copies reused), tabby-fp8 against torch-fp8
 #           from a new weight version per call (both quantize; FP8_BENCH_NEW=0 skips it); about 390 s
 #   all     tests, then bench
@@ -143,7 +143,7 @@ fi
 pack
 if [ "$stage" = fp8-bench ]; then
   fp8_shapes=kimi-k2,glm-5,deepseek-v4-pro,qwen3-30b-a3b,gpt-oss-120b,qwen3.5-397b
-  python3 -m tabby_bench profile --precision fp8 --shapes kimi-k2 --tokens 16384 --out "$OUT/res/profile-fp8.json" \
+  python3 -m tabby_bench profile --precision fp8 --shapes kimi-k2,deepseek-v4-pro --tokens 16384 --out "$OUT/res/profile-fp8.json" \
     2>&1 | tail -30
   python3 -m tabby_bench bench --ep 1 --tokens 16384 --shapes $fp8_shapes --impls tabby,tabby-fp8 --weights fixed \
     --iters 10 --warmup 3 --out "$OUT/res" --tag fp8-fixed 2>&1 | tail -25

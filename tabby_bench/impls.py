@@ -166,11 +166,16 @@ _FP8_CONFIGS = {hold: MoEConfig(precision="fp8", cache_fp8_transposes=hold) for 
 _fp8_held = [True]
 
 
+def fp8_transposes_fit(x, *weights) -> bool:
+    """Whether the weights, their gradients and both E4M3 orientations (6 bytes a parameter) fit
+    in FP8_HOLD_SHARE of x's GPU."""
+    room = torch.cuda.get_device_properties(x.device).total_memory if x.is_cuda else float("inf")
+    return 6 * sum(w.numel() for w in weights) <= FP8_HOLD_SHARE * room
+
+
 def tabby_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None):
     """``tabby.moe`` with precision="fp8", its weight transposes cached where they fit (FP8_HOLD_SHARE)."""
-    params = w_gate.numel() + w_up.numel() + w_down.numel()
-    room = torch.cuda.get_device_properties(x.device).total_memory if x.is_cuda else float("inf")
-    _fp8_held[-1] = hold = 6 * params <= FP8_HOLD_SHARE * room
+    _fp8_held[-1] = hold = fp8_transposes_fit(x, w_gate, w_up, w_down)
     return tabby.moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=shared, group=group,
                      config=_FP8_CONFIGS[hold])
 

@@ -82,6 +82,8 @@ def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only
 
     from tabby.functional.config import MoEConfig
     from tabby.functional.moe import moe_with_probe
+
+    from .impls import fp8_transposes_fit
     from tabby.functional.probe import Probe
 
     from . import log
@@ -93,7 +95,9 @@ def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only
     group = dist.group.WORLD if world > 1 else None
     x, weights = inp.x, [inp.w_gate, inp.w_up, inp.w_down]
     timer = StageTimer()
-    config = MoEConfig(megakernel=mega, precision=precision)
+    # FP8: the weights' transposes cached where they fit, as the bench's tabby-fp8 row
+    config = MoEConfig(megakernel=mega, precision=precision,
+                       cache_fp8_transposes=precision != "fp8" or fp8_transposes_fit(x, *weights))
     for it in range(warmup + iters):
         if it == warmup and torch.cuda.is_available():
             torch.cuda.synchronize()
