@@ -18,7 +18,7 @@
 #           extra args go to it)
 #   fp8-bench  the FP8 layer's stage profile at kimi-k2 and deepseek-v4-pro, and the layer bench at 16384 tokens on the six shapes:
 #           tabby against tabby-fp8 with fixed weights (their FP8 copies reused), tabby-fp8 against torch-fp8
-#           from a new weight version per call (both quantize; FP8_BENCH_NEW=0 skips it); about 390 s
+#           from a new weight version per call (both quantize; FP8_BENCH_NEW=0 skips it); about 430 s
 #   all     tests, then bench
 # Logs and results go under $RUN_DIR (default /tmp/tabby-run); where $OUT is set (the device tool's
 # folder, from which at most 8 files come back) they are packed into $OUT/tabby-run.tgz after each
