@@ -174,6 +174,23 @@ def rows_stages(T, k, E, K, N):
     return out
 
 
+def quantize_cols_rate(R, C, e4m3: bool):
+    """GB/s (read + written) of the backward's 128x1 quantization over R routed rows of C columns:
+    from bf16 (hw, dg | du) or from E4M3 rows with 1x128 scales (dy, xs), padding rows masked."""
+    x = torch.randn(R, C, device="cuda", dtype=torch.bfloat16)
+    row_src = torch.arange(R, dtype=torch.int32, device="cuda")
+    row_src[R - R // 8:] = -1  # an eighth padding
+    nt = torch.tensor([R // 128], dtype=torch.int32, device="cuda")
+    if e4m3:
+        xq, xs = quantize_rows(x)
+        fn = lambda: quantize_cols(xq, row_src=row_src, num_tiles=nt, tile_rows=128, row_scale=xs)  # noqa: E731
+        moved = R * C * 2 + R * (C // 128) * 4 + R * C * 33 // 32
+    else:
+        fn = lambda: quantize_cols(x, row_src=row_src, num_tiles=nt, tile_rows=128)  # noqa: E731
+        moved = R * C * 2 + R * C * 33 // 32
+    return moved / bench(fn, iters=5) / 1e6
+
+
 def transpose_rate(E, N, K):
     """GB/s (read + written) of the E4M3 weight transpose each FP8 backward makes (kimi-k2's
     W_down: [384, 7168, 2048], 5.6 GB)."""
@@ -241,6 +258,11 @@ def main():
             print(f"FP8 rows GEMM TFLOP/s ({what}), E={E}, K={K}, N={N}: "
                   + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
         print(f"E4M3 weight transpose [E={E}, {H}, {I}]: {transpose_rate(E, H, I):.0f} GB/s", flush=True)
+        R = 155648  # kimi-k2's routed rows at 16384 tokens, each expert padded to 128
+        print("128x1 quantization GB/s (read + written), R=155648: " + "; ".join(
+            f"{what} {quantize_cols_rate(R, C, e4m3):.0f}" for what, C, e4m3 in
+            (("hw bf16 C=2048", 2048, False), ("dg|du bf16 C=4096", 4096, False), ("dy E4M3 C=7168", 7168, True))),
+            flush=True)
         for E in (384, 96, 24):
             res = wgrad_alternate(T, k, E, H, I)
             print(f"weight gradient TFLOP/s, {T * k // E} rows per expert: "
