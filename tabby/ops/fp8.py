@@ -175,8 +175,9 @@ def quantize_blocks(w: torch.Tensor, *, out: torch.Tensor | None = None, scale_o
         raise ValueError(f"quantize_blocks: out_t must be E4M3 [E, K, N] = {(E, K, N)} with a unit last stride")
     if E and nb and kb:
         quantize_blocks_kernel[(E, nb, kb)](w3, w3.stride(0), w3.stride(1), out3, out3.stride(0), out3.stride(1),
-                                            s3, s3.stride(0), s3.stride(1), t3.view(torch.uint8), t3.stride(0), t3.stride(1), N, K,
-                                            TRANSPOSED=out_t is not None, INTERPRET=INTERPRET, num_warps=8)
+                                            s3, s3.stride(0), s3.stride(1), t3.view(torch.uint8), t3.stride(0),
+                                            t3.stride(1), N, K, TRANSPOSED=out_t is not None, INTERPRET=INTERPRET,
+                                            num_warps=8)
     if squeeze:
         return out3[0], s3[0]
     return out3, s3

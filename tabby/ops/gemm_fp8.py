@@ -41,8 +41,8 @@ Kernels:
 3. ``down_dgrad_swiglu_fp8``: the down dgrad with the SwiGLU backward in its epilogue.
 4. ``expert_wgrad_fp8``: the per-expert weight gradients from operands quantized per 128x1.
 On sm_90, at the default tiles, each runs gemm_fp8_ws.py's warp-specialized Gluon kernel where it
-fits (1-3: K a multiple of 16, contiguous operands, schedule tiles a multiple of 128 rows, 64 for
-gate/up; 4: ``padded``): the same sums (bitwise every output but the down dgrad's row sums dw,
+fits (1-3: K a multiple of 16, contiguous operands, schedule tiles a multiple of 128 rows;
+4: ``padded``): the same sums (bitwise every output but the down dgrad's row sums dw,
 within 1e-6), with one warpgroup's promotion under the other's MMA. The Triton kernels here run
 elsewhere (the interpreter, other shapes) and where a caller names other tiles.
 

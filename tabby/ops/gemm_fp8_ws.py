@@ -117,13 +117,15 @@ def _ring_retire(tok, empty, it, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _tile_expert(pid_m, ROWS: gl.constexpr, tile_expert_ptr, nt, SCHED_BM: gl.constexpr):
-    """Expert of kernel row tile pid_m (ROWS rows inside the schedule's SCHED_BM-row tile), -1
-    when that schedule tile is unused (at or past ``nt``, the used tiles: gemm._row_tile_expert
-    with the count loaded once per program)."""
-    st = pid_m * ROWS // SCHED_BM
+def _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
+    """Tile t of a persistent walk over 128-row kernel tiles, in ``gemm.grouped_tile`` order:
+    (pid_m, pid_n, its expert), the expert -1 where its schedule tile (SCHED_BM rows) is unused (at
+    or past ``nt``, the used tiles: gemm._row_tile_expert with the count loaded once per program).
+    Every partition of a kernel walks the same tiles."""
+    pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
+    st = pid_m * 128 // SCHED_BM
     e = gl.load(tile_expert_ptr + st)
-    return gl.where(st < nt, e, -1)
+    return pid_m, pid_n, gl.where(st < nt, e, -1)
 
 
 @gluon.jit
@@ -133,8 +135,7 @@ def _producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr,
     nt = gl.load(num_tiles_ptr)
     it = 0
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
-        e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
+        pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
         if e >= 0:
             row0 = pid_m * 128
             # a partial last column tile reads the next expert's first rows (or TMA's zeros past
@@ -212,8 +213,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_b
     it = 0
     part = gl.zeros([64, 128], gl.float32, layout)
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
-        e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
+        pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
         if e >= 0:
             rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             as_ptrs = as_ptr + rows * stride_asm
@@ -272,8 +272,7 @@ def _two_block_producer(a_desc, b0_desc, b1_desc, a_lo, a_hi, b0_bufs, b1_bufs, 
     nt = gl.load(num_tiles_ptr)
     it = 0
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
-        e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
+        pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
         if e >= 0:
             row0 = pid_m * 128
             brow = e * NB + pid_n * TILE_N
@@ -332,8 +331,7 @@ def _wide_consumer(a_bufs, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr,
     it = 0
     part = gl.zeros([64, 128], gl.float32, layout)
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
-        e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
+        pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
         if e >= 0:
             rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             bs_e = bs_ptr + e.to(gl.int64) * stride_bse
@@ -466,8 +464,7 @@ def _gate_up_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm
     it = 0
     part = gl.zeros([64, 128], gl.float32, layout)
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
-        e = _tile_expert(pid_m, 128, tile_expert_ptr, nt, SCHED_BM)
+        pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
         if e >= 0:
             rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=rows_layout)
             ws_off = e.to(gl.int64) * stride_wse + pid_n * stride_wsn
