@@ -566,6 +566,18 @@ def _wgrad_tile(t, num_m, num_n, expert_start_ptr, expert_count_ptr, GROUP_M: gl
 
 
 @gluon.jit
+def _wgrad_store(acc, c_ptr, e, stride_ce, stride_cm, row0, col0, M, N):
+    """64 rows (row0..) x 128 columns (col0..) of expert e's weight gradient, those below M and N,
+    from a 64 x 128 fp32 accumulator, through a layout of 16-byte row pieces."""
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    val = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_layout)
+    rm = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
+    rn = col0 + gl.arange(0, 128, layout=gl.SliceLayout(0, out_layout))
+    ptrs = c_ptr + e.to(gl.int64) * stride_ce + rm.to(gl.int64)[:, None] * stride_cm + rn[None, :]
+    gl.store(ptrs, val, mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@gluon.jit
 def _wgrad_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_start_ptr, expert_count_ptr, E, M, N,
                     STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     num_m = gl.cdiv(M, 128)
@@ -586,7 +598,6 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, st
                     expert_start_ptr, expert_count_ptr, E, M, N, HALF_ROW: gl.constexpr, STAGES: gl.constexpr,
                     GROUP_M: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     num_m = gl.cdiv(M, 128)
     num_n = gl.cdiv(N, 128)
     it = 0
@@ -611,11 +622,7 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, st
             sa = sa_next
             sb = sb_next
             it += 1
-        val = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_layout)
-        rm = pid_m * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
-        rn = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, out_layout))
-        ptrs = c_ptr + e.to(gl.int64) * stride_ce + rm.to(gl.int64)[:, None] * stride_cm + rn[None, :]
-        gl.store(ptrs, val, mask=(rm < M)[:, None] & (rn < N)[None, :])
+        _wgrad_store(acc, c_ptr, e, stride_ce, stride_cm, pid_m * 128 + HALF_ROW, pid_n * 128, M, N)
 
 
 @gluon.jit
@@ -661,18 +668,10 @@ def _wgrad_alt_promote(acc, part, sa_ptr, rows, M, sb_ptr, n_left, layout: gl.co
 
 
 @gluon.jit
-def _wgrad_alt_store(acc, c_ptr, stride_cm, rows_out, rn, M, N, out_layout: gl.constexpr):
-    val = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_layout)
-    ptrs = c_ptr + rows_out.to(gl.int64)[:, None] * stride_cm + rn[None, :]
-    gl.store(ptrs, val, mask=(rows_out < M)[:, None] & (rn < N)[None, :])
-
-
-@gluon.jit
 def _wgrad_alt_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce,
                         stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, WHICH: gl.constexpr,
                         STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     num_m = gl.cdiv(M, 128)
     num_n = gl.cdiv(N, 128)
     it = 0
@@ -701,11 +700,8 @@ def _wgrad_alt_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs
                 acc_hi = _wgrad_alt_promote(acc_hi, part, as_ptr + kb * stride_asr, rows + 64, M,
                                             sb_ptr + kb * stride_bsr, n_left, layout)
                 it += 1
-            rm = pid_m * 128 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
-            rn = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, out_layout))
-            c_e = c_ptr + e.to(gl.int64) * stride_ce
-            _wgrad_alt_store(acc_lo, c_e, stride_cm, rm, rn, M, N, out_layout)
-            _wgrad_alt_store(acc_hi, c_e, stride_cm, rm + 64, rn, M, N, out_layout)
+            _wgrad_store(acc_lo, c_ptr, e, stride_ce, stride_cm, pid_m * 128, pid_n * 128, M, N)
+            _wgrad_store(acc_hi, c_ptr, e, stride_ce, stride_cm, pid_m * 128 + 64, pid_n * 128, M, N)
         else:
             it += kf1 - kf0  # the other consumer's blocks pass through the ring
         mine = 1 - mine
