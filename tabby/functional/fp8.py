@@ -108,10 +108,15 @@ def _cache_key(kind: str, weights):
     return key, owners, state
 
 
-def _cached(kind: str, weights, make):
-    """``make()`` of ``weights``, cached per weight version (``_lookup``, ``_store``)."""
+def _cached(kind: str, weights, make, hold: bool = True):
+    """``make()`` of ``weights``, found in the cache or made; kept there per weight version where
+    ``hold`` (``_lookup``, ``_store``), else made for this use only."""
     value = _lookup(kind, weights)
-    return value if value is not None else _store(kind, weights, make())
+    if value is None:
+        value = make()
+        if hold:
+            _store(kind, weights, value)
+    return value
 
 
 def fp8_weight(w: torch.Tensor):
@@ -139,12 +144,7 @@ def fp8_weight_t(w: torch.Tensor, *, hold: bool):
     """``fp8_weight(w)`` transposed: (E4M3 [E, K, N], scales [E, ceil(K/128), ceil(N/128)]), exactly:
     the down dgrad's B. Cached with the forward's copy where ``hold`` (one byte per parameter
     between steps); else made from that copy and dropped after its GEMM."""
-    value = _lookup("t", (w,))
-    if value is None:
-        value = gemm_fp8.transpose_blocks(*fp8_weight(w))
-        if hold:
-            _store("t", (w,), value)
-    return value
+    return _cached("t", (w,), lambda: gemm_fp8.transpose_blocks(*fp8_weight(w)), hold)
 
 
 def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor, *, hold: bool):
@@ -155,17 +155,15 @@ def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor, *, hold: bool):
     does not divide I: every K block of 128 then lies in one half and takes that half's scale,
     and the padding's products are zeros (``reference_fp8.gate_up_grad_operands_ref`` defines the
     operand; ``quantize_gate_up_grad`` lays out A alike)."""
-    value = _lookup("gate_up_t", (w_gate, w_up))
-    if value is None:
+    def make():
         (gq, gs), (uq, us) = fp8_weight(w_gate), fp8_weight(w_up)  # [E, I, H], [E, ceil(I/128), ceil(H/128)]
         E, I, H = gq.shape
         q, halves = _gate_up_t_buffer(E, I, H, gq.device)
         scales = [gemm_fp8.transpose_blocks(wq, ws_, out=half)[1] for (wq, ws_), half in zip(((gq, gs), (uq, us)),
                                                                                            halves)]
-        value = (q, torch.cat(scales, dim=-1))
-        if hold:
-            _store("gate_up_t", (w_gate, w_up), value)
-    return value
+        return q, torch.cat(scales, dim=-1)
+
+    return _cached("gate_up_t", (w_gate, w_up), make, hold)
 
 
 def fp8_layer_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *, transposed: bool):
