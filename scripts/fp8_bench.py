@@ -105,18 +105,24 @@ def gemms(T, k, E, H, I, variants):
     return out
 
 
-def wgrad_segments(T, k, E, H, I):
-    """The FP8 weight gradient where the experts' rows are not multiples of 128 (kimi-k2: 16384 x 8
-    rows over 384 experts, 341 each): the general kernel (each segment's last block masked, after
-    the loop) against ``padded`` (the layer's zero tail rows, every block in the loop); bf16's too."""
+def wgrad_operands(T, k, E, H, I):
+    """The weight gradient's operands over T * k rows spread evenly across E experts, each expert's
+    segment padded to a multiple of 128 with zero rows (the layer's layout): (x, h bf16, their 128x1
+    quantizations, expert_start, expert_count, FLOPs over the real rows)."""
     rows = T * k
     R, te, nt, start, count = even_schedule(rows, E)
     per = rows // E
     tail = (torch.arange(R, device="cuda") - start[:-1].repeat_interleave(R // E)) >= per  # rows past a segment
     x = torch.randn(R, H, device="cuda", dtype=torch.bfloat16).masked_fill(tail[:, None], 0)
     h = torch.randn(R, I, device="cuda", dtype=torch.bfloat16).masked_fill(tail[:, None], 0)
-    (xc, xcs), (hc, hcs) = quantize_cols(x), quantize_cols(h)
-    fl = 2 * E * per * H * I
+    return x, h, quantize_cols(x), quantize_cols(h), start, count, 2 * E * per * H * I
+
+
+def wgrad_segments(T, k, E, H, I):
+    """The FP8 weight gradient where the experts' rows are not multiples of 128 (kimi-k2: 16384 x 8
+    rows over 384 experts, 341 each): the general kernel (each segment's last block masked, after
+    the loop) against ``padded`` (the layer's zero tail rows, every block in the loop); bf16's too."""
+    x, h, (xc, xcs), (hc, hcs), start, count, fl = wgrad_operands(T, k, E, H, I)
     out = {"bf16": fl / bench(lambda: gemm.expert_wgrad(x, h, start, count)) / 1e9}
     out["fp8 general"] = fl / bench(lambda: gemm_fp8.expert_wgrad_fp8(xc, xcs, hc, hcs, start, count)) / 1e9
     triton_cfg = GemmConfig(BM=128, BN=64, BK=128, num_warps=4, num_stages=3, GROUP_M=4)  # not the default
@@ -131,16 +137,9 @@ def wgrad_segments(T, k, E, H, I):
 
 def wgrad_alternate(T, k, E, H, I):
     """The padded weight gradient with whole tiles per consumer, alternating (not used by the layer
-    yet), against the layer's, on wgrad_segments' operands; marked where not bitwise the layer's.
-    Run last: a kernel that hangs ends the stage with every other line printed."""
-    rows = T * k
-    R, te, nt, start, count = even_schedule(rows, E)
-    per = rows // E
-    tail = (torch.arange(R, device="cuda") - start[:-1].repeat_interleave(R // E)) >= per
-    x = torch.randn(R, H, device="cuda", dtype=torch.bfloat16).masked_fill(tail[:, None], 0)
-    h = torch.randn(R, I, device="cuda", dtype=torch.bfloat16).masked_fill(tail[:, None], 0)
-    (xc, xcs), (hc, hcs) = quantize_cols(x), quantize_cols(h)
-    fl = 2 * E * per * H * I
+    yet), against the layer's, on wgrad_operands; marked where not bitwise the layer's. Run last:
+    a kernel that hangs ends the stage with every other line printed."""
+    _, _, (xc, xcs), (hc, hcs), start, count, fl = wgrad_operands(T, k, E, H, I)
     layer = lambda: gemm_fp8_ws.expert_wgrad_fp8_ws(xc, xcs, hc, hcs, start, count)  # noqa: E731
     alt = lambda: gemm_fp8_ws.expert_wgrad_fp8_ws(xc, xcs, hc, hcs, start, count, alternate=True)  # noqa: E731
     same = torch.equal(alt(), layer())
