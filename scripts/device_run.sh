@@ -52,15 +52,21 @@ report_log() {
   echo "== $1: $(tail -1 "$2")"
   grep -E "^(FAILED|ERROR)|Error|assert" "$2" | head -10
 }
+run_pytest() {
+  # LOG ARGS...: pytest on ARGS into LOG, ended by the stage's deadline or TESTS_TIMEOUT (default 580 s)
+  local log=$1 left=$(( DEADLINE - $(date +%s) )) t=${TESTS_TIMEOUT:-580}
+  shift
+  [ "$left" -lt "$t" ] && t=$left
+  TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout "$t" \
+    python3 -m pytest -q -rA -p no:cacheprovider "$@" > "$log" 2>&1
+}
 run_tests() {
   # one pytest process per file, all at once: cold, each file is bound by compiling its kernels
   # (one core each), so in parallel the suite fits one call; their GPU work is small
   local pids=() f log p
   for f in "$@"; do
     log="$OUT/gpu-tests-$(basename "$f" .py).log"
-    (left=$(( DEADLINE - $(date +%s) )); t=${TESTS_TIMEOUT:-580}; [ "$left" -lt "$t" ] && t=$left
-     TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout "$t" \
-      python3 -m pytest -q -rA -p no:cacheprovider "$f" > "$log" 2>&1) &
+    run_pytest "$log" "$f" &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || status=1; done
@@ -78,11 +84,8 @@ run_tests_by_shape() {
                         python3 scripts/gpu_case_groups.py)
   local pids=()
   for g in "${groups[@]}"; do
-    (log="$OUT/gpu-tests-fp8-layer-group$i.log"
-     left=$(( DEADLINE - $(date +%s) )); t=${TESTS_TIMEOUT:-580}; [ "$left" -lt "$t" ] && t=$left
-     # (one intra-op thread each; the references run on the GPU)
-     OMP_NUM_THREADS=1 TABBY_MAX_WAIT_MS=${TABBY_MAX_WAIT_MS:-20000} TABBY_DEBUG=1 timeout "$t" \
-       python3 -m pytest -q -rA --durations=0 -p no:cacheprovider $g > "$log" 2>&1) &
+    # (one intra-op thread each; the references run on the GPU)
+    OMP_NUM_THREADS=1 run_pytest "$OUT/gpu-tests-fp8-layer-group$i.log" --durations=0 $g &
     pids+=($!)
     i=$((i + 1))
   done
