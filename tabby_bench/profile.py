@@ -82,11 +82,10 @@ def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only
 
     from tabby.functional.config import MoEConfig
     from tabby.functional.moe import moe_with_probe
-
-    from .impls import fp8_transposes_fit
     from tabby.functional.probe import Probe
 
     from . import log
+    from .impls import fp8_transposes_fit
 
     log.configure()
     shape = PROFILE_SHAPES[shape_name]
