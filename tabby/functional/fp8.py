@@ -140,6 +140,12 @@ def _gate_up_t_buffer(E: int, I: int, H: int, device):
     return q, (q[:, :, :I], q[:, :, Ip:Ip + I])
 
 
+def _gate_up_t_scales(gate_scales: torch.Tensor, up_scales: torch.Tensor) -> torch.Tensor:
+    """The gate/up dgrad's B scales [E, ceil(H/128), 2Ip/128]: each half's 128x128 block scales
+    [E, Ip/128, ceil(H/128)] transposed (a block's scale serves both orientations), side by side."""
+    return torch.cat([gate_scales.transpose(-2, -1), up_scales.transpose(-2, -1)], dim=-1)
+
+
 def fp8_weight_t(w: torch.Tensor, *, hold: bool):
     """``fp8_weight(w)`` transposed: (E4M3 [E, K, N], scales [E, ceil(K/128), ceil(N/128)]), exactly:
     the down dgrad's B. Cached with the forward's copy where ``hold`` (one byte per parameter
@@ -158,10 +164,10 @@ def fp8_gate_up_t(w_gate: torch.Tensor, w_up: torch.Tensor, *, hold: bool):
     def make():
         (gq, gs), (uq, us) = fp8_weight(w_gate), fp8_weight(w_up)  # [E, I, H], [E, ceil(I/128), ceil(H/128)]
         E, I, H = gq.shape
-        q, halves = _gate_up_t_buffer(E, I, H, gq.device)
-        scales = [gemm_fp8.transpose_blocks(wq, ws_, out=half)[1] for (wq, ws_), half in zip(((gq, gs), (uq, us)),
-                                                                                           halves)]
-        return q, torch.cat(scales, dim=-1)
+        q, (g_t, u_t) = _gate_up_t_buffer(E, I, H, gq.device)
+        gemm_fp8.transpose_blocks(gq, gs, out=g_t)
+        gemm_fp8.transpose_blocks(uq, us, out=u_t)
+        return q, _gate_up_t_scales(gs, us)
 
     return _cached("gate_up_t", (w_gate, w_up), make, hold)
 
@@ -183,7 +189,7 @@ def fp8_layer_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Te
         gu_q, halves = _gate_up_t_buffer(E, I, H, w_gate.device)
         gate, up = (fp8.quantize_blocks(w.detach().contiguous(), out_t=half) for w, half in zip((w_gate, w_up), halves))
         _store("t", (w_down,), (dt, down[1].transpose(-2, -1).contiguous()))
-        _store("gate_up_t", (w_gate, w_up), (gu_q, torch.cat([s.transpose(-2, -1) for _, s in (gate, up)], dim=-1)))
+        _store("gate_up_t", (w_gate, w_up), (gu_q, _gate_up_t_scales(gate[1], up[1])))
         return tuple(_store("blocks", (w,), v) for w, v in zip(ws3, (gate, up, down)))
     return tuple(fp8_weight(w) for w in ws3)  # (the backward makes and holds what is missing)
 
