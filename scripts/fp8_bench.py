@@ -226,11 +226,19 @@ def layer(T, k, E, H, I, iters=10):
     return out
 
 
+SECTIONS = ("gemms", "wgrad", "down-dgrad", "rows", "transpose", "quantize", "alternate")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gemm-only", action="store_true")
     ap.add_argument("--layer-only", action="store_true")
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help=f"the GEMM sections to run, comma-separated, of {','.join(SECTIONS)} (default all)")
     a = ap.parse_args()
+    only = a.only.split(",")
+    if unknown := sorted(set(only) - set(SECTIONS)):
+        ap.error(f"unknown --only section(s) {unknown}: choose from {','.join(SECTIONS)}")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     # (name, gate/up config, rows GEMM config): the defaults (the warp-specialized kernels on sm_90),
     # and "triton": gemm_fp8's Triton kernels (other tiles than the defaults, GROUP_M 4: the same sums)
@@ -238,42 +246,49 @@ def main():
                 ("triton", GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=5, GROUP_M=4),
                  GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=4, GROUP_M=4))]
     shapes = ((16384, 8, 128, 2048, 768), (16384, 8, 128, 7168, 2048))
+    T, k, H, I = 16384, 8, 7168, 2048  # kimi-k2's routed GEMMs at 16384 tokens
     if not a.layer_only:
-        for T, k, E, H, I in shapes:
-            res = gemms(T, k, E, H, I, variants)
-            print(f"GEMM TFLOP/s, T*k={T * k} rows, E={E}, H={H}, I={I}: "
-                  + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
-        # the weight gradient at kimi-k2's 341 rows an expert, then at 4x and 16x the rows (what a
-        # tile's fill and store cost against its K)
-        T, k, H, I = 16384, 8, 7168, 2048
-        for E in (384, 96, 24):
-            res = wgrad_segments(T, k, E, H, I)
-            print(f"weight gradient TFLOP/s, {T * k // E} rows per expert, E={E}, H={H}, I={I}: "
-                  + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
+        if "gemms" in only:
+            for T_, k_, E, H_, I_ in shapes:
+                res = gemms(T_, k_, E, H_, I_, variants)
+                print(f"GEMM TFLOP/s, T*k={T_ * k_} rows, E={E}, H={H_}, I={I_}: "
+                      + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
+        if "wgrad" in only:
+            # the weight gradient at kimi-k2's 341 rows an expert, then at 4x and 16x the rows (what a
+            # tile's fill and store cost against its K)
+            for E in (384, 96, 24):
+                res = wgrad_segments(T, k, E, H, I)
+                print(f"weight gradient TFLOP/s, {T * k // E} rows per expert, E={E}, H={H}, I={I}: "
+                      + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
         E = 384
-        print(f"FP8 down dgrad TFLOP/s, E={E}, H={H}, I={I}: {down_dgrad(T, k, E, H, I):.0f}", flush=True)
-        for K, N, what in ((I, H, "down"), (2 * I, H, "gate/up dgrad")):
-            res = rows_stages(T, k, E, K, N)
-            print(f"FP8 rows GEMM TFLOP/s ({what}), E={E}, K={K}, N={N}: "
-                  + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
-        print(f"E4M3 weight transpose [E={E}, {H}, {I}]: {transpose_rate(E, H, I):.0f} GB/s", flush=True)
-        R = 155648  # kimi-k2's routed rows at 16384 tokens, each expert padded to 128
-        print("128x1 quantization GB/s (read + written), R=155648: " + "; ".join(
-            f"{what} {quantize_cols_rate(R, C, e4m3):.0f}" for what, C, e4m3 in
-            (("hw bf16 C=2048", 2048, False), ("dg|du bf16 C=4096", 4096, False), ("dy E4M3 C=7168", 7168, True))),
-            flush=True)
-        for E in (384, 96, 24):
-            res = wgrad_alternate(T, k, E, H, I)
-            print(f"weight gradient TFLOP/s, {T * k // E} rows per expert: "
-                  + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
+        if "down-dgrad" in only:
+            print(f"FP8 down dgrad TFLOP/s, E={E}, H={H}, I={I}: {down_dgrad(T, k, E, H, I):.0f}", flush=True)
+        if "rows" in only:
+            for K, N, what in ((I, H, "down"), (2 * I, H, "gate/up dgrad")):
+                res = rows_stages(T, k, E, K, N)
+                print(f"FP8 rows GEMM TFLOP/s ({what}), E={E}, K={K}, N={N}: "
+                      + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
+        if "transpose" in only:
+            print(f"E4M3 weight transpose [E={E}, {H}, {I}]: {transpose_rate(E, H, I):.0f} GB/s", flush=True)
+        if "quantize" in only:
+            R = 155648  # kimi-k2's routed rows at 16384 tokens, each expert padded to 128
+            print("128x1 quantization GB/s (read + written), R=155648: " + "; ".join(
+                f"{what} {quantize_cols_rate(R, C, e4m3):.0f}" for what, C, e4m3 in
+                (("hw bf16 C=2048", 2048, False), ("dg|du bf16 C=4096", 4096, False),
+                 ("dy E4M3 C=7168", 7168, True))), flush=True)
+        if "alternate" in only:
+            for E in (384, 96, 24):
+                res = wgrad_alternate(T, k, E, H, I)
+                print(f"weight gradient TFLOP/s, {T * k // E} rows per expert: "
+                      + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
     if not a.gemm_only:
-        for T, k, E, H, I in shapes[:1] + ((4096, 8, 128, 7168, 2048),):
+        for T_, k_, E, H_, I_ in shapes[:1] + ((4096, 8, 128, 7168, 2048),):
             try:
-                res = layer(T, k, E, H, I)
+                res = layer(T_, k_, E, H_, I_)
             except Exception as e:  # noqa: BLE001
-                print(f"layer T={T} H={H} I={I} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(f"layer T={T_} H={H_} I={I_} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            print(f"layer EP1 sync-free, T={T} k={k} E={E} H={H} I={I}: " + "; ".join(
+            print(f"layer EP1 sync-free, T={T_} k={k_} E={E} H={H_} I={I_}: " + "; ".join(
                 f"{p} fwd {v[0]:.2f} ms ({v[2]:.0f} TFLOP/s) fwd+bwd {v[1]:.2f} ms ({v[3]:.0f})"
                 for p, v in res.items()), flush=True)
 
