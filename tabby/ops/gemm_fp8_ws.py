@@ -640,15 +640,25 @@ def expert_wgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, strid
     ], [4, 1], [232, 40])
 
 
-# The weight gradient with whole tiles per consumer (``expert_wgrad_fp8_ws(alternate=True)``: built,
-# not yet measured on a GPU). Above, both consumers read every stage (64 rows of the tile each), so
-# they reach each tile's end together and both promote, convert and store while the tensor cores
-# idle: at kimi-k2's three K blocks a tile, an output tile costs about four blocks' time. Here the
-# consumers take alternate tiles of the walk, each the tile's 128 rows (A's two halves against B:
-# two accumulators and one product, each half's MMA waited for before its promotion, as the
-# two-block kernels), so one's epilogue and next tile's start run under the other's MMAs. A stage
-# has one reader; a consumer counts the other's blocks to keep the ring's stage and phase. The
-# scales load at their use, after the MMA's wait: the two accumulators and the product fill a
+# The weight gradient with whole tiles per consumer (``expert_wgrad_fp8_ws(alternate=True)``). Above,
+# both consumers read every stage (64 rows of the tile each), so they reach each tile's end together
+# and both promote, convert and store while the tensor cores idle: at kimi-k2's three K blocks a
+# tile, an output tile costs about four blocks' time. Here the consumers take alternate tiles of the
+# walk, each the tile's 128 rows (A's two halves against B: two accumulators and one product, each
+# half's MMA waited for before its promotion, as the two-block kernels), so one's epilogue and next
+# tile's start run under the other's MMAs. A stage has one reader; a consumer counts the other's
+# blocks to keep the ring's stage and phase.
+#
+# The turn barrier (one arrival a tile, phase j = tile j of the program's walk): a consumer waits
+# for phase j - 1 before tile j's blocks, and arrives once tile j's last block has landed (after its
+# ready wait; at once for a tile without blocks). Invariant: when phase j completes, every block
+# before tile j + 1's first has landed. So a consumer's first wait on a stage's ready barrier finds
+# that barrier one phase short of the block, never more: a parity wait cannot tell phase n from
+# n - 2, and without the turn a consumer whose other's tile is longer than the ring (kimi-k2's
+# experts at 4x its rows: 11 blocks against 4 stages) read a stage two fills early.
+# (tests/test_ws_ring_model.py runs this protocol under random interleavings.)
+#
+# The scales load at their use, after the MMA's wait: the two accumulators and the product fill a
 # consumer's registers, and any scale loaded earlier (even both halves' row scales, 2 registers
 # more across an MMA) spills at sm_90a. Their latency is then the consumer's own, for the other
 # consumer's MMAs to cover.
@@ -668,18 +678,22 @@ def _wgrad_alt_promote(acc, part, sa_ptr, rows, M, sb_ptr, n_left, layout: gl.co
 
 
 @gluon.jit
-def _wgrad_alt_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce,
-                        stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, WHICH: gl.constexpr,
+def _wgrad_alt_consumer(a_lo, a_hi, b_bufs, ready, empty, turn, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
+                        stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, WHICH: gl.constexpr,
                         STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     num_m = gl.cdiv(M, 128)
     num_n = gl.cdiv(N, 128)
     it = 0
-    mine = WHICH
+    j = 0  # the tile's number in this program's walk: this consumer's where j % 2 == WHICH
     part = gl.zeros([64, 128], gl.float32, layout)
     for t in range(gl.program_id(0), E * num_m * num_n, gl.num_programs(0)):
         e, pid_m, pid_n, kf0, kf1 = _wgrad_tile(t, num_m, num_n, expert_start_ptr, expert_count_ptr, GROUP_M)
-        if mine == 0:
+        if j % 2 == WHICH:
+            # phase j - 1: the previous tile's blocks have landed (a fresh barrier passes parity 1)
+            mbarrier.wait(turn.index(0), (j & 1) ^ 1)
+            if kf1 == kf0:
+                mbarrier.arrive(turn.index(0), count=1)
             rows = pid_m * 128 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             sb_ptr = bs_ptr + pid_n * 128
             n_left = N - pid_n * 128
@@ -688,6 +702,8 @@ def _wgrad_alt_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs
             for kb in range(kf0, kf1):
                 s = it % STAGES
                 mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                if kb == kf1 - 1:
+                    mbarrier.arrive(turn.index(0), count=1)
                 tok = warpgroup_mma(a_lo.index(s), b_bufs.index(s).permute((1, 0)), part, use_acc=False,
                                     is_async=True)
                 # (rows past M, columns past N: TMA's zeros in the product, scale 0, not stored)
@@ -704,7 +720,7 @@ def _wgrad_alt_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs
             _wgrad_store(acc_hi, c_ptr, e, stride_ce, stride_cm, pid_m * 128 + 64, pid_n * 128, M, N)
         else:
             it += kf1 - kf0  # the other consumer's blocks pass through the ring
-        mine = 1 - mine
+        j += 1
 
 
 @gluon.jit
@@ -712,11 +728,13 @@ def expert_wgrad_fp8_ws_alt_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, s
                                    stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, STAGES: gl.constexpr,
                                    GROUP_M: gl.constexpr):
     a_lo, a_hi, b_bufs, ready, empty = _ring_128x128(a_desc, b_desc, STAGES, 1)
+    turn = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn.index(0), count=1)
     gl.warp_specialize([
-        (_wgrad_alt_consumer, (a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
+        (_wgrad_alt_consumer, (a_lo, a_hi, b_bufs, ready, empty, turn, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
                                stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 0, STAGES,
                                GROUP_M)),
-        (_wgrad_alt_consumer, (a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
+        (_wgrad_alt_consumer, (a_lo, a_hi, b_bufs, ready, empty, turn, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
                                stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 1, STAGES,
                                GROUP_M)),
         (_wgrad_producer, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_start_ptr, expert_count_ptr, E,
