@@ -65,7 +65,8 @@ def _report():
                     expert_count_ptr="*i32", E="i32", M="i32:16", N="i32:16", STAGES=Const(ws.STAGES),
                     GROUP_M=Const(8))
         _line(f"wgrad/{M}x{N}", compile_args(ws.expert_wgrad_fp8_ws_kernel, args, num_warps=4))
-        # whole tiles per consumer, alternating (not used by the layer yet)
+        # two pipelines of whole tiles
+        args["STAGES"] = Const(ws.PIPE_STAGES)
         _line(f"wgrad_alt/{M}x{N}", compile_args(ws.expert_wgrad_fp8_ws_alt_kernel, args, num_warps=4))
 
 

@@ -3,8 +3,8 @@ random interleavings of its partitions.
 
 A GPU runs the partitions in one order each launch and a lucky order hides a race; the model
 replays the kernels' barrier operations (the producer's ``_ring_fill``, the consumers' ready
-waits and releases, the alternating weight gradient's turn barrier) with mbarrier's semantics,
-a parity wait included: it passes while the barrier's current phase has the other parity, so a
+waits and releases; one ring of two readers, or the weight gradient's two pipelines of one) with
+mbarrier's semantics, a parity wait included: it passes while the barrier's current phase has the other parity, so a
 waiter two phases early passes as if its phase had completed. The model checks that every read
 finds the block it expects in its stage and that no stage is refilled before its readers have
 released it, and that the partitions never all wait (deadlock).
@@ -73,25 +73,15 @@ def half_consumer(ring, blocks_per_tile):
             it += 1
 
 
-def alternating_consumer(ring, blocks_per_tile, which, turn):
-    """``_wgrad_alt_consumer``: tiles j with j % 2 == which, the others' blocks counted; the turn
-    barrier waited before tile j (phase j - 1) and arrived once its last block has landed."""
+def alternating_consumer(ring, blocks_per_tile, which):
+    """Consumer ``which`` of two sharing one single-reader ring, taking alternate tiles and counting
+    the other's blocks: no kernel's protocol (where the other's tile is longer than the ring, a
+    parity wait passes two phases early); the check that the model sees such a race."""
     it = 0
     for j, nb in enumerate(blocks_per_tile):
         if j % 2 == which:
-            if turn is not None:
-                yield lambda j=j: turn.passes((j & 1) ^ 1)
-                if nb == 0:
-                    turn.arrive()
-            for kb in range(nb):
-                s = it % ring.S
-                yield lambda s=s, it=it: ring.ready[s].passes((it // ring.S) & 1)
-                if turn is not None and kb == nb - 1:
-                    turn.arrive()
-                assert ring.block[s] == it, f"block {it} read from stage {s}, which holds block {ring.block[s]}"
-                yield lambda: True  # the MMAs and promotions: the other partitions may run meanwhile
-                ring.unreleased[s] -= 1
-                ring.empty[s].arrive()
+            for _ in range(nb):
+                yield from read(ring, it)
                 it += 1
         else:
             it += nb
@@ -112,40 +102,44 @@ def run(partitions, rng):
             waiting[i] = w
 
 
-def simulate_alternating(blocks_per_tile, stages, rng, turn=True):
-    ring = Ring(stages, readers=1)
-    t = MBarrier(1) if turn else None
-    run([producer(ring, blocks_per_tile), alternating_consumer(ring, blocks_per_tile, 0, t),
-         alternating_consumer(ring, blocks_per_tile, 1, t)], rng)
+def simulate_pipelines(blocks_per_tile, stages, rng):
+    """``expert_wgrad_fp8_ws_alt_kernel``: two producer/consumer pipelines, each its own ring of one
+    reader, over alternate tiles of the walk (``_wgrad_producer``'s FIRST and STEP)."""
+    rings = [Ring(stages, readers=1) for _ in range(2)]
+    parts = []
+    for which, ring in enumerate(rings):
+        mine = blocks_per_tile[which::2]
+        parts += [producer(ring, mine), half_consumer(ring, mine)]
+    run(parts, rng)
+
+
+def random_tiles(rng, stages):
+    # tiles of up to 3x the ring's blocks, empty ones (empty experts) among them
+    return [rng.choice([0, rng.randint(1, 3), rng.randint(1, 3 * stages + 2)]) for _ in range(rng.randint(0, 12))]
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_alternating_weight_gradient_ring_under_random_interleavings(stages):
+def test_weight_gradient_pipelines_under_random_interleavings(stages):
     rng = random.Random(stages)
     for trial in range(300):
-        # tiles of up to 3x the ring's blocks, empty ones (empty experts) among them
-        tiles = [rng.choice([0, rng.randint(1, 3), rng.randint(1, 3 * stages + 2)]) for _ in range(rng.randint(0, 12))]
-        simulate_alternating(tiles, stages, rng)
-
-
-def test_the_model_catches_a_consumer_a_ring_ahead_without_the_turn():
-    # kimi-k2 at 4x its rows an expert: 11 blocks a tile against 4 stages; the second consumer's
-    # first wait finds its stage's ready barrier two phases short and passes
-    with pytest.raises(AssertionError, match="read from stage|refilled"):
-        for seed in range(50):
-            simulate_alternating([11] * 6, 4, random.Random(seed), turn=False)
-
-
-def test_alternating_without_the_turn_holds_while_tiles_are_shorter_than_the_ring():
-    # what the short tiles (kimi-k2's 3 blocks against 4 stages) showed on the GPU, bitwise
-    for seed in range(100):
-        simulate_alternating([3] * 8, 4, random.Random(seed), turn=False)
+        simulate_pipelines(random_tiles(rng, stages), stages, rng)
 
 
 @pytest.mark.parametrize("stages", [2, 4])
 def test_two_readers_a_stage_under_random_interleavings(stages):
     rng = random.Random(10 + stages)
     for trial in range(200):
-        tiles = [rng.randint(0, 3 * stages + 2) for _ in range(rng.randint(0, 10))]
+        tiles = random_tiles(rng, stages)
         ring = Ring(stages, readers=2)
         run([producer(ring, tiles), half_consumer(ring, tiles), half_consumer(ring, tiles)], rng)
+
+
+def test_the_model_catches_alternating_consumers_on_one_single_reader_ring():
+    # kimi-k2 at 4x its rows an expert: 11 blocks a tile against 4 stages; the second consumer's
+    # first wait finds its stage's ready barrier two phases short and passes
+    with pytest.raises(AssertionError, match="read from stage|refilled"):
+        for seed in range(50):
+            ring = Ring(4, readers=1)
+            tiles = [11] * 6
+            run([producer(ring, tiles), alternating_consumer(ring, tiles, 0), alternating_consumer(ring, tiles, 1)],
+                random.Random(seed))

@@ -4,8 +4,8 @@
   pushed rows at 128 x 256 tiles, the down dgrad's SwiGLU backward at 128 x 128;
 - ``gate_up_swiglu_fp8_ws``: gate/up with the SwiGLU and h's quantization, 128 x 128 tiles of h
   (``fits_gate_up``);
-- ``expert_wgrad_fp8_ws``: the weight gradient over the layer's padded segments (``fits_wgrad``);
-  its form with whole tiles per consumer (``alternate=True``) is built and not yet measured.
+- ``expert_wgrad_fp8_ws``: the weight gradient over the layer's padded segments (``fits_wgrad``),
+  as two consumers on halves of each tile or (``alternate=True``) as two pipelines of whole tiles.
 gemm_fp8's entry points run them wherever they fit at the default tiles: every FP8 GEMM of the
 layer runs here on an H200.
 
@@ -579,11 +579,12 @@ def _wgrad_store(acc, c_ptr, e, stride_ce, stride_cm, row0, col0, M, N):
 
 @gluon.jit
 def _wgrad_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_start_ptr, expert_count_ptr, E, M, N,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, FIRST: gl.constexpr = 0, STEP: gl.constexpr = 1):
+    """The ring's producer over tiles FIRST, FIRST + STEP, ... of the program's walk."""
     num_m = gl.cdiv(M, 128)
     num_n = gl.cdiv(N, 128)
     it = 0
-    for t in range(gl.program_id(0), E * num_m * num_n, gl.num_programs(0)):
+    for t in range(gl.program_id(0) + FIRST * gl.num_programs(0), E * num_m * num_n, STEP * gl.num_programs(0)):
         e, pid_m, pid_n, kf0, kf1 = _wgrad_tile(t, num_m, num_n, expert_start_ptr, expert_count_ptr, GROUP_M)
         for kb in range(kf0, kf1):
             s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes, STAGES)
@@ -640,28 +641,20 @@ def expert_wgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, strid
     ], [4, 1], [232, 40])
 
 
-# The weight gradient with whole tiles per consumer (``expert_wgrad_fp8_ws(alternate=True)``). Above,
-# both consumers read every stage (64 rows of the tile each), so they reach each tile's end together
-# and both promote, convert and store while the tensor cores idle: at kimi-k2's three K blocks a
-# tile, an output tile costs about four blocks' time. Here the consumers take alternate tiles of the
-# walk, each the tile's 128 rows (A's two halves against B: two accumulators and one product, each
-# half's MMA waited for before its promotion, as the two-block kernels), so one's epilogue and next
-# tile's start run under the other's MMAs. A stage has one reader; a consumer counts the other's
-# blocks to keep the ring's stage and phase.
-#
-# The turn barrier (one arrival a tile, phase j = tile j of the program's walk): a consumer waits
-# for phase j - 1 before tile j's blocks, and arrives once tile j's last block has landed (after its
-# ready wait; at once for a tile without blocks). Invariant: when phase j completes, every block
-# before tile j + 1's first has landed. So a consumer's first wait on a stage's ready barrier finds
-# that barrier one phase short of the block, never more: a parity wait cannot tell phase n from
-# n - 2, and without the turn a consumer whose other's tile is longer than the ring (kimi-k2's
-# experts at 4x its rows: 11 blocks against 4 stages) read a stage two fills early.
-# (tests/test_ws_ring_model.py runs this protocol under random interleavings.)
+# The weight gradient as two pipelines (``expert_wgrad_fp8_ws(alternate=True)``). Above, both
+# consumers read every stage (64 rows of the tile each), so they reach each tile's end together and
+# both promote, convert and store while the tensor cores idle: at kimi-k2's three K blocks a tile,
+# an output tile costs about four blocks' time. Here each consumer has its own producer warp and
+# ring and takes alternate tiles of the program's walk (FIRST = WHICH, STEP = 2), each the tile's 128
+# rows (A's two halves against B: two accumulators and one product, each half's MMA waited for
+# before its promotion, as the two-block kernels). The pipelines share nothing but the SM, so one's
+# promotions and epilogue run under the other's MMAs, whatever the tiles' lengths.
 #
 # The scales load at their use, after the MMA's wait: the two accumulators and the product fill a
 # consumer's registers, and any scale loaded earlier (even both halves' row scales, 2 registers
 # more across an MMA) spills at sm_90a. Their latency is then the consumer's own, for the other
 # consumer's MMAs to cover.
+PIPE_STAGES = 3  # a pipeline's ring: 3 stages of 32 KB, 192 KB for both
 
 
 @gluon.jit
@@ -678,77 +671,65 @@ def _wgrad_alt_promote(acc, part, sa_ptr, rows, M, sb_ptr, n_left, layout: gl.co
 
 
 @gluon.jit
-def _wgrad_alt_consumer(a_lo, a_hi, b_bufs, ready, empty, turn, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
-                        stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, WHICH: gl.constexpr,
+def _wgrad_alt_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce,
+                        stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, WHICH: gl.constexpr,
                         STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     num_m = gl.cdiv(M, 128)
     num_n = gl.cdiv(N, 128)
     it = 0
-    j = 0  # the tile's number in this program's walk: this consumer's where j % 2 == WHICH
     part = gl.zeros([64, 128], gl.float32, layout)
-    for t in range(gl.program_id(0), E * num_m * num_n, gl.num_programs(0)):
+    for t in range(gl.program_id(0) + WHICH * gl.num_programs(0), E * num_m * num_n, 2 * gl.num_programs(0)):
         e, pid_m, pid_n, kf0, kf1 = _wgrad_tile(t, num_m, num_n, expert_start_ptr, expert_count_ptr, GROUP_M)
-        if j % 2 == WHICH:
-            # phase j - 1: the previous tile's blocks have landed (a fresh barrier passes parity 1)
-            mbarrier.wait(turn.index(0), (j & 1) ^ 1)
-            if kf1 == kf0:
-                mbarrier.arrive(turn.index(0), count=1)
-            rows = pid_m * 128 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-            sb_ptr = bs_ptr + pid_n * 128
-            n_left = N - pid_n * 128
-            acc_lo = gl.zeros([64, 128], gl.float32, layout)
-            acc_hi = gl.zeros([64, 128], gl.float32, layout)
-            for kb in range(kf0, kf1):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                if kb == kf1 - 1:
-                    mbarrier.arrive(turn.index(0), count=1)
-                tok = warpgroup_mma(a_lo.index(s), b_bufs.index(s).permute((1, 0)), part, use_acc=False,
-                                    is_async=True)
-                # (rows past M, columns past N: TMA's zeros in the product, scale 0, not stored)
-                part = warpgroup_mma_wait(0, deps=(tok, ))
-                acc_lo = _wgrad_alt_promote(acc_lo, part, as_ptr + kb * stride_asr, rows, M, sb_ptr + kb * stride_bsr,
-                                            n_left, layout)
-                tok = warpgroup_mma(a_hi.index(s), b_bufs.index(s).permute((1, 0)), part, use_acc=False,
-                                    is_async=True)
-                part = _ring_retire(tok, empty, it, STAGES)
-                acc_hi = _wgrad_alt_promote(acc_hi, part, as_ptr + kb * stride_asr, rows + 64, M,
-                                            sb_ptr + kb * stride_bsr, n_left, layout)
-                it += 1
-            _wgrad_store(acc_lo, c_ptr, e, stride_ce, stride_cm, pid_m * 128, pid_n * 128, M, N)
-            _wgrad_store(acc_hi, c_ptr, e, stride_ce, stride_cm, pid_m * 128 + 64, pid_n * 128, M, N)
-        else:
-            it += kf1 - kf0  # the other consumer's blocks pass through the ring
-        j += 1
+        rows = pid_m * 128 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        sb_ptr = bs_ptr + pid_n * 128
+        n_left = N - pid_n * 128
+        acc_lo = gl.zeros([64, 128], gl.float32, layout)
+        acc_hi = gl.zeros([64, 128], gl.float32, layout)
+        for kb in range(kf0, kf1):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            tok = warpgroup_mma(a_lo.index(s), b_bufs.index(s).permute((1, 0)), part, use_acc=False, is_async=True)
+            # (rows past M, columns past N: TMA's zeros in the product, scale 0, not stored)
+            part = warpgroup_mma_wait(0, deps=(tok, ))
+            acc_lo = _wgrad_alt_promote(acc_lo, part, as_ptr + kb * stride_asr, rows, M, sb_ptr + kb * stride_bsr,
+                                        n_left, layout)
+            tok = warpgroup_mma(a_hi.index(s), b_bufs.index(s).permute((1, 0)), part, use_acc=False, is_async=True)
+            part = _ring_retire(tok, empty, it, STAGES)
+            acc_hi = _wgrad_alt_promote(acc_hi, part, as_ptr + kb * stride_asr, rows + 64, M,
+                                        sb_ptr + kb * stride_bsr, n_left, layout)
+            it += 1
+        _wgrad_store(acc_lo, c_ptr, e, stride_ce, stride_cm, pid_m * 128, pid_n * 128, M, N)
+        _wgrad_store(acc_hi, c_ptr, e, stride_ce, stride_cm, pid_m * 128 + 64, pid_n * 128, M, N)
 
 
 @gluon.jit
 def expert_wgrad_fp8_ws_alt_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, stride_bsr, c_ptr, stride_ce,
                                    stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, STAGES: gl.constexpr,
                                    GROUP_M: gl.constexpr):
-    a_lo, a_hi, b_bufs, ready, empty = _ring_128x128(a_desc, b_desc, STAGES, 1)
-    turn = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(turn.index(0), count=1)
+    a_lo0, a_hi0, b_bufs0, ready0, empty0 = _ring_128x128(a_desc, b_desc, STAGES, 1)
+    a_lo1, a_hi1, b_bufs1, ready1, empty1 = _ring_128x128(a_desc, b_desc, STAGES, 1)
     gl.warp_specialize([
-        (_wgrad_alt_consumer, (a_lo, a_hi, b_bufs, ready, empty, turn, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
+        (_wgrad_alt_consumer, (a_lo0, a_hi0, b_bufs0, ready0, empty0, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
                                stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 0, STAGES,
                                GROUP_M)),
-        (_wgrad_alt_consumer, (a_lo, a_hi, b_bufs, ready, empty, turn, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
+        (_wgrad_alt_consumer, (a_lo1, a_hi1, b_bufs1, ready1, empty1, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
                                stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 1, STAGES,
                                GROUP_M)),
-        (_wgrad_producer, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_start_ptr, expert_count_ptr, E,
-                           M, N, STAGES, GROUP_M)),
-    ], [4, 1], [232, 40])
+        (_wgrad_producer, (a_desc, b_desc, a_lo0, a_hi0, b_bufs0, ready0, empty0, expert_start_ptr, expert_count_ptr,
+                           E, M, N, STAGES, GROUP_M, 0, 2)),
+        (_wgrad_producer, (a_desc, b_desc, a_lo1, a_hi1, b_bufs1, ready1, empty1, expert_start_ptr, expert_count_ptr,
+                           E, M, N, STAGES, GROUP_M, 1, 2)),
+    ], [4, 1, 1], [232, 40, 40])
 
 
 def expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count, *, out_dtype=torch.bfloat16,
-                        stages: int = STAGES, grid: int | None = None, GROUP_M: int = 8, alternate: bool = False):
+                        stages: int | None = None, grid: int | None = None, GROUP_M: int = 8, alternate: bool = False):
     """``gemm_fp8.expert_wgrad_fp8(..., padded=True)`` warp-specialized: C [E, M, N] from at [M, R],
     bt [N, R] E4M3 (128x1 scales [R/128, M], [R/128, N]), the layer's padded segments (each starts
     at a multiple of 128, zeros from its end to the next). Needs sm_90, R a multiple of 128 and
-    16-byte aligned rows (TMA). ``alternate``: whole tiles per consumer, alternating (above: not yet
-    measured; the layer runs the other)."""
+    16-byte aligned rows (TMA). ``alternate``: two pipelines of whole tiles (above; ring depth
+    ``stages``, default PIPE_STAGES each, else STAGES)."""
     M, R = at.shape
     N = bt.shape[0]
     E = expert_count.numel()
@@ -757,6 +738,7 @@ def expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count, *,
                          "warp-specialized kernel (see fits_wgrad)")
     out = torch.empty(E, M, N, dtype=out_dtype, device=at.device)
     kernel = expert_wgrad_fp8_ws_alt_kernel if alternate else expert_wgrad_fp8_ws_kernel
+    stages = stages or (PIPE_STAGES if alternate else STAGES)
     kernel[_grid(at.device, E * triton.cdiv(M, BM) * triton.cdiv(N, BN), grid)](
         _e4m3_desc(at, M, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bt, N, BN), b_scale, b_scale.stride(0), out,
         out.stride(0), out.stride(1), expert_start, expert_count, E, M, N, STAGES=stages, GROUP_M=GROUP_M, num_warps=4)
