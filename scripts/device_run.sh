@@ -18,7 +18,8 @@
 #           extra args go to it)
 #   fp8-bench  the FP8 layer's stage profile at kimi-k2 and deepseek-v4-pro, and the layer bench at 16384 tokens on the six shapes:
 #           tabby against tabby-fp8 with fixed weights (their FP8 copies reused), tabby-fp8 against torch-fp8
-#           from a new weight version per call (both quantize; FP8_BENCH_NEW=0 skips it); about 430 s
+#           from a new weight version per call (both quantize; FP8_BENCH_NEW=0 skips it); about 430 s;
+#           the SM clock, power and throttle reasons sampled every 100 ms meanwhile (gpu-clocks.csv)
 #   all     tests, then bench
 # Logs and results go under $RUN_DIR (default /tmp/tabby-run); where $OUT is set (the device tool's
 # folder, from which at most 8 files come back) they are packed into $OUT/tabby-run.tgz after each
@@ -146,6 +147,10 @@ fi
 pack
 if [ "$stage" = fp8-bench ]; then
   fp8_shapes=kimi-k2,glm-5,deepseek-v4-pro,qwen3-30b-a3b,gpt-oss-120b,qwen3.5-397b
+  # the SM clock, power and throttle reasons every 100 ms through the stage (gpu-clocks.csv)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 100 > "$OUT/gpu-clocks.csv" 2>&1 &
+  clocks_pid=$!
   python3 -m tabby_bench profile --precision fp8 --shapes kimi-k2,deepseek-v4-pro --tokens 16384 --out "$OUT/res/profile-fp8.json" \
     2>&1 | tail -30
   python3 -m tabby_bench bench --ep 1 --tokens 16384 --shapes $fp8_shapes --impls tabby,tabby-fp8 --weights fixed \
@@ -156,6 +161,7 @@ if [ "$stage" = fp8-bench ]; then
       --iters 10 --warmup 3 --out "$OUT/res" --tag fp8-new 2>&1 | tail -25
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
+  kill "$clocks_pid" 2>/dev/null
 fi
 pack
 exit $status
