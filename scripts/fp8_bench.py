@@ -135,17 +135,6 @@ def wgrad_segments(T, k, E, H, I):
     return out
 
 
-def wgrad_alternate(T, k, E, H, I):
-    """The padded weight gradient with whole tiles per consumer, alternating (not used by the layer
-    yet), against the layer's, on wgrad_operands; marked where not bitwise the layer's. Run last:
-    a kernel that hangs ends the stage with every other line printed."""
-    _, _, (xc, xcs), (hc, hcs), start, count, fl = wgrad_operands(T, k, E, H, I)
-    layer = lambda: gemm_fp8_ws.expert_wgrad_fp8_ws(xc, xcs, hc, hcs, start, count)  # noqa: E731
-    alt = lambda: gemm_fp8_ws.expert_wgrad_fp8_ws(xc, xcs, hc, hcs, start, count, alternate=True)  # noqa: E731
-    same = torch.equal(alt(), layer())
-    return {"layer": fl / bench(layer) / 1e9, f"alternate{'' if same else ' MISMATCH'}": fl / bench(alt) / 1e9}
-
-
 def down_dgrad(T, k, E, H, I):
     """TFLOP/s of the FP8 down dgrad (dys [R, H] @ W_down per expert, SwiGLU backward epilogue,
     W_down^T as ``transpose_blocks`` makes it)."""
@@ -226,7 +215,7 @@ def layer(T, k, E, H, I, iters=10):
     return out
 
 
-SECTIONS = ("gemms", "wgrad", "down-dgrad", "rows", "transpose", "quantize", "alternate")
+SECTIONS = ("gemms", "wgrad", "down-dgrad", "rows", "transpose", "quantize")
 
 
 def main():
@@ -276,11 +265,6 @@ def main():
                 f"{what} {quantize_cols_rate(R, C, e4m3):.0f}" for what, C, e4m3 in
                 (("hw bf16 C=2048", 2048, False), ("dg|du bf16 C=4096", 4096, False),
                  ("dy E4M3 C=7168", 7168, True))), flush=True)
-        if "alternate" in only:
-            for E in (384, 96, 24):
-                res = wgrad_alternate(T, k, E, H, I)
-                print(f"weight gradient TFLOP/s, {T * k // E} rows per expert: "
-                      + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
     if not a.gemm_only:
         for T_, k_, E, H_, I_ in shapes[:1] + ((4096, 8, 128, 7168, 2048),):
             try:

@@ -184,12 +184,10 @@ def test_ws_gate_up_deterministic_and_without_gu():
 
 @pytest.mark.parametrize("M,N", [(256, 192), (7168, 2048), (2880, 2880), (320, 200)])
 @pytest.mark.parametrize("grid", [None, 3])
-@pytest.mark.parametrize("alternate", [False, True])
-def test_ws_wgrad_matches_triton_bitwise(M, N, grid, alternate):
+def test_ws_wgrad_matches_triton_bitwise(M, N, grid):
     """The padded weight gradient (the layer's segments: at multiples of 128, padding rows zeros;
     empty experts first, between and last, one of one row, one of exactly 256, one of 11 blocks:
-    more than the ring holds) bitwise the Triton kernel's at the layer's tiles; both forms
-    (``alternate``: whole tiles per consumer)."""
+    more than a ring holds) bitwise the Triton kernel's at the layer's tiles."""
     sch = Sched([0, 37, 0, 256, 5, 1, 1400, 300, 0], 128, seed=M + N)
     a, b = rand(sch.R, M, seed=31), rand(sch.R, N, seed=32)
     a[sch.row_src_cpu < 0] = float("nan")  # padding rows hold anything before quantize_cols
@@ -200,12 +198,10 @@ def test_ws_wgrad_matches_triton_bitwise(M, N, grid, alternate):
     assert gemm_fp8_ws.fits_wgrad(aq, bq)
     want = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, padded=True,
                                      config=_triton_wgrad())
-    got = gemm_fp8_ws.expert_wgrad_fp8_ws(aq, as_, bq, bs, start, count, out_dtype=torch.float32, grid=grid,
-                                          alternate=alternate)
+    got = gemm_fp8_ws.expert_wgrad_fp8_ws(aq, as_, bq, bs, start, count, out_dtype=torch.float32, grid=grid)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (got - want).abs().max()
     dflt = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, padded=True)
     assert torch.equal(dflt.view(torch.int32), want.view(torch.int32)), "default entry point"
     assert not got[[0, 2, 8]].any()  # the empty experts
-    again = gemm_fp8_ws.expert_wgrad_fp8_ws(aq, as_, bq, bs, start, count, out_dtype=torch.float32, grid=grid,
-                                            alternate=alternate)
+    again = gemm_fp8_ws.expert_wgrad_fp8_ws(aq, as_, bq, bs, start, count, out_dtype=torch.float32, grid=grid)
     assert torch.equal(again.view(torch.int32), got.view(torch.int32))

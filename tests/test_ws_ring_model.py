@@ -43,7 +43,7 @@ class Ring:
 
 
 def producer(ring, blocks_per_tile):
-    """``_wgrad_producer``: every tile's blocks in order through ``_ring_fill``."""
+    """The producers (``_producer``, ``_wgrad_producer``): every tile's blocks in order through ``_ring_fill``."""
     it = 0
     for nb in blocks_per_tile:
         for _ in range(nb):
@@ -65,7 +65,8 @@ def read(ring, it):
 
 
 def half_consumer(ring, blocks_per_tile):
-    """``_wgrad_consumer`` (and the rows GEMMs' consumers): every block of every tile."""
+    """A consumer of every block of every tile: the rows GEMMs' two consumers (a ring of two
+    readers) or a weight-gradient pipeline's one."""
     it = 0
     for nb in blocks_per_tile:
         for _ in range(nb):
@@ -103,7 +104,7 @@ def run(partitions, rng):
 
 
 def simulate_pipelines(blocks_per_tile, stages, rng):
-    """``expert_wgrad_fp8_ws_alt_kernel``: two producer/consumer pipelines, each its own ring of one
+    """``expert_wgrad_fp8_ws_kernel``: two producer/consumer pipelines, each its own ring of one
     reader, over alternate tiles of the walk (``_wgrad_producer``'s FIRST and STEP)."""
     rings = [Ring(stages, readers=1) for _ in range(2)]
     parts = []

@@ -5,7 +5,7 @@
 - ``gate_up_swiglu_fp8_ws``: gate/up with the SwiGLU and h's quantization, 128 x 128 tiles of h
   (``fits_gate_up``);
 - ``expert_wgrad_fp8_ws``: the weight gradient over the layer's padded segments (``fits_wgrad``),
-  as two consumers on halves of each tile or (``alternate=True``) as two pipelines of whole tiles.
+  two pipelines of whole tiles.
 gemm_fp8's entry points run them wherever they fit at the default tiles: every FP8 GEMM of the
 layer runs here on an H200.
 
@@ -548,10 +548,7 @@ def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expe
 #
 # gemm_fp8.expert_wgrad_fp8(padded=True)'s sums, warp-specialized: C[e] = A_seg^T @ B_seg from the
 # transposed operands (At [M, R], Bt [N, R], K-major), each 128-row block's product promoted by
-# the outer product of its 128x1 scales, blocks in order. K is an expert's rows, a few blocks, so
-# a tile is mostly fill and store; here the producer runs into the next tile while the consumers
-# promote and store, and the two consumers (64 rows of the tile's M each) overlap each other's
-# promotion with their MMAs.
+# the outer product of its 128x1 scales, blocks in order (the structure: below, at the kernel).
 
 
 @gluon.jit
@@ -579,8 +576,8 @@ def _wgrad_store(acc, c_ptr, e, stride_ce, stride_cm, row0, col0, M, N):
 
 @gluon.jit
 def _wgrad_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_start_ptr, expert_count_ptr, E, M, N,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, FIRST: gl.constexpr = 0, STEP: gl.constexpr = 1):
-    """The ring's producer over tiles FIRST, FIRST + STEP, ... of the program's walk."""
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, FIRST: gl.constexpr, STEP: gl.constexpr):
+    """A ring's producer over tiles FIRST, FIRST + STEP, ... of the program's walk."""
     num_m = gl.cdiv(M, 128)
     num_n = gl.cdiv(N, 128)
     it = 0
@@ -594,71 +591,23 @@ def _wgrad_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_sta
             it += 1
 
 
-@gluon.jit
-def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce, stride_cm,
-                    expert_start_ptr, expert_count_ptr, E, M, N, HALF_ROW: gl.constexpr, STAGES: gl.constexpr,
-                    GROUP_M: gl.constexpr):
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
-    num_m = gl.cdiv(M, 128)
-    num_n = gl.cdiv(N, 128)
-    it = 0
-    part = gl.zeros([64, 128], gl.float32, layout)
-    for t in range(gl.program_id(0), E * num_m * num_n, gl.num_programs(0)):
-        e, pid_m, pid_n, kf0, kf1 = _wgrad_tile(t, num_m, num_n, expert_start_ptr, expert_count_ptr, GROUP_M)
-        offs_m = pid_m * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        offs_n = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
-        # rows past M, columns past N: TMA's zeros in the product, scale 0, not stored
-        mmask = offs_m < M
-        nmask = offs_n < N
-        sa = gl.load(as_ptr + kf0 * stride_asr + offs_m, mask=mmask & (kf1 > kf0), other=0.0)
-        sb = gl.load(bs_ptr + kf0 * stride_bsr + offs_n, mask=nmask & (kf1 > kf0), other=0.0)
-        acc = gl.zeros([64, 128], gl.float32, layout)
-        for kb in range(kf0, kf1):
-            tok = _ring_mma(a_bufs, b_bufs, ready, it, part, STAGES)
-            kn = gl.minimum(kb + 1, kf1 - 1)
-            sa_next = gl.load(as_ptr + kn * stride_asr + offs_m, mask=mmask, other=0.0)
-            sb_next = gl.load(bs_ptr + kn * stride_bsr + offs_n, mask=nmask, other=0.0)
-            part = _ring_retire(tok, empty, it, STAGES)
-            acc = acc + part * (sa[:, None] * sb[None, :])  # the Triton kernel's promotion
-            sa = sa_next
-            sb = sb_next
-            it += 1
-        _wgrad_store(acc, c_ptr, e, stride_ce, stride_cm, pid_m * 128 + HALF_ROW, pid_n * 128, M, N)
-
-
-@gluon.jit
-def expert_wgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, stride_bsr, c_ptr, stride_ce, stride_cm,
-                               expert_start_ptr, expert_count_ptr, E, M, N, STAGES: gl.constexpr,
-                               GROUP_M: gl.constexpr):
-    a_lo, a_hi, b_bufs, ready, empty = _ring_128x128(a_desc, b_desc, STAGES)
-    gl.warp_specialize([
-        (_wgrad_consumer, (a_lo, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce,
-                           stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 0, STAGES, GROUP_M)),
-        (_wgrad_consumer, (a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce,
-                           stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 64, STAGES, GROUP_M)),
-        (_wgrad_producer, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_start_ptr, expert_count_ptr, E,
-                           M, N, STAGES, GROUP_M)),
-    ], [4, 1], [232, 40])
-
-
-# The weight gradient as two pipelines (``expert_wgrad_fp8_ws(alternate=True)``). Above, both
-# consumers read every stage (64 rows of the tile each), so they reach each tile's end together and
-# both promote, convert and store while the tensor cores idle: at kimi-k2's three K blocks a tile,
-# an output tile costs about four blocks' time. Here each consumer has its own producer warp and
-# ring and takes alternate tiles of the program's walk (FIRST = WHICH, STEP = 2), each the tile's 128
-# rows (A's two halves against B: two accumulators and one product, each half's MMA waited for
-# before its promotion, as the two-block kernels). The pipelines share nothing but the SM, so one's
-# promotions and epilogue run under the other's MMAs, whatever the tiles' lengths.
+# The weight gradient as two pipelines. Each consumer warpgroup has its own producer warp and ring
+# and takes alternate tiles of the program's walk (the producer's FIRST = WHICH, STEP = 2), each the
+# tile's 128 rows (A's two halves against B: two accumulators and one product, each half's MMA
+# waited for before its promotion, as the two-block kernels). The pipelines share nothing but the
+# SM, so one's promotions and epilogue run under the other's MMAs whatever the tiles' lengths: K is
+# an expert's rows, often a few blocks (kimi-k2: 3), and two consumers on halves of one tile
+# reach its end together and both store while the tensor cores idle.
 #
 # The scales load at their use, after the MMA's wait: the two accumulators and the product fill a
 # consumer's registers, and any scale loaded earlier (even both halves' row scales, 2 registers
 # more across an MMA) spills at sm_90a. Their latency is then the consumer's own, for the other
-# consumer's MMAs to cover.
-PIPE_STAGES = 3  # a pipeline's ring: 3 stages of 32 KB, 192 KB for both
+# pipeline's MMAs to cover.
+WGRAD_STAGES = 3  # a pipeline's ring: 3 stages of 32 KB, 192 KB for both
 
 
 @gluon.jit
-def _wgrad_alt_promote(acc, part, sa_ptr, rows, M, sb_ptr, n_left, layout: gl.constexpr):
+def _wgrad_promote(acc, part, sa_ptr, rows, M, sb_ptr, n_left, layout: gl.constexpr):
     """acc + part promoted by the outer product of this half's row scales and the tile's 128
     column scales (``sb_ptr``: the tile's first column; ``n_left`` columns remain before N). The
     column scales are loaded one a thread and spread to the accumulator's layout through shared
@@ -671,7 +620,7 @@ def _wgrad_alt_promote(acc, part, sa_ptr, rows, M, sb_ptr, n_left, layout: gl.co
 
 
 @gluon.jit
-def _wgrad_alt_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce,
+def _wgrad_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce,
                         stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, WHICH: gl.constexpr,
                         STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
@@ -692,11 +641,11 @@ def _wgrad_alt_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs
             tok = warpgroup_mma(a_lo.index(s), b_bufs.index(s).permute((1, 0)), part, use_acc=False, is_async=True)
             # (rows past M, columns past N: TMA's zeros in the product, scale 0, not stored)
             part = warpgroup_mma_wait(0, deps=(tok, ))
-            acc_lo = _wgrad_alt_promote(acc_lo, part, as_ptr + kb * stride_asr, rows, M, sb_ptr + kb * stride_bsr,
+            acc_lo = _wgrad_promote(acc_lo, part, as_ptr + kb * stride_asr, rows, M, sb_ptr + kb * stride_bsr,
                                         n_left, layout)
             tok = warpgroup_mma(a_hi.index(s), b_bufs.index(s).permute((1, 0)), part, use_acc=False, is_async=True)
             part = _ring_retire(tok, empty, it, STAGES)
-            acc_hi = _wgrad_alt_promote(acc_hi, part, as_ptr + kb * stride_asr, rows + 64, M,
+            acc_hi = _wgrad_promote(acc_hi, part, as_ptr + kb * stride_asr, rows + 64, M,
                                         sb_ptr + kb * stride_bsr, n_left, layout)
             it += 1
         _wgrad_store(acc_lo, c_ptr, e, stride_ce, stride_cm, pid_m * 128, pid_n * 128, M, N)
@@ -704,16 +653,16 @@ def _wgrad_alt_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs
 
 
 @gluon.jit
-def expert_wgrad_fp8_ws_alt_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, stride_bsr, c_ptr, stride_ce,
+def expert_wgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, stride_bsr, c_ptr, stride_ce,
                                    stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, STAGES: gl.constexpr,
                                    GROUP_M: gl.constexpr):
     a_lo0, a_hi0, b_bufs0, ready0, empty0 = _ring_128x128(a_desc, b_desc, STAGES, 1)
     a_lo1, a_hi1, b_bufs1, ready1, empty1 = _ring_128x128(a_desc, b_desc, STAGES, 1)
     gl.warp_specialize([
-        (_wgrad_alt_consumer, (a_lo0, a_hi0, b_bufs0, ready0, empty0, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
+        (_wgrad_consumer, (a_lo0, a_hi0, b_bufs0, ready0, empty0, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
                                stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 0, STAGES,
                                GROUP_M)),
-        (_wgrad_alt_consumer, (a_lo1, a_hi1, b_bufs1, ready1, empty1, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
+        (_wgrad_consumer, (a_lo1, a_hi1, b_bufs1, ready1, empty1, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
                                stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 1, STAGES,
                                GROUP_M)),
         (_wgrad_producer, (a_desc, b_desc, a_lo0, a_hi0, b_bufs0, ready0, empty0, expert_start_ptr, expert_count_ptr,
@@ -724,12 +673,11 @@ def expert_wgrad_fp8_ws_alt_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, s
 
 
 def expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count, *, out_dtype=torch.bfloat16,
-                        stages: int | None = None, grid: int | None = None, GROUP_M: int = 8, alternate: bool = False):
+                        stages: int = WGRAD_STAGES, grid: int | None = None, GROUP_M: int = 8):
     """``gemm_fp8.expert_wgrad_fp8(..., padded=True)`` warp-specialized: C [E, M, N] from at [M, R],
     bt [N, R] E4M3 (128x1 scales [R/128, M], [R/128, N]), the layer's padded segments (each starts
     at a multiple of 128, zeros from its end to the next). Needs sm_90, R a multiple of 128 and
-    16-byte aligned rows (TMA). ``alternate``: two pipelines of whole tiles (above; ring depth
-    ``stages``, default PIPE_STAGES each, else STAGES)."""
+    16-byte aligned rows (TMA). ``stages``: each pipeline's ring depth."""
     M, R = at.shape
     N = bt.shape[0]
     E = expert_count.numel()
@@ -737,9 +685,7 @@ def expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count, *,
         raise ValueError(f"expert_wgrad_fp8_ws: at {tuple(at.shape)}, bt {tuple(bt.shape)} do not run on the "
                          "warp-specialized kernel (see fits_wgrad)")
     out = torch.empty(E, M, N, dtype=out_dtype, device=at.device)
-    kernel = expert_wgrad_fp8_ws_alt_kernel if alternate else expert_wgrad_fp8_ws_kernel
-    stages = stages or (PIPE_STAGES if alternate else STAGES)
-    kernel[_grid(at.device, E * triton.cdiv(M, BM) * triton.cdiv(N, BN), grid)](
+    expert_wgrad_fp8_ws_kernel[_grid(at.device, E * triton.cdiv(M, BM) * triton.cdiv(N, BN), grid)](
         _e4m3_desc(at, M, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bt, N, BN), b_scale, b_scale.stride(0), out,
         out.stride(0), out.stride(1), expert_start, expert_count, E, M, N, STAGES=stages, GROUP_M=GROUP_M, num_warps=4)
     return out
