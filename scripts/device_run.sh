@@ -151,11 +151,14 @@ if [ "$stage" = fp8-bench ]; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv -lms 100 > "$OUT/gpu-clocks.csv" 2>&1 &
   clocks_pid=$!
+  # (packed after each step: a call cut at its limit keeps what the finished steps wrote)
   python3 -m tabby_bench profile --precision fp8 --shapes kimi-k2,deepseek-v4-pro --tokens 16384 --out "$OUT/res/profile-fp8.json" \
-    2>&1 | tail -30
+    2>&1 | tee "$OUT/profile-fp8.log" | tail -30
+  pack
   python3 -m tabby_bench bench --ep 1 --tokens 16384 --shapes $fp8_shapes --impls tabby,tabby-fp8 --weights fixed \
     --iters 10 --warmup 3 --out "$OUT/res" --tag fp8-fixed 2>&1 | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  pack
   if [ "${FP8_BENCH_NEW:-1}" = 1 ]; then
     python3 -m tabby_bench bench --ep 1 --tokens 16384 --shapes $fp8_shapes --impls tabby-fp8,torch-fp8 --weights new \
       --iters 10 --warmup 3 --out "$OUT/res" --tag fp8-new 2>&1 | tail -25

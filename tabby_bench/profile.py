@@ -104,6 +104,8 @@ def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only
         y = moe_with_probe(x, inp.topk_idx, inp.topk_weights, *weights, shared=inp.shared, group=group,
                            config=config, probe=probe)
         if not fwd_only:
+            for t in (x, *weights):  # each backward writes fresh gradients: accumulating into the last
+                t.grad = None        # would hold two of each (deepseek-v4-pro's at EP1 do not fit)
             y.backward(inp.dy)
         if it >= warmup:
             timer.next_iteration()
