@@ -548,7 +548,8 @@ def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expe
 #
 # gemm_fp8.expert_wgrad_fp8(padded=True)'s sums, warp-specialized: C[e] = A_seg^T @ B_seg from the
 # transposed operands (At [M, R], Bt [N, R], K-major), each 128-row block's product promoted by
-# the outer product of its 128x1 scales, blocks in order (the structure: below, at the kernel).
+# the outer product of its 128x1 scales, blocks in order; its structure is described above
+# WGRAD_STAGES.
 
 
 @gluon.jit
@@ -621,8 +622,8 @@ def _wgrad_promote(acc, part, sa_ptr, rows, M, sb_ptr, n_left, layout: gl.conste
 
 @gluon.jit
 def _wgrad_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce,
-                        stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, WHICH: gl.constexpr,
-                        STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+                    stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, WHICH: gl.constexpr, STAGES: gl.constexpr,
+                    GROUP_M: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     num_m = gl.cdiv(M, 128)
     num_n = gl.cdiv(N, 128)
@@ -642,29 +643,27 @@ def _wgrad_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr
             # (rows past M, columns past N: TMA's zeros in the product, scale 0, not stored)
             part = warpgroup_mma_wait(0, deps=(tok, ))
             acc_lo = _wgrad_promote(acc_lo, part, as_ptr + kb * stride_asr, rows, M, sb_ptr + kb * stride_bsr,
-                                        n_left, layout)
+                                    n_left, layout)
             tok = warpgroup_mma(a_hi.index(s), b_bufs.index(s).permute((1, 0)), part, use_acc=False, is_async=True)
             part = _ring_retire(tok, empty, it, STAGES)
-            acc_hi = _wgrad_promote(acc_hi, part, as_ptr + kb * stride_asr, rows + 64, M,
-                                        sb_ptr + kb * stride_bsr, n_left, layout)
+            acc_hi = _wgrad_promote(acc_hi, part, as_ptr + kb * stride_asr, rows + 64, M, sb_ptr + kb * stride_bsr,
+                                    n_left, layout)
             it += 1
         _wgrad_store(acc_lo, c_ptr, e, stride_ce, stride_cm, pid_m * 128, pid_n * 128, M, N)
         _wgrad_store(acc_hi, c_ptr, e, stride_ce, stride_cm, pid_m * 128 + 64, pid_n * 128, M, N)
 
 
 @gluon.jit
-def expert_wgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, stride_bsr, c_ptr, stride_ce,
-                                   stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, STAGES: gl.constexpr,
-                                   GROUP_M: gl.constexpr):
+def expert_wgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, stride_bsr, c_ptr, stride_ce, stride_cm,
+                               expert_start_ptr, expert_count_ptr, E, M, N, STAGES: gl.constexpr,
+                               GROUP_M: gl.constexpr):
     a_lo0, a_hi0, b_bufs0, ready0, empty0 = _ring_128x128(a_desc, b_desc, STAGES, 1)
     a_lo1, a_hi1, b_bufs1, ready1, empty1 = _ring_128x128(a_desc, b_desc, STAGES, 1)
     gl.warp_specialize([
         (_wgrad_consumer, (a_lo0, a_hi0, b_bufs0, ready0, empty0, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
-                               stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 0, STAGES,
-                               GROUP_M)),
+                           stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 0, STAGES, GROUP_M)),
         (_wgrad_consumer, (a_lo1, a_hi1, b_bufs1, ready1, empty1, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
-                               stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 1, STAGES,
-                               GROUP_M)),
+                           stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 1, STAGES, GROUP_M)),
         (_wgrad_producer, (a_desc, b_desc, a_lo0, a_hi0, b_bufs0, ready0, empty0, expert_start_ptr, expert_count_ptr,
                            E, M, N, STAGES, GROUP_M, 0, 2)),
         (_wgrad_producer, (a_desc, b_desc, a_lo1, a_hi1, b_bufs1, ready1, empty1, expert_start_ptr, expert_count_ptr,
