@@ -120,6 +120,7 @@ def measure(impl, inp: Inputs, group, cfg: Config, timed: bool) -> list:
         r["peak_mem_gb"], r["host_ms"] = per_iter[-2:]
         r["tflops"] = r["flops"] / (r["ms"] * 1e-3) / 1e12
         r["ms_min"] = min(per_iter[:-2])
+        r["ms_iters"] = per_iter[:-2]  # in call order: a clock that drops under load shows as a trend
     del prepared
     return _noted(impl, recs)
 

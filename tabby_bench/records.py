@@ -53,6 +53,7 @@ def bracket_floor(first: list, last: list) -> list:
     timed before and after them, its figure is the floor at mid-run."""
     for r, r2 in zip(first, last):
         r["ms_first"], r["ms_last"] = r["ms"], r2["ms"]
+        r["ms_iters_last"] = r2.get("ms_iters")
         if r["ms"] is None or r2["ms"] is None:
             continue
         r["ms"] = (r["ms"] + r2["ms"]) / 2

@@ -118,7 +118,8 @@ def test_fp8_rows_are_checked_and_compared_as_fp8():
 def test_bracket_floor_averages_first_and_last():
     def rec(ms, peak, p="fwd"):
         r = records.base_record("floor", SHAPES["qwen3-30b-a3b"], 16384, 2, p, "bf16")
-        r.update(ms=ms, ms_min=None if ms is None else ms - 0.1, peak_mem_gb=peak, tflops=1.0)
+        r.update(ms=ms, ms_min=None if ms is None else ms - 0.1, peak_mem_gb=peak, tflops=1.0,
+                 ms_iters=None if ms is None else [ms - 0.1, ms, ms + 0.1])
         return r
 
     first = [rec(2.0, 3.0), rec(6.0, 5.0, "fwd+bwd")]
@@ -126,6 +127,7 @@ def test_bracket_floor_averages_first_and_last():
     out = records.bracket_floor(first, last)
     assert out[0]["ms"] == pytest.approx(2.2) and out[0]["ms_first"] == 2.0 and out[0]["ms_last"] == 2.4
     assert out[0]["ms_min"] == pytest.approx(1.9) and out[0]["peak_mem_gb"] == 4.0
+    assert out[0]["ms_iters"] == [1.9, 2.0, 2.1] and out[0]["ms_iters_last"] == [2.3, 2.4, 2.5]
     assert out[0]["tflops"] == pytest.approx(out[0]["flops"] / 2.2e-3 / 1e12)
     # a failed second timing leaves the first one as it was, and says so
     assert out[1]["ms"] == 6.0 and out[1]["ms_last"] is None
