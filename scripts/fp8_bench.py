@@ -17,7 +17,7 @@ import torch
 
 import tabby
 from tabby.ops import gemm, gemm_fp8, gemm_fp8_ws
-from tabby.ops.fp8 import quantize_blocks, quantize_cols, quantize_rows
+from tabby.ops.fp8 import quantize_blocks, quantize_cols, quantize_rows, quantize_rows_and_cols
 from tabby.ops.gemm import GemmConfig
 
 
@@ -179,6 +179,24 @@ def quantize_cols_rate(R, C, e4m3: bool):
     return moved / bench(fn, iters=5) / 1e6
 
 
+def rows_and_cols_ms(R, C):
+    """ms of dg | du's two quantizations (1x128 rows for the gate/up dgrad, 128x1 transposed for the
+    weight gradients) over R routed rows of C columns: from one read (``quantize_rows_and_cols``,
+    the layer's) against ``quantize_rows`` then ``quantize_cols``, marked where not bitwise equal."""
+    x = torch.randn(R, C, device="cuda", dtype=torch.bfloat16)
+    row_src = torch.arange(R, dtype=torch.int32, device="cuda")
+    row_src[R - R // 8:] = -1  # an eighth padding
+    nt = torch.tensor([R // 128], dtype=torch.int32, device="cuda")
+    fused = lambda: quantize_rows_and_cols(x, row_src=row_src, num_tiles=nt, tile_rows=128)  # noqa: E731
+    apart = lambda: (quantize_rows(x, num_tiles=nt, tile_rows=128),  # noqa: E731
+                     quantize_cols(x, row_src=row_src, num_tiles=nt, tile_rows=128))
+    same = all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+               for pa, pb in zip(fused(), apart()) for a, b in zip(pa, pb))
+    return {f"one read{'' if same else ' MISMATCH'}": bench(fused, iters=5),
+            "rows then cols": bench(apart, iters=5)}
+
+
 def transpose_rate(E, N, K):
     """GB/s (read + written) of the E4M3 weight transpose each FP8 backward makes (kimi-k2's
     W_down: [384, 7168, 2048], 5.6 GB)."""
@@ -265,6 +283,8 @@ def main():
                 f"{what} {quantize_cols_rate(R, C, e4m3):.0f}" for what, C, e4m3 in
                 (("hw bf16 C=2048", 2048, False), ("dg|du bf16 C=4096", 4096, False),
                  ("dy E4M3 C=7168", 7168, True))), flush=True)
+            print("dg | du [155648, 4096] quantized per 1x128 and per 128x1, ms: " + "; ".join(
+                f"{n} {v:.3f}" for n, v in rows_and_cols_ms(R, 4096).items()), flush=True)
     if not a.gemm_only:
         for T_, k_, E, H_, I_ in shapes[:1] + ((4096, 8, 128, 7168, 2048),):
             try:

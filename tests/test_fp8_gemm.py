@@ -308,13 +308,16 @@ def test_gate_up_dgrad_fp8_halves_padded(H, I, made):
     (``fp8_layer_weights(transposed=True)``, then found in the cache)."""
     from tabby.functional import fp8 as fp8_layer
 
-    BM = 16 if not CUDA else 128
+    BM = 128  # an FP8 backward's routed tile height
     counts = [21, 0, 40] if not CUDA else [210, 0, 400]
     sch = Sched(counts, BM, seed=H + I)
     E, Ip = len(counts), -(-I // 128) * 128
     dgu = rand(sch.R, 2 * I, seed=31)
     wg, wu = rand(E, I, H, seed=32, scale=I ** -0.5), rand(E, I, H, seed=33, scale=I ** -0.5)
-    aq, as_ = fp8_layer.quantize_gate_up_grad(dgu.to(DEV), I, sch.num_tiles, BM)
+    (aq, as_), (dgu_t, dgu_ts) = fp8_layer.quantize_gate_up_grad(dgu.to(DEV), I, sch.row_src, sch.num_tiles, BM)
+    # the weight gradients' operand, from the same read: dg | du per 128x1, as quantize_cols makes it
+    want_t, want_ts = quantize_cols(dgu.to(DEV), row_src=sch.row_src, num_tiles=sch.num_tiles, tile_rows=BM)
+    assert torch.equal(dgu_t.view(torch.uint8), want_t.view(torch.uint8)) and torch.equal(dgu_ts, want_ts)
     wg_d, wu_d = wg.to(DEV), wu.to(DEV)
     fp8_layer.clear_weight_cache()
     if made == "with_copies":

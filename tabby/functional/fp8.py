@@ -194,25 +194,33 @@ def fp8_layer_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Te
     return tuple(fp8_weight(w) for w in ws3)  # (the backward makes and holds what is missing)
 
 
-def quantize_gate_up_grad(dgu: torch.Tensor, I: int, num_tiles: torch.Tensor, tile_rows: int):
-    """dg | du [R, 2I] -> the gate/up dgrad's A: (E4M3 [R, 2Ip], scales [R, 2Ip/128]), Ip =
-    ``gate_up_k(I)``, in ``fp8_gate_up_t``'s layout: dg and du each quantized per 1x128 on its own
-    (where 128 does not divide I each ends in a partial tile, with its own scale) into its half,
-    the Ip - I padding columns of each half zeros (E4M3 garbage could be NaN, and NaN * 0 is not
-    0). Rows past ``num_tiles`` row tiles are not quantized (as ``fp8.quantize_rows``)."""
+def quantize_gate_up_grad(dgu: torch.Tensor, I: int, row_src: torch.Tensor, num_tiles: torch.Tensor, tile_rows: int):
+    """dg | du [R, 2I] -> both of its FP8 forms, from one read (``fp8.quantize_rows_and_cols``):
+    - the gate/up dgrad's A: (E4M3 [R, 2Ip], scales [R, 2Ip/128]), Ip = ``gate_up_k(I)``, in
+      ``fp8_gate_up_t``'s layout: dg and du each quantized per 1x128 on its own (where 128 does not
+      divide I each ends in a partial tile, with its own scale) into its half, the Ip - I padding
+      columns of each half zeros (E4M3 garbage could be NaN, and NaN * 0 is not 0); rows past
+      ``num_tiles`` row tiles are not quantized (as ``fp8.quantize_rows``);
+    - the weight gradients' operand: (E4M3 [2I, R] transposed, scales [R/128, 2I]) per 128x1,
+      padding rows zeros (``fp8.quantize_cols``), dW_gate's the first I rows, dW_up's the rest.
+    ``tile_rows``: a multiple of 128 (an FP8 backward's routed tile height)."""
     Ip = gate_up_k(I)
+    both = functools.partial(fp8.quantize_rows_and_cols, row_src=row_src, num_tiles=num_tiles, tile_rows=tile_rows)
     if Ip == I:  # every 1x128 tile of the row lies in one half: one launch over both
-        return fp8.quantize_rows(dgu, num_tiles=num_tiles, tile_rows=tile_rows)
+        return both(dgu)
     R = dgu.shape[0]
     nb = Ip // FP8_BLOCK
     q = torch.empty(R, 2 * Ip, dtype=torch.uint8, device=dgu.device)
     q.view(R, 2, Ip)[:, :, I:].zero_()
     q = q.view(fp8.E4M3)
     s = torch.empty(R, 2 * nb, dtype=torch.float32, device=dgu.device)
+    qt = torch.empty(2 * I, R, dtype=fp8.E4M3, device=dgu.device)
+    st = torch.empty(-(-R // FP8_BLOCK), 2 * I, dtype=torch.float32, device=dgu.device)
     for half in range(2):
-        fp8.quantize_rows(dgu[:, half * I:(half + 1) * I], num_tiles=num_tiles, tile_rows=tile_rows,
-                          out=q[:, half * Ip:half * Ip + I], scale_out=s[:, half * nb:(half + 1) * nb])
-    return q, s
+        cols = slice(half * I, (half + 1) * I)
+        both(dgu[:, cols], out=q[:, half * Ip:half * Ip + I], scale_out=s[:, half * nb:(half + 1) * nb],
+             out_t=qt[cols], scale_out_t=st[:, cols])
+    return (q, s), (qt, st)
 
 
 def pull_fp8_rows(ws, plan: Plan, sched, name: str, H: int, TK: int, *weights):
@@ -319,7 +327,10 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
         config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_DOWN_DGRAD, BM=BM))
     del gu, row_w, wd_t
     mark(probe, "bwd:down_dgrad+swiglu")
-    dgu_q, dgu_qs = quantize_gate_up_grad(dgu, I, sched.num_tiles, BM)
+    # dg | du's two FP8 forms from one read: per 1x128 for the gate/up dgrad, per 128x1 (transposed)
+    # for the weight gradients
+    (dgu_q, dgu_qs), (dgu_t, dgu_s) = quantize_gate_up_grad(dgu, I, sched.row_src, sched.num_tiles, BM)
+    del dgu
     mark(probe, "bwd:quantize_dgu")
     gu_t = fp8_gate_up_t(w_gate, w_up, hold=plan.cache_fp8_transposes)
     gemm_fp8.rows_gemm_fp8(dgu_q, dgu_qs, *gu_t, sched.tile_expert, sched.num_tiles,
@@ -338,7 +349,8 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
 
     # transposed E4M3 [C, R] and scales [R/128, C], padding rows zeros (the weight gradients'
     # ``padded``: segments start at multiples of tile_m, a multiple of 128); each operand quantized
-    # just before its weight gradient and dropped after it, with its bf16 source
+    # just before its weight gradient and dropped after it, with its source (dg | du's: above, with
+    # its 1x128 form)
     seg = (sched.expert_start, sched.expert_count)
     (dy_t, dy_s), (hw_t, hw_s) = cols(dys_q, dys_s), cols(hw)
     del dys_q, dys_s, hw
@@ -346,8 +358,8 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     dw_down = gemm_fp8.expert_wgrad_fp8(dy_t, dy_s, hw_t, hw_s, *seg, out_dtype=w_down.dtype, padded=True)
     del dy_t, dy_s, hw_t, hw_s
     mark(probe, "bwd:wgrad_down")
-    (dgu_t, dgu_s), (xs_t, xs_s) = cols(dgu), cols(xq, x_scale)
-    del dgu, xq, x_scale
+    xs_t, xs_s = cols(xq, x_scale)
+    del xq, x_scale
     mark(probe, "bwd:quantize_cols_gate_up")
     dw_gate = gemm_fp8.expert_wgrad_fp8(dgu_t[:I], dgu_s[:, :I], xs_t, xs_s, *seg, out_dtype=w_gate.dtype,
                                         padded=True)

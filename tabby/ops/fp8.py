@@ -5,6 +5,8 @@ with it bit for bit, values and scales).
 - ``quantize_cols``: [R, C] -> E4M3 transposed [C, R] + fp32 scales [ceil(R/128), C], per 128x1
   (the operands of a weight gradient, which contracts over tokens), padding rows of a routed-row
   buffer as zeros.
+- ``quantize_rows_and_cols``: both of the above from one read (routed rows that feed a dgrad and
+  a weight gradient).
 - ``quantize_blocks``: weights [E, N, K] -> E4M3 [E, N, K] + fp32 scales
   [E, ceil(N/128), ceil(K/128)], per 128x128 block.
 - ``mxfp8_to_blocks``: MXFP8 weights (E4M3 + one E8M0 scale per 1x32 along K) -> the 128x128
@@ -315,3 +317,56 @@ def quantize_cols(x: torch.Tensor, *, row_src: torch.Tensor | None = None, num_t
         row_scale if scaled else s, row_scale.stride(0) if scaled else 0, TILE_ROWS=tile_rows, MASKED=masked, BC=BC,
         ROW_SCALED=scaled, INTERPRET=INTERPRET, num_warps=4)
     return qt, s
+
+
+@triton.jit
+def quantize_rows_cols_kernel(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_sm, qt_ptr, stride_qt, st_ptr,
+                              stride_stm, R, C, row_src_ptr, num_tiles_ptr, TILE_ROWS: tl.constexpr,
+                              INTERPRET: tl.constexpr):
+    """Rows 128*pid(0).., columns 128*pid(1)..: each row's 1x128 tile (``quantize_rows_kernel``
+    gated by num_tiles) and each column's 128x1 tile (``quantize_cols_kernel`` MASKED), from one
+    read. A program's rows lie in one row tile (TILE_ROWS a multiple of 128)."""
+    rows = tl.program_id(0) * 128 + tl.arange(0, 128)
+    kb = tl.program_id(1)
+    cols = kb * 128 + tl.arange(0, 128)
+    used = (rows < R) & (rows < tl.load(num_tiles_ptr) * TILE_ROWS)
+    cmask = cols < C
+    m = used[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    q, s = quantize_tile_rows(x, INTERPRET)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=m)
+    tl.store(s_ptr + rows64 * stride_sm + kb, s, mask=used)
+    # the columns' tiles: padding rows (row_src < 0) and unused rows count as zeros, stored as zeros
+    valid = used & (tl.load(row_src_ptr + rows, mask=used, other=-1) >= 0)
+    xc = tl.where(valid[:, None], x, 0.0)
+    j = scale_exponent(tl.max(tl.abs(xc), axis=0))
+    qc = to_e4m3(xc * exp2_int(-j)[None, :], INTERPRET)
+    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], qc,
+             mask=(rows < R)[:, None] & cmask[None, :])
+    tl.store(st_ptr + tl.program_id(0) * stride_stm + cols, exp2_int(j), mask=cmask)
+
+
+def quantize_rows_and_cols(x: torch.Tensor, *, row_src: torch.Tensor, num_tiles: torch.Tensor, tile_rows: int = 128,
+                           out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                           out_t: torch.Tensor | None = None, scale_out_t: torch.Tensor | None = None):
+    """``quantize_rows(x, num_tiles=, tile_rows=, out=, scale_out=)`` and ``quantize_cols(x,
+    row_src=, num_tiles=, tile_rows=)`` from one read of x (a routed-row buffer [R, C] whose rows
+    feed both a dgrad and a weight gradient), bit for bit those two: ((q [R, C], scales [R,
+    ceil(C/128)]), (qt [C, R], scales [ceil(R/128), C])). ``out_t`` / ``scale_out_t``: where the
+    transposed result goes (views of a larger buffer allowed, unit last stride). ``tile_rows``: a
+    multiple of 128."""
+    R, C = x.shape
+    assert x.stride(-1) == 1 and tile_rows % BLOCK == 0, (x.stride(), tile_rows)
+    nk, nr = triton.cdiv(C, BLOCK), triton.cdiv(R, BLOCK)
+    out = torch.empty(R, C, dtype=E4M3, device=x.device) if out is None else out
+    scale_out = torch.empty(R, nk, dtype=torch.float32, device=x.device) if scale_out is None else scale_out
+    out_t = torch.empty(C, R, dtype=E4M3, device=x.device) if out_t is None else out_t
+    scale_out_t = torch.empty(nr, C, dtype=torch.float32, device=x.device) if scale_out_t is None else scale_out_t
+    assert out.shape == (R, C) and scale_out.shape == (R, nk) and out_t.shape == (C, R) and scale_out_t.shape == (nr, C)
+    assert all(t.stride(-1) == 1 for t in (out, scale_out, out_t, scale_out_t))
+    if R and C:
+        quantize_rows_cols_kernel[(nr, nk)](
+            x, x.stride(0), out, out.stride(0), scale_out, scale_out.stride(0), out_t, out_t.stride(0), scale_out_t,
+            scale_out_t.stride(0), R, C, row_src, num_tiles, TILE_ROWS=tile_rows, INTERPRET=INTERPRET, num_warps=8)
+    return (out, scale_out), (out_t, scale_out_t)
