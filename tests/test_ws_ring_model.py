@@ -149,8 +149,8 @@ def test_the_model_catches_alternating_consumers_on_one_single_reader_ring():
 
 def test_the_model_catches_an_empty_barrier_counting_one_of_two_readers():
     # the rows GEMMs' ring with one arrival expected where both consumers read each stage: the
-    # producer refills a stage as soon as the first consumer releases it
-    with pytest.raises(AssertionError, match="read from stage|refilled|pending"):
+    # producer refills a stage as soon as the first consumer releases it, or the phases run ahead
+    with pytest.raises(AssertionError, match="read from stage|refilled|deadlock"):
         for seed in range(50):
             ring = Ring(2, readers=2)
             ring.empty = [MBarrier(1) for _ in range(2)]
