@@ -15,7 +15,7 @@ with it bit for bit, values and scales).
 Scales are fp32 powers of two ``2^j``, ``j`` the smallest integer with ``amax <= 448 * 2^j``,
 ``j >= -126``; the tile's values are ``e4m3(x * 2^-j)``, exact scaling then one rounding to
 nearest even, no saturation needed. The jit helpers (``scale_exponent``, ``exp2_int``,
-``to_e4m3``, ``quantize_tile_rows``) are what GEMM epilogues call to quantize their outputs.
+``to_e4m3``, ``quantize_tile_rows``, ``quantize_tile_cols``) are what GEMM epilogues call to quantize their outputs.
 
 Under the interpreter, Triton 3.6's fp32 -> fp8 conversion does not round to nearest even (it
 rounds half away from zero within a binade and truncates below E4M3's normals) but converts a
@@ -74,6 +74,13 @@ def quantize_tile_rows(x, INTERPRET: tl.constexpr):
     """fp32 x [BM, 128] (one 1x128 tile per row) -> (E4M3 [BM, 128], fp32 scales [BM])."""
     j = scale_exponent(tl.max(tl.abs(x), axis=1))
     return to_e4m3(x * exp2_int(-j)[:, None], INTERPRET), exp2_int(j)
+
+
+@triton.jit
+def quantize_tile_cols(x, INTERPRET: tl.constexpr):
+    """fp32 x [128, BC] (one 128x1 tile per column) -> (E4M3 [128, BC], fp32 scales [BC])."""
+    j = scale_exponent(tl.max(tl.abs(x), axis=0))
+    return to_e4m3(x * exp2_int(-j)[None, :], INTERPRET), exp2_int(j)
 
 
 @triton.jit
@@ -284,11 +291,10 @@ def quantize_cols_kernel(x_ptr, stride_xm, qt_ptr, stride_qt, s_ptr, stride_sm, 
     if ROW_SCALED:
         xs = tl.load(xs_ptr + rows.to(tl.int64) * stride_xsm + (tl.program_id(1) * BC) // 128, mask=rmask, other=0.0)
         x = x * xs[:, None]
-    j = scale_exponent(tl.max(tl.abs(x), axis=0))
-    q = to_e4m3(x * exp2_int(-j)[None, :], INTERPRET)
+    q, s = quantize_tile_cols(x, INTERPRET)
     tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], q,
              mask=(rows < R)[:, None] & (cols < C)[None, :])
-    tl.store(s_ptr + tl.program_id(0) * stride_sm + cols, exp2_int(j), mask=cols < C)
+    tl.store(s_ptr + tl.program_id(0) * stride_sm + cols, s, mask=cols < C)
 
 
 def quantize_cols(x: torch.Tensor, *, row_src: torch.Tensor | None = None, num_tiles: torch.Tensor | None = None,
@@ -339,12 +345,10 @@ def quantize_rows_cols_kernel(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_
     tl.store(s_ptr + rows64 * stride_sm + kb, s, mask=used)
     # the columns' tiles: padding rows (row_src < 0) and unused rows count as zeros, stored as zeros
     valid = used & (tl.load(row_src_ptr + rows, mask=used, other=-1) >= 0)
-    xc = tl.where(valid[:, None], x, 0.0)
-    j = scale_exponent(tl.max(tl.abs(xc), axis=0))
-    qc = to_e4m3(xc * exp2_int(-j)[None, :], INTERPRET)
+    qc, sc = quantize_tile_cols(tl.where(valid[:, None], x, 0.0), INTERPRET)
     tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], qc,
              mask=(rows < R)[:, None] & cmask[None, :])
-    tl.store(st_ptr + tl.program_id(0) * stride_stm + cols, exp2_int(j), mask=cmask)
+    tl.store(st_ptr + tl.program_id(0) * stride_stm + cols, sc, mask=cmask)
 
 
 def quantize_rows_and_cols(x: torch.Tensor, *, row_src: torch.Tensor, num_tiles: torch.Tensor, tile_rows: int = 128,
