@@ -106,7 +106,7 @@ def run(partitions, rng):
 
 def simulate_pipelines(blocks_per_tile, stages, rng):
     """``expert_wgrad_fp8_ws_kernel``: two producer/consumer pipelines, each its own ring of one
-    reader, over alternate tiles of the walk (``_wgrad_producer``'s FIRST and STEP)."""
+    reader, over alternate tiles of the walk (``_wgrad_producer``'s and ``_wgrad_consumer``'s WHICH)."""
     rings = [Ring(stages, readers=1) for _ in range(2)]
     parts = []
     for which, ring in enumerate(rings):

@@ -577,12 +577,12 @@ def _wgrad_store(acc, c_ptr, e, stride_ce, stride_cm, row0, col0, M, N):
 
 @gluon.jit
 def _wgrad_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_start_ptr, expert_count_ptr, E, M, N,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, FIRST: gl.constexpr, STEP: gl.constexpr):
-    """A ring's producer over tiles FIRST, FIRST + STEP, ... of the program's walk."""
+                    WHICH: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """Pipeline WHICH's producer: its consumer's tiles (every other tile of the program's walk)."""
     num_m = gl.cdiv(M, 128)
     num_n = gl.cdiv(N, 128)
     it = 0
-    for t in range(gl.program_id(0) + FIRST * gl.num_programs(0), E * num_m * num_n, STEP * gl.num_programs(0)):
+    for t in range(gl.program_id(0) + WHICH * gl.num_programs(0), E * num_m * num_n, 2 * gl.num_programs(0)):
         e, pid_m, pid_n, kf0, kf1 = _wgrad_tile(t, num_m, num_n, expert_start_ptr, expert_count_ptr, GROUP_M)
         for kb in range(kf0, kf1):
             s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes, STAGES)
@@ -593,9 +593,9 @@ def _wgrad_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_sta
 
 
 # The weight gradient as two pipelines. Each consumer warpgroup has its own producer warp and ring
-# and takes alternate tiles of the program's walk (the producer's FIRST = WHICH, STEP = 2), each the
-# tile's 128 rows (A's two halves against B: two accumulators and one product, each half's MMA
-# waited for before its promotion, as the two-block kernels). The pipelines share nothing but the
+# and takes alternate tiles of the program's walk (pipeline WHICH: tiles WHICH, WHICH + 2, ...),
+# each the tile's 128 rows (A's two halves against B: two accumulators and one product, each
+# half's MMA waited for before its promotion, as the two-block kernels). The pipelines share nothing but the
 # SM, so one's promotions and epilogue run under the other's MMAs whatever the tiles' lengths: K is
 # an expert's rows, often a few blocks (kimi-k2: 3), and two consumers on halves of one tile
 # reach its end together and both store while the tensor cores idle.
@@ -665,9 +665,9 @@ def expert_wgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, strid
         (_wgrad_consumer, (a_lo1, a_hi1, b_bufs1, ready1, empty1, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
                            stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 1, STAGES, GROUP_M)),
         (_wgrad_producer, (a_desc, b_desc, a_lo0, a_hi0, b_bufs0, ready0, empty0, expert_start_ptr, expert_count_ptr,
-                           E, M, N, STAGES, GROUP_M, 0, 2)),
+                           E, M, N, 0, STAGES, GROUP_M)),
         (_wgrad_producer, (a_desc, b_desc, a_lo1, a_hi1, b_bufs1, ready1, empty1, expert_start_ptr, expert_count_ptr,
-                           E, M, N, STAGES, GROUP_M, 1, 2)),
+                           E, M, N, 1, STAGES, GROUP_M)),
     ], [4, 1, 1], [232, 40, 40])
 
 
