@@ -162,13 +162,19 @@ def rows_stages(T, k, E, K, N):
     return out
 
 
+def routed_rows(R, C):
+    """bf16 rows [R, C] as a routed-row buffer: (x, row_src with its last eighth padding, the used
+    row tiles of 128 as a device scalar)."""
+    x = torch.randn(R, C, device="cuda", dtype=torch.bfloat16)
+    row_src = torch.arange(R, dtype=torch.int32, device="cuda")
+    row_src[R - R // 8:] = -1
+    return x, row_src, torch.tensor([R // 128], dtype=torch.int32, device="cuda")
+
+
 def quantize_cols_rate(R, C, e4m3: bool):
     """GB/s (read + written) of the backward's 128x1 quantization over R routed rows of C columns:
     from bf16 (hw, dg | du) or from E4M3 rows with 1x128 scales (dy, xs), padding rows masked."""
-    x = torch.randn(R, C, device="cuda", dtype=torch.bfloat16)
-    row_src = torch.arange(R, dtype=torch.int32, device="cuda")
-    row_src[R - R // 8:] = -1  # an eighth padding
-    nt = torch.tensor([R // 128], dtype=torch.int32, device="cuda")
+    x, row_src, nt = routed_rows(R, C)
     if e4m3:
         xq, xs = quantize_rows(x)
         fn = lambda: quantize_cols(xq, row_src=row_src, num_tiles=nt, tile_rows=128, row_scale=xs)  # noqa: E731
@@ -183,10 +189,7 @@ def rows_and_cols_ms(R, C):
     """ms of dg | du's two quantizations (1x128 rows for the gate/up dgrad, 128x1 transposed for the
     weight gradients) over R routed rows of C columns: from one read (``quantize_rows_and_cols``,
     the layer's) against ``quantize_rows`` then ``quantize_cols``, marked where not bitwise equal."""
-    x = torch.randn(R, C, device="cuda", dtype=torch.bfloat16)
-    row_src = torch.arange(R, dtype=torch.int32, device="cuda")
-    row_src[R - R // 8:] = -1  # an eighth padding
-    nt = torch.tensor([R // 128], dtype=torch.int32, device="cuda")
+    x, row_src, nt = routed_rows(R, C)
     fused = lambda: quantize_rows_and_cols(x, row_src=row_src, num_tiles=nt, tile_rows=128)  # noqa: E731
     apart = lambda: (quantize_rows(x, num_tiles=nt, tile_rows=128),  # noqa: E731
                      quantize_cols(x, row_src=row_src, num_tiles=nt, tile_rows=128))
