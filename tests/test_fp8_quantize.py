@@ -241,22 +241,26 @@ def test_quantize_rows_and_cols_is_both_kernels(R, C, tile_rows):
     row_src[5:9] = -1
     row_src[130] = -1
     x[[5, 130]] = float("nan")
+    x, row_src = x.to(DEV), row_src.to(DEV)
     num_tiles = torch.tensor([(R - 1) // tile_rows], dtype=torch.int32)  # the last row tile unused
     args = dict(num_tiles=num_tiles.to(DEV), tile_rows=tile_rows)
-    want_q = torch.full((R, C), 0x7E, dtype=torch.uint8).view(fp8.E4M3).to(DEV)  # unused rows: left as they were
-    want_s = torch.full((R, -(-C // 128)), -1.0, device=DEV)
-    fp8.quantize_rows(x.to(DEV), out=want_q, scale_out=want_s, **args)
-    want_qt, want_st = fp8.quantize_cols(x.to(DEV), row_src=row_src.to(DEV), **args)
-    got_q, got_s = want_q.clone().fill_(0), torch.full_like(want_s, -1.0)
-    got_q.view(torch.uint8).fill_(0x7E)
+
+    def untouched():  # the row outputs before a call: unused rows are left as they were
+        return (torch.full((R, C), 0x7E, dtype=torch.uint8, device=DEV).view(fp8.E4M3),
+                torch.full((R, -(-C // 128)), -1.0, device=DEV))
+
+    want_q, want_s = untouched()
+    fp8.quantize_rows(x, out=want_q, scale_out=want_s, **args)
+    want_qt, want_st = fp8.quantize_cols(x, row_src=row_src, **args)
+    got_q, got_s = untouched()
     wide_t = torch.zeros(C + 16, R, dtype=torch.uint8, device=DEV).view(fp8.E4M3)
     wide_st = torch.zeros(-(-R // 128), C + 16, device=DEV)
-    (q, s), (qt, st) = fp8.quantize_rows_and_cols(x.to(DEV), row_src=row_src.to(DEV), out=got_q, scale_out=got_s,
+    (q, s), (qt, st) = fp8.quantize_rows_and_cols(x, row_src=row_src, out=got_q, scale_out=got_s,
                                                   out_t=wide_t[8:8 + C], scale_out_t=wide_st[:, 8:8 + C], **args)
     assert q is got_q and same(q, want_q) and same(s, want_s)
     assert same(qt, want_qt) and same(st, want_st)
     assert not wide_t.view(torch.uint8)[:8].any() and not wide_st[:, C + 8:].any()  # nothing past the slices
-    (q2, s2), (qt2, st2) = fp8.quantize_rows_and_cols(x.to(DEV), row_src=row_src.to(DEV), **args)
+    (q2, s2), (qt2, st2) = fp8.quantize_rows_and_cols(x, row_src=row_src, **args)
     assert same(qt2, want_qt) and same(st2, want_st)
     used = (R - 1) // tile_rows * tile_rows
     assert same(q2[:used], want_q[:used]) and same(s2[:used], want_s[:used])
