@@ -16,10 +16,11 @@
 #           group of cases of one shape (scripts/gpu_case_groups.py: each shape's kernels compile once)
 #   fp8-gemm   scripts/fp8_bench.py --gemm-only (the FP8 GEMMs' TFLOP/s against bf16's and their variants;
 #           extra args go to it)
-#   fp8-bench  the FP8 layer's stage profile at kimi-k2 and deepseek-v4-pro, and the layer bench at 16384 tokens on the six shapes:
+#   fp8-bench  the FP8 layer's stage profile at kimi-k2 and deepseek-v4-pro (FP8_PROFILE_SHAPES), and the layer bench at 16384 tokens on the six shapes:
 #           tabby against tabby-fp8 with fixed weights (their FP8 copies reused), tabby-fp8 against torch-fp8
 #           from a new weight version per call (both quantize; FP8_BENCH_NEW=0 skips it); about 430 s;
-#           the SM clock, power and throttle reasons sampled every 100 ms meanwhile (gpu-clocks.csv)
+#           the SM clock, power and throttle reasons sampled every 100 ms meanwhile (gpu-clocks.csv), and
+#           per timed record (gpu-clocks-by-record.md, scripts/gpu_clocks.py)
 #   all     tests, then bench
 # Logs and results go under $RUN_DIR (default /tmp/tabby-run); where $OUT is set (the device tool's
 # folder, from which at most 8 files come back) they are packed into $OUT/tabby-run.tgz after each
@@ -152,7 +153,7 @@ if [ "$stage" = fp8-bench ]; then
     --format=csv -lms 100 > "$OUT/gpu-clocks.csv" 2>&1 &
   clocks_pid=$!
   # (packed after each step: a call cut at its limit keeps what the finished steps wrote)
-  python3 -m tabby_bench profile --precision fp8 --shapes kimi-k2,deepseek-v4-pro --tokens 16384 --out "$OUT/res/profile-fp8.json" \
+  python3 -m tabby_bench profile --precision fp8 --shapes "${FP8_PROFILE_SHAPES:-kimi-k2,deepseek-v4-pro}" --tokens 16384 --out "$OUT/res/profile-fp8.json" \
     2>&1 | tee "$OUT/profile-fp8.log" | tail -30
   pack
   python3 -m tabby_bench bench --ep 1 --tokens 16384 --shapes $fp8_shapes --impls tabby,tabby-fp8 --weights fixed \
@@ -165,6 +166,10 @@ if [ "$stage" = fp8-bench ]; then
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
   kill "$clocks_pid" 2>/dev/null
+  # each timed record's SM clock, power and throttle reasons (the complete results, or a cut bench's partial records)
+  python3 scripts/gpu_clocks.py "$OUT/gpu-clocks.csv" $(ls "$OUT"/res/bench-*.json "$OUT"/res/*.jsonl 2>/dev/null) \
+    > "$OUT/gpu-clocks-by-record.md" 2>&1
+  cat "$OUT/gpu-clocks-by-record.md"
 fi
 pack
 exit $status

@@ -110,7 +110,9 @@ def measure(impl, inp: Inputs, group, cfg: Config, timed: bool) -> list:
                 prepared.raise_device_errors()
             return times, (torch.cuda.max_memory_allocated() - base) / 1e9, host_ms
 
+        t_start = time.time()
         res, err = attempt(timed_run)
+        r["t_start"], r["t_end"] = t_start, time.time()  # epoch seconds: the device's clock log aligns by them
         if err:
             r["error"], r["correct"] = err, False
             continue
