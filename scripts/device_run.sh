@@ -32,6 +32,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 RETURN_DIR=${OUT:-}
 OUT=${RUN_DIR:-/tmp/tabby-run}
+# the device machine keeps /tmp between calls: the first stage of a call (nothing packed yet) starts from an
+# empty folder, so no earlier call's logs or results are packed with this one's
+if [ -n "$RETURN_DIR" ] && [ ! -e "$RETURN_DIR/tabby-run.tgz" ]; then rm -rf "$OUT"; fi
 mkdir -p "$OUT/res"
 pack() {
   if [ -n "$RETURN_DIR" ]; then tar czf "$RETURN_DIR/tabby-run.tgz.part" -C "$OUT" . && mv "$RETURN_DIR/tabby-run.tgz.part" "$RETURN_DIR/tabby-run.tgz"; fi
