@@ -22,7 +22,7 @@
 #           the SM clock, power and throttle reasons sampled every 100 ms meanwhile (gpu-clocks.csv), and
 #           per timed record (gpu-clocks-by-record.md, scripts/gpu_clocks.py)
 #   all     tests, then bench
-# Logs and results go under $RUN_DIR (default /tmp/tabby-run); where $OUT is set (the device tool's
+# Logs and results go under $RUN_DIR (default /tmp/tabby-run-<the calling shell's pid>: one folder a call); where $OUT is set (the device tool's
 # folder, from which at most 8 files come back) they are packed into $OUT/tabby-run.tgz after each
 # stage and on exit, so a call cut short still returns what its finished stages wrote.
 # TABBY_GIT_COMMIT names the commit where the
@@ -31,10 +31,9 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 RETURN_DIR=${OUT:-}
-OUT=${RUN_DIR:-/tmp/tabby-run}
-# the device machine keeps /tmp between calls: the first stage of a call (nothing packed yet) starts from an
-# empty folder, so no earlier call's logs or results are packed with this one's
-if [ -n "$RETURN_DIR" ] && [ ! -e "$RETURN_DIR/tabby-run.tgz" ]; then rm -rf "$OUT"; fi
+# one folder per device call: the machine keeps /tmp (and earlier calls' files) between calls, and the stages
+# chained in one call's command share its shell ($PPID)
+OUT=${RUN_DIR:-/tmp/tabby-run-$PPID}
 mkdir -p "$OUT/res"
 pack() {
   if [ -n "$RETURN_DIR" ]; then tar czf "$RETURN_DIR/tabby-run.tgz.part" -C "$OUT" . && mv "$RETURN_DIR/tabby-run.tgz.part" "$RETURN_DIR/tabby-run.tgz"; fi
