@@ -103,10 +103,9 @@ def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only
         probe = Probe(stage_timer=timer if it >= warmup else None)
         y = moe_with_probe(x, inp.topk_idx, inp.topk_weights, *weights, shared=inp.shared, group=group,
                            config=config, probe=probe)
-        if not fwd_only:
-            for t in (x, *weights):  # each backward writes fresh gradients: accumulating into the last
-                t.grad = None        # would hold two of each (deepseek-v4-pro's at EP1 do not fit)
-            y.backward(inp.dy)
+        if not fwd_only:  # the gradients returned and dropped, as the bench's rows: accumulated into
+            # .grad they would live through the next forward (deepseek-v4-pro's at EP1 do not fit beside it)
+            torch.autograd.grad(y, inp.leaves(), inp.dy, allow_unused=True)
         if it >= warmup:
             timer.next_iteration()
     samples = timer.iterations()
