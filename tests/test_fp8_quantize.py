@@ -215,27 +215,27 @@ def test_kernel_round_trips_with_partial_tiles(T, K):
 @pytest.mark.parametrize("R,C", [(300, 272), (256, 128)])
 def test_quantize_cols_of_quantized_rows(R, C):
     """Columns (128x1) of rows already quantized per 1x128 (E4M3 + row scales): the definition's
-    columns of the dequantized rows, bit for bit; padding rows (row_src < 0) count as, and are
-    stored as, zeros; the row tiles past the used ones are not quantized."""
+    columns of the dequantized rows, bit for bit; padding rows (row_src < 0) and rows past the used
+    tiles count as, and are stored as, zeros."""
     rq, rs = ref.quantize_rows_ref(mixed_rows(R, C, seed=R + C))
     row_src = torch.arange(R, dtype=torch.int32)
     row_src[5:9] = -1
     num_tiles = torch.tensor([R // 128], dtype=torch.int32)  # rows past the last full 128-row tile unused
     q, s = fp8.quantize_cols(rq.to(DEV), row_scale=rs.to(DEV), row_src=row_src.to(DEV), num_tiles=num_tiles.to(DEV),
                              tile_rows=128)
-    used = (R // 128) * 128
-    d = ref.dequantize_rows_ref(rq, rs)[:used]
+    d = ref.dequantize_rows_ref(rq, rs)
     d[5:9] = 0
+    d[(R // 128) * 128:] = 0
     wq, ws_ = ref.quantize_cols_ref(d)
-    assert same(q.cpu().t()[:used].contiguous(), wq) and same(s[:used // 128], ws_)
+    assert same(q.cpu().t().contiguous(), wq) and same(s, ws_)
 
 
 @pytest.mark.parametrize("R,C,tile_rows", [(300, 272, 128), (384, 256, 128), (600, 384, 256)])
 def test_quantize_rows_and_cols_is_both_kernels(R, C, tile_rows):
-    """One read, two quantizations: bit for bit ``quantize_rows`` and ``quantize_cols`` (padding
-    rows as zeros) over the used row tiles, nothing written past them, partial last tiles of rows
-    and columns, NaN in the padding rows (their rows' tiles are what ``quantize_rows`` makes of
-    them), and the transposed result written into column slices of a larger buffer."""
+    """One read, two quantizations: bit for bit ``quantize_rows`` (gated by the used row tiles) and
+    ``quantize_cols`` (padding rows and unused rows as zeros), partial last tiles of rows and
+    columns, NaN in the padding rows (their rows' tiles are what ``quantize_rows`` makes of them),
+    and the transposed result written into column slices of a larger buffer."""
     x = mixed_rows(R, C, seed=R * C).to(torch.bfloat16)
     row_src = torch.arange(R, dtype=torch.int32)
     row_src[5:9] = -1
@@ -249,23 +249,20 @@ def test_quantize_rows_and_cols_is_both_kernels(R, C, tile_rows):
         return (torch.full((R, C), 0x7E, dtype=torch.uint8, device=DEV).view(fp8.E4M3),
                 torch.full((R, -(-C // 128)), -1.0, device=DEV))
 
-    used = (R - 1) // tile_rows * tile_rows
     want_q, want_s = untouched()
     fp8.quantize_rows(x, out=want_q, scale_out=want_s, **args)
     want_qt, want_st = fp8.quantize_cols(x, row_src=row_src, **args)
-    want_qt, want_st = want_qt[:, :used], want_st[:used // 128]
     got_q, got_s = untouched()
-    wide_t = torch.full((C + 16, R), 0x7E, dtype=torch.uint8, device=DEV).view(fp8.E4M3)
-    wide_st = torch.full((-(-R // 128), C + 16), -1.0, device=DEV)
+    wide_t = torch.zeros(C + 16, R, dtype=torch.uint8, device=DEV).view(fp8.E4M3)
+    wide_st = torch.zeros(-(-R // 128), C + 16, device=DEV)
     (q, s), (qt, st) = fp8.quantize_rows_and_cols(x, row_src=row_src, out=got_q, scale_out=got_s,
                                                   out_t=wide_t[8:8 + C], scale_out_t=wide_st[:, 8:8 + C], **args)
     assert q is got_q and same(q, want_q) and same(s, want_s)
-    assert same(qt[:, :used], want_qt) and same(st[:used // 128], want_st)
-    # nothing written past the used row tiles, nor outside the slices
-    assert (qt.view(torch.uint8)[:, used:] == 0x7E).all() and (st[used // 128:] == -1).all()
-    assert (wide_t.view(torch.uint8)[:8] == 0x7E).all() and (wide_st[:, C + 8:] == -1).all()
+    assert same(qt, want_qt) and same(st, want_st)
+    assert not wide_t.view(torch.uint8)[:8].any() and not wide_st[:, C + 8:].any()  # nothing past the slices
     (q2, s2), (qt2, st2) = fp8.quantize_rows_and_cols(x, row_src=row_src, **args)
-    assert same(qt2[:, :used], want_qt) and same(st2[:used // 128], want_st)
+    assert same(qt2, want_qt) and same(st2, want_st)
+    used = (R - 1) // tile_rows * tile_rows
     assert same(q2[:used], want_q[:used]) and same(s2[:used], want_s[:used])
 
 

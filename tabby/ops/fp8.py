@@ -276,32 +276,25 @@ def quantize_cols_kernel(x_ptr, stride_xm, qt_ptr, stride_qt, s_ptr, stride_sm, 
                          ROW_SCALED: tl.constexpr, INTERPRET: tl.constexpr):
     """Rows 128*pid(0).. (one 128x1 tile per column), columns BC*pid(1)..., stored transposed
     (qt [C, R]: a weight gradient reads the rows as its contiguous K). MASKED: rows whose
-    row_src is negative (padding) or that lie past the used row tiles count as zeros and are
-    stored as zeros, and a program whose rows all lie past them writes nothing (where TILE_ROWS
-    is a multiple of 128, as in an FP8 backward, every unused row). ROW_SCALED: x is E4M3 with 1x128 scales xs [R, ceil(C/128)]; its values
-    are x * xs in fp32 (exact: a power of two times an E4M3 value). BC divides 128, so a program's
+    row_src is negative (padding) or that lie past the used row tiles count as zeros, and are
+    stored as zeros. ROW_SCALED: x is E4M3 with 1x128 scales xs [R, ceil(C/128)]; its values are
+    x * xs in fp32 (exact: a power of two times an E4M3 value). BC divides 128, so a program's
     columns share one scale per row."""
     rows = tl.program_id(0) * 128 + tl.arange(0, 128)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    rmask = rows < R
     if MASKED:
-        limit = tl.load(num_tiles_ptr) * TILE_ROWS
-    else:
-        limit = R
-    if tl.program_id(0) * 128 < limit:
-        rmask = rows < R
-        if MASKED:  # (rows < limit: where TILE_ROWS is not a multiple of 128, a tile can straddle it)
-            rmask = rmask & (rows < limit)
-            rmask = rmask & (tl.load(row_src_ptr + rows, mask=rmask, other=-1) >= 0)
-        m = rmask[:, None] & (cols < C)[None, :]
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        if ROW_SCALED:
-            xs = tl.load(xs_ptr + rows.to(tl.int64) * stride_xsm + (tl.program_id(1) * BC) // 128, mask=rmask,
-                         other=0.0)
-            x = x * xs[:, None]
-        q, s = quantize_tile_cols(x, INTERPRET)
-        tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], q,
-                 mask=(rows < R)[:, None] & (cols < C)[None, :])
-        tl.store(s_ptr + tl.program_id(0) * stride_sm + cols, s, mask=cols < C)
+        used = rows < tl.load(num_tiles_ptr) * TILE_ROWS
+        rmask = rmask & used & (tl.load(row_src_ptr + rows, mask=rmask & used, other=-1) >= 0)
+    m = rmask[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if ROW_SCALED:
+        xs = tl.load(xs_ptr + rows.to(tl.int64) * stride_xsm + (tl.program_id(1) * BC) // 128, mask=rmask, other=0.0)
+        x = x * xs[:, None]
+    q, s = quantize_tile_cols(x, INTERPRET)
+    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], q,
+             mask=(rows < R)[:, None] & (cols < C)[None, :])
+    tl.store(s_ptr + tl.program_id(0) * stride_sm + cols, s, mask=cols < C)
 
 
 def quantize_cols(x: torch.Tensor, *, row_src: torch.Tensor | None = None, num_tiles: torch.Tensor | None = None,
@@ -309,10 +302,8 @@ def quantize_cols(x: torch.Tensor, *, row_src: torch.Tensor | None = None, num_t
     """x [R, C] -> (qt [C, R] E4M3: the quantized x transposed, scales [ceil(R/128), C] fp32), per
     128x1 tile (128 consecutive rows of one column: the recipe's quantization of an operand that a
     weight gradient contracts over tokens; transposed so that the GEMM reads its K contiguous).
-    With ``row_src`` and ``num_tiles`` (a routed-row buffer), padding rows count as zeros and are
-    stored as zeros, and the 128-row tiles wholly past the used row tiles are not written (their
-    columns of qt and rows of the scales are left as they were: no weight gradient reads past its
-    segments). ``row_scale``: x is E4M3 quantized per 1x128
+    With ``row_src`` and ``num_tiles`` (a routed-row buffer), padding rows and rows past the used
+    tiles count as zeros and are stored as zeros. ``row_scale``: x is E4M3 quantized per 1x128
     with these fp32 scales [R, ceil(C/128)]; the tiles are those of its dequantized values."""
     R, C = x.shape
     assert x.stride(-1) == 1
@@ -340,25 +331,24 @@ def quantize_rows_cols_kernel(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_
                               INTERPRET: tl.constexpr):
     """Rows 128*pid(0).., columns 128*pid(1)..: each row's 1x128 tile (``quantize_rows_kernel``
     gated by num_tiles) and each column's 128x1 tile (``quantize_cols_kernel`` MASKED), from one
-    read. A program's rows lie in one row tile (TILE_ROWS a multiple of 128): all used, or all
-    past the used tiles and not written."""
+    read. A program's rows lie in one row tile (TILE_ROWS a multiple of 128)."""
     rows = tl.program_id(0) * 128 + tl.arange(0, 128)
     kb = tl.program_id(1)
     cols = kb * 128 + tl.arange(0, 128)
-    if tl.program_id(0) * 128 < tl.load(num_tiles_ptr) * TILE_ROWS:
-        used = rows < R
-        cmask = cols < C
-        m = used[:, None] & cmask[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        q, s = quantize_tile_rows(x, INTERPRET)
-        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=m)
-        tl.store(s_ptr + rows64 * stride_sm + kb, s, mask=used)
-        # the columns' tiles: padding rows (row_src < 0) count as zeros, stored as zeros
-        valid = used & (tl.load(row_src_ptr + rows, mask=used, other=-1) >= 0)
-        qc, sc = quantize_tile_cols(tl.where(valid[:, None], x, 0.0), INTERPRET)
-        tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], qc, mask=used[:, None] & cmask[None, :])
-        tl.store(st_ptr + tl.program_id(0) * stride_stm + cols, sc, mask=cmask)
+    used = (rows < R) & (rows < tl.load(num_tiles_ptr) * TILE_ROWS)
+    cmask = cols < C
+    m = used[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    q, s = quantize_tile_rows(x, INTERPRET)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=m)
+    tl.store(s_ptr + rows64 * stride_sm + kb, s, mask=used)
+    # the columns' tiles: padding rows (row_src < 0) and unused rows count as zeros, stored as zeros
+    valid = used & (tl.load(row_src_ptr + rows, mask=used, other=-1) >= 0)
+    qc, sc = quantize_tile_cols(tl.where(valid[:, None], x, 0.0), INTERPRET)
+    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], qc,
+             mask=(rows < R)[:, None] & cmask[None, :])
+    tl.store(st_ptr + tl.program_id(0) * stride_stm + cols, sc, mask=cmask)
 
 
 def quantize_rows_and_cols(x: torch.Tensor, *, row_src: torch.Tensor, num_tiles: torch.Tensor, tile_rows: int = 128,
@@ -367,8 +357,7 @@ def quantize_rows_and_cols(x: torch.Tensor, *, row_src: torch.Tensor, num_tiles:
     """``quantize_rows(x, num_tiles=, tile_rows=, out=, scale_out=)`` and ``quantize_cols(x,
     row_src=, num_tiles=, tile_rows=)`` from one read of x (a routed-row buffer [R, C] whose rows
     feed both a dgrad and a weight gradient), bit for bit those two: ((q [R, C], scales [R,
-    ceil(C/128)]), (qt [C, R], scales [ceil(R/128), C])); neither writes the row tiles past the
-    used ones. ``out_t`` / ``scale_out_t``: where the
+    ceil(C/128)]), (qt [C, R], scales [ceil(R/128), C])). ``out_t`` / ``scale_out_t``: where the
     transposed result goes (views of a larger buffer allowed, unit last stride). ``tile_rows``: a
     multiple of 128."""
     R, C = x.shape
