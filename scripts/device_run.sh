@@ -3,7 +3,8 @@
 # Usage: scripts/device_run.sh STAGE [bench args...]
 #   tests   the GPU tests (tests/test_*_gpu.py, or the files in GPU_TESTS), one process per file in parallel,
 #           a log each (gpu-tests-NAME.log); bounded waits fail fast, device errors checked per pass
-#   bench   the EP1 matrix: floor, tabby and tabby-sync-free on the six shapes at 4096 and 16384 tokens
+#   bench   the EP1 matrix: floor, tabby and tabby-sync-free on the six shapes at 4096 and 16384 tokens, the
+#           clock logged as in fp8-bench
 #           (extra args go to `tabby bench` after these and override them, e.g. --ep 2 --impls ...)
 #   train   the end-to-end training benchmark (tabby train; extra args go to it)
 #   reliability  the GPU fault test, compute-sanitizer (memcheck, racecheck, synccheck), the soak and the
@@ -55,6 +56,19 @@ report_log() {
   # NAME LOG: the log's last line (pytest's summary) and its first failures
   echo "== $1: $(tail -1 "$2")"
   grep -E "^(FAILED|ERROR)|Error|assert" "$2" | head -10
+}
+start_clocks() {
+  # the SM clock, power and throttle reasons every 100 ms into gpu-clocks.csv, until stop_clocks
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 100 > "$OUT/gpu-clocks.csv" 2>&1 &
+  clocks_pid=$!
+}
+stop_clocks() {
+  # ends the log; each timed record's clock, power and throttle reasons (the complete results, or a
+  # cut bench's partial records) into gpu-clocks-by-record.md (scripts/gpu_clocks.py)
+  kill "$clocks_pid" 2>/dev/null
+  python3 scripts/gpu_clocks.py "$OUT/gpu-clocks.csv" $(ls "$OUT"/res/bench-*.json "$OUT"/res/*.jsonl 2>/dev/null) \
+    > "$OUT/gpu-clocks-by-record.md" 2>&1
 }
 run_pytest() {
   # LOG ARGS...: pytest on ARGS into LOG, ended by the stage's deadline or TESTS_TIMEOUT (default 580 s)
@@ -110,10 +124,12 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
 fi
 pack
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
+  start_clocks
   python3 -m tabby_bench bench --ep 1 \
     --shapes qwen3-30b-a3b,gpt-oss-120b,deepseek-v4-pro,kimi-k2,glm-5,qwen3.5-397b --tokens 4096,16384 \
     --impls floor,tabby,tabby-sync-free --iters 10 --warmup 3 --out "$OUT/res" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  stop_clocks
 fi
 pack
 if [ "$stage" = train ]; then
@@ -150,10 +166,7 @@ fi
 pack
 if [ "$stage" = fp8-bench ]; then
   fp8_shapes=kimi-k2,glm-5,deepseek-v4-pro,qwen3-30b-a3b,gpt-oss-120b,qwen3.5-397b
-  # the SM clock, power and throttle reasons every 100 ms through the stage (gpu-clocks.csv)
-  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-    --format=csv -lms 100 > "$OUT/gpu-clocks.csv" 2>&1 &
-  clocks_pid=$!
+  start_clocks
   # (packed after each step: a call cut at its limit keeps what the finished steps wrote)
   python3 -m tabby_bench profile --precision fp8 --shapes "${FP8_PROFILE_SHAPES:-kimi-k2,deepseek-v4-pro}" --tokens 16384 --out "$OUT/res/profile-fp8.json" \
     2>&1 | tee "$OUT/profile-fp8.log" | tail -30
@@ -167,10 +180,7 @@ if [ "$stage" = fp8-bench ]; then
       --iters 10 --warmup 3 --out "$OUT/res" --tag fp8-new 2>&1 | tail -25
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
-  kill "$clocks_pid" 2>/dev/null
-  # each timed record's SM clock, power and throttle reasons (the complete results, or a cut bench's partial records)
-  python3 scripts/gpu_clocks.py "$OUT/gpu-clocks.csv" $(ls "$OUT"/res/bench-*.json "$OUT"/res/*.jsonl 2>/dev/null) \
-    > "$OUT/gpu-clocks-by-record.md" 2>&1
+  stop_clocks
   cat "$OUT/gpu-clocks-by-record.md"
 fi
 pack
