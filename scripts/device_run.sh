@@ -26,8 +26,9 @@
 # Logs and results go under $RUN_DIR (default /tmp/tabby-run-<the calling shell's pid>: one folder a call); where $OUT is set (the device tool's
 # folder, from which at most 8 files come back) they are packed into $OUT/tabby-run.tgz after each
 # stage and on exit, so a call cut short still returns what its finished stages wrote.
-# TABBY_GIT_COMMIT names the commit where the
-# tree has no .git.
+# TABBY_GIT_COMMIT names the commit the results record. Pass it as a literal computed on the machine that
+# committed (`git rev-parse --short HEAD` there): the device's copy of the tree carries a stale .git, so
+# `$(git rev-parse ...)` inside the device command names an old commit.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"

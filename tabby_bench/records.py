@@ -133,7 +133,8 @@ def progress_line(r: dict) -> str:
 
 
 def git_commit() -> tuple:
-    """(commit, dirty); TABBY_GIT_COMMIT names it where the tree has no .git (the device machine)."""
+    """(commit, dirty); TABBY_GIT_COMMIT names it where the tree's .git is absent or stale (the device
+    machine's copy of the tree: pass the commit computed where it was made)."""
     if os.environ.get("TABBY_GIT_COMMIT"):
         return os.environ["TABBY_GIT_COMMIT"], None
     try:
