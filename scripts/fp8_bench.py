@@ -282,11 +282,11 @@ def main():
             print(f"E4M3 weight transpose [E={E}, {H}, {I}]: {transpose_rate(E, H, I):.0f} GB/s", flush=True)
         if "quantize" in only:
             R = 155648  # kimi-k2's routed rows at 16384 tokens, each expert padded to 128
-            print("128x1 quantization GB/s (read + written), R=155648: " + "; ".join(
+            print(f"128x1 quantization GB/s (read + written), R={R}: " + "; ".join(
                 f"{what} {quantize_cols_rate(R, C, e4m3):.0f}" for what, C, e4m3 in
                 (("hw bf16 C=2048", 2048, False), ("dg|du bf16 C=4096", 4096, False),
                  ("dy E4M3 C=7168", 7168, True))), flush=True)
-            print("dg | du [155648, 4096] quantized per 1x128 and per 128x1, ms: " + "; ".join(
+            print(f"dg | du [{R}, 4096] quantized per 1x128 and per 128x1, ms: " + "; ".join(
                 f"{n} {v:.3f}" for n, v in rows_and_cols_ms(R, 4096).items()), flush=True)
     if not a.gemm_only:
         for T_, k_, E, H_, I_ in shapes[:1] + ((4096, 8, 128, 7168, 2048),):

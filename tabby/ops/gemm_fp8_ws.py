@@ -603,7 +603,9 @@ def _wgrad_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_sta
 # The scales load at their use, after the MMA's wait: the two accumulators and the product fill a
 # consumer's registers, and any scale loaded earlier (even both halves' row scales, 2 registers
 # more across an MMA) spills at sm_90a. Their latency is then the consumer's own, for the other
-# pipeline's MMAs to cover.
+# pipeline's MMAs to cover (prefetched into L1 a block ahead, they ran no faster). The column
+# scales' global load and their spread through shared memory also order ptxas's schedule: read
+# from a TMA-filled stage instead, or constant, the consumer spills (docs/fp8-measurements.md).
 WGRAD_STAGES = 3  # a pipeline's ring: 3 stages of 32 KB, 192 KB for both
 
 
