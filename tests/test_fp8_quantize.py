@@ -338,3 +338,28 @@ def test_mxfp8_import_refuses_what_is_not_exact(case):
         assert torch.equal(ref.dequantize_blocks_ref(rq, rs), ref.mxfp8_dequantize_ref(q, e8))
         kq, ks = fp8.mxfp8_to_blocks(q.to(DEV), e8.to(DEV))
         assert same(kq, rq) and same(ks, rs)
+
+
+@pytest.mark.parametrize("R,C,scaled", [(300, 272, False), (384, 256, True)])
+def test_quantize_cols_word_stores_are_the_byte_stores(R, C, scaled, monkeypatch):
+    """The 128x1 kernels store the transposed values as 32-bit words (4 rows of a column) where qt's
+    rows allow it (``_packs``), else byte by byte: both give the same bits, and the words are taken
+    where they should be (R a multiple of 4, aligned rows) and not elsewhere."""
+    x = mixed_rows(R, C, seed=R + 3 * C).to(torch.bfloat16).to(DEV)
+    kw = {}
+    if scaled:
+        x, xs = fp8.quantize_rows(x)
+        kw["row_scale"] = xs
+    row_src = torch.arange(R, dtype=torch.int32, device=DEV)
+    row_src[7:12] = -1
+    kw.update(row_src=row_src, num_tiles=torch.tensor([R // 128], dtype=torch.int32, device=DEV), tile_rows=128)
+    words = fp8.quantize_cols(x, **kw)
+    assert fp8._packs(words[0])
+    assert not fp8._packs(torch.empty(C, R + 2, dtype=torch.uint8)[:, 1:R + 1])
+    assert not fp8._packs(torch.empty(C, R - 2, dtype=torch.uint8))
+    monkeypatch.setattr(fp8, "_packs", lambda qt: False)
+    bytewise = fp8.quantize_cols(x, **kw)
+    assert same(words[0], bytewise[0]) and same(words[1], bytewise[1])
+    if not scaled:
+        both = fp8.quantize_rows_and_cols(x, **kw)[1]
+        assert same(both[0], words[0]) and same(both[1], words[1])

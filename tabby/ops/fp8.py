@@ -15,7 +15,7 @@ with it bit for bit, values and scales).
 Scales are fp32 powers of two ``2^j``, ``j`` the smallest integer with ``amax <= 448 * 2^j``,
 ``j >= -126``; the tile's values are ``e4m3(x * 2^-j)``, exact scaling then one rounding to
 nearest even, no saturation needed. The jit helpers (``scale_exponent``, ``exp2_int``,
-``to_e4m3``, ``quantize_tile_rows``, ``quantize_tile_cols``) are what GEMM epilogues call to quantize their outputs.
+``to_e4m3``, ``quantize_tile_rows``) are what GEMM epilogues call to quantize their outputs.
 
 Under the interpreter, Triton 3.6's fp32 -> fp8 conversion does not round to nearest even (it
 rounds half away from zero within a binade and truncates below E4M3's normals) but converts a
@@ -74,13 +74,6 @@ def quantize_tile_rows(x, INTERPRET: tl.constexpr):
     """fp32 x [BM, 128] (one 1x128 tile per row) -> (E4M3 [BM, 128], fp32 scales [BM])."""
     j = scale_exponent(tl.max(tl.abs(x), axis=1))
     return to_e4m3(x * exp2_int(-j)[:, None], INTERPRET), exp2_int(j)
-
-
-@triton.jit
-def quantize_tile_cols(x, INTERPRET: tl.constexpr):
-    """fp32 x [128, BC] (one 128x1 tile per column) -> (E4M3 [128, BC], fp32 scales [BC])."""
-    j = scale_exponent(tl.max(tl.abs(x), axis=0))
-    return to_e4m3(x * exp2_int(-j)[None, :], INTERPRET), exp2_int(j)
 
 
 @triton.jit
@@ -270,31 +263,113 @@ def mxfp8_to_blocks(q: torch.Tensor, e8m0: torch.Tensor):
     return out, scale
 
 
+# The 128x1 kernels hold a program's 128 rows as four interleaved groups of 32 (group g: rows 4i + g),
+# each loaded, scaled and quantized in the same register layout. The transposed result then leaves
+# as 32-bit words, each the bytes of 4 consecutive rows of one column (``pack_rows4``): the
+# transpose through shared memory moves words, not bytes, and the column amax takes the
+# elementwise maximum of the four groups before reducing over 32 rows.
+
+
+@triton.jit
+def pack_rows4(q0, q1, q2, q3):
+    """Four E4M3 tiles [G, BC], rows 4i + 0..3 of the same columns -> uint32 [G, BC], each word the
+    four rows' bytes in memory order (little-endian: row 4i in the low byte)."""
+    w = q0.to(tl.uint8, bitcast=True).to(tl.uint32)
+    w |= q1.to(tl.uint8, bitcast=True).to(tl.uint32) << 8
+    w |= q2.to(tl.uint8, bitcast=True).to(tl.uint32) << 16
+    return w | (q3.to(tl.uint8, bitcast=True).to(tl.uint32) << 24)
+
+
+@triton.jit
+def _routed_rows_valid(rows, R, row_src_ptr, num_tiles_ptr, TILE_ROWS: tl.constexpr, MASKED: tl.constexpr):
+    """Which ``rows`` hold values: below R and, where MASKED (a routed-row buffer), in the used row
+    tiles with a source (row_src >= 0; padding rows count as zeros)."""
+    valid = rows < R
+    if MASKED:
+        valid = valid & (rows < tl.load(num_tiles_ptr) * TILE_ROWS)
+        valid = valid & (tl.load(row_src_ptr + rows, mask=valid, other=-1) >= 0)
+    return valid
+
+
+@triton.jit
+def _load_group(x_ptr, stride_xm, rows, valid, cols, C, xs_ptr, stride_xsm, scale_col, ROW_SCALED: tl.constexpr):
+    """fp32 values of ``rows`` x ``cols`` (zeros where a row is not valid or a column is past C);
+    ROW_SCALED: x is E4M3 and each row's value is x times its 1x128 scale (column ``scale_col``)."""
+    rows64 = rows.to(tl.int64)
+    m = valid[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if ROW_SCALED:
+        x = x * tl.load(xs_ptr + rows64 * stride_xsm + scale_col, mask=valid, other=0.0)[:, None]
+    return x
+
+
+@triton.jit
+def _store_cols_transposed(qt_ptr, stride_qt, q0, q1, q2, q3, row0, R, cols, C, PACKED: tl.constexpr):
+    """The four groups' E4M3 values [32, BC] (rows row0 + 4i + g) into qt [C, R] transposed: as
+    words (``pack_rows4``; qt's rows and stride multiples of 4 bytes, R a multiple of 4) or, not
+    PACKED, byte by byte."""
+    cm = (cols < C)[None, :]
+    i = tl.arange(0, 32)
+    if PACKED:
+        words = row0 // 4 + i
+        ptrs = qt_ptr.to(tl.pointer_type(tl.uint32)) + cols.to(tl.int64)[None, :] * (stride_qt // 4) + words[:, None]
+        tl.store(ptrs, pack_rows4(q0, q1, q2, q3), mask=(words * 4 < R)[:, None] & cm)
+    else:
+        base = qt_ptr + cols.to(tl.int64)[None, :] * stride_qt
+        r = row0 + 4 * i
+        tl.store(base + r[:, None], q0, mask=(r < R)[:, None] & cm)
+        tl.store(base + (r + 1)[:, None], q1, mask=(r + 1 < R)[:, None] & cm)
+        tl.store(base + (r + 2)[:, None], q2, mask=(r + 2 < R)[:, None] & cm)
+        tl.store(base + (r + 3)[:, None], q3, mask=(r + 3 < R)[:, None] & cm)
+
+
+@triton.jit
+def _quantize_cols4(x0, x1, x2, x3, INTERPRET: tl.constexpr):
+    """fp32 [32, BC] x4, the 128 rows of one 128x1 tile per column held as four groups -> (their
+    E4M3 values, the columns' scales [BC]): ``quantize_tile_rows`` along the other axis."""
+    amax = tl.max(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))), axis=0)
+    j = scale_exponent(amax)
+    mult = exp2_int(-j)[None, :]
+    return (to_e4m3(x0 * mult, INTERPRET), to_e4m3(x1 * mult, INTERPRET), to_e4m3(x2 * mult, INTERPRET),
+            to_e4m3(x3 * mult, INTERPRET), exp2_int(j))
+
+
 @triton.jit
 def quantize_cols_kernel(x_ptr, stride_xm, qt_ptr, stride_qt, s_ptr, stride_sm, R, C, row_src_ptr, num_tiles_ptr,
                          xs_ptr, stride_xsm, TILE_ROWS: tl.constexpr, MASKED: tl.constexpr, BC: tl.constexpr,
-                         ROW_SCALED: tl.constexpr, INTERPRET: tl.constexpr):
+                         ROW_SCALED: tl.constexpr, PACKED: tl.constexpr, INTERPRET: tl.constexpr):
     """Rows 128*pid(0).. (one 128x1 tile per column), columns BC*pid(1)..., stored transposed
     (qt [C, R]: a weight gradient reads the rows as its contiguous K). MASKED: rows whose
     row_src is negative (padding) or that lie past the used row tiles count as zeros, and are
     stored as zeros. ROW_SCALED: x is E4M3 with 1x128 scales xs [R, ceil(C/128)]; its values are
     x * xs in fp32 (exact: a power of two times an E4M3 value). BC divides 128, so a program's
-    columns share one scale per row."""
-    rows = tl.program_id(0) * 128 + tl.arange(0, 128)
+    columns share one scale per row. The rows as four groups (above ``pack_rows4``)."""
+    row0 = tl.program_id(0) * 128
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    rmask = rows < R
-    if MASKED:
-        used = rows < tl.load(num_tiles_ptr) * TILE_ROWS
-        rmask = rmask & used & (tl.load(row_src_ptr + rows, mask=rmask & used, other=-1) >= 0)
-    m = rmask[:, None] & (cols < C)[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    if ROW_SCALED:
-        xs = tl.load(xs_ptr + rows.to(tl.int64) * stride_xsm + (tl.program_id(1) * BC) // 128, mask=rmask, other=0.0)
-        x = x * xs[:, None]
-    q, s = quantize_tile_cols(x, INTERPRET)
-    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], q,
-             mask=(rows < R)[:, None] & (cols < C)[None, :])
+    scale_col = (tl.program_id(1) * BC) // 128
+    r = row0 + 4 * tl.arange(0, 32)
+    v0 = _routed_rows_valid(r, R, row_src_ptr, num_tiles_ptr, TILE_ROWS, MASKED)
+    v1 = _routed_rows_valid(r + 1, R, row_src_ptr, num_tiles_ptr, TILE_ROWS, MASKED)
+    v2 = _routed_rows_valid(r + 2, R, row_src_ptr, num_tiles_ptr, TILE_ROWS, MASKED)
+    v3 = _routed_rows_valid(r + 3, R, row_src_ptr, num_tiles_ptr, TILE_ROWS, MASKED)
+    q0, q1, q2, q3, s = _quantize_cols4(
+        _load_group(x_ptr, stride_xm, r, v0, cols, C, xs_ptr, stride_xsm, scale_col, ROW_SCALED),
+        _load_group(x_ptr, stride_xm, r + 1, v1, cols, C, xs_ptr, stride_xsm, scale_col, ROW_SCALED),
+        _load_group(x_ptr, stride_xm, r + 2, v2, cols, C, xs_ptr, stride_xsm, scale_col, ROW_SCALED),
+        _load_group(x_ptr, stride_xm, r + 3, v3, cols, C, xs_ptr, stride_xsm, scale_col, ROW_SCALED),
+        INTERPRET)
+    _store_cols_transposed(qt_ptr, stride_qt, q0, q1, q2, q3, row0, R, cols, C, PACKED)
     tl.store(s_ptr + tl.program_id(0) * stride_sm + cols, s, mask=cols < C)
+
+
+COLS_TILE = (64, 4)  # quantize_cols: columns a program, warps
+ROWS_COLS_WARPS = 8  # quantize_rows_and_cols (128 x 128 a program)
+
+
+def _packs(qt: torch.Tensor) -> bool:
+    """Whether qt [C, R] takes the 128x1 kernels' stores as 32-bit words: R, its row stride and its
+    address multiples of 4 bytes."""
+    return qt.shape[1] % 4 == 0 and qt.stride(0) % 4 == 0 and qt.data_ptr() % 4 == 0
 
 
 def quantize_cols(x: torch.Tensor, *, row_src: torch.Tensor | None = None, num_tiles: torch.Tensor | None = None,
@@ -317,37 +392,56 @@ def quantize_cols(x: torch.Tensor, *, row_src: torch.Tensor | None = None, num_t
         return qt, s
     masked = row_src is not None
     assert masked == (num_tiles is not None)
-    BC = 64
+    BC, warps = COLS_TILE
     quantize_cols_kernel[(nr, triton.cdiv(C, BC))](
         x, x.stride(0), qt, qt.stride(0), s, s.stride(0), R, C, row_src if masked else s, num_tiles if masked else s,
         row_scale if scaled else s, row_scale.stride(0) if scaled else 0, TILE_ROWS=tile_rows, MASKED=masked, BC=BC,
-        ROW_SCALED=scaled, INTERPRET=INTERPRET, num_warps=4)
+        ROW_SCALED=scaled, PACKED=_packs(qt), INTERPRET=INTERPRET, num_warps=warps)
     return qt, s
 
 
 @triton.jit
-def quantize_rows_cols_kernel(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_sm, qt_ptr, stride_qt, st_ptr,
-                              stride_stm, R, C, row_src_ptr, num_tiles_ptr, TILE_ROWS: tl.constexpr,
-                              INTERPRET: tl.constexpr):
-    """Rows 128*pid(0).., columns 128*pid(1)..: each row's 1x128 tile (``quantize_rows_kernel``
-    gated by num_tiles) and each column's 128x1 tile (``quantize_cols_kernel`` MASKED), from one
-    read. A program's rows lie in one row tile (TILE_ROWS a multiple of 128)."""
-    rows = tl.program_id(0) * 128 + tl.arange(0, 128)
-    kb = tl.program_id(1)
-    cols = kb * 128 + tl.arange(0, 128)
-    used = (rows < R) & (rows < tl.load(num_tiles_ptr) * TILE_ROWS)
-    cmask = cols < C
+def _rows_group(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_sm, rows, cols, cmask, kb, R, row_src_ptr, nt,
+                TILE_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
+    """One group of ``quantize_rows_cols_kernel``: its rows' 1x128 tiles quantized and stored (rows
+    in the used tiles); returns the rows' fp32 values for the columns' tiles, zeros where a row
+    does not count (padding, unused)."""
+    used = (rows < R) & (rows < nt * TILE_ROWS)
     m = used[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
     q, s = quantize_tile_rows(x, INTERPRET)
     tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=m)
     tl.store(s_ptr + rows64 * stride_sm + kb, s, mask=used)
-    # the columns' tiles: padding rows (row_src < 0) and unused rows count as zeros, stored as zeros
     valid = used & (tl.load(row_src_ptr + rows, mask=used, other=-1) >= 0)
-    qc, sc = quantize_tile_cols(tl.where(valid[:, None], x, 0.0), INTERPRET)
-    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], qc,
-             mask=(rows < R)[:, None] & cmask[None, :])
+    return tl.where(valid[:, None], x, 0.0)
+
+
+@triton.jit
+def quantize_rows_cols_kernel(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_sm, qt_ptr, stride_qt, st_ptr,
+                              stride_stm, R, C, row_src_ptr, num_tiles_ptr, TILE_ROWS: tl.constexpr,
+                              PACKED: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows 128*pid(0).., columns 128*pid(1)..: each row's 1x128 tile (``quantize_rows_kernel``
+    gated by num_tiles) and each column's 128x1 tile (``quantize_cols_kernel`` MASKED), from one
+    read, the rows as four groups (above ``pack_rows4``). A program's rows lie in one row tile
+    (TILE_ROWS a multiple of 128)."""
+    row0 = tl.program_id(0) * 128
+    kb = tl.program_id(1)
+    cols = kb * 128 + tl.arange(0, 128)
+    cmask = cols < C
+    nt = tl.load(num_tiles_ptr)
+    r = row0 + 4 * tl.arange(0, 32)
+    q0, q1, q2, q3, sc = _quantize_cols4(
+        _rows_group(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_sm, r, cols, cmask, kb, R, row_src_ptr, nt,
+                    TILE_ROWS, INTERPRET),
+        _rows_group(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_sm, r + 1, cols, cmask, kb, R, row_src_ptr, nt,
+                    TILE_ROWS, INTERPRET),
+        _rows_group(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_sm, r + 2, cols, cmask, kb, R, row_src_ptr, nt,
+                    TILE_ROWS, INTERPRET),
+        _rows_group(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_sm, r + 3, cols, cmask, kb, R, row_src_ptr, nt,
+                    TILE_ROWS, INTERPRET),
+        INTERPRET)
+    _store_cols_transposed(qt_ptr, stride_qt, q0, q1, q2, q3, row0, R, cols, C, PACKED)
     tl.store(st_ptr + tl.program_id(0) * stride_stm + cols, sc, mask=cmask)
 
 
@@ -372,5 +466,6 @@ def quantize_rows_and_cols(x: torch.Tensor, *, row_src: torch.Tensor, num_tiles:
     if R and C:
         quantize_rows_cols_kernel[(nr, nk)](
             x, x.stride(0), out, out.stride(0), scale_out, scale_out.stride(0), out_t, out_t.stride(0), scale_out_t,
-            scale_out_t.stride(0), R, C, row_src, num_tiles, TILE_ROWS=tile_rows, INTERPRET=INTERPRET, num_warps=8)
+            scale_out_t.stride(0), R, C, row_src, num_tiles, TILE_ROWS=tile_rows, PACKED=_packs(out_t),
+            INTERPRET=INTERPRET, num_warps=ROWS_COLS_WARPS)
     return (out, scale_out), (out_t, scale_out_t)
