@@ -17,6 +17,8 @@ def _line(name, k):
     print(name, "wgmma_e4m3", len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
           "wait_nonzero", len(re.findall(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
           "v4_stores", len(re.findall(r"st\.global(\.\w+)*\.v4", ptx)),
+          "tma_stores", len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
+          "shared", k.metadata.shared,
           "spills", sum(int(n) for n in re.findall(r"(\d+) bytes spill", rep)),
           "serialized", int("are serialized" in rep), "warp_specialized", int("setmaxnreg" in ptx))
 
@@ -58,10 +60,11 @@ def _report():
                     GROUP_M=Const(8), SCHED_BM=Const(128), SAVE_GU=Const(True))
         _line(f"gate_up/nk{nk}", compile_args(ws.gate_up_swiglu_fp8_ws_kernel, args, num_warps=4))
     b_half = gl.NVMMASharedLayout.get_default_for([ws.BN, 128], gl.float8e4nv)
+    c_layout = gl.NVMMASharedLayout.get_default_for([1, 64, 64], gl.bfloat16)
     for M, N in ((7168, 2048), (2048, 7168), (2880, 2880)):  # kimi-k2's dW_down and dW_gate, gpt-oss-120b's
         args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asr="i32",
                     b_desc=f"tensordesc<fp8e4nv[{ws.BN},128],{b_half!r}>", bs_ptr="*fp32", stride_bsr="i32",
-                    c_ptr="*bf16", stride_ce="i32:16", stride_cm="i32:16", expert_start_ptr="*i32",
+                    c_desc=f"tensordesc<bf16[1,64,64],{c_layout!r}>", expert_start_ptr="*i32",
                     expert_count_ptr="*i32", E="i32", M="i32:16", N="i32:16", STAGES=Const(ws.WGRAD_STAGES),
                     GROUP_M=Const(8))
         _line(f"wgrad/{M}x{N}", compile_args(ws.expert_wgrad_fp8_ws_kernel, args, num_warps=4))
@@ -75,7 +78,10 @@ def test_warp_specialized_rows_gemm_compiles_unserialized():
         c = dict(zip(f[1::2], map(int, f[2::2])))
         assert c["wgmma_e4m3"] >= 8 and c["warp_specialized"] == 1, line  # 4 per block, two consumers
         assert c["spills"] == 0 and c["serialized"] == 0 and c["wait_nonzero"] == 0, line
-        if "epilogue2" not in f[0]:  # the SwiGLU backward stores from the MMA layout
+        assert c["shared"] <= 232448, line  # an sm_90 CTA's shared memory (227 KB)
+        if f[0].startswith("wgrad"):  # the weight gradient stores by TMA (4 boxes a tile and consumer)
+            assert c["tma_stores"] >= 4 and c["v4_stores"] == 0, line
+        elif "epilogue2" not in f[0]:  # the SwiGLU backward stores from the MMA layout
             assert c["v4_stores"] > 0, line
 
 

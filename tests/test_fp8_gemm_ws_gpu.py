@@ -182,12 +182,14 @@ def test_ws_gate_up_deterministic_and_without_gu():
     assert torch.equal(hs[:sch.used], first[1][:sch.used])
 
 
-@pytest.mark.parametrize("M,N", [(256, 192), (7168, 2048), (2880, 2880), (320, 200)])
+@pytest.mark.parametrize("M,N", [(256, 192), (7168, 2048), (2880, 2880), (320, 200), (200, 136)])
 @pytest.mark.parametrize("grid", [None, 3])
 def test_ws_wgrad_matches_triton_bitwise(M, N, grid):
     """The padded weight gradient (the layer's segments: at multiples of 128, padding rows zeros;
     empty experts first, between and last, one of one row, one of exactly 256, one of 11 blocks:
-    more than a ring holds) bitwise the Triton kernel's at the layer's tiles."""
+    more than a ring holds) bitwise the Triton kernel's at the layer's tiles, bf16 (its TMA stores
+    clip the last tiles at M and N, 200 and 136 inside a 64-row half and a 64-column box, and write
+    no row of the next expert); an fp32 result runs on the Triton kernel."""
     sch = Sched([0, 37, 0, 256, 5, 1, 1400, 300, 0], 128, seed=M + N)
     a, b = rand(sch.R, M, seed=31), rand(sch.R, N, seed=32)
     a[sch.row_src_cpu < 0] = float("nan")  # padding rows hold anything before quantize_cols
@@ -195,13 +197,16 @@ def test_ws_wgrad_matches_triton_bitwise(M, N, grid):
     bq, bs = quantize_cols(b.cuda(), row_src=sch.row_src, num_tiles=sch.num_tiles, tile_rows=128)
     start = torch.tensor([st for _, st, _ in sch.segments], dtype=torch.int32, device="cuda")
     count = torch.tensor([c for _, _, c in sch.segments], dtype=torch.int32, device="cuda")
-    assert gemm_fp8_ws.fits_wgrad(aq, bq)
-    want = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, padded=True,
+    assert gemm_fp8_ws.fits_wgrad(aq, bq) and not gemm_fp8_ws.fits_wgrad(aq, bq, torch.float32)
+    want = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.bfloat16, padded=True,
                                      config=_triton_wgrad())
-    got = gemm_fp8_ws.expert_wgrad_fp8_ws(aq, as_, bq, bs, start, count, out_dtype=torch.float32, grid=grid)
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (got - want).abs().max()
-    dflt = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, padded=True)
-    assert torch.equal(dflt.view(torch.int32), want.view(torch.int32)), "default entry point"
+    got = gemm_fp8_ws.expert_wgrad_fp8_ws(aq, as_, bq, bs, start, count, grid=grid)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got.float() - want.float()).abs().max()
+    dflt = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.bfloat16, padded=True)
+    assert torch.equal(dflt.view(torch.int16), want.view(torch.int16)), "default entry point"
+    f32 = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, padded=True)
+    assert torch.equal(f32.to(torch.bfloat16).view(torch.int16), want.view(torch.int16)), "fp32 result"
     assert not got[[0, 2, 8]].any()  # the empty experts
-    again = gemm_fp8_ws.expert_wgrad_fp8_ws(aq, as_, bq, bs, start, count, out_dtype=torch.float32, grid=grid)
-    assert torch.equal(again.view(torch.int32), got.view(torch.int32))
+    again = gemm_fp8_ws.expert_wgrad_fp8_ws(aq, as_, bq, bs, start, count, grid=grid)
+    assert torch.equal(again.view(torch.int16), got.view(torch.int16))

@@ -646,7 +646,7 @@ def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, ou
         if s.dtype != torch.float32 or tuple(s.shape) != (nr, C) or s.stride(-1) != 1:
             raise ValueError(f"{name}'s scales must be fp32 [ceil(R/128), C] = {(nr, C)}, got {tuple(s.shape)}")
     cfg = config or default_config_fp8(KIND_WGRAD)
-    if padded and cfg == default_config_fp8(KIND_WGRAD) and gemm_fp8_ws.fits_wgrad(at, bt):
+    if padded and cfg == default_config_fp8(KIND_WGRAD) and gemm_fp8_ws.fits_wgrad(at, bt, out_dtype):
         return gemm_fp8_ws.expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count,
                                                out_dtype=out_dtype)
     R_k = R

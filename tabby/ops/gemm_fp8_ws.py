@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import INTERPRET
@@ -378,11 +379,13 @@ def fits_gate_up(aq: torch.Tensor, wg_q: torch.Tensor, wu_q: torch.Tensor, sched
     return (_sm90(aq) and sched_bm % BM == 0 and all(t.is_contiguous() and tma_aligned(t) for t in (aq, wg_q, wu_q)))
 
 
-def fits_wgrad(at: torch.Tensor, bt: torch.Tensor) -> bool:
+def fits_wgrad(at: torch.Tensor, bt: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the padded weight gradient runs here: sm_90, R a multiple of 128, rows 16-byte
-    aligned with a unit column stride (TMA)."""
+    aligned with a unit column stride (TMA), a 16-bit result (its TMA stores' buffers fit beside
+    the rings) whose rows are 16-byte multiples."""
     return (_sm90(at) and at.shape[1] % BLOCK == 0 and bt.shape[1] == at.shape[1]
-            and tma_aligned(at) and tma_aligned(bt))
+            and tma_aligned(at) and tma_aligned(bt) and out_dtype in (torch.bfloat16, torch.float16)
+            and bt.shape[0] % 8 == 0)
 
 
 def wide_stages(K: int) -> int:
@@ -564,15 +567,20 @@ def _wgrad_tile(t, num_m, num_n, expert_start_ptr, expert_count_ptr, GROUP_M: gl
 
 
 @gluon.jit
-def _wgrad_store(acc, c_ptr, e, stride_ce, stride_cm, row0, col0, M, N):
-    """64 rows (row0..) x 128 columns (col0..) of expert e's weight gradient, those below M and N,
-    from a 64 x 128 fp32 accumulator, through a layout of 16-byte row pieces."""
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    val = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_layout)
-    rm = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
-    rn = col0 + gl.arange(0, 128, layout=gl.SliceLayout(0, out_layout))
-    ptrs = c_ptr + e.to(gl.int64) * stride_ce + rm.to(gl.int64)[:, None] * stride_cm + rn[None, :]
-    gl.store(ptrs, val, mask=(rm < M)[:, None] & (rn < N)[None, :])
+def _wgrad_store(acc, c_desc, c_bufs, e, row0, col0):
+    """64 rows (row0..) x 128 columns (col0..) of expert e's weight gradient from a 64 x 128 fp32
+    accumulator: its two 64-column halves into ``c_bufs`` [2, 64, 64] and out by TMA (``c_desc``
+    over C [E, M, N] in [1, 64, 64] boxes: rows past M and columns past N are not written, and no
+    row spills into the next expert's). The consumer goes on while the stores run; the buffers'
+    previous stores are waited for (their reads of shared memory) before they are overwritten."""
+    lo, hi = gl.split(gl.permute(gl.reshape(acc, (64, 2, 64)), (0, 2, 1)))
+    tma.store_wait(0)
+    c_bufs.index(0).store(lo.to(c_desc.dtype))
+    c_bufs.index(1).store(hi.to(c_desc.dtype))
+    fence_async_shared()
+    box: gl.constexpr = c_desc.block_type.shape
+    tma.async_copy_shared_to_global(c_desc, [e, row0, col0], c_bufs.index(0).reshape(box))
+    tma.async_copy_shared_to_global(c_desc, [e, row0, col0 + 64], c_bufs.index(1).reshape(box))
 
 
 @gluon.jit
@@ -623,8 +631,8 @@ def _wgrad_promote(acc, part, sa_ptr, rows, M, sb_ptr, n_left, layout: gl.conste
 
 
 @gluon.jit
-def _wgrad_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr, stride_ce,
-                    stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, WHICH: gl.constexpr, STAGES: gl.constexpr,
+def _wgrad_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr, stride_bsr, c_desc, c_bufs,
+                    expert_start_ptr, expert_count_ptr, E, M, N, WHICH: gl.constexpr, STAGES: gl.constexpr,
                     GROUP_M: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     num_m = gl.cdiv(M, 128)
@@ -651,26 +659,37 @@ def _wgrad_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr
             acc_hi = _wgrad_promote(acc_hi, part, as_ptr + kb * stride_asr, rows + 64, M, sb_ptr + kb * stride_bsr,
                                     n_left, layout)
             it += 1
-        _wgrad_store(acc_lo, c_ptr, e, stride_ce, stride_cm, pid_m * 128, pid_n * 128, M, N)
-        _wgrad_store(acc_hi, c_ptr, e, stride_ce, stride_cm, pid_m * 128 + 64, pid_n * 128, M, N)
+        _wgrad_store(acc_lo, c_desc, c_bufs, e, pid_m * 128, pid_n * 128)
+        _wgrad_store(acc_hi, c_desc, c_bufs, e, pid_m * 128 + 64, pid_n * 128)
+    tma.store_wait(0)
 
 
 @gluon.jit
-def expert_wgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, stride_bsr, c_ptr, stride_ce, stride_cm,
-                               expert_start_ptr, expert_count_ptr, E, M, N, STAGES: gl.constexpr,
-                               GROUP_M: gl.constexpr):
+def expert_wgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, stride_bsr, c_desc, expert_start_ptr,
+                               expert_count_ptr, E, M, N, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     a_lo0, a_hi0, b_bufs0, ready0, empty0 = _ring_128x128(a_desc, b_desc, STAGES, 1)
     a_lo1, a_hi1, b_bufs1, ready1, empty1 = _ring_128x128(a_desc, b_desc, STAGES, 1)
+    # each consumer's epilogue buffers: two 64 x 64 halves of its 64 rows (16 KB; 192 + 32 KB in all)
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], c_desc.dtype)
+    c_bufs0 = gl.allocate_shared_memory(c_desc.dtype, [2, 64, 64], c_layout)
+    c_bufs1 = gl.allocate_shared_memory(c_desc.dtype, [2, 64, 64], c_layout)
     gl.warp_specialize([
-        (_wgrad_consumer, (a_lo0, a_hi0, b_bufs0, ready0, empty0, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
-                           stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 0, STAGES, GROUP_M)),
-        (_wgrad_consumer, (a_lo1, a_hi1, b_bufs1, ready1, empty1, as_ptr, stride_asr, bs_ptr, stride_bsr, c_ptr,
-                           stride_ce, stride_cm, expert_start_ptr, expert_count_ptr, E, M, N, 1, STAGES, GROUP_M)),
+        (_wgrad_consumer, (a_lo0, a_hi0, b_bufs0, ready0, empty0, as_ptr, stride_asr, bs_ptr, stride_bsr, c_desc,
+                           c_bufs0, expert_start_ptr, expert_count_ptr, E, M, N, 0, STAGES, GROUP_M)),
+        (_wgrad_consumer, (a_lo1, a_hi1, b_bufs1, ready1, empty1, as_ptr, stride_asr, bs_ptr, stride_bsr, c_desc,
+                           c_bufs1, expert_start_ptr, expert_count_ptr, E, M, N, 1, STAGES, GROUP_M)),
         (_wgrad_producer, (a_desc, b_desc, a_lo0, a_hi0, b_bufs0, ready0, empty0, expert_start_ptr, expert_count_ptr,
                            E, M, N, 0, STAGES, GROUP_M)),
         (_wgrad_producer, (a_desc, b_desc, a_lo1, a_hi1, b_bufs1, ready1, empty1, expert_start_ptr, expert_count_ptr,
                            E, M, N, 1, STAGES, GROUP_M)),
     ], [4, 1, 1], [232, 40, 40])
+
+
+def _out_desc(out: torch.Tensor) -> TensorDescriptor:
+    """A TMA descriptor over the weight gradient C [E, M, N] (bf16 or fp16) in [1, 64, 64] boxes."""
+    dt = gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([1, 64, 64], dt)
+    return TensorDescriptor.from_tensor(out, [1, 64, 64], layout)
 
 
 def expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count, *, out_dtype=torch.bfloat16,
@@ -682,11 +701,11 @@ def expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count, *,
     M, R = at.shape
     N = bt.shape[0]
     E = expert_count.numel()
-    if not fits_wgrad(at, bt):
+    if not fits_wgrad(at, bt, out_dtype):
         raise ValueError(f"expert_wgrad_fp8_ws: at {tuple(at.shape)}, bt {tuple(bt.shape)} do not run on the "
                          "warp-specialized kernel (see fits_wgrad)")
     out = torch.empty(E, M, N, dtype=out_dtype, device=at.device)
     expert_wgrad_fp8_ws_kernel[_grid(at.device, E * triton.cdiv(M, BM) * triton.cdiv(N, BN), grid)](
-        _e4m3_desc(at, M, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bt, N, BN), b_scale, b_scale.stride(0), out,
-        out.stride(0), out.stride(1), expert_start, expert_count, E, M, N, STAGES=stages, GROUP_M=GROUP_M, num_warps=4)
+        _e4m3_desc(at, M, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bt, N, BN), b_scale, b_scale.stride(0),
+        _out_desc(out), expert_start, expert_count, E, M, N, STAGES=stages, GROUP_M=GROUP_M, num_warps=4)
     return out
