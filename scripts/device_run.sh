@@ -96,8 +96,8 @@ run_tests() {
 }
 run_tests_by_shape() {
   # one pytest process per group of test cases that compile the same shapes' kernels
-  # (scripts/gpu_case_groups.py), all at once: one process per case compiled each shape's kernels
-  # once per case, sixteen at once on sixteen cores, and did not finish 16 of 19 cases in 540 s
+  # (scripts/gpu_case_groups.py), all at once: compiling is what the cases cost, and a group
+  # compiles each of its shapes' kernels once
   local groups g id i=0
   mapfile -t groups < <(python3 -m pytest --collect-only -q -p no:cacheprovider "$@" 2>/dev/null | grep '::' |
                         python3 scripts/gpu_case_groups.py)

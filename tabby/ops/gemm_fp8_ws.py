@@ -606,7 +606,8 @@ def _wgrad_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_sta
 # half's MMA waited for before its promotion, as the two-block kernels). The pipelines share nothing but the
 # SM, so one's promotions and epilogue run under the other's MMAs whatever the tiles' lengths: K is
 # an expert's rows, often a few blocks (kimi-k2: 3), and two consumers on halves of one tile
-# reach its end together and both store while the tensor cores idle.
+# reach its end together and both store while the tensor cores idle. A consumer's tile leaves by
+# TMA (``_wgrad_store``): it writes shared memory and returns to its MMAs while the copy runs.
 #
 # The scales load at their use, after the MMA's wait: the two accumulators and the product fill a
 # consumer's registers, and any scale loaded earlier (even both halves' row scales, 2 registers
@@ -614,7 +615,7 @@ def _wgrad_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_sta
 # pipeline's MMAs to cover (prefetched into L1 a block ahead, they ran no faster). The column
 # scales' global load and their spread through shared memory also order ptxas's schedule: read
 # from a TMA-filled stage instead, or constant, the consumer spills (docs/fp8-measurements.md).
-WGRAD_STAGES = 3  # a pipeline's ring: 3 stages of 32 KB, 192 KB for both
+WGRAD_STAGES = 3  # a pipeline's ring: 3 stages of 32 KB, 192 KB for both (+ 32 KB of store buffers)
 
 
 @gluon.jit
@@ -696,8 +697,9 @@ def expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count, *,
                         stages: int = WGRAD_STAGES, grid: int | None = None, GROUP_M: int = 8):
     """``gemm_fp8.expert_wgrad_fp8(..., padded=True)`` warp-specialized: C [E, M, N] from at [M, R],
     bt [N, R] E4M3 (128x1 scales [R/128, M], [R/128, N]), the layer's padded segments (each starts
-    at a multiple of 128, zeros from its end to the next). Needs sm_90, R a multiple of 128 and
-    16-byte aligned rows (TMA). ``stages``: each pipeline's ring depth."""
+    at a multiple of 128, zeros from its end to the next). Needs sm_90, R a multiple of 128,
+    16-byte aligned rows (TMA) and a bf16 or fp16 result (``fits_wgrad``). ``stages``: each
+    pipeline's ring depth."""
     M, R = at.shape
     N = bt.shape[0]
     E = expert_count.numel()
