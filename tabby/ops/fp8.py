@@ -348,7 +348,7 @@ def _quantize_cols4(x0, x1, x2, x3, INTERPRET: tl.constexpr):
 def quantize_cols_kernel(x_ptr, stride_xm, qt_ptr, stride_qt, s_ptr, stride_sm, R, C, row_src_ptr, num_tiles_ptr,
                          xs_ptr, stride_xsm, TILE_ROWS: tl.constexpr, MASKED: tl.constexpr, BC: tl.constexpr,
                          ROW_SCALED: tl.constexpr, PACKED: tl.constexpr, INTERPRET: tl.constexpr):
-    """Rows 128*pid(0).. (one 128x1 tile per column), columns BC*pid(1)..., stored transposed
+    """A row block of 128 (one 128x1 tile per column) and BC columns (``_row_col_block``), stored transposed
     (qt [C, R]: a weight gradient reads the rows as its contiguous K). MASKED: rows whose
     row_src is negative (padding) or that lie past the used row tiles count as zeros, and are
     stored as zeros. ROW_SCALED: x is E4M3 with 1x128 scales xs [R, ceil(C/128)]; its values are
@@ -371,8 +371,6 @@ def quantize_cols_kernel(x_ptr, stride_xm, qt_ptr, stride_qt, s_ptr, stride_sm, 
         INTERPRET)
     _store_cols_transposed(qt_ptr, stride_qt, q0, q1, q2, q3, row0, R, cols, C, PACKED)
     tl.store(s_ptr + rb * stride_sm + cols, s, mask=cols < C)
-
-
 
 
 def _packs(qt: torch.Tensor) -> bool:
@@ -432,7 +430,7 @@ def _rows_group(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_sm, rows, cols
 def quantize_rows_cols_kernel(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, stride_sm, qt_ptr, stride_qt, st_ptr,
                               stride_stm, R, C, row_src_ptr, num_tiles_ptr, TILE_ROWS: tl.constexpr,
                               PACKED: tl.constexpr, INTERPRET: tl.constexpr):
-    """Rows 128*pid(0).., columns 128*pid(1)..: each row's 1x128 tile (``quantize_rows_kernel``
+    """A row block and a column block of 128 (``_row_col_block``): each row's 1x128 tile (``quantize_rows_kernel``
     gated by num_tiles) and each column's 128x1 tile (``quantize_cols_kernel`` MASKED), from one
     read, the rows as four groups (above ``pack_rows4``). A program's rows lie in one row tile
     (TILE_ROWS a multiple of 128)."""
