@@ -19,7 +19,8 @@
 #           extra args go to it)
 #   fp8-bench  the FP8 layer's stage profile at kimi-k2 and deepseek-v4-pro (FP8_PROFILE_SHAPES), and the layer bench at 16384 tokens on the six shapes:
 #           tabby against tabby-fp8 with fixed weights (their FP8 copies reused), tabby-fp8 against torch-fp8
-#           from a new weight version per call (both quantize; FP8_BENCH_NEW=0 skips it); about 430 s;
+#           from a new weight version per call (both quantize; FP8_BENCH_NEW=0 skips it; FP8_BENCH_SHAPES: other
+#           shapes); about 430 s;
 #           the SM clock, power and throttle reasons sampled every 100 ms meanwhile (gpu-clocks.csv), and
 #           per timed record (gpu-clocks-by-record.md, scripts/gpu_clocks.py)
 #   all     tests, then bench
@@ -166,7 +167,7 @@ if [ "$stage" = fp8-gemm ]; then
 fi
 pack
 if [ "$stage" = fp8-bench ]; then
-  fp8_shapes=kimi-k2,glm-5,deepseek-v4-pro,qwen3-30b-a3b,gpt-oss-120b,qwen3.5-397b
+  fp8_shapes=${FP8_BENCH_SHAPES:-kimi-k2,glm-5,deepseek-v4-pro,qwen3-30b-a3b,gpt-oss-120b,qwen3.5-397b}
   start_clocks
   # (packed after each step: a call cut at its limit keeps what the finished steps wrote)
   python3 -m tabby_bench profile --precision fp8 --shapes "${FP8_PROFILE_SHAPES:-kimi-k2,deepseek-v4-pro}" --tokens 16384 --out "$OUT/res/profile-fp8.json" \

@@ -149,6 +149,59 @@ def down_dgrad(T, k, E, H, I):
     return 2 * rows * I * H / bench(lambda: gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, wtq, wts, gu, ws, te, nt)) / 1e9
 
 
+def dgrads_bt(T, k, E, H, I):
+    """TFLOP/s of the two dgrads with their weights' transposed copies held (K-major), with those
+    copies made in the call (``transpose_blocks``), and reading the forward copies transposed in the
+    kernel (``*_t``; ``bt lag L stages S``: its producer's lag and ring depth)."""
+    R, te, nt, start, count = even_schedule(T * k, E)
+    dq, ds = quantize_rows(torch.randn(R, H, device="cuda", dtype=torch.bfloat16))
+    gu = torch.randn(R, 2 * I, device="cuda", dtype=torch.bfloat16)
+    ws = torch.rand(R, device="cuda")
+    wd = quantize_blocks(torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5)
+    wd_t = gemm_fp8.transpose_blocks(*wd)
+    fl = 2 * T * k * I * H
+    out = {}
+    out["down held"] = fl / bench(lambda: gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, *wd_t, gu, ws, te, nt)) / 1e9
+    del wd_t
+    out["down made"] = fl / bench(lambda: gemm_fp8.down_dgrad_swiglu_fp8(
+        dq, ds, *gemm_fp8.transpose_blocks(*wd), gu, ws, te, nt), iters=5) / 1e9
+    out["down in-kernel"] = fl / bench(lambda: gemm_fp8.down_dgrad_swiglu_fp8_t(dq, ds, *wd, gu, ws, te, nt)) / 1e9
+    dgu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device="cuda")
+    hw = torch.empty(R, I, dtype=torch.bfloat16, device="cuda")
+    dw = torch.empty(R, -(-I // 128), dtype=torch.float32, device="cuda")
+    epi = (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw, dw.stride(0))
+    wd_st = wd[1].transpose(-2, -1).contiguous()
+    for lag, stages in ((1, 4), (3, 4), (2, 5)):
+        out[f"down bt lag {lag} stages {stages}"] = fl / bench(lambda: gemm_fp8_ws.launch_bt(
+            dq, ds, (wd[0],), wd_st, te, nt, 128, gemm_fp8_ws.EPI_SWIGLU_BWD, epi, I, stages=stages, lag=lag)) / 1e9
+    del wd, dgu, hw, dw, gu
+    # the gate/up dgrad, pushed: K = 2I (I a multiple of 128 here: no padding)
+    aq, as_ = quantize_rows(torch.randn(R, 2 * I, device="cuda", dtype=torch.bfloat16))
+    (gq, gs), (uq, us) = (quantize_blocks(torch.randn(E, I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5)
+                          for _ in range(2))
+    b_scale = torch.cat([gs.transpose(-2, -1), us.transpose(-2, -1)], dim=-1).contiguous()
+    TK = T * k
+    dst = torch.empty(TK, H, dtype=torch.bfloat16, device="cuda")
+    ptrs = torch.tensor([dst.data_ptr()], dtype=torch.int64, device="cuda")
+    row_src = torch.arange(R, dtype=torch.int32, device="cuda") % TK
+
+    def made():
+        bt = torch.empty(E, H, 2 * I, dtype=gq.dtype, device="cuda")
+        gemm_fp8.transpose_blocks(gq, gs, out=bt[:, :, :I])
+        gemm_fp8.transpose_blocks(uq, us, out=bt[:, :, I:])
+        return bt
+
+    bt = made()
+    push = dict(row_src=row_src, dst_ptrs=ptrs, TK=TK)
+    out["gate/up held"] = 2 * fl / bench(lambda: gemm_fp8.rows_gemm_fp8(aq, as_, bt, b_scale, te, nt, **push)) / 1e9
+    del bt
+    out["gate/up made"] = 2 * fl / bench(lambda: gemm_fp8.rows_gemm_fp8(aq, as_, made(), b_scale, te, nt, **push),
+                                         iters=5) / 1e9
+    out["gate/up in-kernel"] = 2 * fl / bench(lambda: gemm_fp8.gate_up_dgrad_push_fp8_t(
+        aq, as_, gq, uq, b_scale, te, nt, row_src, ptrs, TK)) / 1e9
+    return out
+
+
 def rows_stages(T, k, E, K, N):
     """TFLOP/s of the rows GEMM (stored rows) at its default ring depth (gemm_fp8_ws.wide_stages) and
     at 3 and 4 stages."""
@@ -236,7 +289,7 @@ def layer(T, k, E, H, I, iters=10):
     return out
 
 
-SECTIONS = ("gemms", "wgrad", "down-dgrad", "rows", "transpose", "quantize")
+SECTIONS = ("gemms", "wgrad", "down-dgrad", "dgrad-bt", "rows", "transpose", "quantize")
 
 
 def main():
@@ -273,6 +326,11 @@ def main():
         E = 384
         if "down-dgrad" in only:
             print(f"FP8 down dgrad TFLOP/s, E={E}, H={H}, I={I}: {down_dgrad(T, k, E, H, I):.0f}", flush=True)
+        if "dgrad-bt" in only:
+            for name, k_, I_ in (("kimi-k2", 8, 2048), ("deepseek-v4-pro", 6, 3072)):
+                res = dgrads_bt(T, k_, E, H, I_)
+                print(f"FP8 dgrads TFLOP/s, {name} (E={E}, H={H}, I={I_}, T*k={T * k_}): "
+                      + "; ".join(f"{n} {v:.0f}" for n, v in res.items()), flush=True)
         if "rows" in only:
             for K, N, what in ((I, H, "down"), (2 * I, H, "gate/up dgrad")):
                 res = rows_stages(T, k, E, K, N)

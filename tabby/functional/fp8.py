@@ -321,22 +321,41 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     mark(probe, "bwd:dispatch_dy")
     # Each buffer is dropped once its last launch is queued: the caching allocator hands it only to
     # later work on this stream, so the next buffers reuse it and the peak stays near one set.
-    wd_t = fp8_weight_t(w_down, hold=plan.cache_fp8_transposes)
-    dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(
-        dys_q, dys_s, *wd_t, gu, row_w, sched.tile_expert, sched.num_tiles,
-        config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_DOWN_DGRAD, BM=BM))
-    del gu, row_w, wd_t
+    # the dgrads' B: the cached transposed copies, or the forward's copies read transposed in the
+    # kernel, or (off sm_90) transposes made here and dropped after their GEMM
+    fwd_copies = None
+    if not plan.cache_fp8_transposes:
+        fwd_copies = [fp8_weight(w) for w in (w_gate, w_up, w_down)]
+        if not gemm_fp8.dgrads_read_forward_copies(dys_q, [q for q, _ in fwd_copies], BM):
+            fwd_copies = None
+    if fwd_copies is not None:
+        dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8_t(dys_q, dys_s, *fwd_copies[2], gu, row_w,
+                                                            sched.tile_expert, sched.num_tiles, BM=BM)
+    else:
+        wd_t = fp8_weight_t(w_down, hold=plan.cache_fp8_transposes)
+        dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(
+            dys_q, dys_s, *wd_t, gu, row_w, sched.tile_expert, sched.num_tiles,
+            config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_DOWN_DGRAD, BM=BM))
+        del wd_t
+    del gu, row_w
     mark(probe, "bwd:down_dgrad+swiglu")
     # dg | du's two FP8 forms from one read: per 1x128 for the gate/up dgrad, per 128x1 (transposed)
     # for the weight gradients
     (dgu_q, dgu_qs), (dgu_t, dgu_s) = quantize_gate_up_grad(dgu, I, sched.row_src, sched.num_tiles, BM)
     del dgu
     mark(probe, "bwd:quantize_dgu")
-    gu_t = fp8_gate_up_t(w_gate, w_up, hold=plan.cache_fp8_transposes)
-    gemm_fp8.rows_gemm_fp8(dgu_q, dgu_qs, *gu_t, sched.tile_expert, sched.num_tiles,
-                           row_src=sched.row_src, dst_ptrs=ws.ptrs["dx_in"], TK=TK,
-                           config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=BM))
-    del dgu_q, dgu_qs, gu_t
+    if fwd_copies is not None:
+        (gq, gs), (uq, us), _ = fwd_copies
+        gemm_fp8.gate_up_dgrad_push_fp8_t(dgu_q, dgu_qs, gq, uq, _gate_up_t_scales(gs, us), sched.tile_expert,
+                                          sched.num_tiles, sched.row_src, ws.ptrs["dx_in"], TK, BM=BM)
+        del fwd_copies
+    else:
+        gu_t = fp8_gate_up_t(w_gate, w_up, hold=plan.cache_fp8_transposes)
+        gemm_fp8.rows_gemm_fp8(dgu_q, dgu_qs, *gu_t, sched.tile_expert, sched.num_tiles,
+                               row_src=sched.row_src, dst_ptrs=ws.ptrs["dx_in"], TK=TK,
+                               config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=BM))
+        del gu_t
+    del dgu_q, dgu_qs
     mark(probe, "bwd:gate_up_dgrad+push")
     dw_rows = gemm.reduce_dw(dw_part)
     comm.push_scalars_kernel[(64,)](dw_rows, sched.row_src, sched.num_tiles, ws.ptrs["dw_in"], TK,

@@ -482,6 +482,58 @@ def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_exp
     return dgu, hw, dw_part
 
 
+def dgrads_read_forward_copies(aq: torch.Tensor, weights, BM: int) -> bool:
+    """Whether the two dgrads can read the weights' forward E4M3 copies (``weights``) transposed in
+    the kernel (``down_dgrad_swiglu_fp8_t``, ``gate_up_dgrad_push_fp8_t``): sm_90, the Gluon
+    kernels' operand rules (``gemm_fp8_ws.fits_bt``). Elsewhere a dgrad needs the transposed
+    copies (``transpose_blocks``)."""
+    return gemm_fp8_ws.fits_bt(aq, weights, BM)
+
+
+def down_dgrad_swiglu_fp8_t(dys_q, dys_scale, wd_q, wd_scale, gu, ws, tile_expert, num_tiles, *, BM: int = 128):
+    """``down_dgrad_swiglu_fp8`` reading W_down's forward copy wd_q [E, H, I] (128x128 scales
+    [E, ceil(H/128), ceil(I/128)]) transposed in the kernel, the same values: no W_down^T in
+    memory. Runs where ``dgrads_read_forward_copies``."""
+    R, H = dys_q.shape
+    E, H2, I = wd_q.shape
+    if H2 != H or not dgrads_read_forward_copies(dys_q, (wd_q,), BM):
+        raise ValueError(f"down_dgrad_swiglu_fp8_t: dys {tuple(dys_q.shape)}, W_down {tuple(wd_q.shape)} do not "
+                         "run on the transposing kernel (see dgrads_read_forward_copies)")
+    _check_fp8_rows("dys_q", dys_q, dys_scale, R)
+    _check_fp8_weights("wd_q", wd_q, wd_scale)
+    assert gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
+    _check_schedule(tile_expert, num_tiles, R, BM)
+    dgu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dys_q.device)
+    hw = torch.empty(R, I, dtype=torch.bfloat16, device=dys_q.device)
+    dw_part = torch.empty(R, triton.cdiv(I, gemm_fp8_ws.BN), dtype=torch.float32, device=dys_q.device)
+    gemm_fp8_ws.launch_bt(dys_q, dys_scale, (wd_q,), wd_scale.transpose(-2, -1).contiguous(), tile_expert, num_tiles,
+                          BM, gemm_fp8_ws.EPI_SWIGLU_BWD,
+                          (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0)), I)
+    return dgu, hw, dw_part
+
+
+def gate_up_dgrad_push_fp8_t(dgu_q, dgu_scale, wg_q, wu_q, b_scale, tile_expert, num_tiles, row_src, dst_ptrs, TK,
+                             *, BM: int = 128, dst_dtype=torch.bfloat16):
+    """The gate/up dgrad, dg @ W_gate + du @ W_up per routed row pushed to its origin (as
+    ``rows_gemm_fp8``'s push), reading W_gate's and W_up's forward copies [E, I, H] transposed in
+    the kernel: no [W_gate^T | W_up^T] in memory. A = dgu_q [R, 2Ip] (Ip: I rounded up to 128,
+    each half's padding columns zeros) with its 1x128 scales; ``b_scale`` [E, ceil(H/128), 2Ip/128]
+    the two weights' block scales transposed side by side. Runs where
+    ``dgrads_read_forward_copies``."""
+    R, K = dgu_q.shape
+    E, I, H = wg_q.shape
+    if (wu_q.shape != wg_q.shape or K != 2 * triton.cdiv(I, BLOCK) * BLOCK
+            or not dgrads_read_forward_copies(dgu_q, (wg_q, wu_q), BM)):
+        raise ValueError(f"gate_up_dgrad_push_fp8_t: dgu {tuple(dgu_q.shape)}, W_gate {tuple(wg_q.shape)}, W_up "
+                         f"{tuple(wu_q.shape)} do not run on the transposing kernel (see dgrads_read_forward_copies)")
+    _check_fp8_rows("dgu_q", dgu_q, dgu_scale, R)
+    assert b_scale.shape == (E, triton.cdiv(H, BLOCK), K // BLOCK) and b_scale.dtype == torch.float32
+    assert dst_ptrs.dtype == torch.int64 and row_src.dtype == torch.int32 and row_src.numel() == R
+    _check_schedule(tile_expert, num_tiles, R, BM)
+    gemm_fp8_ws.launch_bt(dgu_q, dgu_scale, (wg_q, wu_q), b_scale.contiguous(), tile_expert, num_tiles, BM,
+                          gemm_fp8_ws.EPI_PUSH, (row_src, dst_ptrs, TK, H, dst_ptrs.view(dst_dtype)), H)
+
+
 @triton.jit
 def transpose_bytes_kernel(q_ptr, stride_qe, stride_qn, t_ptr, stride_te, stride_tk, N, K, BT: tl.constexpr):
     """t[e, k, n] = q[e, n, k] over one BT x BT tile (bytes: E4M3 values as uint8)."""

@@ -66,13 +66,14 @@ EPI_SWIGLU_BWD = gl.constexpr(2)  # the down dgrad's SwiGLU backward (gemm._swig
 
 
 @gluon.jit
-def _ring_barriers(STAGES: gl.constexpr, READERS: gl.constexpr = 2):
-    """The ring's barriers per stage: ``ready`` (the producer's TMA transactions land) and ``empty``
-    (one arrival per consumer warpgroup that reads the stage: READERS, both by default)."""
+def _ring_barriers(STAGES: gl.constexpr, READERS: gl.constexpr = 2, WRITERS: gl.constexpr = 1):
+    """The ring's barriers per stage: ``ready`` (WRITERS arrivals and the producer's TMA transactions
+    land: one arrival, the TMA's expect, by default) and ``empty`` (one arrival per consumer
+    warpgroup that reads the stage: READERS, both by default)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=WRITERS)
         mbarrier.init(empty.index(i), count=READERS)
     return ready, empty
 
@@ -251,6 +252,127 @@ def rows_gemm_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_b
     ], [4, 1], [232, 40])
 
 
+# --------------------------------------------------------------------------------------------
+# the dgrads from the forward's weight copies: B's blocks transposed in the kernel
+# --------------------------------------------------------------------------------------------
+#
+# A dgrad's B is a forward weight copy read the other way round: its 128 x 128 blocks are N-major
+# there ([K, N], N contiguous), and FP8 wgmma reads B only K-major. Here the producer is a
+# warpgroup. Per K block it loads A's two halves into the ring's stage (as ``_producer``) and B's
+# N-major block into a ring of its own (``raw``, LAG + 1 stages), and LAG blocks later turns that
+# block into the stage's K-major B through its registers (``_transpose_block``), then arrives on
+# the stage's ``ready`` (two arrivals: the TMA's expect and the transposer's). So no transposed
+# copy of a weight exists in memory; the consumers and their sums are ``rows_gemm_fp8_ws_kernel``'s,
+# and so are the bits.
+#
+# Why it cannot deadlock: block j's transpose runs at the producer's step j + LAG, which first
+# waits for the ring stage of block j + LAG, freed when the consumers finish block
+# j + LAG - STAGES < j: they have, since they wait on block j. A raw stage is refilled at step
+# j + LAG + 1, after block j's transpose and the partition's barrier that ends it.
+
+# The transpose's register layouts over a 128 x 128 byte block (linear layouts; a base is the
+# [row, column] offset one register, lane or warp bit adds). A thread holds 4 x 4 byte tiles:
+# 4 bytes along the source's row (a 32-bit load) for 4 rows, which after the transpose are 4
+# bytes along the destination's row (a 32-bit store). With the 128-byte swizzle (16-byte chunk c
+# of row r at chunk c ^ (r % 8)) a load's bank is set by the column's bits 2-4 and bits 5-6 xor
+# the row's bits 0-2, a store's alike with rows and columns exchanged; a base moves in one
+# dimension, and each tile's row bits 0-1 and column bits 0-1 are register bits, so no choice of
+# 5 lane bits serves both. Lanes take columns 4, 8, 16 and rows 4, 8: a load's lanes touch 16
+# banks (2-way), a store's 8 (4-way).
+_T_SRC = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [0, 32], [0, 64], [16, 0]],
+                                    lane_bases=[[0, 4], [0, 8], [0, 16], [4, 0], [8, 0]],
+                                    warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 128])
+_T_DST = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [32, 0], [64, 0], [0, 16]],
+                                    lane_bases=[[4, 0], [8, 0], [16, 0], [0, 4], [0, 8]],
+                                    warp_bases=[[0, 32], [0, 64]], block_bases=[], shape=[128, 128])
+
+
+@gluon.jit
+def _transpose_block(src, dst):
+    """dst [N, K] = src [K, N] transposed, 128 x 128 bytes of shared memory (both with the 128-byte
+    swizzle) through a warpgroup's registers: ``src.permute`` relabels the loaded registers and
+    the conversion only reorders each thread's own (the two layouts differ in register bases
+    alone), so the bytes cross between 32-bit words in registers, not in shared memory."""
+    x = src.load(_T_SRC)
+    dst.store(gl.convert_layout(gl.permute(x, (1, 0)), _T_DST))
+
+
+@gluon.jit
+def _transpose_stage(raw, b_bufs, ready, raw_ready, j, STAGES: gl.constexpr, RAW: gl.constexpr):
+    """Block j: wait for its N-major block in ``raw``, write it K-major into its ring stage, make
+    the writes visible to the wgmma (async proxy), and once every warp of the partition is done
+    arrive on the stage's ``ready``; the barrier also frees the raw stage for its next load."""
+    r = j % RAW
+    mbarrier.wait(raw_ready.index(r), (j // RAW) & 1)
+    _transpose_block(raw.index(r), b_bufs.index(j % STAGES))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ready.index(j % STAGES), count=1)
+
+
+@gluon.jit
+def _transposing_producer(a_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, raw, ready, empty, raw_ready,
+                          tile_expert_ptr, num_tiles_ptr, num_m, N, KR, NK: gl.constexpr, NK0: gl.constexpr,
+                          STAGES: gl.constexpr, LAG: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
+    """The producer of ``rows_gemm_fp8_ws_bt_kernel`` (a warpgroup): K blocks below NK0 come from
+    b0's rows e * KR + kb * 128, the others from b1's rows e * KR + (kb - NK0) * 128, columns
+    pid_n * 128, each transposed LAG blocks after its load."""
+    RAW: gl.constexpr = LAG + 1
+    num_n = gl.cdiv(N, 128)
+    nt = gl.load(num_tiles_ptr)
+    it = 0
+    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
+        if e >= 0:
+            row0 = pid_m * 128
+            brow = e * KR
+            for kb in range(NK):
+                s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes, STAGES)
+                tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], bar, a_lo.index(s))
+                tma.async_copy_global_to_shared(a_desc, [row0 + 64, kb * 128], bar, a_hi.index(s))
+                r = it % RAW
+                mbarrier.expect(raw_ready.index(r), b0_desc.block_type.nbytes)
+                # a block's rows past KR are the next expert's (finite E4M3, or TMA's zeros past the
+                # last) against A's zero columns; columns past N are TMA's zeros, not stored
+                if kb < NK0:
+                    tma.async_copy_global_to_shared(b0_desc, [brow + kb * 128, pid_n * 128], raw_ready.index(r),
+                                                    raw.index(r))
+                else:
+                    tma.async_copy_global_to_shared(b1_desc, [brow + (kb - NK0) * 128, pid_n * 128],
+                                                    raw_ready.index(r), raw.index(r))
+                if it >= LAG:
+                    _transpose_stage(raw, b_bufs, ready, raw_ready, it - LAG, STAGES, RAW)
+                it += 1
+    for d in gl.static_range(LAG):  # the last LAG blocks
+        if it - LAG + d >= 0:
+            _transpose_stage(raw, b_bufs, ready, raw_ready, it - LAG + d, STAGES, RAW)
+
+
+@gluon.jit
+def rows_gemm_fp8_ws_bt_kernel(a_desc, as_ptr, stride_asm, b0_desc, b1_desc, bs_ptr, stride_bse, stride_bsn, epi,
+                               tile_expert_ptr, num_tiles_ptr, num_m, N, KR, NK: gl.constexpr, NK0: gl.constexpr,
+                               STAGES: gl.constexpr, LAG: gl.constexpr, GROUP_M: gl.constexpr,
+                               SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
+    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    # the K-major blocks the wgmma reads, and the N-major blocks as TMA lands them (same swizzle)
+    b_bufs = gl.allocate_shared_memory(b0_desc.dtype, [STAGES] + b0_desc.block_type.shape, b0_desc.layout)
+    raw = gl.allocate_shared_memory(b0_desc.dtype, [LAG + 1] + b0_desc.block_type.shape, b0_desc.layout)
+    ready, empty = _ring_barriers(STAGES, 2, 2)
+    raw_ready = gl.allocate_shared_memory(gl.int64, [LAG + 1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(LAG + 1):
+        mbarrier.init(raw_ready.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer, (a_lo, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
+                     tile_expert_ptr, num_tiles_ptr, num_m, N, 0, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
+        (_consumer, (a_hi, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
+                     tile_expert_ptr, num_tiles_ptr, num_m, N, 64, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
+        (_transposing_producer, (a_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, raw, ready, empty, raw_ready,
+                                 tile_expert_ptr, num_tiles_ptr, num_m, N, KR, NK, NK0, STAGES, LAG, GROUP_M,
+                                 SCHED_BM)),
+    ], [4, 4], [232, 48])
+
+
 # The same GEMM at 128 x 256 tiles, the stored and pushed rows' (``launch``): a stage is A's two
 # halves and B's two 128 x 128 blocks, 48 KB for 128 x 256 products (24 KB per 128 x 128 against
 # 32). A consumer holds two 64 x 128 accumulators and one product (192 of its partition's 232
@@ -424,6 +546,43 @@ def launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, sched_bm: int, epil
         b_scale.stride(0), b_scale.stride(1), epi, tile_expert, num_tiles, num_m, N, NK=triton.cdiv(K, BLOCK),
         STAGES=stages or (wide_stages(K) if wide else STAGES), GROUP_M=GROUP_M, SCHED_BM=sched_bm,
         EPILOGUE=epilogue, num_warps=4)
+
+
+BT_STAGES = 4  # the ring of rows_gemm_fp8_ws_bt_kernel (32 KB a stage) beside its LAG + 1 raw blocks
+BT_LAG = 2  # a raw block is transposed LAG producer steps after its load is issued
+
+
+def fits_bt(aq: torch.Tensor, parts, sched_bm: int) -> bool:
+    """Whether a dgrad reads its weight's forward copies transposed here (``launch_bt``): as
+    ``fits``, each part contiguous with rows of a multiple of 16 bytes (TMA)."""
+    return (_sm90(aq) and sched_bm % BM == 0 and aq.is_contiguous() and tma_aligned(aq)
+            and all(p.is_contiguous() and tma_aligned(p) for p in parts))
+
+
+def launch_bt(aq, a_scale, parts, b_scale, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, N: int,
+              *, stages: int = BT_STAGES, lag: int = BT_LAG, grid: int | None = None, GROUP_M: int = 8):
+    """``launch`` at 128 x 128 tiles with B read from forward weight copies, transposed in the
+    kernel (``rows_gemm_fp8_ws_bt_kernel``): ``parts``, one or two E4M3 [E, KR, N] copies whose K
+    ranges follow one another in A's columns, the second from column ceil(KR/128) * 128 (A's
+    columns past each part's KR zeros); ``b_scale`` the dgrad's [E, ceil(N/128), K/128] (unit
+    stride along K). The caller has checked operands (``fits_bt``)."""
+    R, K = aq.shape
+    E, KR, NB = parts[0].shape
+    if NB != N or any(p.shape != parts[0].shape for p in parts) or b_scale.stride(-1) != 1:
+        raise ValueError(f"launch_bt: parts {[tuple(p.shape) for p in parts]} must be [E, KR, N={N}] alike, "
+                         "b_scale unit-strided along K")
+    nk0 = triton.cdiv(KR, BLOCK)
+    nk = triton.cdiv(K, BLOCK)
+    if nk != nk0 * len(parts):
+        raise ValueError(f"launch_bt: A's K {K} must span {len(parts)} part(s) of {nk0} blocks of {BLOCK}")
+    if not 0 < lag < stages:
+        raise ValueError(f"launch_bt: lag {lag} must lie in [1, stages {stages})")
+    descs = [_e4m3_desc(p, E * KR, BN) for p in parts]
+    num_m = R // BM
+    rows_gemm_fp8_ws_bt_kernel[_grid(aq.device, num_m * triton.cdiv(N, BN), grid)](
+        _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), descs[0], descs[-1], b_scale, b_scale.stride(0),
+        b_scale.stride(1), epi, tile_expert, num_tiles, num_m, N, KR, NK=nk, NK0=nk0, STAGES=stages, LAG=lag,
+        GROUP_M=GROUP_M, SCHED_BM=sched_bm, EPILOGUE=epilogue, num_warps=4)
 
 
 def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None, sched_bm: int = BM, **kw):
