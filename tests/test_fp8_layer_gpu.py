@@ -14,6 +14,7 @@ from test_fp8_layer import (
     GPU_CFG_BWD,
     NAMES,
     _compare,
+    _leaves,
     _reference,
     _reference_fp8_backward,
     _run,
@@ -92,3 +93,32 @@ def test_fp8_layer_gpu_no_host_sync_and_graph_replay():
         eager = moe(xs.detach(), idx, wts, *(p.detach() for p in params), config=cfg)
     assert torch.equal(y, eager)
     tabby.check_errors()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("H,I,E,k,T", [(2880, 2880, 8, 4, 512), (1040, 720, 8, 2, 333)])
+def test_fp8_backward_reading_the_forward_copies_is_bitwise_the_cached_transposes(H, I, E, k, T):
+    """cache_fp8_transposes=False: on an H200 the dgrads read the forward's E4M3 copies transposed
+    in the kernel (gemm_fp8.dgrads_read_forward_copies); every value and gradient is the cached
+    transposes' bit for bit (the same wgmma over the same bytes), with a partial K block (H 2880)
+    and I not a multiple of 128 (the gate/up dgrad's padded halves), and without a host sync."""
+    from tabby.functional import fp8 as fp8_layer
+
+    prob = make_problem(1, T, H, I, E, k, seed=H + 7 * T)
+    want = _run(prob, GPU_CFG_BWD, device="cuda")
+    fp8_layer.clear_weight_cache()
+    uncached = dataclasses.replace(GPU_CFG_BWD, cache_fp8_transposes=False, debug=False)
+    got = _run(prob, uncached, device="cuda")
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), [NAMES[i] for i, (a, b) in
+                                                                enumerate(zip(got, want)) if not torch.equal(a, b)]
+    lv, idx, dy = _leaves(prob, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = moe(lv[0], idx, lv[1], *lv[2:5], config=uncached)
+        y.backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    again = [y.detach().float().cpu()] + [t.grad.float().cpu() for t in lv]
+    assert all(torch.equal(a, b) for a, b in zip(again, want))
+    fp8_layer.clear_weight_cache()
