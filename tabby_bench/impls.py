@@ -212,7 +212,8 @@ register_tabby()
 register_layer("torch-fp8", moe_torch_fp8, anchor=True, supports_cpu=False, in_default=False, precision="fp8",
                note=lambda: f"quantization {quantize_mode()}")
 register_layer("tabby-fp8", tabby_fp8, device_errors=tabby.check_errors, in_default=False, precision="fp8",
-               note=lambda: f"weight transposes {'cached' if _fp8_held[-1] else 'made per backward'}")
+               note=lambda: "weight transposes " + ("cached" if _fp8_held[-1] else
+                                                    "not held: the dgrads read the forward copies transposed"))
 load_plugins()
 
 

@@ -272,11 +272,12 @@ def test_the_bench_names_the_policy_and_records_how_torch_fp8_quantized():
                                         passes=["fwd"]), [fp8, fp8]) == [
         bench.WEIGHTS_NOTE, "torch-fp8: quantization fused (torch.compile)"]
     # a row that ran with several notes (tabby-fp8 caching its transposes or not, by shape) names the shapes
+    not_held = "weight transposes not held: the dgrads read the forward copies transposed"
     held, made = (dict(recs[0], impl="tabby-fp8", shape=s, note=n)
-                  for s, n in (("a", "weight transposes cached"), ("b", "weight transposes made per backward")))
+                  for s, n in (("a", "weight transposes cached"), ("b", not_held)))
     assert bench.run_notes(cfg, [held, fp8, made, dict(held, shape="c")]) == [
         "tabby-fp8: weight transposes cached (a, c)", "torch-fp8: quantization fused (torch.compile)",
-        "tabby-fp8: weight transposes made per backward (b)"]
+        f"tabby-fp8: {not_held} (b)"]
 
 
 def test_tabby_fp8_row_caches_transposes_where_they_fit(monkeypatch):

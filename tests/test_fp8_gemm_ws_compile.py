@@ -3,18 +3,19 @@ without a GPU, to the structure it was written for, for each epilogue (store, pu
 backward): no serialized wgmma (ptxas's C7514 / C7515: every wgmma would wait for the one
 before, and one warpgroup's promotion could no longer run under the other's MMA), no spills, each
 block's wgmma waited for at once (wait 0) rather than overlapped within a warpgroup, and the
-stores and pushes in 16-byte vectors; and the warp-specialized gate/up and weight gradient alike. Its values:
+stores and pushes in 16-byte vectors; and the warp-specialized gate/up and weight gradient alike, and
+the dgrads that transpose the forward copies' blocks in the kernel (32-bit stores). Its values:
 test_fp8_gemm_ws_gpu.py."""
 import re
 
 from sm90 import Const, compile_args, ptxas_report, run_compiled_check
 
 
-def _line(name, k):
+def _line(name, k, **more):
     """One line of counts for the test: FP8 wgmmas, nonzero waits, 16-byte stores, spilled bytes,
-    ptxas's serialization note, warp specialization (setmaxnreg)."""
+    ptxas's serialization note, warp specialization (setmaxnreg), and ``more``."""
     ptx, rep = k.asm["ptx"], ptxas_report(k)
-    print(name, "wgmma_e4m3", len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
+    print(name, *(f"{n} {v}" for n, v in more.items()), "wgmma_e4m3", len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
           "wait_nonzero", len(re.findall(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
           "v4_stores", len(re.findall(r"st\.global(\.\w+)*\.v4", ptx)),
           "tma_stores", len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
@@ -68,17 +69,39 @@ def _report():
                     expert_count_ptr="*i32", E="i32", M="i32:16", N="i32:16", STAGES=Const(ws.WGRAD_STAGES),
                     GROUP_M=Const(8))
         _line(f"wgrad/{M}x{N}", compile_args(ws.expert_wgrad_fp8_ws_kernel, args, num_warps=4))
+    # the dgrads reading the forward copies transposed: deepseek-v4-pro's down (K = H 7168, the
+    # SwiGLU backward) and gate/up (two parts of 24 blocks, pushed)
+    for epilogue, nk, nk0 in ((ws.EPI_SWIGLU_BWD.value, 56, 56), (ws.EPI_PUSH.value, 48, 24)):
+        args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
+                    b0_desc=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>",
+                    b1_desc=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", bs_ptr="*fp32", stride_bse="i32",
+                    stride_bsn="i32", epi=epis[epilogue], tile_expert_ptr="*i32", num_tiles_ptr="*i32",
+                    num_m="i32", N="i32:16", KR="i32", NK=Const(nk), NK0=Const(nk0), STAGES=Const(ws.BT_STAGES),
+                    LAG=Const(ws.BT_LAG), GROUP_M=Const(8), SCHED_BM=Const(128), EPILOGUE=Const(epilogue))
+        k = compile_args(ws.rows_gemm_fp8_ws_bt_kernel, args, num_warps=4)
+        ptx = k.asm["ptx"]
+        _line(f"bt/epilogue{epilogue}", k, transposes=ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16"),
+              word_stores=ptx.count("st.shared.b32"), byte_stores=len(re.findall(r"st\.shared(\.v\d)?\.b8", ptx)))
 
 
 def test_warp_specialized_rows_gemm_compiles_unserialized():
     lines = run_compiled_check(__file__).splitlines()
-    assert len(lines) == 14, lines
+    assert len(lines) == 16, lines
     for line in lines:
         f = line.split()
         c = dict(zip(f[1::2], map(int, f[2::2])))
         assert c["wgmma_e4m3"] >= 8 and c["warp_specialized"] == 1, line  # 4 per block, two consumers
         assert c["spills"] == 0 and c["serialized"] == 0 and c["wait_nonzero"] == 0, line
         assert c["shared"] <= 232448, line  # an sm_90 CTA's shared memory (227 KB)
+        if f[0].startswith("bt/"):
+            # the transposing producer: per 128 x 128 block (once in the loop, once per lag block after
+            # it) 8 ldmatrix.x4 a warp in (the push's epilogue uses more) and 32 word stores a thread out,
+            # no byte crossing shared memory alone
+            from tabby.ops.gemm_fp8_ws import BT_LAG
+
+            copies = 1 + BT_LAG
+            assert c["transposes"] >= 8 * copies and c["byte_stores"] == 0, line
+            assert c["word_stores"] == 32 * copies, line
         if f[0].startswith("wgrad"):  # the weight gradient stores by TMA (4 boxes a tile and consumer)
             assert c["tma_stores"] >= 4 and c["v4_stores"] == 0, line
         elif "epilogue2" not in f[0]:  # the SwiGLU backward stores from the MMA layout
