@@ -22,7 +22,7 @@ from tabby_bench.launch import launch  # noqa: E402
 from tabby_bench.shapes import SHAPES, make_inputs  # noqa: E402
 
 
-def _rank(rank, world, shape_name, T, n_fwd, megakernel, tuning):
+def _rank(rank, world, shape_name, T, n_fwd, megakernel, tuning, precision):
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -32,7 +32,7 @@ def _rank(rank, world, shape_name, T, n_fwd, megakernel, tuning):
     dev = torch.device("cuda", torch.cuda.current_device())
     inp = make_inputs(SHAPES[shape_name], T, world, rank, dev)
     group = dist.group.WORLD if world > 1 else None
-    cfg = MoEConfig(megakernel=megakernel, tuning=Tuning.parse(tuning))
+    cfg = MoEConfig(megakernel=megakernel, tuning=Tuning.parse(tuning), precision=precision)
 
     def fwd():
         return tabby.moe(inp.x, inp.topk_idx, inp.topk_weights, inp.w_gate, inp.w_up, inp.w_down,
@@ -82,11 +82,13 @@ def main():
     ap.add_argument("--n-fwd", type=int, default=5)
     ap.add_argument("--megakernel", type=int, default=1, help="1: the forward megakernel, 0: the sync-free path")
     ap.add_argument("--tuning", default="", help="a tabby Tuning, e.g. 'group_m=2,tma=0' (default: the heuristics)")
+    ap.add_argument("--precision", default="bf16", help="MoEConfig.precision (fp8 needs --megakernel 0)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     a.ep = a.ep or torch.cuda.device_count()
-    per_rank = launch(_rank, a.shape, a.tokens, a.n_fwd, bool(a.megakernel), a.tuning, nprocs=a.ep)
+    per_rank = launch(_rank, a.shape, a.tokens, a.n_fwd, bool(a.megakernel), a.tuning, a.precision, nprocs=a.ep)
     result = dict(shape=a.shape, tokens=a.tokens, ep=a.ep, megakernel=bool(a.megakernel), tuning=a.tuning,
+                  precision=a.precision,
                   commit=os.environ.get("TABBY_GIT_COMMIT", "unknown"), ranks=[])
     for rank, kernels in enumerate(per_rank):
         fwds = per_forward(kernels, a.n_fwd)
