@@ -149,49 +149,6 @@ def down_dgrad(T, k, E, H, I):
     return 2 * rows * I * H / bench(lambda: gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, wtq, wts, gu, ws, te, nt)) / 1e9
 
 
-def routed_schedule(rows, E, BM=128, seed=0, device="cuda"):
-    """A schedule of ``rows`` routed rows over E experts drawn as a layer's router spreads them (each
-    row to a uniformly random expert), each expert's segment padded to BM: (R, tile_expert,
-    num_tiles, row_src) with row_src -1 on padding rows (the routed rows a prefix of each segment)."""
-    g = torch.Generator().manual_seed(seed)
-    counts = torch.bincount(torch.randint(0, E, (rows,), generator=g), minlength=E)
-    tiles = (counts + BM - 1) // BM
-    R = int(tiles.sum()) * BM
-    te = torch.repeat_interleave(torch.arange(E, dtype=torch.int32), tiles)
-    row_src = torch.full((R,), -1, dtype=torch.int32)
-    start = 0
-    for c, t in zip(counts.tolist(), tiles.tolist()):
-        row_src[start:start + c] = torch.arange(c, dtype=torch.int32)
-        start += t * BM
-    nt = torch.tensor([R // BM], dtype=torch.int32)
-    return R, te.to(device), nt.to(device), row_src.to(device)
-
-
-def skip_padding_halves(T, k, E, H, I):
-    """TFLOP/s (useful rows: T*k) of the forward's gate/up and down GEMMs over a routed schedule,
-    with and without skipping the halves of padding rows (``row_src``), in one process."""
-    R, te, nt, row_src = routed_schedule(T * k, E)
-    pad = row_src < 0
-    x = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
-    x[pad] = 0
-    xq, xs = quantize_rows(x)
-    (gq, gs), (uq, us) = (quantize_blocks(torch.randn(E, I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5)
-                          for _ in range(2))
-    wd = quantize_blocks(torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5)
-    hq, hs, _ = gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, te, nt, save_gu=False)
-    dst = torch.empty(T * k, H, dtype=torch.bfloat16, device="cuda")
-    ptrs = torch.tensor([dst.data_ptr()], dtype=torch.int64, device="cuda")
-    epi = (row_src, ptrs, T * k, H, ptrs.view(torch.bfloat16))
-    fl = 2 * T * k * H * I
-    out = {"padding rows %": 100.0 * float(pad.float().mean())}
-    for name, rs in (("all halves", None), ("padding halves skipped", row_src)):
-        out[f"gate/up {name}"] = 2 * fl / bench(lambda: gemm_fp8.gate_up_swiglu_fp8(
-            xq, xs, gq, gs, uq, us, te, nt, save_gu=True, row_src=rs)) / 1e9
-        out[f"down {name}"] = fl / bench(lambda: gemm_fp8_ws.launch(
-            hq, hs, *wd, te, nt, 128, gemm_fp8_ws.EPI_PUSH, epi, H, row_src=rs)) / 1e9
-    return out
-
-
 def dgrads_bt(T, k, E, H, I):
     """TFLOP/s of the two dgrads with their weights' transposed copies held (K-major), with those
     copies made in the call (``transpose_blocks``), and reading the forward copies transposed in the
@@ -332,7 +289,7 @@ def layer(T, k, E, H, I, iters=10):
     return out
 
 
-SECTIONS = ("gemms", "wgrad", "down-dgrad", "dgrad-bt", "skip", "rows", "transpose", "quantize")
+SECTIONS = ("gemms", "wgrad", "down-dgrad", "dgrad-bt", "rows", "transpose", "quantize")
 
 
 def main():
@@ -369,11 +326,6 @@ def main():
         E = 384
         if "down-dgrad" in only:
             print(f"FP8 down dgrad TFLOP/s, E={E}, H={H}, I={I}: {down_dgrad(T, k, E, H, I):.0f}", flush=True)
-        if "skip" in only:
-            for name, k_, I_ in (("kimi-k2", 8, 2048), ("deepseek-v4-pro", 6, 3072)):
-                res = skip_padding_halves(T, k_, E, H, I_)
-                print(f"FP8 forward GEMMs TFLOP/s over a routed schedule, {name}: "
-                      + "; ".join(f"{n} {v:.1f}" for n, v in res.items()), flush=True)
         if "dgrad-bt" in only:
             for name, k_, I_ in (("kimi-k2", 8, 2048), ("deepseek-v4-pro", 6, 3072)):
                 res = dgrads_bt(T, k_, E, H, I_)

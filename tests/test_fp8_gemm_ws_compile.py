@@ -47,10 +47,9 @@ def _report():
             assert stages == (ws.wide_stages(nk * 128) if tile == "tile256" else ws.STAGES)
             args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
                         b_desc=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", bs_ptr="*fp32", stride_bse="i32",
-                        stride_bsn="i32", epi=epis[epilogue], tile_expert_ptr="*i32", num_tiles_ptr="*i32", row_src_ptr="*i32",
+                        stride_bsn="i32", epi=epis[epilogue], tile_expert_ptr="*i32", num_tiles_ptr="*i32",
                         num_m="i32", N="i32:16", NK=Const(nk), STAGES=Const(stages), GROUP_M=Const(8),
-                        SCHED_BM=Const(128), EPILOGUE=Const(epilogue),
-                        SKIP=Const(epilogue != ws.EPI_STORE.value))
+                        SCHED_BM=Const(128), EPILOGUE=Const(epilogue))
             _line(f"{tile}/epilogue{epilogue}/nk{nk}", compile_args(kernel, args, num_warps=4))
     for nk in (16, 56, 23):  # gate/up at H 2048, 7168 and 2880 (a partial last block)
         args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
@@ -58,8 +57,8 @@ def _report():
                     w_desc_u=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", gs_ptr="*fp32", us_ptr="*fp32",
                     stride_wse="i32", stride_wsn="i32", hq_ptr="*fp8e4nv", stride_hm="i32:16", hs_ptr="*fp32",
                     stride_hsm="i32", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
-                    num_tiles_ptr="*i32", row_src_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk), STAGES=Const(3),
-                    GROUP_M=Const(8), SCHED_BM=Const(128), SAVE_GU=Const(True), SKIP=Const(True))
+                    num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk), STAGES=Const(3),
+                    GROUP_M=Const(8), SCHED_BM=Const(128), SAVE_GU=Const(True))
         _line(f"gate_up/nk{nk}", compile_args(ws.gate_up_swiglu_fp8_ws_kernel, args, num_warps=4))
     b_half = gl.NVMMASharedLayout.get_default_for([ws.BN, 128], gl.float8e4nv)
     c_layout = gl.NVMMASharedLayout.get_default_for([1, 64, 64], gl.bfloat16)
@@ -76,10 +75,9 @@ def _report():
         args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
                     b0_desc=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>",
                     b1_desc=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", bs_ptr="*fp32", stride_bse="i32",
-                    stride_bsn="i32", epi=epis[epilogue], tile_expert_ptr="*i32", num_tiles_ptr="*i32", row_src_ptr="*i32",
+                    stride_bsn="i32", epi=epis[epilogue], tile_expert_ptr="*i32", num_tiles_ptr="*i32",
                     num_m="i32", N="i32:16", KR="i32", NK=Const(nk), NK0=Const(nk0), STAGES=Const(ws.BT_STAGES),
-                    LAG=Const(ws.BT_LAG), GROUP_M=Const(8), SCHED_BM=Const(128), EPILOGUE=Const(epilogue),
-                        SKIP=Const(epilogue != ws.EPI_STORE.value))
+                    LAG=Const(ws.BT_LAG), GROUP_M=Const(8), SCHED_BM=Const(128), EPILOGUE=Const(epilogue))
         k = compile_args(ws.rows_gemm_fp8_ws_bt_kernel, args, num_warps=4)
         ptx = k.asm["ptx"]
         _line(f"bt/epilogue{epilogue}", k, transposes=ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16"),

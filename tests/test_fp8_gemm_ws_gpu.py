@@ -7,8 +7,7 @@ last block), N not a multiple of 128, empty experts, unused tiles, schedule tile
 several ring depths and a grid smaller than the tiles (persistent); 20 repeats bitwise. The
 warp-specialized gate/up and weight gradient likewise against the Triton kernels, and gemm_fp8's
 entry points at their default tiles running them.
-Halves of padding rows skipped (row_src given) keep every bit. Its sm_90a code (no serialized wgmma,
-no spills): test_fp8_gemm_ws_compile.py."""
+Its sm_90a code (no serialized wgmma, no spills): test_fp8_gemm_ws_compile.py."""
 
 import pytest
 import torch
@@ -211,61 +210,3 @@ def test_ws_wgrad_matches_triton_bitwise(M, N, grid):
     assert not got[[0, 2, 8]].any()  # the empty experts
     again = gemm_fp8_ws.expert_wgrad_fp8_ws(aq, as_, bq, bs, start, count, grid=grid)
     assert torch.equal(again.view(torch.int16), got.view(torch.int16))
-
-
-# Halves of padding rows skipped (row_src given): a layer's padding rows are zeros, and a consumer
-# whose 64 rows are all padding passes the ring without its MMAs; its outputs are the +0 the
-# promotion of zero rows leaves, so every row, padding included, keeps its bits. The counts leave
-# last tiles with 44, 1, 60, 77 and 5 routed rows (their second halves padding alone).
-SKIP_COUNTS = [300, 0, 129, 700, 77, 5]
-
-
-def _zero_padding(x, sch):
-    """x with the schedule's padding rows zeroed (as a layer's pulled rows come)."""
-    x = x.clone()
-    x[sch.row_src_cpu < 0] = 0
-    return x
-
-
-@pytest.mark.parametrize("BM", [128, 256])
-def test_ws_down_dgrad_skipping_padding_halves_is_bitwise(BM):
-    H, I = 2880, 320
-    sch = Sched(SKIP_COUNTS, BM, seed=77)
-    dq, ds = quantize_rows(_zero_padding(rand(sch.R, H, seed=1), sch).cuda())
-    wq, wsc = quantize_blocks(rand(len(SKIP_COUNTS), I, H, seed=2, scale=H ** -0.5).cuda())
-    gu = _zero_padding(rand(sch.R, 2 * I, seed=5), sch).cuda()
-    w = torch.rand(sch.R, generator=torch.Generator().manual_seed(6)).cuda()
-    cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_DOWN_DGRAD, BM=BM)
-    want = gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, wq, wsc, gu, w, sch.tile_expert, sch.num_tiles, config=cfg)
-    got = gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, wq, wsc, gu, w, sch.tile_expert, sch.num_tiles, config=cfg,
-                                         row_src=sch.row_src)
-    used = slice(0, sch.used)
-    for name, x, y in zip(("dgu", "hw", "dw_part"), got, want):
-        bits = torch.int16 if x.dtype == torch.bfloat16 else torch.int32
-        assert torch.equal(x[used].view(bits), y[used].view(bits)), name
-
-
-@pytest.mark.parametrize("H,I", [(2880, 2880), (1040, 720)])
-def test_ws_gate_up_skipping_padding_halves_is_bitwise(H, I):
-    sch = Sched(SKIP_COUNTS, 128, seed=H + I)
-    xq, xs = quantize_rows(_zero_padding(rand(sch.R, H, seed=11), sch).cuda())
-    (gq, gs), (uq, us) = (quantize_blocks(rand(len(SKIP_COUNTS), I, H, seed=s, scale=H ** -0.5).cuda())
-                          for s in (12, 13))
-    ops = (xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles)
-    want = gemm_fp8.gate_up_swiglu_fp8(*ops)
-    got = gemm_fp8.gate_up_swiglu_fp8(*ops, row_src=sch.row_src)
-    _assert_bitwise(got, want, slice(0, sch.used), "skipping padding halves")
-
-
-def test_ws_push_skipping_padding_halves_pushes_the_same_rows():
-    """The pushed rows (which always skip padding halves) bitwise the Triton kernel's, with the
-    padding rows holding anything: none of them is pushed."""
-    sch = Sched(SKIP_COUNTS, 128, seed=5)
-    a = rand(sch.R, 2048, seed=3)
-    a[sch.row_src_cpu < 0] = float("nan")
-    aq, as_ = quantize_rows(a.cuda())
-    bq, bs = quantize_blocks(rand(len(SKIP_COUNTS), 520, 2048, seed=4, scale=2048 ** -0.5).cuda())
-    got = _push(sch, aq, as_, bq, bs, 520, gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, 520))
-    aq0, as0 = quantize_rows(_zero_padding(a, sch).cuda())
-    want = _push(sch, aq0, as0, bq, bs, 520, _triton())
-    assert torch.equal(got, want)

@@ -278,7 +278,7 @@ def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_d
         mark(probe, "fwd:dispatch")
         kept = KeptRows(sched, xq, None, row_w, x_scale=x_scale)
     hq, h_scale, gu = gemm_fp8.gate_up_swiglu_fp8(
-        xq, x_scale, wg_q, wg_s, wu_q, wu_s, sched.tile_expert, sched.num_tiles, save_gu=keep, row_src=sched.row_src,
+        xq, x_scale, wg_q, wg_s, wu_q, wu_s, sched.tile_expert, sched.num_tiles, save_gu=keep,
         config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_GATE_UP, BM=plan.tile_m))
     mark(probe, "fwd:gate_up")
     gemm_fp8.down_push_fp8(hq, h_scale, wd_q, wd_s, sched.tile_expert, sched.num_tiles, sched.row_src,
@@ -330,12 +330,11 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
             fwd_copies = None
     if fwd_copies is not None:
         dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8_t(dys_q, dys_s, *fwd_copies[2], gu, row_w,
-                                                            sched.tile_expert, sched.num_tiles, row_src=sched.row_src,
-                                                            BM=BM)
+                                                            sched.tile_expert, sched.num_tiles, BM=BM)
     else:
         wd_t = fp8_weight_t(w_down, hold=plan.cache_fp8_transposes)
         dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(
-            dys_q, dys_s, *wd_t, gu, row_w, sched.tile_expert, sched.num_tiles, row_src=sched.row_src,
+            dys_q, dys_s, *wd_t, gu, row_w, sched.tile_expert, sched.num_tiles,
             config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_DOWN_DGRAD, BM=BM))
         del wd_t
     del gu, row_w

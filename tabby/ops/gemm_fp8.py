@@ -294,8 +294,7 @@ def _check_fp8_weights(name, q, s):
 
 
 def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *,
-                       hq=None, h_scale=None, gu=None, save_gu: bool = True, row_src=None,
-                       config: GemmConfig | None = None):
+                       hq=None, h_scale=None, gu=None, save_gu: bool = True, config: GemmConfig | None = None):
     """Returns (hq [R, I] E4M3, h_scale [R, ceil(I/128)] fp32, gu [R, 2I] bf16 or None).
 
     aq [R, H] E4M3 with a_scale [R, ceil(H/128)]; wg_q, wu_q [E, I, H] E4M3 with scales
@@ -307,9 +306,6 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
     when that divides the schedule's ``config.BM``; other inputs take the pointer loop at the
     schedule's tile and at most ``GATE_UP_PTR_STAGES`` stages. Both give the same results (the
     same sums in the same order).
-    ``row_src`` (the schedule's row sources): where given, the warp-specialized kernels skip the
-    MMAs of 64-row halves that hold padding rows alone, whose outputs are then those of zero rows
-    (an FP8 layer's padding rows are zeros: the same bits).
     """
     R, H = aq.shape
     E, I, H2 = wg_q.shape
@@ -333,8 +329,7 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
     if (cfg == default_config_fp8(KIND_GATE_UP, BM=cfg.BM)
             and gemm_fp8_ws.fits_gate_up(aq, wg_q, wu_q, cfg.BM)):
         return gemm_fp8_ws.gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles,
-                                                 hq=hq, h_scale=h_scale, gu=gu, sched_bm=cfg.BM, save_gu=save_gu,
-                                                 row_src=row_src)
+                                                 hq=hq, h_scale=h_scale, gu=gu, sched_bm=cfg.BM, save_gu=save_gu)
     # a tensor descriptor needs 16-byte aligned rows: where they are not, the pointer loop
     use_tma = R > 0 and all(tma_aligned(t) for t in (aq, wg_q, wu_q))
     block_m = GATE_UP_TMA_BM if use_tma and cfg.BM % GATE_UP_TMA_BM == 0 else cfg.BM
@@ -408,10 +403,8 @@ def rows_gemm_fp8(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None,
         TK, stride_d = 1, 0
     if cfg == default_config_fp8(KIND_ROWS, N, BM=cfg.BM) and gemm_fp8_ws.fits(aq, bq, cfg.BM):
         epi = ((row_src, dst_ptrs, TK, stride_d, dst_ptrs.view(dst_dtype)) if push else (c, stride_c))
-        # the pushed rows skip the MMAs of halves of padding rows (which are not pushed)
         gemm_fp8_ws.launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, cfg.BM,
-                           gemm_fp8_ws.EPI_PUSH if push else gemm_fp8_ws.EPI_STORE, epi, N,
-                           row_src=row_src if push else None)
+                           gemm_fp8_ws.EPI_PUSH if push else gemm_fp8_ws.EPI_STORE, epi, N)
         return None if push else out
     num_m = R // cfg.BM
     rows_gemm_fp8_kernel[(num_m * triton.cdiv(N, cfg.BN),)](
@@ -457,13 +450,10 @@ def down_dgrad_swiglu_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm, b_ptr, st
 
 
 def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_expert, num_tiles, *,
-                          row_src=None, config: GemmConfig | None = None):
+                          config: GemmConfig | None = None):
     """gemm.down_dgrad_swiglu_bwd in FP8: dys [R, H] E4M3 per 1x128; wd_t [E, I, H] E4M3 (W_down's
     128x128 blocks transposed: :func:`transpose_blocks`) with its scales. Returns (dgu [R, 2I] bf16,
-    hw [R, I] bf16, dw_part [R, ceil(I/BN)] fp32), as the bf16 kernel.
-    ``row_src`` (the schedule's row sources): where given, the warp-specialized kernels skip the
-    MMAs of 64-row halves that hold padding rows alone, whose outputs are then those of zero rows
-    (an FP8 layer's padding rows are zeros: the same bits)."""
+    hw [R, I] bf16, dw_part [R, ceil(I/BN)] fp32), as the bf16 kernel."""
     R, H = dys_q.shape
     E, I, H2 = wd_t_q.shape
     if H2 != H:
@@ -481,7 +471,7 @@ def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_exp
     if cfg == default_config_fp8(KIND_DOWN_DGRAD, BM=cfg.BM) and gemm_fp8_ws.fits(dys_q, wd_t_q, cfg.BM):
         gemm_fp8_ws.launch(dys_q, dys_scale, wd_t_q, wd_t_scale, tile_expert, num_tiles, cfg.BM,
                            gemm_fp8_ws.EPI_SWIGLU_BWD, (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0),
-                                                        dw_part, dw_part.stride(0)), I, row_src=row_src)
+                                                        dw_part, dw_part.stride(0)), I)
         return dgu, hw, dw_part
     num_m = R // cfg.BM
     down_dgrad_swiglu_fp8_kernel[(num_m * nt_n,)](
@@ -500,11 +490,10 @@ def dgrads_read_forward_copies(aq: torch.Tensor, weights, BM: int) -> bool:
     return gemm_fp8_ws.fits_bt(aq, weights, BM)
 
 
-def down_dgrad_swiglu_fp8_t(dys_q, dys_scale, wd_q, wd_scale, gu, ws, tile_expert, num_tiles, *, row_src=None,
-                            BM: int = 128):
+def down_dgrad_swiglu_fp8_t(dys_q, dys_scale, wd_q, wd_scale, gu, ws, tile_expert, num_tiles, *, BM: int = 128):
     """``down_dgrad_swiglu_fp8`` reading W_down's forward copy wd_q [E, H, I] (128x128 scales
     [E, ceil(H/128), ceil(I/128)]) transposed in the kernel, the same values: no W_down^T in
-    memory; ``row_src`` as there. Runs where ``dgrads_read_forward_copies``."""
+    memory. Runs where ``dgrads_read_forward_copies``."""
     R, H = dys_q.shape
     E, H2, I = wd_q.shape
     if H2 != H or not dgrads_read_forward_copies(dys_q, (wd_q,), BM):
@@ -519,8 +508,7 @@ def down_dgrad_swiglu_fp8_t(dys_q, dys_scale, wd_q, wd_scale, gu, ws, tile_exper
     dw_part = torch.empty(R, triton.cdiv(I, gemm_fp8_ws.BN), dtype=torch.float32, device=dys_q.device)
     gemm_fp8_ws.launch_bt(dys_q, dys_scale, (wd_q,), wd_scale.transpose(-2, -1).contiguous(), tile_expert, num_tiles,
                           BM, gemm_fp8_ws.EPI_SWIGLU_BWD,
-                          (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0)), I,
-                          row_src=row_src)
+                          (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0)), I)
     return dgu, hw, dw_part
 
 
@@ -543,8 +531,7 @@ def gate_up_dgrad_push_fp8_t(dgu_q, dgu_scale, wg_q, wu_q, b_scale, tile_expert,
     assert dst_ptrs.dtype == torch.int64 and row_src.dtype == torch.int32 and row_src.numel() == R
     _check_schedule(tile_expert, num_tiles, R, BM)
     gemm_fp8_ws.launch_bt(dgu_q, dgu_scale, (wg_q, wu_q), b_scale.contiguous(), tile_expert, num_tiles, BM,
-                          gemm_fp8_ws.EPI_PUSH, (row_src, dst_ptrs, TK, H, dst_ptrs.view(dst_dtype)), H,
-                          row_src=row_src)
+                          gemm_fp8_ws.EPI_PUSH, (row_src, dst_ptrs, TK, H, dst_ptrs.view(dst_dtype)), H)
 
 
 @triton.jit

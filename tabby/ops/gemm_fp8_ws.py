@@ -119,28 +119,6 @@ def _ring_retire(tok, empty, it, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _half_live(row_src_ptr, row0, SKIP: gl.constexpr):
-    """Whether the consumer's 64 rows from ``row0`` hold a routed row; always, unless SKIP. An
-    expert's routed rows are a prefix of its segment (schedule.py), so this is its first row's
-    ``row_src >= 0``. A layer's padding rows are zeros, so a half of padding alone sums to zeros:
-    its consumer passes the ring's stages without its MMAs, and its epilogue sees the +0 the
-    promotion would have left (a product's -0 plus +0 is +0)."""
-    if SKIP:
-        return gl.load(row_src_ptr + row0) >= 0
-    else:
-        return True
-
-
-@gluon.jit
-def _ring_pass(ready, empty, it, STAGES: gl.constexpr):
-    """Consumer of a half without routed rows, K block ``it``: wait for its stage (the ring's phases
-    stay in step) and release it."""
-    s = it % STAGES
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    mbarrier.arrive(empty.index(s), count=1)
-
-
-@gluon.jit
 def _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
     """Tile t of a persistent walk over 128-row kernel tiles, in ``gemm.grouped_tile`` order:
     (pid_m, pid_n, its expert), the expert -1 where its schedule tile (SCHED_BM rows) is unused (at
@@ -229,9 +207,8 @@ def _epilogue(acc, rows, pid_n, N, epi, EPILOGUE: gl.constexpr, layout: gl.const
 
 @gluon.jit
 def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
-              tile_expert_ptr, num_tiles_ptr, row_src_ptr, num_m, N, HALF_ROW: gl.constexpr, NK: gl.constexpr,
-              STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr,
-              SKIP: gl.constexpr):
+              tile_expert_ptr, num_tiles_ptr, num_m, N, HALF_ROW: gl.constexpr, NK: gl.constexpr,
+              STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     num_n = gl.cdiv(N, 128)
     nt = gl.load(num_tiles_ptr)
@@ -246,37 +223,30 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_b
             sa = gl.load(as_ptrs)
             sb = gl.load(bs_base)
             acc = gl.zeros([64, 128], gl.float32, layout)
-            live = _half_live(row_src_ptr, pid_m.to(gl.int64) * 128 + HALF_ROW, SKIP)
             for kb in range(NK):
-                if live:
-                    tok = _ring_mma(a_bufs, b_bufs, ready, it, part, STAGES)
-                    # the next block's scales load under this block's MMA
-                    kn = gl.minimum(kb + 1, NK - 1)
-                    sa_next = gl.load(as_ptrs + kn)
-                    sb_next = gl.load(bs_base + kn)
-                    part = _ring_retire(tok, empty, it, STAGES)
-                    acc += part * (sa * sb)[:, None]
-                    sa = sa_next
-                    sb = sb_next
-                else:
-                    _ring_pass(ready, empty, it, STAGES)
+                tok = _ring_mma(a_bufs, b_bufs, ready, it, part, STAGES)
+                # the next block's scales load under this block's MMA
+                kn = gl.minimum(kb + 1, NK - 1)
+                sa_next = gl.load(as_ptrs + kn)
+                sb_next = gl.load(bs_base + kn)
+                part = _ring_retire(tok, empty, it, STAGES)
+                acc += part * (sa * sb)[:, None]
+                sa = sa_next
+                sb = sb_next
                 it += 1
             _epilogue(acc, rows, pid_n, N, epi, EPILOGUE, layout)
 
 
 @gluon.jit
 def rows_gemm_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_bse, stride_bsn, epi,
-                            tile_expert_ptr, num_tiles_ptr, row_src_ptr, num_m, N, NK: gl.constexpr,
-                            STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr,
-                            EPILOGUE: gl.constexpr, SKIP: gl.constexpr):
+                            tile_expert_ptr, num_tiles_ptr, num_m, N, NK: gl.constexpr, STAGES: gl.constexpr,
+                            GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
     a_lo, a_hi, b_bufs, ready, empty = _ring_128x128(a_desc, b_desc, STAGES)
     gl.warp_specialize([
         (_consumer, (a_lo, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
-                     tile_expert_ptr, num_tiles_ptr, row_src_ptr, num_m, N, 0, NK, STAGES, GROUP_M, SCHED_BM,
-                     EPILOGUE, SKIP)),
+                     tile_expert_ptr, num_tiles_ptr, num_m, N, 0, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
         (_consumer, (a_hi, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
-                     tile_expert_ptr, num_tiles_ptr, row_src_ptr, num_m, N, 64, NK, STAGES, GROUP_M, SCHED_BM,
-                     EPILOGUE, SKIP)),
+                     tile_expert_ptr, num_tiles_ptr, num_m, N, 64, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
         (_producer, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, N,
                      NK, STAGES, GROUP_M, SCHED_BM)),
     ], [4, 1], [232, 40])
@@ -380,9 +350,9 @@ def _transposing_producer(a_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, raw, rea
 
 @gluon.jit
 def rows_gemm_fp8_ws_bt_kernel(a_desc, as_ptr, stride_asm, b0_desc, b1_desc, bs_ptr, stride_bse, stride_bsn, epi,
-                               tile_expert_ptr, num_tiles_ptr, row_src_ptr, num_m, N, KR, NK: gl.constexpr,
-                               NK0: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr, GROUP_M: gl.constexpr,
-                               SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr, SKIP: gl.constexpr):
+                               tile_expert_ptr, num_tiles_ptr, num_m, N, KR, NK: gl.constexpr, NK0: gl.constexpr,
+                               STAGES: gl.constexpr, LAG: gl.constexpr, GROUP_M: gl.constexpr,
+                               SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
     a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     # the K-major blocks the wgmma reads, and the N-major blocks as TMA lands them (same swizzle)
@@ -394,11 +364,9 @@ def rows_gemm_fp8_ws_bt_kernel(a_desc, as_ptr, stride_asm, b0_desc, b1_desc, bs_
         mbarrier.init(raw_ready.index(i), count=1)
     gl.warp_specialize([
         (_consumer, (a_lo, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
-                     tile_expert_ptr, num_tiles_ptr, row_src_ptr, num_m, N, 0, NK, STAGES, GROUP_M, SCHED_BM,
-                     EPILOGUE, SKIP)),
+                     tile_expert_ptr, num_tiles_ptr, num_m, N, 0, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
         (_consumer, (a_hi, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
-                     tile_expert_ptr, num_tiles_ptr, row_src_ptr, num_m, N, 64, NK, STAGES, GROUP_M, SCHED_BM,
-                     EPILOGUE, SKIP)),
+                     tile_expert_ptr, num_tiles_ptr, num_m, N, 64, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
         (_transposing_producer, (a_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, raw, ready, empty, raw_ready,
                                  tile_expert_ptr, num_tiles_ptr, num_m, N, KR, NK, NK0, STAGES, LAG, GROUP_M,
                                  SCHED_BM)),
@@ -443,49 +411,42 @@ def _two_block_producer(a_desc, b0_desc, b1_desc, a_lo, a_hi, b0_bufs, b1_bufs, 
 
 
 @gluon.jit
-def _two_block_mainloop(a_bufs, b0_bufs, b1_bufs, ready, empty, it, part, as_ptrs, s0_ptr, s1_ptr, live,
-                        NK: gl.constexpr, STAGES: gl.constexpr, layout: gl.constexpr):
+def _two_block_mainloop(a_bufs, b0_bufs, b1_bufs, ready, empty, it, part, as_ptrs, s0_ptr, s1_ptr, NK: gl.constexpr,
+                        STAGES: gl.constexpr, layout: gl.constexpr):
     """A consumer's K loop over one tile of the two-block kernels: (acc0, acc1, part, it), acc_i the
     sum of A @ B_i^T promoted per block by a_scale[rows] * s_i[kb] (the Triton kernels' promotion).
     The two products are issued one after the other, each waited for before its promotion (both
-    at once would need 256 registers); the stage is released after the second. Unless ``live``
-    (``_half_live``) the stages pass without MMAs."""
+    at once would need 256 registers); the stage is released after the second."""
     sa = gl.load(as_ptrs)
     s0 = gl.load(s0_ptr)
     s1 = gl.load(s1_ptr)
     acc0 = gl.zeros([64, 128], gl.float32, layout)
     acc1 = gl.zeros([64, 128], gl.float32, layout)
     for kb in range(NK):
-        if live:
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            tok = warpgroup_mma(a_bufs.index(s), b0_bufs.index(s).permute((1, 0)), part, use_acc=False,
-                                is_async=True)
-            # the next block's scales load under this block's MMAs
-            kn = gl.minimum(kb + 1, NK - 1)
-            sa_next = gl.load(as_ptrs + kn)
-            s0_next = gl.load(s0_ptr + kn)
-            s1_next = gl.load(s1_ptr + kn)
-            part = warpgroup_mma_wait(0, deps=(tok, ))
-            acc0 += part * (sa * s0)[:, None]
-            tok = warpgroup_mma(a_bufs.index(s), b1_bufs.index(s).permute((1, 0)), part, use_acc=False,
-                                is_async=True)
-            part = _ring_retire(tok, empty, it, STAGES)
-            acc1 += part * (sa * s1)[:, None]
-            sa = sa_next
-            s0 = s0_next
-            s1 = s1_next
-        else:
-            _ring_pass(ready, empty, it, STAGES)
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        tok = warpgroup_mma(a_bufs.index(s), b0_bufs.index(s).permute((1, 0)), part, use_acc=False, is_async=True)
+        # the next block's scales load under this block's MMAs
+        kn = gl.minimum(kb + 1, NK - 1)
+        sa_next = gl.load(as_ptrs + kn)
+        s0_next = gl.load(s0_ptr + kn)
+        s1_next = gl.load(s1_ptr + kn)
+        part = warpgroup_mma_wait(0, deps=(tok, ))
+        acc0 += part * (sa * s0)[:, None]
+        tok = warpgroup_mma(a_bufs.index(s), b1_bufs.index(s).permute((1, 0)), part, use_acc=False, is_async=True)
+        part = _ring_retire(tok, empty, it, STAGES)
+        acc1 += part * (sa * s1)[:, None]
+        sa = sa_next
+        s0 = s0_next
+        s1 = s1_next
         it += 1
     return acc0, acc1, part, it
 
 
 @gluon.jit
 def _wide_consumer(a_bufs, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
-                   tile_expert_ptr, num_tiles_ptr, row_src_ptr, num_m, N, HALF_ROW: gl.constexpr, NK: gl.constexpr,
-                   STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr,
-                   SKIP: gl.constexpr):
+                   tile_expert_ptr, num_tiles_ptr, num_m, N, HALF_ROW: gl.constexpr, NK: gl.constexpr,
+                   STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     num_n = gl.cdiv(N, 256)
     last_bn = gl.cdiv(N, 128) - 1  # the weight scales' last block row
@@ -499,8 +460,8 @@ def _wide_consumer(a_bufs, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr,
             bs_e = bs_ptr + e.to(gl.int64) * stride_bse
             acc_lo, acc_hi, part, it = _two_block_mainloop(
                 a_bufs, b_lo, b_hi, ready, empty, it, part, as_ptr + rows * stride_asm,
-                bs_e + (2 * pid_n) * stride_bsn, bs_e + gl.minimum(2 * pid_n + 1, last_bn) * stride_bsn,
-                _half_live(row_src_ptr, pid_m.to(gl.int64) * 128 + HALF_ROW, SKIP), NK, STAGES, layout)
+                bs_e + (2 * pid_n) * stride_bsn, bs_e + gl.minimum(2 * pid_n + 1, last_bn) * stride_bsn, NK, STAGES,
+                layout)
             _epilogue(acc_lo, rows, 2 * pid_n, N, epi, EPILOGUE, layout)
             if (2 * pid_n + 1) * 128 < N:  # a half wholly past N has nothing to store (nor a dw partial)
                 _epilogue(acc_hi, rows, 2 * pid_n + 1, N, epi, EPILOGUE, layout)
@@ -508,18 +469,15 @@ def _wide_consumer(a_bufs, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr,
 
 @gluon.jit
 def rows_gemm_fp8_ws_wide_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_bse, stride_bsn, epi,
-                                 tile_expert_ptr, num_tiles_ptr, row_src_ptr, num_m, N, NK: gl.constexpr,
-                                 STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr,
-                                 EPILOGUE: gl.constexpr, SKIP: gl.constexpr):
+                                 tile_expert_ptr, num_tiles_ptr, num_m, N, NK: gl.constexpr, STAGES: gl.constexpr,
+                                 GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
     a_lo, a_hi, b_lo, ready, empty = _ring_128x128(a_desc, b_desc, STAGES)
     b_hi = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     gl.warp_specialize([
         (_wide_consumer, (a_lo, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
-                          tile_expert_ptr, num_tiles_ptr, row_src_ptr, num_m, N, 0, NK, STAGES, GROUP_M, SCHED_BM,
-                          EPILOGUE, SKIP)),
+                          tile_expert_ptr, num_tiles_ptr, num_m, N, 0, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
         (_wide_consumer, (a_hi, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
-                          tile_expert_ptr, num_tiles_ptr, row_src_ptr, num_m, N, 64, NK, STAGES, GROUP_M, SCHED_BM,
-                          EPILOGUE, SKIP)),
+                          tile_expert_ptr, num_tiles_ptr, num_m, N, 64, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
         (_two_block_producer, (a_desc, b_desc, b_desc, a_lo, a_hi, b_lo, b_hi, ready, empty, tile_expert_ptr,
                                num_tiles_ptr, num_m, N, NK, STAGES, GROUP_M, SCHED_BM, 256, 128)),
     ], [4, 1], [232, 40])
@@ -566,17 +524,6 @@ def _e4m3_desc(t: torch.Tensor, rows: int, block_rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, [rows, t.shape[-1]], [t.stride(-2), 1], [block_rows, BLOCK], layout)
 
 
-def _rows_or(row_src, other: torch.Tensor, R: int) -> torch.Tensor:
-    """The row sources a kernel reads to skip padding halves (R rows), checked; ``other`` (unread)
-    without."""
-    if row_src is None:
-        return other
-    if row_src.dtype != torch.int32 or not row_src.is_contiguous() or row_src.numel() < R:
-        raise ValueError(f"row_src must be contiguous int32 of at least {R} rows, got {row_src.dtype} "
-                         f"{tuple(row_src.shape)}")
-    return row_src
-
-
 def _grid(device, tiles: int, grid: int | None) -> tuple:
     """Persistent: one program per SM (or ``grid``), no more than the tiles."""
     if grid is None:
@@ -585,22 +532,20 @@ def _grid(device, tiles: int, grid: int | None) -> tuple:
 
 
 def launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, N: int, *,
-           row_src=None, stages: int | None = None, grid: int | None = None, GROUP_M: int = 8):
+           stages: int | None = None, grid: int | None = None, GROUP_M: int = 8):
     """One persistent launch over the routed rows (R = aq.shape[0], kernel tiles of 128 rows) and
     N columns with ``epilogue`` (EPI_*) and its arguments ``epi``; the caller has checked operands.
     The stored and pushed rows run at 128 x 256 tiles (ring depth ``wide_stages(K)``), the SwiGLU
-    backward at 128 x 128 (at 256 its epilogue spills) with ``STAGES``. ``row_src``: the schedule's
-    row sources, where A's padding rows are zeros (a layer's are): a consumer's 64 rows of padding
-    alone then skip their MMAs (``_half_live``), the same bits."""
+    backward at 128 x 128 (at 256 its epilogue spills) with ``STAGES``."""
     R, K = aq.shape
     num_m = R // BM
     wide = epilogue != EPI_SWIGLU_BWD
     kernel = rows_gemm_fp8_ws_wide_kernel if wide else rows_gemm_fp8_ws_kernel
     kernel[_grid(aq.device, num_m * triton.cdiv(N, 2 * BN if wide else BN), grid)](
         _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bq, bq.shape[0] * bq.shape[1], BN), b_scale,
-        b_scale.stride(0), b_scale.stride(1), epi, tile_expert, num_tiles, _rows_or(row_src, tile_expert, R),
-        num_m, N, NK=triton.cdiv(K, BLOCK), STAGES=stages or (wide_stages(K) if wide else STAGES), GROUP_M=GROUP_M,
-        SCHED_BM=sched_bm, EPILOGUE=epilogue, SKIP=row_src is not None, num_warps=4)
+        b_scale.stride(0), b_scale.stride(1), epi, tile_expert, num_tiles, num_m, N, NK=triton.cdiv(K, BLOCK),
+        STAGES=stages or (wide_stages(K) if wide else STAGES), GROUP_M=GROUP_M, SCHED_BM=sched_bm,
+        EPILOGUE=epilogue, num_warps=4)
 
 
 BT_STAGES = 4  # the ring of rows_gemm_fp8_ws_bt_kernel (32 KB a stage) beside its LAG + 1 raw blocks
@@ -615,12 +560,12 @@ def fits_bt(aq: torch.Tensor, parts, sched_bm: int) -> bool:
 
 
 def launch_bt(aq, a_scale, parts, b_scale, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, N: int,
-              *, row_src=None, stages: int = BT_STAGES, lag: int = BT_LAG, grid: int | None = None, GROUP_M: int = 8):
+              *, stages: int = BT_STAGES, lag: int = BT_LAG, grid: int | None = None, GROUP_M: int = 8):
     """``launch`` at 128 x 128 tiles with B read from forward weight copies, transposed in the
     kernel (``rows_gemm_fp8_ws_bt_kernel``): ``parts``, one or two E4M3 [E, KR, N] copies whose K
     ranges follow one another in A's columns, the second from column ceil(KR/128) * 128 (A's
     columns past each part's KR zeros); ``b_scale`` the dgrad's [E, ceil(N/128), K/128] (unit
-    stride along K); ``row_src`` as ``launch``'s. The caller has checked operands (``fits_bt``)."""
+    stride along K). The caller has checked operands (``fits_bt``)."""
     R, K = aq.shape
     E, KR, NB = parts[0].shape
     if NB != N or any(p.shape != parts[0].shape for p in parts) or b_scale.stride(-1) != 1:
@@ -636,9 +581,8 @@ def launch_bt(aq, a_scale, parts, b_scale, tile_expert, num_tiles, sched_bm: int
     num_m = R // BM
     rows_gemm_fp8_ws_bt_kernel[_grid(aq.device, num_m * triton.cdiv(N, BN), grid)](
         _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), descs[0], descs[-1], b_scale, b_scale.stride(0),
-        b_scale.stride(1), epi, tile_expert, num_tiles, _rows_or(row_src, tile_expert, R), num_m, N, KR, NK=nk,
-        NK0=nk0, STAGES=stages, LAG=lag, GROUP_M=GROUP_M, SCHED_BM=sched_bm, EPILOGUE=epilogue,
-        SKIP=row_src is not None, num_warps=4)
+        b_scale.stride(1), epi, tile_expert, num_tiles, num_m, N, KR, NK=nk, NK0=nk0, STAGES=stages, LAG=lag,
+        GROUP_M=GROUP_M, SCHED_BM=sched_bm, EPILOGUE=epilogue, num_warps=4)
 
 
 def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None, sched_bm: int = BM, **kw):
@@ -673,9 +617,8 @@ def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=No
 @gluon.jit
 def _gate_up_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
                       stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
-                      num_tiles_ptr, row_src_ptr, num_m, I, HALF_ROW: gl.constexpr, NK: gl.constexpr,
-                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr,
-                      SKIP: gl.constexpr):
+                      num_tiles_ptr, num_m, I, HALF_ROW: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr,
+                      GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
     num_n = gl.cdiv(I, 128)
@@ -688,10 +631,9 @@ def _gate_up_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm
             rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=rows_layout)
             ws_off = e.to(gl.int64) * stride_wse + pid_n * stride_wsn
             # g's and u's sums, promoted as the Triton kernel's
-            live = _half_live(row_src_ptr, pid_m.to(gl.int64) * 128 + HALF_ROW, SKIP)
             g, u, part, it = _two_block_mainloop(a_bufs, bg_bufs, bu_bufs, ready, empty, it, part,
-                                                 as_ptr + rows * stride_asm, gs_ptr + ws_off, us_ptr + ws_off, live,
-                                                 NK, STAGES, layout)
+                                                 as_ptr + rows * stride_asm, gs_ptr + ws_off, us_ptr + ws_off, NK,
+                                                 STAGES, layout)
             cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
             h = g * tl.sigmoid(g) * u
             h = gl.where((cols < I)[None, :], h, 0.0)  # columns past I take no part in the tile's scale
@@ -710,9 +652,9 @@ def _gate_up_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm
 @gluon.jit
 def gate_up_swiglu_fp8_ws_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u, gs_ptr, us_ptr, stride_wse,
                                  stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
-                                 tile_expert_ptr, num_tiles_ptr, row_src_ptr, num_m, I, NK: gl.constexpr,
+                                 tile_expert_ptr, num_tiles_ptr, num_m, I, NK: gl.constexpr,
                                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr,
-                                 SAVE_GU: gl.constexpr, SKIP: gl.constexpr):
+                                 SAVE_GU: gl.constexpr):
     a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     bg_bufs = gl.allocate_shared_memory(w_desc_g.dtype, [STAGES] + w_desc_g.block_type.shape, w_desc_g.layout)
@@ -721,22 +663,21 @@ def gate_up_swiglu_fp8_ws_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u,
     gl.warp_specialize([
         (_gate_up_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
                              stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
-                             num_tiles_ptr, row_src_ptr, num_m, I, 0, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU, SKIP)),
+                             num_tiles_ptr, num_m, I, 0, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
         (_gate_up_consumer, (a_hi, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
                              stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
-                             num_tiles_ptr, row_src_ptr, num_m, I, 64, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU, SKIP)),
+                             num_tiles_ptr, num_m, I, 64, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
         (_two_block_producer, (a_desc, w_desc_g, w_desc_u, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty,
                                tile_expert_ptr, num_tiles_ptr, num_m, I, NK, STAGES, GROUP_M, SCHED_BM, 128, 0)),
     ], [4, 1], [232, 40])
 
 
 def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *, hq=None,
-                          h_scale=None, gu=None, sched_bm: int = BM, save_gu: bool = True, row_src=None,
-                          stages: int = 3, grid: int | None = None, GROUP_M: int = 8):
+                          h_scale=None, gu=None, sched_bm: int = BM, save_gu: bool = True, stages: int = 3,
+                          grid: int | None = None, GROUP_M: int = 8):
     """``gemm_fp8.gate_up_swiglu_fp8`` warp-specialized: (hq [R, I] E4M3, h_scale [R, ceil(I/128)],
     gu [R, 2I] bf16 or None), the same values, into the given outputs or new ones. Runs where
-    ``fits_gate_up`` holds. Ring depth 3 (48 KB a stage): 4 measured no faster at H 2048 or 7168.
-    ``row_src`` as ``launch``'s."""
+    ``fits_gate_up`` holds. Ring depth 3 (48 KB a stage): 4 measured no faster at H 2048 or 7168."""
     R, H = aq.shape
     E, I, H2 = wg_q.shape
     if H2 != H or wu_q.shape != wg_q.shape or wu_scale.stride() != wg_scale.stride() or not fits_gate_up(
@@ -758,8 +699,8 @@ def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expe
         _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(wg_q, E * I, BN),
         _e4m3_desc(wu_q, E * I, BN), wg_scale, wu_scale, wg_scale.stride(0),
         wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0), gu_arg, gu_arg.stride(0), tile_expert,
-        num_tiles, _rows_or(row_src, tile_expert, R), num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages,
-        GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, SKIP=row_src is not None, num_warps=4)
+        num_tiles, num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages, GROUP_M=GROUP_M,
+        SCHED_BM=sched_bm, SAVE_GU=save_gu, num_warps=4)
     return hq, h_scale, (gu if save_gu else None)
 
 
