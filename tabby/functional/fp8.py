@@ -25,8 +25,10 @@ the same address, with the same ``_version`` (an optimizer's in-place step incre
 change through ``.data`` does not increment ``_version``: call :func:`clear_weight_cache` after one.
 The FP8 backward's dgrads read the weights transposed (FP8 wgmma reads B only K-major):
 ``MoEConfig(cache_fp8_transposes=True)`` (the default) caches those copies too, made with the
-forward's from one read of each weight; with False each backward transposes the forward's copies
-and drops them (a byte less per parameter held, two bytes a parameter moved per backward).
+forward's from one read of each weight; with False (a byte less per parameter held) the dgrads
+read the forward's copies and transpose each 128 x 128 block in shared memory on sm_90
+(``gemm_fp8.dgrads_read_forward_copies``; slower than cached copies, faster than making them),
+and elsewhere each backward transposes the copies and drops them.
 
 Backward: "fp8": ``moe_backward_fp8`` (``reference_fp8.moe_backward_reference_fp8`` defines it).
 "fp8-forward": ``backward.moe_backward`` as it is, in bf16 from the bf16 weights, with the g | u of
