@@ -5,7 +5,10 @@
 - ``gate_up_swiglu_fp8_ws``: gate/up with the SwiGLU and h's quantization, 128 x 128 tiles of h
   (``fits_gate_up``);
 - ``expert_wgrad_fp8_ws``: the weight gradient over the layer's padded segments (``fits_wgrad``),
-  two pipelines of whole tiles.
+  two pipelines of whole tiles;
+- ``launch_bt``: the rows GEMM at 128 x 128 with B read from forward weight copies, each block
+  transposed in shared memory by a producer warpgroup (the dgrads where no transposed copy is
+  held: ``fits_bt``).
 gemm_fp8's entry points run them wherever they fit at the default tiles: every FP8 GEMM of the
 layer runs here on an H200.
 
@@ -272,13 +275,13 @@ def rows_gemm_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_b
 
 # The transpose's register layouts over a 128 x 128 byte block (linear layouts; a base is the
 # [row, column] offset one register, lane or warp bit adds). A thread holds 4 x 4 byte tiles:
-# 4 bytes along the source's row (a 32-bit load) for 4 rows, which after the transpose are 4
-# bytes along the destination's row (a 32-bit store). With the 128-byte swizzle (16-byte chunk c
-# of row r at chunk c ^ (r % 8)) a load's bank is set by the column's bits 2-4 and bits 5-6 xor
-# the row's bits 0-2, a store's alike with rows and columns exchanged; a base moves in one
-# dimension, and each tile's row bits 0-1 and column bits 0-1 are register bits, so no choice of
-# 5 lane bits serves both. Lanes take columns 4, 8, 16 and rows 4, 8: a load's lanes touch 16
-# banks (2-way), a store's 8 (4-way).
+# 4 bytes along the source's row (one 32-bit piece of an ``ldmatrix``, as Triton lowers the load)
+# for 4 rows, which after the transpose are 4 bytes along the destination's row (a 32-bit
+# store). With the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)) a load's bank
+# is set by the column's bits 2-4 and bits 5-6 xor the row's bits 0-2, a store's alike with rows
+# and columns exchanged; a base moves in one dimension, and each tile's row bits 0-1 and column
+# bits 0-1 are register bits, so no choice of 5 lane bits serves both. Lanes take columns 4, 8,
+# 16 and rows 4, 8: the loads run 2-way and the stores 4-way conflicted.
 _T_SRC = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [0, 32], [0, 64], [16, 0]],
                                     lane_bases=[[0, 4], [0, 8], [0, 16], [4, 0], [8, 0]],
                                     warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[128, 128])
