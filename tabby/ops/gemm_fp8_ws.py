@@ -301,18 +301,13 @@ def _transpose_block(src, dst):
 
 
 @gluon.jit
-def _transpose_stage(raw, b_bufs, ready, raw_ready, j, STAGES: gl.constexpr, RAW: gl.constexpr,
-                     HALF: gl.constexpr = False):
+def _transpose_stage(raw, b_bufs, ready, raw_ready, j, STAGES: gl.constexpr, RAW: gl.constexpr):
     """Block j: wait for its N-major block in ``raw``, write it K-major into its ring stage, make
     the writes visible to the wgmma (async proxy), and once every warp of the partition is done
     arrive on the stage's ``ready``; the barrier also frees the raw stage for its next load."""
     r = j % RAW
     mbarrier.wait(raw_ready.index(r), (j // RAW) & 1)
-    if HALF:
-        if j % 2 == 0:
-            _transpose_block(raw.index(r), b_bufs.index(j % STAGES))
-    else:
-        _transpose_block(raw.index(r), b_bufs.index(j % STAGES))
+    _transpose_block(raw.index(r), b_bufs.index(j % STAGES))
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(ready.index(j % STAGES), count=1)
@@ -321,8 +316,7 @@ def _transpose_stage(raw, b_bufs, ready, raw_ready, j, STAGES: gl.constexpr, RAW
 @gluon.jit
 def _transposing_producer(a_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, raw, ready, empty, raw_ready,
                           tile_expert_ptr, num_tiles_ptr, num_m, N, KR, NK: gl.constexpr, NK0: gl.constexpr,
-                          STAGES: gl.constexpr, LAG: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr,
-                          HALF: gl.constexpr = False):
+                          STAGES: gl.constexpr, LAG: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
     """The producer of ``rows_gemm_fp8_ws_bt_kernel`` (a warpgroup): K blocks below NK0 come from
     b0's rows e * KR + kb * 128, the others from b1's rows e * KR + (kb - NK0) * 128, columns
     pid_n * 128, each transposed LAG blocks after its load."""
@@ -350,18 +344,18 @@ def _transposing_producer(a_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, raw, rea
                     tma.async_copy_global_to_shared(b1_desc, [brow + (kb - NK0) * 128, pid_n * 128],
                                                     raw_ready.index(r), raw.index(r))
                 if it >= LAG:
-                    _transpose_stage(raw, b_bufs, ready, raw_ready, it - LAG, STAGES, RAW, HALF)
+                    _transpose_stage(raw, b_bufs, ready, raw_ready, it - LAG, STAGES, RAW)
                 it += 1
     for d in gl.static_range(LAG):  # the last LAG blocks
         if it - LAG + d >= 0:
-            _transpose_stage(raw, b_bufs, ready, raw_ready, it - LAG + d, STAGES, RAW, HALF)
+            _transpose_stage(raw, b_bufs, ready, raw_ready, it - LAG + d, STAGES, RAW)
 
 
 @gluon.jit
 def rows_gemm_fp8_ws_bt_kernel(a_desc, as_ptr, stride_asm, b0_desc, b1_desc, bs_ptr, stride_bse, stride_bsn, epi,
                                tile_expert_ptr, num_tiles_ptr, num_m, N, KR, NK: gl.constexpr, NK0: gl.constexpr,
                                STAGES: gl.constexpr, LAG: gl.constexpr, GROUP_M: gl.constexpr,
-                               SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr, HALF: gl.constexpr = False):
+                               SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
     a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     # the K-major blocks the wgmma reads, and the N-major blocks as TMA lands them (same swizzle)
@@ -378,7 +372,7 @@ def rows_gemm_fp8_ws_bt_kernel(a_desc, as_ptr, stride_asm, b0_desc, b1_desc, bs_
                      tile_expert_ptr, num_tiles_ptr, num_m, N, 64, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
         (_transposing_producer, (a_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, raw, ready, empty, raw_ready,
                                  tile_expert_ptr, num_tiles_ptr, num_m, N, KR, NK, NK0, STAGES, LAG, GROUP_M,
-                                 SCHED_BM, HALF)),
+                                 SCHED_BM)),
     ], [4, 4], [232, 48])
 
 
@@ -569,8 +563,7 @@ def fits_bt(aq: torch.Tensor, parts, sched_bm: int) -> bool:
 
 
 def launch_bt(aq, a_scale, parts, b_scale, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, N: int,
-              *, stages: int = BT_STAGES, lag: int = BT_LAG, grid: int | None = None, GROUP_M: int = 8,
-              half: bool = False):
+              *, stages: int = BT_STAGES, lag: int = BT_LAG, grid: int | None = None, GROUP_M: int = 8):
     """``launch`` at 128 x 128 tiles with B read from forward weight copies, transposed in the
     kernel (``rows_gemm_fp8_ws_bt_kernel``): ``parts``, one or two E4M3 [E, KR, N] copies whose K
     ranges follow one another in A's columns, the second from column ceil(KR/128) * 128 (A's
@@ -592,7 +585,7 @@ def launch_bt(aq, a_scale, parts, b_scale, tile_expert, num_tiles, sched_bm: int
     rows_gemm_fp8_ws_bt_kernel[_grid(aq.device, num_m * triton.cdiv(N, BN), grid)](
         _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), descs[0], descs[-1], b_scale, b_scale.stride(0),
         b_scale.stride(1), epi, tile_expert, num_tiles, num_m, N, KR, NK=nk, NK0=nk0, STAGES=stages, LAG=lag,
-        GROUP_M=GROUP_M, SCHED_BM=sched_bm, EPILOGUE=epilogue, HALF=half, num_warps=4)
+        GROUP_M=GROUP_M, SCHED_BM=sched_bm, EPILOGUE=epilogue, num_warps=4)
 
 
 def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None, sched_bm: int = BM, **kw):
