@@ -127,19 +127,20 @@ def test_transposing_kernel_deterministic():
         assert torch.equal(run(), first)
 
 
-def test_the_transposing_entry_points_refuse_what_they_cannot_run():
-    """Off sm_90 (or with operands TMA cannot read) the layer must transpose the copies first: the
-    entry points say so rather than run something else."""
-    sch, dq, ds, wq, wsc, gu, w = _down_case([130, 0, 5], 256, 128) if torch.cuda.is_available() else (
-        None, None, None, None, None, None, None)
-    if sch is None:
-        dq = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
-        wq = torch.zeros(3, 256, 128, dtype=torch.float8_e4m3fn)
-        assert not gemm_fp8.dgrads_read_forward_copies(dq, (wq,), 128)
-        with pytest.raises(ValueError, match="transposing kernel"):
-            gemm_fp8.down_dgrad_swiglu_fp8_t(dq, None, wq, None, None, None, None, None)
-        return
-    # rows of 200 bytes are no TMA stride
+def test_the_transposing_entry_points_refuse_off_sm90():
+    """Off sm_90 (here: CPU tensors) the layer must transpose the copies first: the entry point says
+    so rather than run something else."""
+    dq = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
+    wq = torch.zeros(3, 256, 128, dtype=torch.float8_e4m3fn)
+    assert not gemm_fp8.dgrads_read_forward_copies(dq, (wq,), 128)
+    with pytest.raises(ValueError, match="transposing kernel"):
+        gemm_fp8.down_dgrad_swiglu_fp8_t(dq, None, wq, None, None, None, None, None)
+
+
+@gpu
+def test_the_transposing_entry_points_refuse_what_tma_cannot_read():
+    """Weights whose rows are no TMA stride, or schedule tiles not a multiple of 128 rows."""
+    sch, dq, ds, wq, wsc, gu, w = _down_case([130, 0, 5], 256, 128)
     bad = torch.zeros(3, 256, 200, dtype=torch.float8_e4m3fn, device="cuda")[:, :, :120]
     assert not gemm_fp8.dgrads_read_forward_copies(dq, (bad,), 128)
     assert not gemm_fp8.dgrads_read_forward_copies(dq, (wq,), 64)
