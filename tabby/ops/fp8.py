@@ -281,12 +281,13 @@ def pack_rows4(q0, q1, q2, q3):
 
 
 @triton.jit
-def _routed_rows_valid(rows, R, row_src_ptr, num_tiles_ptr, TILE_ROWS: tl.constexpr, MASKED: tl.constexpr):
-    """Which ``rows`` hold values: below R and, where MASKED (a routed-row buffer), in the used row
-    tiles with a source (row_src >= 0; padding rows count as zeros)."""
+def _routed_rows_valid(rows, R, row_src_ptr, used_rows, MASKED: tl.constexpr):
+    """Which ``rows`` hold values: below R and, where MASKED (a routed-row buffer), below
+    ``used_rows`` (the used row tiles' rows) with a source (row_src >= 0; padding rows count as
+    zeros)."""
     valid = rows < R
     if MASKED:
-        valid = valid & (rows < tl.load(num_tiles_ptr) * TILE_ROWS)
+        valid = valid & (rows < used_rows)
         valid = valid & (tl.load(row_src_ptr + rows, mask=valid, other=-1) >= 0)
     return valid
 
@@ -359,10 +360,13 @@ def quantize_cols_kernel(x_ptr, stride_xm, qt_ptr, stride_qt, s_ptr, stride_sm, 
     cols = cb * BC + tl.arange(0, BC)
     scale_col = (cb * BC) // 128
     r = row0 + 4 * tl.arange(0, 32)
-    v0 = _routed_rows_valid(r, R, row_src_ptr, num_tiles_ptr, TILE_ROWS, MASKED)
-    v1 = _routed_rows_valid(r + 1, R, row_src_ptr, num_tiles_ptr, TILE_ROWS, MASKED)
-    v2 = _routed_rows_valid(r + 2, R, row_src_ptr, num_tiles_ptr, TILE_ROWS, MASKED)
-    v3 = _routed_rows_valid(r + 3, R, row_src_ptr, num_tiles_ptr, TILE_ROWS, MASKED)
+    used_rows = R
+    if MASKED:
+        used_rows = tl.load(num_tiles_ptr) * TILE_ROWS
+    v0 = _routed_rows_valid(r, R, row_src_ptr, used_rows, MASKED)
+    v1 = _routed_rows_valid(r + 1, R, row_src_ptr, used_rows, MASKED)
+    v2 = _routed_rows_valid(r + 2, R, row_src_ptr, used_rows, MASKED)
+    v3 = _routed_rows_valid(r + 3, R, row_src_ptr, used_rows, MASKED)
     q0, q1, q2, q3, s = _quantize_cols4(
         _load_group(x_ptr, stride_xm, r, v0, cols, C, xs_ptr, stride_xsm, scale_col, ROW_SCALED),
         _load_group(x_ptr, stride_xm, r + 1, v1, cols, C, xs_ptr, stride_xsm, scale_col, ROW_SCALED),
