@@ -58,14 +58,10 @@ def test_transposing_kernel_ring_depths_lags_and_grids(stages, lag, grid):
     tiles a program (grid 3, 5)."""
     sch, dq, ds, wq, wsc, gu, w = _down_case([77, 500, 3, 0, 260], 2880, 320)
     want = gemm_fp8.down_dgrad_swiglu_fp8_t(dq, ds, wq, wsc, gu, w, sch.tile_expert, sch.num_tiles)
-    R, I = sch.R, wq.shape[2]
-    dgu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device="cuda")
-    hw = torch.empty(R, I, dtype=torch.bfloat16, device="cuda")
-    dw = torch.empty(R, triton.cdiv(I, 128), dtype=torch.float32, device="cuda")
+    I = wq.shape[2]
+    dgu, hw, dw, epi = gemm_fp8._swiglu_bwd_outputs(gu, w, triton.cdiv(I, 128))
     gemm_fp8_ws.launch_bt(dq, ds, (wq,), wsc.transpose(-2, -1).contiguous(), sch.tile_expert, sch.num_tiles, 128,
-                          gemm_fp8_ws.EPI_SWIGLU_BWD,
-                          (gu, gu.stride(0), w, dgu, dgu.stride(0), hw, hw.stride(0), dw, dw.stride(0)), I,
-                          stages=stages, lag=lag, grid=grid)
+                          gemm_fp8_ws.EPI_SWIGLU_BWD, epi, I, stages=stages, lag=lag, grid=grid)
     _assert_down_equal((dgu, hw, dw), want, slice(0, sch.used))
 
 

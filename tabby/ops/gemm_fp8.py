@@ -449,6 +449,17 @@ def down_dgrad_swiglu_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm, b_ptr, st
         tl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw)
 
 
+def _swiglu_bwd_outputs(gu, ws, nt_n: int):
+    """The down dgrad's outputs for gu [R, 2I] (dgu [R, 2I] bf16, hw [R, I] bf16, dw_part [R, nt_n]
+    fp32: a partial sum per column tile) and the warp-specialized kernels' EPI_SWIGLU_BWD arguments
+    over them."""
+    R, I = gu.shape[0], gu.shape[1] // 2
+    dgu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=gu.device)
+    hw = torch.empty(R, I, dtype=torch.bfloat16, device=gu.device)
+    dw_part = torch.empty(R, nt_n, dtype=torch.float32, device=gu.device)
+    return dgu, hw, dw_part, (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0))
+
+
 def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_expert, num_tiles, *,
                           config: GemmConfig | None = None):
     """gemm.down_dgrad_swiglu_bwd in FP8: dys [R, H] E4M3 per 1x128; wd_t [E, I, H] E4M3 (W_down's
@@ -465,13 +476,10 @@ def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_exp
     cfg = config or default_config_fp8(KIND_DOWN_DGRAD)
     _check_schedule(tile_expert, num_tiles, R, cfg.BM)
     nt_n = triton.cdiv(I, cfg.BN)
-    dgu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dys_q.device)
-    hw = torch.empty(R, I, dtype=torch.bfloat16, device=dys_q.device)
-    dw_part = torch.empty(R, nt_n, dtype=torch.float32, device=dys_q.device)
+    dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, nt_n)
     if cfg == default_config_fp8(KIND_DOWN_DGRAD, BM=cfg.BM) and gemm_fp8_ws.fits(dys_q, wd_t_q, cfg.BM):
         gemm_fp8_ws.launch(dys_q, dys_scale, wd_t_q, wd_t_scale, tile_expert, num_tiles, cfg.BM,
-                           gemm_fp8_ws.EPI_SWIGLU_BWD, (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0),
-                                                        dw_part, dw_part.stride(0)), I)
+                           gemm_fp8_ws.EPI_SWIGLU_BWD, epi, I)
         return dgu, hw, dw_part
     num_m = R // cfg.BM
     down_dgrad_swiglu_fp8_kernel[(num_m * nt_n,)](
@@ -503,12 +511,9 @@ def down_dgrad_swiglu_fp8_t(dys_q, dys_scale, wd_q, wd_scale, gu, ws, tile_exper
     _check_fp8_weights("wd_q", wd_q, wd_scale)
     assert gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
     _check_schedule(tile_expert, num_tiles, R, BM)
-    dgu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=dys_q.device)
-    hw = torch.empty(R, I, dtype=torch.bfloat16, device=dys_q.device)
-    dw_part = torch.empty(R, triton.cdiv(I, gemm_fp8_ws.BN), dtype=torch.float32, device=dys_q.device)
+    dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, triton.cdiv(I, gemm_fp8_ws.BN))
     gemm_fp8_ws.launch_bt(dys_q, dys_scale, (wd_q,), wd_scale.transpose(-2, -1).contiguous(), tile_expert, num_tiles,
-                          BM, gemm_fp8_ws.EPI_SWIGLU_BWD,
-                          (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0)), I)
+                          BM, gemm_fp8_ws.EPI_SWIGLU_BWD, epi, I)
     return dgu, hw, dw_part
 
 

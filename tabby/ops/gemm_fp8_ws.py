@@ -556,10 +556,9 @@ BT_LAG = 1  # a raw block is transposed LAG producer steps after its load is iss
 
 
 def fits_bt(aq: torch.Tensor, parts, sched_bm: int) -> bool:
-    """Whether a dgrad reads its weight's forward copies transposed here (``launch_bt``): as
-    ``fits``, each part contiguous with rows of a multiple of 16 bytes (TMA)."""
-    return (_sm90(aq) and sched_bm % BM == 0 and aq.is_contiguous() and tma_aligned(aq)
-            and all(p.is_contiguous() and tma_aligned(p) for p in parts))
+    """Whether a dgrad reads its weight's forward copies transposed here (``launch_bt``): ``fits``
+    with each part as B."""
+    return len(parts) > 0 and all(fits(aq, p, sched_bm) for p in parts)
 
 
 def launch_bt(aq, a_scale, parts, b_scale, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, N: int,
