@@ -20,7 +20,8 @@
 #   fp8-bench  the FP8 layer's stage profile at kimi-k2 and deepseek-v4-pro (FP8_PROFILE_SHAPES), and the layer bench at 16384 tokens on the six shapes:
 #           tabby against tabby-fp8 with fixed weights (their FP8 copies reused), tabby-fp8 against torch-fp8
 #           from a new weight version per call (both quantize; FP8_BENCH_NEW=0 skips it; FP8_BENCH_SHAPES: other
-#           shapes); about 430 s;
+#           shapes, FP8_BENCH_TOKENS other token counts and FP8_BENCH_IMPLS other rows of the fixed-weight bench);
+#           about 430 s;
 #           the SM clock, power and throttle reasons sampled every 100 ms meanwhile (gpu-clocks.csv), and
 #           per timed record (gpu-clocks-by-record.md, scripts/gpu_clocks.py)
 #   all     tests, then bench
@@ -173,7 +174,8 @@ if [ "$stage" = fp8-bench ]; then
   python3 -m tabby_bench profile --precision fp8 --shapes "${FP8_PROFILE_SHAPES:-kimi-k2,deepseek-v4-pro}" --tokens 16384 --out "$OUT/res/profile-fp8.json" \
     2>&1 | tee "$OUT/profile-fp8.log" | tail -30
   pack
-  python3 -m tabby_bench bench --ep 1 --tokens 16384 --shapes $fp8_shapes --impls tabby,tabby-fp8 --weights fixed \
+  python3 -m tabby_bench bench --ep 1 --tokens "${FP8_BENCH_TOKENS:-16384}" --shapes $fp8_shapes \
+    --impls "${FP8_BENCH_IMPLS:-tabby,tabby-fp8}" --weights fixed \
     --iters 10 --warmup 3 --out "$OUT/res" --tag fp8-fixed 2>&1 | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   pack

@@ -37,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and torch-a2a on small shapes at EP1, EP2 and EP4 (simulated ranks), forward "
                                    "and gradients, and that a second run repeats the first bit for bit.")
     b.add_argument("--shapes", type=_list, default=None,
-                   help="comma list of shape names (default: every benchmark shape; without a GPU the small CPU "
-                        "shapes)")
+                   help="comma list of shape names, or NAME@epN for the experts one rank of NAME holds at EP N "
+                        "(default: every benchmark shape; without a GPU the small CPU shapes)")
     b.add_argument("--tokens", type=_ints, default=None,
                    help="tokens per GPU, comma list (default 4096,16384; without a GPU 32 per rank)")
     b.add_argument("--ep", type=_ints, default=None,
@@ -171,10 +171,21 @@ def _one_shape_run_args(sub_parser, out_help: str) -> None:
 
 
 def _shapes(names, known: dict, parser, where: str) -> list:
-    bad = [n for n in names if n not in known]
+    """The shapes named (``shapes.shape_named``: a known name, or NAME@epN for one rank's experts)."""
+    from .shapes import shape_named
+
+    found, bad = [], []
+    for n in names:
+        try:
+            found.append(shape_named(n, known))
+        except KeyError:
+            bad.append(n)
+        except ValueError as e:
+            parser.error(f"shape {n}: {e}")
     if bad:
-        parser.error(f"unknown shape(s) {', '.join(bad)}; {where}: {', '.join(known)}")
-    return [known[n] for n in names]
+        parser.error(f"unknown shape(s) {', '.join(bad)}; {where}: {', '.join(known)} (or NAME@epN: the experts one "
+                     f"rank of NAME holds at EP N)")
+    return found
 
 
 def bench_config(args, parser, gpus: int):

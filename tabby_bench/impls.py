@@ -5,7 +5,8 @@ An implementation's ``prepare(inputs, group)`` runs outside timing and returns a
 
 Registered here: ``floor`` (the compute-only floor), the anchors ``torch-a2a`` and ``torch-symm``,
 ``tabby`` (``tabby.moe``, the forward megakernel) and ``tabby-sync-free`` (the path of separate
-launches); outside the default set, the FP8 rows ``torch-fp8`` (anchor) and ``tabby-fp8``.
+launches); outside the default set, the FP8 rows ``torch-fp8`` (anchor), ``tabby-fp8`` and
+``tabby-fp8-one-copy`` (its weights' transposes never held).
 :func:`register_tabby` registers both Tabby rows again with a ``Tuning`` (the bench's ``--tuning``).
 Modules named in the environment variable TABBY_BENCH_PLUGINS are imported and may
 :func:`register` more (spawned workers import this module afresh, so a registration must happen
@@ -180,6 +181,12 @@ def tabby_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, grou
                      config=_FP8_CONFIGS[hold])
 
 
+def tabby_fp8_one_copy(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None):
+    """``tabby.moe`` with precision="fp8" and one E4M3 copy of each weight (its transposes never held)."""
+    return tabby.moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=shared, group=group,
+                     config=_FP8_CONFIGS[False])
+
+
 def register_tabby(tuning: Tuning | None = None) -> None:
     """Register "tabby" (the default config: the forward megakernel) and "tabby-sync-free" (the path of
     separate launches), both with ``tuning`` (None: the heuristics decide everything)."""
@@ -214,6 +221,10 @@ register_layer("torch-fp8", moe_torch_fp8, anchor=True, supports_cpu=False, in_d
 register_layer("tabby-fp8", tabby_fp8, device_errors=tabby.check_errors, in_default=False, precision="fp8",
                note=lambda: "weight transposes " + ("cached" if _fp8_held[-1] else
                                                     "not held: the dgrads read the forward copies transposed"))
+# Tabby's FP8 layer holding one E4M3 copy of each weight (cache_fp8_transposes=False) on every shape: beside
+# tabby-fp8, what holding the transposes buys where they fit
+register_layer("tabby-fp8-one-copy", tabby_fp8_one_copy, device_errors=tabby.check_errors, in_default=False,
+               precision="fp8", note=lambda: "one E4M3 copy of each weight: the dgrads read it transposed")
 load_plugins()
 
 

@@ -28,7 +28,7 @@ import time
 import torch
 
 from .launch import launch
-from .shapes import SHAPES, TINY, make_inputs
+from .shapes import SHAPES, TINY, make_inputs, shape_named
 
 PROFILE_SHAPES = {**SHAPES, TINY.name: TINY}
 
@@ -88,7 +88,7 @@ def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only
     from .impls import fp8_transposes_fit
 
     log.configure()
-    shape = PROFILE_SHAPES[shape_name]
+    shape = shape_named(shape_name, PROFILE_SHAPES)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     inp = make_inputs(shape, T, world, rank, dev)
     group = dist.group.WORLD if world > 1 else None

@@ -30,6 +30,27 @@ SHAPES = {s.name: s for s in [
     Shape("gpt-oss-120b", 128, 2880, 2880, 4),
 ]}
 
+
+
+def rank_share(shape: Shape, ep: int) -> Shape:
+    """The experts one rank holds at EP ``ep`` as a shape of its own, "NAME@epN" (E / ep experts):
+    at EP1 and T tokens it does one such rank's expert work at T tokens a rank (T k / (E / ep)
+    rows an expert), without the exchange, in one GPU's memory."""
+    if ep < 1 or shape.E % ep:
+        raise ValueError(f"{shape.name}: {shape.E} experts do not split over {ep} ranks")
+    return Shape(f"{shape.name}@ep{ep}", shape.E // ep, shape.H, shape.I, shape.k, shape.I_shared)
+
+
+def shape_named(name: str, known: dict = SHAPES) -> Shape:
+    """A shape of ``known`` by name, or "NAME@epN" (:func:`rank_share`). KeyError / ValueError otherwise."""
+    base, at, ep = name.partition("@ep")
+    if not at:
+        return known[name]
+    if not ep.isdigit():
+        raise ValueError(f"{name!r}: expected NAME@epN with N an integer")
+    return rank_share(known[base], int(ep))
+
+
 # A tiny shape for CPU runs of the layer against the reference.
 TINY = Shape("tiny", 8, 64, 32, 2, I_shared=32)
 

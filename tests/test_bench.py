@@ -8,7 +8,7 @@ import torch
 from tabby_bench import bench, cli, impls, records
 from tabby_bench.anchors.torch_a2a import moe_torch_a2a
 from tabby_bench.check import TOLERANCE
-from tabby_bench.shapes import SHAPES, TINY, flops, make_inputs
+from tabby_bench.shapes import SHAPES, TINY, flops, make_inputs, rank_share, shape_named
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,6 +215,8 @@ def test_tabby_sync_free_row_checks_on_cpu():
     (["bench", "--tuning", "group_m=x"], "group_m"),
     (["bench", "--tuning", "no_such_field=1"], "no_such_field"),
     (["bench", "--shapes", "nope"], "unknown shape"),
+    (["bench", "--shapes", "tiny@ep3"], "do not split over 3 ranks"),
+    (["bench", "--shapes", "tiny@epx"], "NAME@epN"),
     (["bench", "--impls", "nope"], "unknown implementation"),
     (["bench", "--passes", "bwd"], "--passes"),
 ])
@@ -232,3 +234,29 @@ def test_cli_builds_the_cpu_config():
     args = cli.build_parser().parse_args(["bench", "--ep", "2", "--shapes", "qwen3-30b-a3b", "--tokens", "4096"])
     cfg = cli.bench_config(args, cli.build_parser(), gpus=2)
     assert cfg.eps == [2] and cfg.shapes == [SHAPES["qwen3-30b-a3b"]] and "tabby" in cfg.impls
+
+
+def test_a_rank_share_is_a_shape_of_its_experts():
+    """NAME@epN: the experts one rank holds at EP N as a shape of their own, the rest unchanged."""
+    half = shape_named("deepseek-v4-pro@ep2")
+    full = SHAPES["deepseek-v4-pro"]
+    assert half == rank_share(full, 2) and half.name == "deepseek-v4-pro@ep2"
+    assert (half.E, half.H, half.I, half.k, half.I_shared) == (full.E // 2, full.H, full.I, full.k, full.I_shared)
+    assert shape_named("deepseek-v4-pro") is full
+    # its FLOPs at T tokens are a rank's at EP N (the layer's work scales with tokens, not experts)
+    assert flops(half, 4096, "fwd+bwd") == flops(full, 4096, "fwd+bwd")
+    args = cli.build_parser().parse_args(["bench", "--shapes", "kimi-k2@ep4,glm-5", "--tokens", "4096"])
+    cfg = cli.bench_config(args, cli.build_parser(), gpus=1)
+    assert [(s.name, s.E) for s in cfg.shapes] == [("kimi-k2@ep4", 96), ("glm-5", 256)]
+    with pytest.raises(KeyError):
+        shape_named("nope@ep2")
+
+
+def test_tabby_fp8_one_copy_row_never_holds_the_transposes(monkeypatch):
+    seen = []
+    monkeypatch.setattr(impls.tabby, "moe", lambda *a, config, **kw: seen.append((config.precision,
+                                                                                   config.cache_fp8_transposes)))
+    w = torch.empty(2, 8, 16)
+    impls.IMPLS["tabby-fp8-one-copy"].fn(torch.empty(4, 16), None, None, w, w, w.transpose(1, 2))
+    assert seen == [("fp8", False)]
+    assert impls.IMPLS["tabby-fp8-one-copy"].precision == "fp8"
