@@ -182,3 +182,22 @@ def test_fp8_buffers_with_partial_tiles_are_counted():
     assert need["fp8-forward"].fp8_weights == 3 * E * I * H
     # the cached transposes: W_down^T and [W_gate^T | W_up^T] with its halves padded
     assert need["fp8"].fp8_weights == 3 * E * I * H + E * H * (I + 2 * Ip)
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["transposes-held", "one-copy"])
+def test_fp8_shortfall_names_the_transposes_it_holds(held, monkeypatch):
+    """An FP8 call that holds its weights' transposes (the default) and does not fit says how much
+    not holding them gives back; one that does not hold them has nothing to give back there."""
+    T, H, I, E_local, k = 4096, 512, 256, 4, 8
+    cfg = MoEConfig(precision="fp8", cache_fp8_transposes=held)
+    monkeypatch.setattr(moe_mod, "free_device_bytes", lambda device: int(0.05 * GiB))
+    x, idx, wts, *ws = _args(T, H, I, E_local, k)
+    with pytest.raises(TabbyMemoryError) as info:
+        tabby.moe(x, idx, wts, *(w.requires_grad_(True) for w in ws), config=cfg)
+    msg = str(info.value)
+    assert ("MoEConfig(cache_fp8_transposes=False)" in msg) == held
+    d = MoEDims(T=T, H=H, k=k, E_local=E_local, I=I, world_size=1, I_shared=0)
+    with_t, without = (moe_mod.memory_needs(make_plan(d, MoEConfig(precision="fp8", cache_fp8_transposes=h),
+                                                      torch.device("cpu"))) for h in (True, False))
+    if held:  # the GiB it names are what the held copies add to the need
+        assert f"{(with_t.fp8_weights - without.fp8_weights) / GiB:.2f} GiB less" in msg

@@ -140,7 +140,8 @@ class MoEConfig:
     cache_fp8_transposes: precision="fp8": hold the weights' transposed E4M3 copies, which the
                        backward's dgrads read, cached with the forward's copies and made with them
                        from one read of each weight (True, the default: one byte per parameter
-                       more between steps); or not (False): on sm_90 the dgrads then read the
+                       more between steps: with bf16 weights and their gradients, 6 bytes a
+                       parameter); or not (False): on sm_90 the dgrads then read the
                        forward's copies and transpose their blocks in shared memory (about 0.6-0.7x
                        the cached copies' speed), elsewhere each backward makes the transposes and
                        drops them.

@@ -367,6 +367,10 @@ def memory_shortfall(plan: Plan, device, new_workspace: WorkspaceKey | None = No
     if differentiated and plan.mega is None:
         ways.append("MoEConfig(megakernel=True, save_for_backward=False) (each layer holds only a ring between its "
                     "forward and backward)")
+    if plan.precision == "fp8" and plan.cache_fp8_transposes:
+        held_t = d.E_local * d.H * (d.I + 2 * gate_up_k(d.I))
+        ways.append(f"MoEConfig(cache_fp8_transposes=False) (the weights' transposed E4M3 copies not held, "
+                    f"{held_t / GiB:.2f} GiB less: the dgrads read the forward's copies transposed, slower)")
     if plan.mega is not None:
         ways.append(f"a smaller ring, Tuning(ring_rows=...) (now {plan.mega.ring_rows} rows, {n.ring / GiB:.2f} GiB)")
     ways.append("tabby.free_workspaces() to release the buffers of shapes no longer used")
