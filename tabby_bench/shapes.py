@@ -31,7 +31,6 @@ SHAPES = {s.name: s for s in [
 ]}
 
 
-
 def rank_share(shape: Shape, ep: int) -> Shape:
     """The experts one rank holds at EP ``ep`` as a shape of its own, "NAME@epN" (E / ep experts):
     at EP1 and T tokens it does one such rank's expert work at T tokens a rank (T k / (E / ep)

@@ -263,6 +263,12 @@ class MemoryNeeds:
         return self.held() + max(self.forward, self.backward)
 
 
+def fp8_transposes_bytes(d) -> int:
+    """The cached transposed E4M3 weight copies of ``cache_fp8_transposes``: W_down^T and
+    [W_gate^T | W_up^T] with each half padded (``gate_up_k``), one byte a value."""
+    return d.E_local * d.H * (d.I + 2 * gate_up_k(d.I))
+
+
 def memory_needs(plan: Plan) -> MemoryNeeds:
     """The worst-case buffer sizes of a plan (``MemoryNeeds``)."""
     d = plan.dims
@@ -302,7 +308,7 @@ def memory_needs(plan: Plan) -> MemoryNeeds:
             # the transposes, W_down^T and [W_gate^T | W_up^T] (halves padded): cached with the copies,
             # or made in the backward, each dropped after its GEMM (the larger counts)
             if plan.cache_fp8_transposes:
-                fp8_weights += d.E_local * H * (I + 2 * Ip)
+                fp8_weights += fp8_transposes_bytes(d)
             else:
                 bwd += d.E_local * H * max(I, 2 * Ip)
     return MemoryNeeds(R_max=R, kept=kept, forward=fwd if mega is None else 0,
@@ -368,9 +374,8 @@ def memory_shortfall(plan: Plan, device, new_workspace: WorkspaceKey | None = No
         ways.append("MoEConfig(megakernel=True, save_for_backward=False) (each layer holds only a ring between its "
                     "forward and backward)")
     if plan.precision == "fp8" and plan.cache_fp8_transposes:
-        held_t = d.E_local * d.H * (d.I + 2 * gate_up_k(d.I))
         ways.append(f"MoEConfig(cache_fp8_transposes=False) (the weights' transposed E4M3 copies not held, "
-                    f"{held_t / GiB:.2f} GiB less: the dgrads read the forward's copies transposed, slower)")
+                    f"{fp8_transposes_bytes(d) / GiB:.2f} GiB less: the dgrads read the forward's copies transposed, slower)")
     if plan.mega is not None:
         ways.append(f"a smaller ring, Tuning(ring_rows=...) (now {plan.mega.ring_rows} rows, {n.ring / GiB:.2f} GiB)")
     ways.append("tabby.free_workspaces() to release the buffers of shapes no longer used")
