@@ -16,9 +16,9 @@ import time
 import torch
 
 import tabby
-from tabby.ops import gemm, gemm_fp8, gemm_fp8_ws
-from tabby.ops.fp8 import quantize_blocks, quantize_cols, quantize_rows, quantize_rows_and_cols
-from tabby.ops.gemm import GemmConfig
+from tabby.ops.gemm import bf16 as gemm, fp8 as gemm_fp8, fp8_ws as gemm_fp8_ws
+from tabby.ops.quantize import quantize_blocks, quantize_cols, quantize_rows, quantize_rows_and_cols
+from tabby.ops.gemm.bf16 import GemmConfig
 
 
 def bench(fn, iters=20, warmup=3):

@@ -248,7 +248,8 @@ def forward_mega(plan):
 
 def backward(plan, H, I, E, wgrad_cfg=None):
     """The separate backward's kernels with the configs the plan and launchers give them."""
-    from tabby.ops import comm, gemm
+    from tabby.ops import comm
+    from tabby.ops.gemm import bf16 as gemm
     dg = plan.gemm_config(gemm.KIND_DGRAD_SWIGLU)
     xg = plan.gemm_config(gemm.KIND_GATE_UP_DGRAD)
     wd = wgrad_cfg or gemm.default_config(gemm.KIND_WGRAD, I, None, M=H)  # expert_wgrad(dys, hw): M=H, N=I
@@ -306,7 +307,7 @@ def main(argv):
         only = argv[j + 1]
         argv = argv[:j] + argv[j + 2:]
     if "--wgrad" in argv:  # --wgrad BM,BN,BK,warps,stages: audit the weight gradient with that config
-        from tabby.ops.gemm import GemmConfig
+        from tabby.ops.gemm.bf16 import GemmConfig
         j = argv.index("--wgrad")
         bm, bn, bk, w, st = map(int, argv[j + 1].split(","))
         wgrad = GemmConfig(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st)

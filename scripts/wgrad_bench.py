@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fp8_bench import bench, even_schedule  # noqa: E402
 
-from tabby.ops import gemm  # noqa: E402
-from tabby.ops.gemm import GemmConfig  # noqa: E402
+from tabby.ops.gemm import bf16 as gemm  # noqa: E402
+from tabby.ops.gemm.bf16 import GemmConfig  # noqa: E402
 from tabby_bench.shapes import SHAPES  # noqa: E402
 
 

@@ -12,8 +12,8 @@ import torch
 import triton
 
 from tabby.functional.fp8 import _gate_up_t_buffer, _gate_up_t_scales
-from tabby.ops import gemm_fp8, gemm_fp8_ws
-from tabby.ops.fp8 import quantize_blocks, quantize_rows
+from tabby.ops.gemm import fp8 as gemm_fp8, fp8_ws as gemm_fp8_ws
+from tabby.ops.quantize import quantize_blocks, quantize_rows
 
 from test_fp8_gemm import Sched, rand
 

@@ -33,7 +33,7 @@ def _i32(v):
 
 
 def _rows(N, K):
-    from tabby.ops import gemm_fp8
+    from tabby.ops.gemm import fp8 as gemm_fp8
 
     cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, N)
     args = dict(a_ptr="*fp8e4nv", stride_am=_i32(K), as_ptr="*fp32", stride_asm=_i32(-(-K // 128)),
@@ -47,7 +47,7 @@ def _rows(N, K):
 
 
 def _dgrad(H, I):
-    from tabby.ops import gemm_fp8
+    from tabby.ops.gemm import fp8 as gemm_fp8
 
     cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, I)
     nk, ni = -(-H // 128), -(-I // 128)
@@ -65,7 +65,7 @@ def _dgrad(H, I):
 def _gate_up(H, I):
     """The kernel as gate_up_swiglu_fp8 launches it with the default config: TMA at GATE_UP_TMA_BM
     rows where H allows a tensor descriptor, else the pointer loop at the schedule's tile."""
-    from tabby.ops import gemm_fp8
+    from tabby.ops.gemm import fp8 as gemm_fp8
 
     cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_GATE_UP)
     tma = H % 16 == 0

@@ -1,4 +1,4 @@
-"""FP8 routed-row GEMMs (tabby/ops/gemm_fp8.py) against the recipe's plain PyTorch GEMM
+"""FP8 routed-row GEMMs (tabby/ops/gemm/fp8.py) against the recipe's plain PyTorch GEMM
 (tabby/reference_fp8.py: the same quantized operands, fp32 promotion per K block of 128) and
 against fp32 on the unquantized operands. Interpreter on the CPU, compiled on a GPU.
 (The GPU measurements: scripts/fp8_bench.py.)"""
@@ -12,9 +12,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from tabby import reference_fp8 as ref  # noqa: E402
-from tabby.ops import gemm_fp8  # noqa: E402
-from tabby.ops.fp8 import quantize_blocks, quantize_cols, quantize_rows  # noqa: E402
-from tabby.ops.gemm import GemmConfig, tma_aligned  # noqa: E402
+from tabby.ops.gemm import fp8 as gemm_fp8  # noqa: E402
+from tabby.ops.quantize import quantize_blocks, quantize_cols, quantize_rows  # noqa: E402
+from tabby.ops.gemm.bf16 import GemmConfig, tma_aligned  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

@@ -1,4 +1,4 @@
-"""The warp-specialized FP8 rows GEMM (tabby/ops/gemm_fp8_ws.py) compiles for sm_90a, on a machine
+"""The warp-specialized FP8 rows GEMM (tabby/ops/gemm/fp8_ws.py) compiles for sm_90a, on a machine
 without a GPU, to the structure it was written for, for each epilogue (store, push, SwiGLU
 backward): no serialized wgmma (ptxas's C7514 / C7515: every wgmma would wait for the one
 before, and one warpgroup's promotion could no longer run under the other's MMA), no spills, each
@@ -27,7 +27,7 @@ def _line(name, k, **more):
 def _report():
     from triton.experimental.gluon import language as gl
 
-    from tabby.ops import gemm_fp8_ws as ws
+    from tabby.ops.gemm import fp8_ws as ws
 
     a_layout = gl.NVMMASharedLayout.get_default_for([ws.HALF, 128], gl.float8e4nv)
     b_layout = gl.NVMMASharedLayout.get_default_for([ws.BN, 128], gl.float8e4nv)
@@ -97,7 +97,7 @@ def test_warp_specialized_rows_gemm_compiles_unserialized():
             # the transposing producer: per 128 x 128 block (once in the loop, once per lag block after
             # it) 8 ldmatrix.x4 a warp in (the push's epilogue uses more) and 32 word stores a thread out,
             # no byte crossing shared memory alone
-            from tabby.ops.gemm_fp8_ws import BT_LAG
+            from tabby.ops.gemm.fp8_ws import BT_LAG
 
             copies = 1 + BT_LAG
             assert c["transposes"] >= 8 * copies and c["byte_stores"] == 0, line

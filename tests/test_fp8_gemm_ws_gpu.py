@@ -1,4 +1,4 @@
-"""The warp-specialized FP8 rows GEMM (tabby/ops/gemm_fp8_ws.py) on a GPU, bitwise against the
+"""The warp-specialized FP8 rows GEMM (tabby/ops/gemm/fp8_ws.py) on a GPU, bitwise against the
 Triton kernels of gemm_fp8.py (the same wgmma and promotion over the same operands; the Triton
 kernel runs where a caller names other tiles than the defaults, as here) for each epilogue: the
 stored rows, the rows pushed to their origins, the down dgrad's SwiGLU backward (its row sums dw
@@ -14,9 +14,9 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
-from tabby.ops import gemm_fp8, gemm_fp8_ws  # noqa: E402
-from tabby.ops.fp8 import quantize_blocks, quantize_cols, quantize_rows  # noqa: E402
-from tabby.ops.gemm import GemmConfig  # noqa: E402
+from tabby.ops.gemm import fp8 as gemm_fp8, fp8_ws as gemm_fp8_ws  # noqa: E402
+from tabby.ops.quantize import quantize_blocks, quantize_cols, quantize_rows  # noqa: E402
+from tabby.ops.gemm.bf16 import GemmConfig  # noqa: E402
 
 from test_fp8_gemm import Sched, rand, rel  # noqa: E402
 

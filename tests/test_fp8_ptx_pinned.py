@@ -25,16 +25,16 @@ def _i32(v):
 
 
 def _quantize_rows(K):
-    from tabby.ops import fp8
+    from tabby.ops import quantize
 
     args = dict(x_ptr="*bf16", stride_xm=_i32(K), q_ptr="*fp8e4nv", stride_qm=_i32(K), s_ptr="*fp32",
                 stride_sm=_i32(-(-K // 128)), M="i32", num_tiles_ptr="*i32", K=Const(K), BR=Const(32),
                 TILE_ROWS=Const(128), GATED=Const(True), INTERPRET=Const(False))
-    return compile_args(fp8.quantize_rows_kernel, args, num_warps=4)
+    return compile_args(quantize.quantize_rows_kernel, args, num_warps=4)
 
 
 def _gate_up(H, I):
-    from tabby.ops import gemm_fp8
+    from tabby.ops.gemm import fp8 as gemm_fp8
 
     cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_GATE_UP)
     BM, nk, ni = gemm_fp8.GATE_UP_TMA_BM, -(-H // 128), -(-I // 128)
@@ -56,7 +56,7 @@ def _rows_push(N, K):
     (N = H, K = 2I)."""
     import triton.language as tl
 
-    from tabby.ops import gemm_fp8
+    from tabby.ops.gemm import fp8 as gemm_fp8
 
     cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, N)
     nk, nn = -(-K // 128), -(-N // 128)
@@ -70,7 +70,7 @@ def _rows_push(N, K):
 
 
 def _down_dgrad(H, I):
-    from tabby.ops import gemm_fp8
+    from tabby.ops.gemm import fp8 as gemm_fp8
 
     cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_DOWN_DGRAD)
     nk, ni = -(-H // 128), -(-I // 128)
@@ -85,7 +85,7 @@ def _down_dgrad(H, I):
 
 
 def _wgrad(M, N):
-    from tabby.ops import gemm_fp8
+    from tabby.ops.gemm import fp8 as gemm_fp8
 
     cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_WGRAD)
     args = dict(at_ptr="*fp8e4nv", stride_at="i32:16", as_ptr="*fp32", stride_asr="i32:16", bt_ptr="*fp8e4nv",

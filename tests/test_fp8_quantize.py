@@ -1,5 +1,5 @@
 """FP8 quantization: the plain PyTorch definition (tabby/reference_fp8.py) and the Triton kernels
-(tabby/ops/fp8.py), which must agree with it bit for bit. Runs under the interpreter on the CPU
+(tabby/ops/quantize.py), which must agree with it bit for bit. Runs under the interpreter on the CPU
 and compiled on a GPU."""
 import math
 import os
@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from tabby import reference_fp8 as ref  # noqa: E402
-from tabby.ops import fp8  # noqa: E402
+from tabby.ops import quantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
@@ -133,7 +133,7 @@ def test_quantize_rows_matches_reference(T, K, dtype):
     if dtype == torch.float32:  # fp32 extremes: huge, fp32 subnormals
         x[0, :3] = torch.tensor([3.0e38, -1.0e-40, 1.0e-45])
     x[-1] = 0.0  # a zero row
-    q, s = fp8.quantize_rows(x.to(DEV))
+    q, s = quantize.quantize_rows(x.to(DEV))
     rq, rs = ref.quantize_rows_ref(x)
     assert same(q, rq) and same(s, rs)
     if dtype == torch.float32:
@@ -149,7 +149,7 @@ def test_quantize_rows_every_e4m3_value_and_tie():
     x = torch.cat([mids, -mids, pos, -pos, quarter, -quarter * 0.999])
     x = torch.cat([x, torch.zeros((-x.numel()) % 127)]).view(-1, 127)
     x = torch.cat([torch.full((x.shape[0], 1), -448.0), x], dim=1)
-    q, s = fp8.quantize_rows(x.to(DEV))
+    q, s = quantize.quantize_rows(x.to(DEV))
     assert same(q, x.to(E4M3)) and bool((s == 1).all())
 
 
@@ -157,7 +157,7 @@ def test_quantize_rows_gated_by_num_tiles():
     x = mixed_rows(256, 128, seed=3, dtype=torch.bfloat16).to(DEV)
     q = torch.zeros(256, 128, dtype=E4M3, device=DEV)
     s = torch.full((256, 1), -1.0, device=DEV)
-    fp8.quantize_rows(x, num_tiles=torch.tensor([1], dtype=torch.int32, device=DEV), tile_rows=128, out=q,
+    quantize.quantize_rows(x, num_tiles=torch.tensor([1], dtype=torch.int32, device=DEV), tile_rows=128, out=q,
                       scale_out=s)
     rq, rs = ref.quantize_rows_ref(x[:128].cpu())
     assert same(q[:128], rq) and same(s[:128], rs)
@@ -172,16 +172,16 @@ def test_quantize_blocks_matches_reference(shape):
     w = w.to(torch.bfloat16)
     if len(shape) == 3:
         w[0, :128, :128] = 0.0  # a zero block
-    q, s = fp8.quantize_blocks(w.to(DEV))
+    q, s = quantize.quantize_blocks(w.to(DEV))
     rq, rs = ref.quantize_blocks_ref(w)
     assert same(q, rq) and same(s, rs)
     # both orientations from one read: the transposed values into a wider buffer's view (as the
     # gate/up dgrad's [W_gate^T | W_up^T]), its other bytes untouched
     N, K = shape[-2:]
     wide = torch.full(shape[:-2] + (K, N + 48), 0x7E, dtype=torch.uint8, device=DEV)
-    q2, s2 = fp8.quantize_blocks(w.to(DEV), out_t=wide[..., 16:16 + N].view(fp8.E4M3))
+    q2, s2 = quantize.quantize_blocks(w.to(DEV), out_t=wide[..., 16:16 + N].view(quantize.E4M3))
     assert same(q2, rq) and same(s2, rs)
-    assert same(wide[..., 16:16 + N].view(fp8.E4M3), rq.transpose(-2, -1))
+    assert same(wide[..., 16:16 + N].view(quantize.E4M3), rq.transpose(-2, -1))
     assert bool((wide[..., :16] == 0x7E).all()) and bool((wide[..., 16 + N:] == 0x7E).all())
     # round trip: the same values; the same bits unless a block's amax rounded down to 224 * 2^j
     # (it then takes half the scale and twice the values)
@@ -195,19 +195,19 @@ def test_kernel_round_trips_with_partial_tiles(T, K):
     """Kernels on values the recipe already represents (dequantized): the same values and scales back,
     partial tiles included (rows per 1x128, blocks per 128x128, columns per 128x1 over T rows)."""
     x = mixed_rows(T, K, seed=T * K)
-    q, s = fp8.quantize_rows(x.to(DEV))
+    q, s = quantize.quantize_rows(x.to(DEV))
     d = ref.dequantize_rows_ref(q.cpu(), s.cpu())
-    q2, s2 = fp8.quantize_rows(d.to(DEV))
+    q2, s2 = quantize.quantize_rows(d.to(DEV))
     assert torch.equal(ref.dequantize_rows_ref(q2.cpu(), s2.cpu()), d)
     rq, rs = ref.quantize_rows_ref(d)
     assert same(q2, rq) and same(s2, rs)
     w = x.to(torch.bfloat16)[None]
-    bq, bs = fp8.quantize_blocks(w.to(DEV))
+    bq, bs = quantize.quantize_blocks(w.to(DEV))
     rq, rs = ref.quantize_blocks_ref(w)
     assert same(bq, rq) and same(bs, rs)
-    bq2, bs2 = fp8.quantize_blocks(ref.dequantize_blocks_ref(rq, rs).to(DEV))
+    bq2, bs2 = quantize.quantize_blocks(ref.dequantize_blocks_ref(rq, rs).to(DEV))
     assert torch.equal(ref.dequantize_blocks_ref(bq2.cpu(), bs2.cpu()), ref.dequantize_blocks_ref(rq, rs))
-    cq, cs = fp8.quantize_cols(x.to(DEV))
+    cq, cs = quantize.quantize_cols(x.to(DEV))
     rq, rs = ref.quantize_cols_ref(x)
     assert same(cq.cpu().t().contiguous(), rq) and same(cs, rs)
 
@@ -221,7 +221,7 @@ def test_quantize_cols_of_quantized_rows(R, C):
     row_src = torch.arange(R, dtype=torch.int32)
     row_src[5:9] = -1
     num_tiles = torch.tensor([R // 128], dtype=torch.int32)  # rows past the last full 128-row tile unused
-    q, s = fp8.quantize_cols(rq.to(DEV), row_scale=rs.to(DEV), row_src=row_src.to(DEV), num_tiles=num_tiles.to(DEV),
+    q, s = quantize.quantize_cols(rq.to(DEV), row_scale=rs.to(DEV), row_src=row_src.to(DEV), num_tiles=num_tiles.to(DEV),
                              tile_rows=128)
     d = ref.dequantize_rows_ref(rq, rs)
     d[5:9] = 0
@@ -246,21 +246,21 @@ def test_quantize_rows_and_cols_is_both_kernels(R, C, tile_rows):
     args = dict(num_tiles=num_tiles.to(DEV), tile_rows=tile_rows)
 
     def untouched():  # the row outputs before a call: unused rows are left as they were
-        return (torch.full((R, C), 0x7E, dtype=torch.uint8, device=DEV).view(fp8.E4M3),
+        return (torch.full((R, C), 0x7E, dtype=torch.uint8, device=DEV).view(quantize.E4M3),
                 torch.full((R, -(-C // 128)), -1.0, device=DEV))
 
     want_q, want_s = untouched()
-    fp8.quantize_rows(x, out=want_q, scale_out=want_s, **args)
-    want_qt, want_st = fp8.quantize_cols(x, row_src=row_src, **args)
+    quantize.quantize_rows(x, out=want_q, scale_out=want_s, **args)
+    want_qt, want_st = quantize.quantize_cols(x, row_src=row_src, **args)
     got_q, got_s = untouched()
-    wide_t = torch.zeros(C + 16, R, dtype=torch.uint8, device=DEV).view(fp8.E4M3)
+    wide_t = torch.zeros(C + 16, R, dtype=torch.uint8, device=DEV).view(quantize.E4M3)
     wide_st = torch.zeros(-(-R // 128), C + 16, device=DEV)
-    (q, s), (qt, st) = fp8.quantize_rows_and_cols(x, row_src=row_src, out=got_q, scale_out=got_s,
+    (q, s), (qt, st) = quantize.quantize_rows_and_cols(x, row_src=row_src, out=got_q, scale_out=got_s,
                                                   out_t=wide_t[8:8 + C], scale_out_t=wide_st[:, 8:8 + C], **args)
     assert q is got_q and same(q, want_q) and same(s, want_s)
     assert same(qt, want_qt) and same(st, want_st)
     assert not wide_t.view(torch.uint8)[:8].any() and not wide_st[:, C + 8:].any()  # nothing past the slices
-    (q2, s2), (qt2, st2) = fp8.quantize_rows_and_cols(x, row_src=row_src, **args)
+    (q2, s2), (qt2, st2) = quantize.quantize_rows_and_cols(x, row_src=row_src, **args)
     assert same(qt2, want_qt) and same(st2, want_st)
     used = (R - 1) // tile_rows * tile_rows
     assert same(q2[:used], want_q[:used]) and same(s2[:used], want_s[:used])
@@ -302,7 +302,7 @@ def test_mxfp8_import_exact(E, N, K):
     rq, rs = ref.mxfp8_to_blocks_ref(q, e8)
     mx = ref.mxfp8_dequantize_ref(q, e8)
     assert torch.equal(ref.dequantize_blocks_ref(rq, rs), mx)  # exact, elementwise
-    kq, ks = fp8.mxfp8_to_blocks(q.to(DEV), e8.to(DEV))
+    kq, ks = quantize.mxfp8_to_blocks(q.to(DEV), e8.to(DEV))
     assert same(kq, rq) and same(ks, rs)
     # the subnormal case is reached: some values were re-expressed below 2^-6
     assert bool(((rq.float().abs() < 2.0 ** -6) & (rq.float() != 0)).any())
@@ -312,7 +312,7 @@ def test_mxfp8_import_scale_zero_is_two_to_minus_127():
     q = torch.full((1, 128, 128), 1.0).to(E4M3)
     e8 = torch.zeros(1, 128, 4, dtype=torch.uint8)
     rq, rs = ref.mxfp8_to_blocks_ref(q, e8)
-    kq, ks = fp8.mxfp8_to_blocks(q.to(DEV), e8.to(DEV))
+    kq, ks = quantize.mxfp8_to_blocks(q.to(DEV), e8.to(DEV))
     assert rs.item() == 2.0 ** -127 and same(ks, rs) and same(kq, rq)
 
 
@@ -330,13 +330,13 @@ def test_mxfp8_import_refuses_what_is_not_exact(case):
     with pytest.raises(ValueError, match="MXFP8"):
         ref.mxfp8_to_blocks_ref(q, e8)
     with pytest.raises(ValueError, match="MXFP8"):
-        fp8.mxfp8_to_blocks(q.to(DEV), e8.to(DEV))
+        quantize.mxfp8_to_blocks(q.to(DEV), e8.to(DEV))
     if case == "lost_bits":  # 2^-3 instead: 2^-3 * 2^-3 = 2^-6, a normal E4M3 value, kept exactly
         q[0, 7, 0] = 2.0 ** -3
         rq, rs = ref.mxfp8_to_blocks_ref(q, e8)
         assert rs.item() == 8.0 and rq[0, 7, 0].item() == 2.0 ** -6
         assert torch.equal(ref.dequantize_blocks_ref(rq, rs), ref.mxfp8_dequantize_ref(q, e8))
-        kq, ks = fp8.mxfp8_to_blocks(q.to(DEV), e8.to(DEV))
+        kq, ks = quantize.mxfp8_to_blocks(q.to(DEV), e8.to(DEV))
         assert same(kq, rq) and same(ks, rs)
 
 
@@ -348,18 +348,18 @@ def test_quantize_cols_word_stores_are_the_byte_stores(R, C, scaled, monkeypatch
     x = mixed_rows(R, C, seed=R + 3 * C).to(torch.bfloat16).to(DEV)
     kw = {}
     if scaled:
-        x, xs = fp8.quantize_rows(x)
+        x, xs = quantize.quantize_rows(x)
         kw["row_scale"] = xs
     row_src = torch.arange(R, dtype=torch.int32, device=DEV)
     row_src[7:12] = -1
     kw.update(row_src=row_src, num_tiles=torch.tensor([R // 128], dtype=torch.int32, device=DEV), tile_rows=128)
-    words = fp8.quantize_cols(x, **kw)
-    assert fp8._packs(words[0])
-    assert not fp8._packs(torch.empty(C, R + 2, dtype=torch.uint8)[:, 1:R + 1])
-    assert not fp8._packs(torch.empty(C, R - 2, dtype=torch.uint8))
-    monkeypatch.setattr(fp8, "_packs", lambda qt: False)
-    bytewise = fp8.quantize_cols(x, **kw)
+    words = quantize.quantize_cols(x, **kw)
+    assert quantize._packs(words[0])
+    assert not quantize._packs(torch.empty(C, R + 2, dtype=torch.uint8)[:, 1:R + 1])
+    assert not quantize._packs(torch.empty(C, R - 2, dtype=torch.uint8))
+    monkeypatch.setattr(quantize, "_packs", lambda qt: False)
+    bytewise = quantize.quantize_cols(x, **kw)
     assert same(words[0], bytewise[0]) and same(words[1], bytewise[1])
     if not scaled:
-        both = fp8.quantize_rows_and_cols(x, **kw)[1]
+        both = quantize.quantize_rows_and_cols(x, **kw)[1]
         assert same(both[0], words[0]) and same(both[1], words[1])

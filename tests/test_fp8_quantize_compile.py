@@ -1,4 +1,4 @@
-"""The backward's 128x1 quantizations (tabby/ops/fp8.py), compiled for sm_90a on a machine without
+"""The backward's 128x1 quantizations (tabby/ops/quantize.py), compiled for sm_90a on a machine without
 a GPU: their transposed values leave as 32-bit words (``pack_rows4``), so no byte goes through
 shared memory (the byte-by-byte transposes they replaced issued 64-66 such accesses a thread);
 the word path's global stores are 32-bit; no spills. Their values: test_fp8_quantize.py."""
@@ -16,7 +16,7 @@ def _line(name, k):
 
 
 def _report():
-    from tabby.ops import fp8
+    from tabby.ops import quantize
 
     common = dict(qt_ptr="*fp8e4nv", stride_qt="i32:16", s_ptr="*fp32", stride_sm="i32:16", R="i32:16",
                   C="i32:16", row_src_ptr="*i32", num_tiles_ptr="*i32", stride_xm="i32:16",
@@ -26,11 +26,11 @@ def _report():
     for name, x, scaled, bc in (("cols/e4m3", "*fp8e4nv", True, 128), ("cols/bf16", "*bf16", False, 64)):
         args = dict(common, x_ptr=x, xs_ptr="*fp32", stride_xsm="i32:16", MASKED=Const(True), BC=Const(bc),
                     ROW_SCALED=Const(scaled))
-        _line(name, compile_args(fp8.quantize_cols_kernel, args, num_warps=4))
+        _line(name, compile_args(quantize.quantize_cols_kernel, args, num_warps=4))
     args = dict(common, x_ptr="*bf16", q_ptr="*fp8e4nv", stride_qm="i32:16", stride_stm="i32:16", st_ptr="*fp32")
     args.pop("stride_sm")
     args.update(s_ptr="*fp32", stride_sm="i32")
-    _line("rows_and_cols/bf16", compile_args(fp8.quantize_rows_cols_kernel, args, num_warps=4))
+    _line("rows_and_cols/bf16", compile_args(quantize.quantize_rows_cols_kernel, args, num_warps=4))
 
 
 def test_128x1_quantizations_store_words_without_bytes_through_shared_memory():

@@ -17,8 +17,8 @@ SHAPES = ((2048, 768), (768, 2048), (7168, 2048), (100, 70), (2880, 2880))  # (2
 
 
 def _report():
-    from tabby.ops import gemm_fp8
-    from tabby.ops.gemm import GemmConfig
+    from tabby.ops.gemm import fp8 as gemm_fp8
+    from tabby.ops.gemm.bf16 import GemmConfig
 
     GENERAL = GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=4, GROUP_M=8)  # the general form's
 

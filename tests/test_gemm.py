@@ -1,4 +1,4 @@
-"""Tests of tabby.ops.gemm: routed-row expert GEMMs against plain torch fp32.
+"""Tests of tabby.ops.gemm.bf16: routed-row expert GEMMs against plain torch fp32.
 
 Without CUDA the kernels run in the Triton interpreter on CPU tensors (small tiles, small sizes);
 with CUDA the same tests run on the GPU, plus realistic-size checks. The weight gradients (5.) have
@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from tabby.ops import gemm  # noqa: E402
-from tabby.ops.gemm import GemmConfig  # noqa: E402
+from tabby.ops.gemm import bf16 as gemm  # noqa: E402
+from tabby.ops.gemm.bf16 import GemmConfig  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

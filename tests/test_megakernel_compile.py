@@ -43,7 +43,7 @@ class Variant(NamedTuple):
 def plan_of(v: Variant):
     """The MegaPlan of a variant at the qwen3-30b-a3b shape (32 ring slots in groups of 2, fills of
     4 parts, 512 columns per fill step)."""
-    from tabby.ops.gemm import GemmConfig
+    from tabby.ops.gemm.bf16 import GemmConfig
     from tabby.ops.megakernel import MegaPlan
 
     bn_gu, bn_dn, stages = (64, 128, 3) if v.warps == 4 else (128, 256, 4)

@@ -18,8 +18,9 @@ from tabby.functional.moe import moe_with_probe
 from tabby.functional.probe import Probe
 from tabby.functional.workspace import (FWD, FWD_DONE, FWD_X_PULL, FWD_X_READY, TabbyDeviceError, Workspace,
                                        WorkspaceKey)
-from tabby.ops import comm, gemm, megakernel, sync
-from tabby.ops.gemm import GemmConfig
+from tabby.ops import comm, megakernel, sync
+from tabby.ops.gemm import bf16 as gemm
+from tabby.ops.gemm.bf16 import GemmConfig
 from tabby.ops.megakernel import MegaPlan, counter_layout
 from tabby.ops.schedule import alloc_schedule, launch_schedule
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from tabby.ops import sync
-from tabby.ops.gemm import GemmConfig
+from tabby.ops.gemm.bf16 import GemmConfig
 from tabby.ops.megakernel import MegaPlan, alloc, counter_layout, protocol as P
 
 

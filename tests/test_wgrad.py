@@ -23,8 +23,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from sm90 import Const, compile_args, ptxas_report, run_compiled_check  # noqa: E402
 
-from tabby.ops import gemm  # noqa: E402
-from tabby.ops.gemm import GemmConfig  # noqa: E402
+from tabby.ops.gemm import bf16 as gemm  # noqa: E402
+from tabby.ops.gemm.bf16 import GemmConfig  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CFG = GemmConfig(BM=16, BN=32, BK=16, num_warps=4, num_stages=2, GROUP_M=2)

@@ -1,4 +1,4 @@
-"""The warp-specialized kernels' ring protocol (tabby/ops/gemm_fp8_ws.py) as a model, run under
+"""The warp-specialized kernels' ring protocol (tabby/ops/gemm/fp8_ws.py) as a model, run under
 random interleavings of its partitions.
 
 A GPU runs the partitions in one order each launch and a lucky order hides a race; the model

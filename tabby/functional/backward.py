@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import comm, gemm, sync
+from ..ops import comm, sync
+from ..ops.gemm import bf16 as gemm
 from .workspace import BWD, BWD_READY
 from .forward import KeptRows, MegaSaved
 from .plan import Plan

@@ -10,8 +10,8 @@ forward, on every rank
                  experts (ops/schedule.py)                                     | one copies x into x_pub
     signal+wait  join the side stream; FWD_X_READY (every peer's x is readable)
     dispatch     pull x rows (and router weights) from their source ranks into xs   (ops/comm.py)
-    gate/up      h = silu(xs Wg^T) * (xs Wu^T); g, u saved for the backward          (ops/gemm.py)
-    down         rows of h Wd^T pushed to the origin's y_in[t*k + kk]                (ops/gemm.py)
+    gate/up      h = silu(xs Wg^T) * (xs Wu^T); g, u saved for the backward          (ops/gemm/bf16.py)
+    down         rows of h Wd^T pushed to the origin's y_in[t*k + kk]                (ops/gemm/bf16.py)
     signal+wait  FWD_DONE to every rank; then every peer's FWD_DONE (each pair is one launch)
     combine      y[t] = sum_kk w[t,kk] y_in[t*k+kk] (fp32, k order) + shared[t]     (ops/combine.py)
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import gemm
+from ..ops.gemm import bf16 as gemm
 from .plan import Plan
 from .probe import Probe, mark
 from .steps import finish_forward, publish_and_schedule, pull_routed_rows

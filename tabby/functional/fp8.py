@@ -44,7 +44,9 @@ import weakref
 import torch
 import triton
 
-from ..ops import comm, fp8, gemm, gemm_fp8, sync
+from ..ops import comm, quantize, sync
+from ..ops.gemm import bf16 as gemm
+from ..ops.gemm import fp8 as gemm_fp8
 from ..validate import MoEInputError
 from .backward import moe_backward
 from .forward import KeptRows
@@ -53,7 +55,7 @@ from .probe import Probe, mark
 from .steps import finish_backward, finish_forward, publish_and_schedule, pull_routed_rows, signal_and_wait
 from .workspace import BWD, BWD_READY
 
-FP8_BLOCK = fp8.BLOCK
+FP8_BLOCK = quantize.BLOCK
 FP8_ALIGN = 16  # H and I: multiples of 16 E4M3 bytes (tensor descriptors, 16-byte async copies and pushes)
 
 # key -> (weak references to the source weights, their (shape, strides, _version), the derived tensors)
@@ -124,7 +126,7 @@ def _cached(kind: str, weights, make, hold: bool = True):
 def fp8_weight(w: torch.Tensor):
     """(E4M3 [E, N, K], fp32 scales [E, ceil(N/128), ceil(K/128)]) of the weight ``w`` [E, N, K],
     cached per version."""
-    return _cached("blocks", (w,), lambda: fp8.quantize_blocks(w.detach().contiguous()))
+    return _cached("blocks", (w,), lambda: quantize.quantize_blocks(w.detach().contiguous()))
 
 
 def gate_up_k(I: int) -> int:
@@ -136,7 +138,7 @@ def _gate_up_t_buffer(E: int, I: int, H: int, device):
     """The gate/up dgrad's B values, E4M3 [E, H, 2Ip] (``fp8_gate_up_t``), with its padding columns
     zeroed, and the two halves' [E, H, I] views that receive the transposed values."""
     Ip = gate_up_k(I)
-    q = torch.empty(E, H, 2 * Ip, dtype=fp8.E4M3, device=device)
+    q = torch.empty(E, H, 2 * Ip, dtype=quantize.E4M3, device=device)
     if Ip > I:
         q.view(torch.uint8).view(E, H, 2, Ip)[..., I:].zero_()
     return q, (q[:, :, :I], q[:, :, Ip:Ip + I])
@@ -186,10 +188,10 @@ def fp8_layer_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Te
     found = [_lookup("blocks", (w,)) for w in ws3] + [_lookup("t", (w_down,)), _lookup("gate_up_t", (w_gate, w_up))]
     if transposed and not _capturing() and all(v is None for v in found):
         E, I, H = w_gate.shape
-        dt = torch.empty(E, I, H, dtype=fp8.E4M3, device=w_down.device)  # W_down [E, H, I] transposed
-        down = fp8.quantize_blocks(w_down.detach().contiguous(), out_t=dt)
+        dt = torch.empty(E, I, H, dtype=quantize.E4M3, device=w_down.device)  # W_down [E, H, I] transposed
+        down = quantize.quantize_blocks(w_down.detach().contiguous(), out_t=dt)
         gu_q, halves = _gate_up_t_buffer(E, I, H, w_gate.device)
-        gate, up = (fp8.quantize_blocks(w.detach().contiguous(), out_t=half) for w, half in zip((w_gate, w_up), halves))
+        gate, up = (quantize.quantize_blocks(w.detach().contiguous(), out_t=half) for w, half in zip((w_gate, w_up), halves))
         _store("t", (w_down,), (dt, down[1].transpose(-2, -1).contiguous()))
         _store("gate_up_t", (w_gate, w_up), (gu_q, _gate_up_t_scales(gate[1], up[1])))
         return tuple(_store("blocks", (w,), v) for w, v in zip(ws3, (gate, up, down)))
@@ -197,26 +199,26 @@ def fp8_layer_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Te
 
 
 def quantize_gate_up_grad(dgu: torch.Tensor, I: int, row_src: torch.Tensor, num_tiles: torch.Tensor, tile_rows: int):
-    """dg | du [R, 2I] -> both of its FP8 forms, from one read (``fp8.quantize_rows_and_cols``):
+    """dg | du [R, 2I] -> both of its FP8 forms, from one read (``quantize.quantize_rows_and_cols``):
     - the gate/up dgrad's A: (E4M3 [R, 2Ip], scales [R, 2Ip/128]), Ip = ``gate_up_k(I)``, in
       ``fp8_gate_up_t``'s layout: dg and du each quantized per 1x128 on its own (where 128 does not
       divide I each ends in a partial tile, with its own scale) into its half, the Ip - I padding
       columns of each half zeros (E4M3 garbage could be NaN, and NaN * 0 is not 0); rows past
-      ``num_tiles`` row tiles are not quantized (as ``fp8.quantize_rows``);
+      ``num_tiles`` row tiles are not quantized (as ``quantize.quantize_rows``);
     - the weight gradients' operand: (E4M3 [2I, R] transposed, scales [R/128, 2I]) per 128x1,
-      padding rows zeros (``fp8.quantize_cols``), dW_gate's the first I rows, dW_up's the rest.
+      padding rows zeros (``quantize.quantize_cols``), dW_gate's the first I rows, dW_up's the rest.
     ``tile_rows``: a multiple of 128 (an FP8 backward's routed tile height)."""
     Ip = gate_up_k(I)
-    both = functools.partial(fp8.quantize_rows_and_cols, row_src=row_src, num_tiles=num_tiles, tile_rows=tile_rows)
+    both = functools.partial(quantize.quantize_rows_and_cols, row_src=row_src, num_tiles=num_tiles, tile_rows=tile_rows)
     if Ip == I:  # every 1x128 tile of the row lies in one half: one launch over both
         return both(dgu)
     R = dgu.shape[0]
     nb = Ip // FP8_BLOCK
     q = torch.empty(R, 2 * Ip, dtype=torch.uint8, device=dgu.device)
     q.view(R, 2, Ip)[:, :, I:].zero_()
-    q = q.view(fp8.E4M3)
+    q = q.view(quantize.E4M3)
     s = torch.empty(R, 2 * nb, dtype=torch.float32, device=dgu.device)
-    qt = torch.empty(2 * I, R, dtype=fp8.E4M3, device=dgu.device)
+    qt = torch.empty(2 * I, R, dtype=quantize.E4M3, device=dgu.device)
     st = torch.empty(-(-R // FP8_BLOCK), 2 * I, dtype=torch.float32, device=dgu.device)
     for half in range(2):
         cols = slice(half * I, (half + 1) * I)
@@ -231,7 +233,7 @@ def pull_fp8_rows(ws, plan: Plan, sched, name: str, H: int, TK: int, *weights):
     [R_max, ceil(H/128)]); padding rows come as zeros, scale 0. ``weights``: (w_ptrs, ws_out),
     the router weights pulled with the values, as ``pull_routed_rows``'s."""
     scales_pub = getattr(ws, f"{name}s_pub")
-    q = torch.empty((sched.R_max, H), dtype=fp8.E4M3, device=scales_pub.device)
+    q = torch.empty((sched.R_max, H), dtype=quantize.E4M3, device=scales_pub.device)
     s = torch.empty((sched.R_max, scales_pub.shape[1]), dtype=torch.float32, device=scales_pub.device)
     pull_routed_rows(plan, sched, ws.ptrs[f"{name}q_pub"], q.view(torch.uint8), TK, sched.k, *weights)
     pull_routed_rows(plan, sched, ws.ptrs[f"{name}s_pub"], s, TK, sched.k)
@@ -272,7 +274,7 @@ def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_d
         xs = x.new_empty((sched.R_max, H))
         pull_routed_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, sched.k, ws.ptrs["w_pub"], row_w)
         mark(probe, "fwd:dispatch")
-        xq, x_scale = fp8.quantize_rows(xs, num_tiles=sched.num_tiles, tile_rows=plan.tile_m)
+        xq, x_scale = quantize.quantize_rows(xs, num_tiles=sched.num_tiles, tile_rows=plan.tile_m)
         mark(probe, "fwd:quantize")
         kept = KeptRows(sched, xs, None, row_w)
     else:
@@ -316,7 +318,7 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     BM = plan.tile_m
     mark(probe, "bwd:start")
     # dy quantized per 1x128 at its source, as x in the forward: the rows pulled are E4M3 + scales
-    fp8.quantize_rows(dy.contiguous(), out=ws.dyq_pub.view(fp8.E4M3), scale_out=ws.dys_pub)
+    quantize.quantize_rows(dy.contiguous(), out=ws.dyq_pub.view(quantize.E4M3), scale_out=ws.dys_pub)
     signal_and_wait(ws, BWD_READY, BWD, True, sync.ERR_WAIT_PEER_READY, plan)
     mark(probe, "bwd:publish+wait")
     dys_q, dys_s = pull_fp8_rows(ws, plan, sched, "dy", H, TK)
@@ -365,7 +367,7 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     mark(probe, "bwd:router_grad")
 
     def cols(t, row_scale=None):
-        return fp8.quantize_cols(t, row_src=sched.row_src, num_tiles=sched.num_tiles, tile_rows=BM,
+        return quantize.quantize_cols(t, row_src=sched.row_src, num_tiles=sched.num_tiles, tile_rows=BM,
                                  row_scale=row_scale)
 
     # transposed E4M3 [C, R] and scales [R/128, C], padding rows zeros (the weight gradients'

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import triton
 
-from ..ops import gemm
+from ..ops.gemm import bf16 as gemm
 
 TILE_M = 128  # rows per routed row tile: the GEMMs' BM (docs/performance.md "GEMM tiles")
 RING_ROWS = 4096  # megakernel ring: 32 slots of 128 rows, far enough ahead to hide a pull ("Ring size")

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import INTERPRET, gemm
+from ..ops import INTERPRET
+from ..ops.gemm import bf16 as gemm
 from ..ops.megakernel.plan import MegaPlan
 from ..validate import MoEDims, MoEInputError
 from . import heuristics

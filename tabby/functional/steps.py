@@ -8,7 +8,7 @@ import time
 import torch
 import triton
 
-from ..ops import INTERPRET, comm, fp8, sync
+from ..ops import INTERPRET, comm, quantize, sync
 from ..ops.combine import combine_k
 from ..ops.schedule import alloc_schedule, launch_schedule
 from .plan import Plan
@@ -134,7 +134,7 @@ def publish_and_schedule(ws, plan: Plan, x, topk_idx, topk_weights, E_local, in_
         with torch.cuda.stream(side):
             schedule()
     if x_fp8:
-        fp8.quantize_rows(x, out=ws.xq_pub.view(fp8.E4M3), scale_out=ws.xs_pub)
+        quantize.quantize_rows(x, out=ws.xq_pub.view(quantize.E4M3), scale_out=ws.xs_pub)
     else:
         ws.x_pub.copy_(x)
     if on_main is not None:

@@ -15,7 +15,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import INTERPRET
-from ..gemm import tma_aligned
+from ..gemm.bf16 import tma_aligned
 from .kernel import (Descs, MegaConsts, OrderArgs, PeerArgs, ProbeConsts, RouteArgs, RoutedArgs, SavedArgs,
                      SharedArgs, SyncArgs, TokenArgs, moe_fwd_megakernel)
 from .plan import MegaPlan

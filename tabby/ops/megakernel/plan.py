@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..gemm import GemmConfig
+from ..gemm.bf16 import GemmConfig
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import comm, gemm, sync
+from .. import comm, sync
+from ..gemm import bf16 as gemm
 from .protocol import TR_FILL, TR_FILL_REMOTE, routed_signal, routed_waits, trace_ready, wait_counter
 
 _ERR_WAIT_TILE = tl.constexpr(sync.ERR_WAIT_TILE)

@@ -51,9 +51,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import INTERPRET
-from .fp8 import BLOCK, exp2_int, scale_exponent, to_e4m3
-from .gemm import _check_schedule, _swiglu_bwd_epilogue, grouped_tile, tma_aligned
+from .. import INTERPRET
+from ..quantize import BLOCK, exp2_int, scale_exponent, to_e4m3
+from .bf16 import _check_schedule, _swiglu_bwd_epilogue, grouped_tile, tma_aligned
 
 BM = 128  # two consumer warpgroups of 64 rows
 BN = 128

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRET
+from .. import INTERPRET
 
 
 # --------------------------------------------------------------------------------------------

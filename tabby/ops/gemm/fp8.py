@@ -40,7 +40,7 @@ Kernels:
    the origin (bf16).
 3. ``down_dgrad_swiglu_fp8``: the down dgrad with the SwiGLU backward in its epilogue.
 4. ``expert_wgrad_fp8``: the per-expert weight gradients from operands quantized per 128x1.
-On sm_90, at the default tiles, each runs gemm_fp8_ws.py's warp-specialized Gluon kernel where it
+On sm_90, at the default tiles, each runs fp8_ws.py's warp-specialized Gluon kernel where it
 fits (1-3: K a multiple of 16, contiguous operands, schedule tiles a multiple of 128 rows;
 4: ``padded``): the same sums (bitwise every output but the down dgrad's row sums dw,
 within 1e-6), with one warpgroup's promotion under the other's MMA. The Triton kernels here run
@@ -55,9 +55,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRET, gemm_fp8_ws
-from .fp8 import BLOCK, E4M3, quantize_tile_rows
-from .gemm import (_TL_DTYPES, GemmConfig, _check_schedule, _push_rows, _row_tile_expert, _store_rows,
+from .. import INTERPRET
+from . import fp8_ws
+from ..quantize import BLOCK, E4M3, quantize_tile_rows
+from .bf16 import (_TL_DTYPES, GemmConfig, _check_schedule, _push_rows, _row_tile_expert, _store_rows,
                    _swiglu_bwd_split_epilogue, grouped_tile, tma_aligned)
 
 KIND_GATE_UP = "gate_up"
@@ -327,8 +328,8 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
         gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device)
     gu_arg = gu if save_gu else h_scale
     if (cfg == default_config_fp8(KIND_GATE_UP, BM=cfg.BM)
-            and gemm_fp8_ws.fits_gate_up(aq, wg_q, wu_q, cfg.BM)):
-        return gemm_fp8_ws.gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles,
+            and fp8_ws.fits_gate_up(aq, wg_q, wu_q, cfg.BM)):
+        return fp8_ws.gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles,
                                                  hq=hq, h_scale=h_scale, gu=gu, sched_bm=cfg.BM, save_gu=save_gu)
     # a tensor descriptor needs 16-byte aligned rows: where they are not, the pointer loop
     use_tma = R > 0 and all(tma_aligned(t) for t in (aq, wg_q, wu_q))
@@ -401,10 +402,10 @@ def rows_gemm_fp8(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None,
         c, stride_c = out, out.stride(0)
         row_src = dst_ptrs = tile_expert  # unused
         TK, stride_d = 1, 0
-    if cfg == default_config_fp8(KIND_ROWS, N, BM=cfg.BM) and gemm_fp8_ws.fits(aq, bq, cfg.BM):
+    if cfg == default_config_fp8(KIND_ROWS, N, BM=cfg.BM) and fp8_ws.fits(aq, bq, cfg.BM):
         epi = ((row_src, dst_ptrs, TK, stride_d, dst_ptrs.view(dst_dtype)) if push else (c, stride_c))
-        gemm_fp8_ws.launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, cfg.BM,
-                           gemm_fp8_ws.EPI_PUSH if push else gemm_fp8_ws.EPI_STORE, epi, N)
+        fp8_ws.launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, cfg.BM,
+                           fp8_ws.EPI_PUSH if push else fp8_ws.EPI_STORE, epi, N)
         return None if push else out
     num_m = R // cfg.BM
     rows_gemm_fp8_kernel[(num_m * triton.cdiv(N, cfg.BN),)](
@@ -477,9 +478,9 @@ def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_exp
     _check_schedule(tile_expert, num_tiles, R, cfg.BM)
     nt_n = triton.cdiv(I, cfg.BN)
     dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, nt_n)
-    if cfg == default_config_fp8(KIND_DOWN_DGRAD, BM=cfg.BM) and gemm_fp8_ws.fits(dys_q, wd_t_q, cfg.BM):
-        gemm_fp8_ws.launch(dys_q, dys_scale, wd_t_q, wd_t_scale, tile_expert, num_tiles, cfg.BM,
-                           gemm_fp8_ws.EPI_SWIGLU_BWD, epi, I)
+    if cfg == default_config_fp8(KIND_DOWN_DGRAD, BM=cfg.BM) and fp8_ws.fits(dys_q, wd_t_q, cfg.BM):
+        fp8_ws.launch(dys_q, dys_scale, wd_t_q, wd_t_scale, tile_expert, num_tiles, cfg.BM,
+                           fp8_ws.EPI_SWIGLU_BWD, epi, I)
         return dgu, hw, dw_part
     num_m = R // cfg.BM
     down_dgrad_swiglu_fp8_kernel[(num_m * nt_n,)](
@@ -493,9 +494,9 @@ def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_exp
 def dgrads_read_forward_copies(aq: torch.Tensor, weights, BM: int) -> bool:
     """Whether the two dgrads can read the weights' forward E4M3 copies (``weights``) transposed in
     the kernel (``down_dgrad_swiglu_fp8_t``, ``gate_up_dgrad_push_fp8_t``): sm_90, the Gluon
-    kernels' operand rules (``gemm_fp8_ws.fits_bt``). Elsewhere a dgrad needs the transposed
+    kernels' operand rules (``fp8_ws.fits_bt``). Elsewhere a dgrad needs the transposed
     copies (``transpose_blocks``)."""
-    return gemm_fp8_ws.fits_bt(aq, weights, BM)
+    return fp8_ws.fits_bt(aq, weights, BM)
 
 
 def down_dgrad_swiglu_fp8_t(dys_q, dys_scale, wd_q, wd_scale, gu, ws, tile_expert, num_tiles, *, BM: int = 128):
@@ -511,9 +512,9 @@ def down_dgrad_swiglu_fp8_t(dys_q, dys_scale, wd_q, wd_scale, gu, ws, tile_exper
     _check_fp8_weights("wd_q", wd_q, wd_scale)
     assert gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
     _check_schedule(tile_expert, num_tiles, R, BM)
-    dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, triton.cdiv(I, gemm_fp8_ws.BN))
-    gemm_fp8_ws.launch_bt(dys_q, dys_scale, (wd_q,), wd_scale.transpose(-2, -1).contiguous(), tile_expert, num_tiles,
-                          BM, gemm_fp8_ws.EPI_SWIGLU_BWD, epi, I)
+    dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, triton.cdiv(I, fp8_ws.BN))
+    fp8_ws.launch_bt(dys_q, dys_scale, (wd_q,), wd_scale.transpose(-2, -1).contiguous(), tile_expert, num_tiles,
+                          BM, fp8_ws.EPI_SWIGLU_BWD, epi, I)
     return dgu, hw, dw_part
 
 
@@ -535,8 +536,8 @@ def gate_up_dgrad_push_fp8_t(dgu_q, dgu_scale, wg_q, wu_q, b_scale, tile_expert,
     assert b_scale.shape == (E, triton.cdiv(H, BLOCK), K // BLOCK) and b_scale.dtype == torch.float32
     assert dst_ptrs.dtype == torch.int64 and row_src.dtype == torch.int32 and row_src.numel() == R
     _check_schedule(tile_expert, num_tiles, R, BM)
-    gemm_fp8_ws.launch_bt(dgu_q, dgu_scale, (wg_q, wu_q), b_scale.contiguous(), tile_expert, num_tiles, BM,
-                          gemm_fp8_ws.EPI_PUSH, (row_src, dst_ptrs, TK, H, dst_ptrs.view(dst_dtype)), H)
+    fp8_ws.launch_bt(dgu_q, dgu_scale, (wg_q, wu_q), b_scale.contiguous(), tile_expert, num_tiles, BM,
+                          fp8_ws.EPI_PUSH, (row_src, dst_ptrs, TK, H, dst_ptrs.view(dst_dtype)), H)
 
 
 @triton.jit
@@ -684,7 +685,7 @@ def expert_wgrad_fp8_kernel(at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, strid
 def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, out_dtype=torch.bfloat16,
                      config: GemmConfig | None = None, padded: bool = False):
     """C [E, M, N], C[e] = A[s:s+c]^T @ B[s:s+c] (s = expert_start[e], c = expert_count[e]) from
-    operands quantized per 128x1 and stored transposed (``ops.fp8.quantize_cols``): at [M, R]
+    operands quantized per 128x1 and stored transposed (``ops.quantize.quantize_cols``): at [M, R]
     E4M3 with a_scale [ceil(R/128), M], bt [N, R] with b_scale [ceil(R/128), N]; any row
     strides (row slices of taller buffers), unit column stride. Deterministic: one program per
     output tile, the expert's rows in order. ``padded``: the operands are the layer's routed rows
@@ -703,8 +704,8 @@ def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, ou
         if s.dtype != torch.float32 or tuple(s.shape) != (nr, C) or s.stride(-1) != 1:
             raise ValueError(f"{name}'s scales must be fp32 [ceil(R/128), C] = {(nr, C)}, got {tuple(s.shape)}")
     cfg = config or default_config_fp8(KIND_WGRAD)
-    if padded and cfg == default_config_fp8(KIND_WGRAD) and gemm_fp8_ws.fits_wgrad(at, bt, out_dtype):
-        return gemm_fp8_ws.expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count,
+    if padded and cfg == default_config_fp8(KIND_WGRAD) and fp8_ws.fits_wgrad(at, bt, out_dtype):
+        return fp8_ws.expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count,
                                                out_dtype=out_dtype)
     R_k = R
     if R % 16 or any(q.stride(0) % 16 or q.data_ptr() % 16 for q in (at, bt)):
