@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from tabby.functional import heuristics
-from tabby.functional.config import MoEConfig, Tuning
+from tabby.functional import config, heuristics
+from tabby.functional.config import MoEConfig, Tuning, config_string, parse_config
 from tabby.functional.plan import make_plan
 from tabby.validate import MoEDims, MoEInputError
 
@@ -104,6 +104,66 @@ def test_config_and_tuning_check_their_fields_when_built():
     assert t == Tuning(group_m=2, tma=False, ring_rows=2048) and Tuning.parse(t.describe()) == t
     with pytest.raises(MoEInputError, match="early_ticket"):
         Tuning.parse("early_ticket=1")
+
+
+def _other_value(owner, f):
+    """A value of field ``f`` other than its default, of the field's annotated type."""
+    kind, _ = config._field_types(owner)[f.name]
+    default = getattr(owner(), f.name)
+    if f.name == "precision":
+        return "fp8-forward"
+    if isinstance(kind, tuple):  # a Literal's strings
+        return next(v for v in kind if v != default)
+    if kind is bool:
+        return not default if default is not None else True
+    if kind is Tuning:
+        return Tuning(tile_m=64, tma=False)
+    return {int: 3, float: 2.5}[kind]
+
+
+@pytest.mark.parametrize("owner", [MoEConfig, Tuning])
+def test_every_field_round_trips_through_its_text(owner):
+    """Each field of MoEConfig and Tuning set away from its default comes back from the text
+    (``config_string`` / ``parse_config``, ``Tuning.describe`` / ``parse``), alone and all at once;
+    the defaults' text is ""."""
+    write, read = (config_string, parse_config) if owner is MoEConfig else (Tuning.describe, Tuning.parse)
+    assert write(owner()) == "" and read("") == owner()
+    every = {}
+    for f in dataclasses.fields(owner):
+        value = _other_value(owner, f)
+        made = owner(**{f.name: value})
+        text = write(made)
+        assert f"{f.name}=" in text and read(text) == made, (f.name, text)
+        if not (owner is MoEConfig and f.name == "megakernel"):  # (True with precision="fp8-forward" is refused)
+            every[f.name] = value
+    made = owner(**every)
+    assert read(write(made)) == made
+    assert config_string(None) == ""
+
+
+def test_the_operator_s_strings_read_as_before():
+    """Strings written by the operator's earlier ``config_string`` (bools as 0/1, the tuning last,
+    nested "a=1,b=2") read as they did."""
+    assert parse_config("megakernel=0;precision=fp8") == MoEConfig(precision="fp8")
+    text = "megakernel=0;max_wait_ms=5000.0;debug=1;precision=fp8;cache_fp8_transposes=0;tuning=tile_m=256,tma=0"
+    cfg = MoEConfig(megakernel=False, max_wait_ms=5000.0, debug=True, precision="fp8", cache_fp8_transposes=False,
+                    tuning=Tuning(tile_m=256, tma=False))
+    assert parse_config(text) == cfg and config_string(cfg) == text
+    assert config_string(MoEConfig(save_for_backward=False, tuning=Tuning(group_m=2, pull_tokens=True))) == \
+        "save_for_backward=0;tuning=group_m=2,pull_tokens=1"
+
+
+@pytest.mark.parametrize("text,field", [
+    ("early_ticket=1", "early_ticket"), ("precision", "precision"), ("debug=yes", "debug"),
+    ("max_wait_polls=lots", "max_wait_polls"), ("max_wait_ms=soon", "max_wait_ms"), ("precision=fp16", "precision"),
+    ("tuning=tile_m=0", "tile_m"), ("tuning=tma=2", "tma"), ("tuning=fp8_dgrad=copy", "fp8_dgrad"),
+    ("tuning=group=2", "group"),
+])
+def test_a_bad_config_text_is_refused_naming_its_field(text, field):
+    with pytest.raises(MoEInputError, match=field):
+        parse_config(text)
+    with pytest.raises(MoEInputError, match="MoEConfig"):
+        config_string("megakernel=0")
 
 
 def test_environment_read_when_a_plan_is_made(monkeypatch):

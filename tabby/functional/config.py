@@ -8,8 +8,12 @@ work raises ``tabby.MoEInputError`` when the plan is made, naming the field.
 """
 from __future__ import annotations
 
+import functools
 import os
-from dataclasses import dataclass, field, fields
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Literal
 
 from ..validate import MoEInputError
 
@@ -51,6 +55,18 @@ class Tuning:
     The sync-free path's dispatch:
       dispatch_rows, dispatch_cols   the block one program copies per step
       dispatch_programs              programs of the dispatch launch
+    FP8 (``MoEConfig(precision="fp8" | "fp8-forward")``):
+      fp8_ws         the GEMMs on the warp-specialized kernels (``ops/gemm/fp8_ws.py``, sm_90, routed
+                     tiles a multiple of 128 rows) where they run (True), or on the Triton kernels
+                     everywhere (False)
+      fp8_dgrad      where the backward's dgrads read the weights transposed: "cached_transposes"
+                     (held with the forward's copies: ``MoEConfig.cache_fp8_transposes=True``),
+                     "transpose_in_kernel" (the forward's copies, each block transposed in shared
+                     memory: sm_90's warp-specialized kernels), "transpose_per_call" (made by each
+                     backward and dropped)
+
+    Each field's type (its annotation) is what ``parse`` and ``describe`` read and write and what
+    the checks of a made ``Tuning`` hold it to: adding a field is one edit.
     """
 
     tile_m: int | None = None
@@ -72,42 +88,29 @@ class Tuning:
     dispatch_rows: int | None = None
     dispatch_cols: int | None = None
     dispatch_programs: int | None = None
+    fp8_ws: bool | None = None
+    fp8_dgrad: Literal["cached_transposes", "transpose_in_kernel", "transpose_per_call"] | None = None
+
+    _ZERO_OK = ("comm_programs", "prefetch")  # the int fields that may be 0 (the others must be > 0)
 
     def __post_init__(self):
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("tma", "local_rows", "pull_tokens"):
-                if v is not None and not isinstance(v, bool):
-                    raise MoEInputError(f"Tuning({f.name}={v!r}): must be True, False or None")
-            else:
-                _check_positive("Tuning", f.name, v, allow_zero=f.name in ("comm_programs", "prefetch"))
+        for name, (kind, optional) in _field_types(type(self)).items():
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if kind is int:
+                _check_positive("Tuning", name, v, allow_zero=name in self._ZERO_OK)
+            elif not _is_of(v, kind):
+                raise MoEInputError(f"Tuning({name}={v!r}): must be {_kind_text(kind)} or None")
 
     @classmethod
     def parse(cls, text: str) -> "Tuning":
         """``"group_m=2,tma=0"`` -> ``Tuning(group_m=2, tma=False)`` (the tools' variant strings)."""
-        kw = {}
-        names = {f.name: f for f in fields(cls)}
-        for item in filter(None, (s.strip() for s in text.split(","))):
-            name, sep, value = item.partition("=")
-            name = name.strip()
-            if not sep or name not in names:
-                raise MoEInputError(f"Tuning: {item!r} is not field=value with a field of {sorted(names)}")
-            value = value.strip()
-            if name in ("tma", "local_rows", "pull_tokens"):
-                if value.lower() not in ("0", "1", "true", "false"):
-                    raise MoEInputError(f"Tuning: {name}={value!r} must be 0/1/true/false")
-                kw[name] = value.lower() in ("1", "true")
-            else:
-                try:
-                    kw[name] = int(value)
-                except ValueError:
-                    raise MoEInputError(f"Tuning: {name}={value!r} must be an integer") from None
-        return cls(**kw)
+        return _parse(cls, text, ",")
 
     def describe(self) -> str:
         """The fields set, as ``parse`` reads them ("" for the defaults)."""
-        return ",".join(f"{f.name}={int(v) if isinstance(v, bool) else v}" for f in fields(self)
-                        if (v := getattr(self, f.name)) is not None)
+        return _describe(self, ",")
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,135 @@ class MoEConfig:
         if self.debug is not None:
             return self.debug
         return os.environ.get("TABBY_DEBUG", "0") == "1"
+
+
+# --------------------------------------------------------------------------------------------
+# Text forms, over the dataclasses' fields and their annotations
+# --------------------------------------------------------------------------------------------
+#
+# A field's value is written ``name=value``: bool as 0 / 1, int and float as Python prints them,
+# a str (or one of a Literal's strings) as it is, a nested dataclass (MoEConfig.tuning) as its
+# own text ("a=1,b=2"), None as "None" (only where it is not the default). Fields equal to their
+# default are left out; nested dataclasses come last (the order the operator's strings have
+# always had).
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(cls) -> dict:
+    """{field name: (kind, optional)} of a dataclass from its annotations: kind is bool, int,
+    float, str, a Literal's tuple of strings or a dataclass; optional where None is allowed."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in fields(cls):
+        t = hints[f.name]
+        args = typing.get_args(t)
+        optional = False
+        if typing.get_origin(t) in (typing.Union, types.UnionType):
+            optional = type(None) in args
+            rest = [a for a in args if a is not type(None)]
+            if len(rest) != 1:
+                raise TypeError(f"{cls.__name__}.{f.name}: one type (or it and None) is supported, got {t}")
+            t = rest[0]
+        if typing.get_origin(t) is Literal:
+            t = typing.get_args(t)
+        elif not (t in (bool, int, float, str) or is_dataclass(t)):
+            raise TypeError(f"{cls.__name__}.{f.name}: type {t} has no text form")
+        out[f.name] = (t, optional)
+    return out
+
+
+def _is_of(v, kind) -> bool:
+    if isinstance(kind, tuple):
+        return v in kind
+    if kind is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if kind is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, kind)
+
+
+def _kind_text(kind) -> str:
+    if isinstance(kind, tuple):
+        return "one of " + ", ".join(map(repr, kind))
+    return {bool: "True, False", int: "an int", float: "a number", str: "a string"}.get(kind, kind.__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(cls):
+    """``cls()``: the values a text leaves out (a made MoEConfig's, e.g. its resolved megakernel)."""
+    return cls()
+
+
+def _value_text(v) -> str:
+    if isinstance(v, bool):
+        return str(int(v))
+    if is_dataclass(v):
+        return _describe(v, ",")
+    return str(v)
+
+
+def _describe(obj, sep: str) -> str:
+    """The fields of ``obj`` that differ from the defaults, ``name=value`` joined by ``sep``."""
+    kinds, default = _field_types(type(obj)), _defaults(type(obj))
+    flat, nested = [], []
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if v != getattr(default, f.name):
+            (nested if is_dataclass(kinds[f.name][0]) else flat).append(f"{f.name}={_value_text(v)}")
+    return sep.join(flat + nested)
+
+
+def _parse_value(owner: str, name: str, text: str, kind, optional: bool):
+    def bad(what):
+        return MoEInputError(f"{owner}: {name}={text!r} must be {what}")
+
+    if optional and text in ("None", "none"):
+        return None
+    if isinstance(kind, tuple):
+        if text not in kind:
+            raise bad(_kind_text(kind))
+        return text
+    if kind is bool:
+        if text.lower() not in ("0", "1", "true", "false"):
+            raise bad("0/1/true/false")
+        return text.lower() in ("1", "true")
+    if kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            raise bad("an integer" if kind is int else "a number") from None
+    if kind is str:
+        return text
+    return _parse(kind, text, ",")
+
+
+def _parse(cls, text: str, sep: str):
+    """``cls`` made from ``_describe``'s text (``MoEInputError`` naming an unknown field or a bad value)."""
+    kinds = _field_types(cls)
+    kw = {}
+    for item in filter(None, (s.strip() for s in text.split(sep))):
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq or name not in kinds:
+            raise MoEInputError(f"{cls.__name__}: {item!r} is not field=value with a field of {sorted(kinds)}")
+        kw[name] = _parse_value(cls.__name__, name, value.strip(), *kinds[name])
+    return cls(**kw)
+
+
+def config_string(config: MoEConfig | None) -> str:
+    """``MoEConfig`` -> the operator's ``config`` string: the fields that differ from the defaults,
+    ``name=value`` joined by ";" (the tuning as ``Tuning.describe``); "" for the defaults or None."""
+    if config is None:
+        return ""
+    if not isinstance(config, MoEConfig):
+        raise MoEInputError(f"config must be a tabby.MoEConfig, got {type(config).__name__}")
+    return _describe(config, ";")
+
+
+@functools.lru_cache(maxsize=256)
+def parse_config(text: str) -> MoEConfig:
+    """The inverse of ``config_string`` (``MoEInputError`` naming an unknown field or a bad value)."""
+    return _parse(MoEConfig, text, ";")
 
 
 def _env_number(name: str, default: float) -> float:
