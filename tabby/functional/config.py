@@ -204,13 +204,19 @@ class MoEConfig:
 # a str (or one of a Literal's strings) as it is, a nested dataclass (MoEConfig.tuning) as its
 # own text ("a=1,b=2"), None as "None" (only where it is not the default). Fields equal to their
 # default are left out; nested dataclasses come last (the order the operator's strings have
-# always had).
+# always had). The annotations are read once, when this module is imported (``_KINDS``,
+# ``_DEFAULTS``): writing a config's text is then plain attribute reads, which torch.compile traces
+# (the operator writes its config string inside compiled code).
+
+_KINDS: dict = {}  # dataclass -> {field name: (kind, optional)}
+_DEFAULTS: dict = {}  # dataclass -> its default instance
 
 
-@functools.lru_cache(maxsize=None)
 def _field_types(cls) -> dict:
     """{field name: (kind, optional)} of a dataclass from its annotations: kind is bool, int,
     float, str, a Literal's tuple of strings or a dataclass; optional where None is allowed."""
+    if cls in _KINDS:
+        return _KINDS[cls]
     hints = typing.get_type_hints(cls)
     out = {}
     for f in fields(cls):
@@ -228,7 +234,12 @@ def _field_types(cls) -> dict:
         elif not (t in (bool, int, float, str) or is_dataclass(t)):
             raise TypeError(f"{cls.__name__}.{f.name}: type {t} has no text form")
         out[f.name] = (t, optional)
+    _KINDS[cls] = out
     return out
+
+
+def _nested(kind) -> bool:
+    return not isinstance(kind, tuple) and kind not in (bool, int, float, str)
 
 
 def _is_of(v, kind) -> bool:
@@ -247,28 +258,25 @@ def _kind_text(kind) -> str:
     return {bool: "True, False", int: "an int", float: "a number", str: "a string"}.get(kind, kind.__name__)
 
 
-@functools.lru_cache(maxsize=None)
 def _defaults(cls):
     """``cls()``: the values a text leaves out (a made MoEConfig's, e.g. its resolved megakernel)."""
-    return cls()
-
-
-def _value_text(v) -> str:
-    if isinstance(v, bool):
-        return str(int(v))
-    if is_dataclass(v):
-        return _describe(v, ",")
-    return str(v)
+    if cls not in _DEFAULTS:
+        _DEFAULTS[cls] = cls()
+    return _DEFAULTS[cls]
 
 
 def _describe(obj, sep: str) -> str:
     """The fields of ``obj`` that differ from the defaults, ``name=value`` joined by ``sep``."""
-    kinds, default = _field_types(type(obj)), _defaults(type(obj))
+    default = _defaults(type(obj))
     flat, nested = [], []
-    for f in fields(obj):
-        v = getattr(obj, f.name)
-        if v != getattr(default, f.name):
-            (nested if is_dataclass(kinds[f.name][0]) else flat).append(f"{f.name}={_value_text(v)}")
+    for name, (kind, _) in _field_types(type(obj)).items():
+        v = getattr(obj, name)
+        if v == getattr(default, name):
+            continue
+        if _nested(kind):
+            nested.append(f"{name}={_describe(v, ',')}")
+        else:
+            flat.append(f"{name}={int(v) if isinstance(v, bool) else v}")
     return sep.join(flat + nested)
 
 
@@ -293,7 +301,7 @@ def _parse_value(owner: str, name: str, text: str, kind, optional: bool):
             raise bad("an integer" if kind is int else "a number") from None
     if kind is str:
         return text
-    return _parse(kind, text, ",")
+    return _parse(kind, text, ",")  # a nested dataclass
 
 
 def _parse(cls, text: str, sep: str):
@@ -336,3 +344,9 @@ def _env_number(name: str, default: float) -> float:
     if value <= 0:
         raise MoEInputError(f"environment variable {name}={raw!r} must be positive")
     return value
+
+
+for _cls in (Tuning, MoEConfig):  # the annotations read once (see "Text forms" above)
+    _field_types(_cls)
+for _cls in (Tuning, MoEConfig):
+    _defaults(_cls)
