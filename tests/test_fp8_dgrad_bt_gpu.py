@@ -5,12 +5,13 @@ over the same bytes, promoted alike. Partial K blocks (H 2880: a block reads the
 first rows against A's zero columns), partial column tiles, I not a multiple of 128 (the gate/up
 dgrad's padded halves), empty experts, unused tiles, schedule tiles of 256 rows, several ring
 depths, lags and a grid smaller than the tiles; 20 repeats bitwise. Off sm_90 the entry points
-refuse (the layer then transposes the copies first)."""
+refuse (the plan then has the layer transpose the copies first: ``Plan.fp8.dgrad``)."""
 
 import pytest
 import torch
 import triton
 
+from tabby.functional import heuristics as hx
 from tabby.functional.fp8 import _gate_up_t_buffer, _gate_up_t_scales
 from tabby.ops.gemm import fp8 as gemm_fp8, fp8_ws as gemm_fp8_ws
 from tabby.ops.quantize import quantize_blocks, quantize_rows
@@ -23,6 +24,17 @@ DOWN_CASES = [([300, 0, 128, 5], 1024, 256), ([77, 500, 3], 2880, 320), ([129, 1
               ([0, 40, 0, 900], 2048, 768)]
 GATE_UP_CASES = [([300, 0, 128, 5], 256, 256), ([129, 1, 700], 1040, 720), ([77, 500, 3], 2880, 2880),
                  ([512] * 4, 7168, 2048)]
+
+
+def _bt():
+    """The plan's transposing kernel on sm_90 (``heuristics.fp8_down_dgrad(in_kernel=True)``)."""
+    return hx.fp8_down_dgrad(128, ws=True, programs=None, in_kernel=True)
+
+
+def _held(N, K, BM=128):
+    """The plan's sm_90 kernel of the same GEMM over held transposes (``heuristics.fp8_rows`` and
+    ``fp8_down_dgrad``)."""
+    return hx.fp8_rows(N, K, BM, ws=True, programs=None)
 
 
 def _down_case(counts, H, I, BM=128):
@@ -44,10 +56,12 @@ def _assert_down_equal(got, want, used):
 @pytest.mark.parametrize("counts,H,I", DOWN_CASES)
 def test_down_dgrad_reading_the_forward_copy_is_bitwise_the_transposed_one(counts, H, I):
     sch, dq, ds, wq, wsc, gu, w = _down_case(counts, H, I)
-    assert gemm_fp8.dgrads_read_forward_copies(dq, (wq,), 128)
+    assert gemm_fp8_ws.fits_bt(dq, (wq,), 128)
     want = gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, *gemm_fp8.transpose_blocks(wq, wsc), gu, w, sch.tile_expert,
-                                          sch.num_tiles)
-    got = gemm_fp8.down_dgrad_swiglu_fp8_t(dq, ds, wq, wsc, gu, w, sch.tile_expert, sch.num_tiles)
+                                          sch.num_tiles, kernel=hx.fp8_down_dgrad(128, ws=True, programs=None),
+                                          tile_m=128)
+    got = gemm_fp8.down_dgrad_swiglu_fp8_t(dq, ds, wq, wsc, gu, w, sch.tile_expert, sch.num_tiles, kernel=_bt(),
+                                           tile_m=128)
     _assert_down_equal(got, want, slice(0, sch.used))
 
 
@@ -57,7 +71,8 @@ def test_transposing_kernel_ring_depths_lags_and_grids(stages, lag, grid):
     """Every ring depth and lag the producer allows gives the same bits, also persistent over many
     tiles a program (grid 3, 5)."""
     sch, dq, ds, wq, wsc, gu, w = _down_case([77, 500, 3, 0, 260], 2880, 320)
-    want = gemm_fp8.down_dgrad_swiglu_fp8_t(dq, ds, wq, wsc, gu, w, sch.tile_expert, sch.num_tiles)
+    want = gemm_fp8.down_dgrad_swiglu_fp8_t(dq, ds, wq, wsc, gu, w, sch.tile_expert, sch.num_tiles, kernel=_bt(),
+                                            tile_m=128)
     I = wq.shape[2]
     dgu, hw, dw, epi = gemm_fp8._swiglu_bwd_outputs(gu, w, triton.cdiv(I, 128))
     gemm_fp8_ws.launch_bt(dq, ds, (wq,), wsc.transpose(-2, -1).contiguous(), sch.tile_expert, sch.num_tiles, 128,
@@ -100,11 +115,11 @@ def test_gate_up_dgrad_reading_the_forward_copies_is_bitwise_the_transposed_ones
     gemm_fp8.transpose_blocks(gq, gs, out=g_t)
     gemm_fp8.transpose_blocks(uq, us, out=u_t)
     b_scale = _gate_up_t_scales(gs, us)
-    cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=BM)
     want = _pushed(sch, H, lambda ptrs, TK: gemm_fp8.rows_gemm_fp8(
-        q, s, bt, b_scale, sch.tile_expert, sch.num_tiles, row_src=sch.row_src, dst_ptrs=ptrs, TK=TK, config=cfg))
+        q, s, bt, b_scale, sch.tile_expert, sch.num_tiles, row_src=sch.row_src, dst_ptrs=ptrs, TK=TK,
+        kernel=_held(H, q.shape[1], BM), tile_m=BM))
     got = _pushed(sch, H, lambda ptrs, TK: gemm_fp8.gate_up_dgrad_push_fp8_t(
-        q, s, gq, uq, b_scale, sch.tile_expert, sch.num_tiles, sch.row_src, ptrs, TK, BM=BM))
+        q, s, gq, uq, b_scale, sch.tile_expert, sch.num_tiles, sch.row_src, ptrs, TK, kernel=_bt(), tile_m=BM))
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
     assert (got != -3.0).any(dim=-1).sum() == sum(counts), "not every routed row arrived once"
 
@@ -116,7 +131,7 @@ def test_transposing_kernel_deterministic():
 
     def run():
         return _pushed(sch, 2048, lambda ptrs, TK: gemm_fp8.gate_up_dgrad_push_fp8_t(
-            q, s, gq, uq, b_scale, sch.tile_expert, sch.num_tiles, sch.row_src, ptrs, TK))
+            q, s, gq, uq, b_scale, sch.tile_expert, sch.num_tiles, sch.row_src, ptrs, TK, kernel=_bt(), tile_m=128))
 
     first = run()
     for _ in range(20):
@@ -124,13 +139,17 @@ def test_transposing_kernel_deterministic():
 
 
 def test_the_transposing_entry_points_refuse_off_sm90():
-    """Off sm_90 (here: CPU tensors) the layer must transpose the copies first: the entry point says
-    so rather than run something else."""
+    """Off sm_90 (here: CPU tensors) the layer must transpose the copies first (the plan's
+    ``fp8.dgrad`` says so there): the entry point refuses rather than run something else; and
+    any kernel but the transposing one is refused."""
     dq = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
     wq = torch.zeros(3, 256, 128, dtype=torch.float8_e4m3fn)
-    assert not gemm_fp8.dgrads_read_forward_copies(dq, (wq,), 128)
+    assert not gemm_fp8_ws.fits_bt(dq, (wq,), 128)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        gemm_fp8.down_dgrad_swiglu_fp8_t(dq, None, wq, None, None, None, None, None, kernel=_bt(), tile_m=128)
     with pytest.raises(ValueError, match="transposing kernel"):
-        gemm_fp8.down_dgrad_swiglu_fp8_t(dq, None, wq, None, None, None, None, None)
+        gemm_fp8.down_dgrad_swiglu_fp8_t(dq, None, wq, None, None, None, None, None, tile_m=128,
+                                         kernel=hx.fp8_down_dgrad(128, ws=True, programs=None))
 
 
 @gpu
@@ -138,7 +157,8 @@ def test_the_transposing_entry_points_refuse_what_tma_cannot_read():
     """Weights whose rows are no TMA stride, or schedule tiles not a multiple of 128 rows."""
     sch, dq, ds, wq, wsc, gu, w = _down_case([130, 0, 5], 256, 128)
     bad = torch.zeros(3, 256, 200, dtype=torch.float8_e4m3fn, device="cuda")[:, :, :120]
-    assert not gemm_fp8.dgrads_read_forward_copies(dq, (bad,), 128)
-    assert not gemm_fp8.dgrads_read_forward_copies(dq, (wq,), 64)
-    with pytest.raises(ValueError, match="transposing kernel"):
-        gemm_fp8.down_dgrad_swiglu_fp8_t(dq, ds, bad, wsc, gu, w, sch.tile_expert, sch.num_tiles)
+    assert not gemm_fp8_ws.fits_bt(dq, (bad,), 128)
+    assert not gemm_fp8_ws.fits_bt(dq, (wq,), 64)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        gemm_fp8.down_dgrad_swiglu_fp8_t(dq, ds, bad, wsc, gu, w, sch.tile_expert, sch.num_tiles, kernel=_bt(),
+                                         tile_m=128)

@@ -33,9 +33,10 @@ def _i32(v):
 
 
 def _rows(N, K):
+    from tabby.functional import heuristics
     from tabby.ops.gemm import fp8 as gemm_fp8
 
-    cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, N)
+    cfg = heuristics.fp8_rows(N, K, 128, ws=False, programs=None).config
     args = dict(a_ptr="*fp8e4nv", stride_am=_i32(K), as_ptr="*fp32", stride_asm=_i32(-(-K // 128)),
                 b_ptr="*fp8e4nv", stride_be=_i32(N * K), stride_bn=_i32(K), bs_ptr="*fp32",
                 stride_bse=_i32(-(-N // 128) * -(-K // 128)), stride_bsn=_i32(-(-K // 128)), c_ptr="*bf16",
@@ -47,9 +48,10 @@ def _rows(N, K):
 
 
 def _dgrad(H, I):
+    from tabby.functional import heuristics
     from tabby.ops.gemm import fp8 as gemm_fp8
 
-    cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, I)
+    cfg = heuristics.fp8_down_dgrad(128, ws=False, programs=None).config
     nk, ni = -(-H // 128), -(-I // 128)
     args = dict(a_ptr="*fp8e4nv", stride_am=_i32(H), as_ptr="*fp32", stride_asm=_i32(nk), b_ptr="*fp8e4nv",
                 stride_be=_i32(I * H), stride_bn=_i32(H), bs_ptr="*fp32", stride_bse=_i32(ni * nk),
@@ -63,26 +65,27 @@ def _dgrad(H, I):
 
 
 def _gate_up(H, I):
-    """The kernel as gate_up_swiglu_fp8 launches it with the default config: TMA at GATE_UP_TMA_BM
-    rows where H allows a tensor descriptor, else the pointer loop at the schedule's tile."""
+    """The kernel as gate_up_swiglu_fp8 launches it at the plan's Triton choice: TMA at
+    FP8_GATE_UP_TMA_BM rows where H allows a tensor descriptor, else the pointer loop at the
+    schedule's tile."""
+    from tabby.functional import heuristics
     from tabby.ops.gemm import fp8 as gemm_fp8
 
-    cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_GATE_UP)
-    tma = H % 16 == 0
-    BM = gemm_fp8.GATE_UP_TMA_BM if tma else cfg.BM
+    kernel = heuristics.fp8_gate_up(H, 128, ws=False, programs=None)
+    cfg, tma = kernel.config, kernel.tma
+    BM = cfg.BM
     nk, ni = -(-H // 128), -(-I // 128)
     args = dict(a_ptr="*fp8e4nv", stride_am=_i32(H), as_ptr="*fp32", stride_asm=_i32(nk), wg_ptr="*fp8e4nv",
                 wu_ptr="*fp8e4nv", stride_we=_i32(I * H), stride_wn=_i32(H), gs_ptr="*fp32", us_ptr="*fp32",
                 stride_wse=_i32(ni * nk), stride_wsn=_i32(nk), hq_ptr="*fp8e4nv",
                 stride_hm=_i32(I), hs_ptr="*fp32", stride_hsm=_i32(ni), gu_ptr="*bf16", stride_gum=_i32(2 * I),
                 tile_expert_ptr="*i32", num_tiles_ptr="*i32", num_m="i32:16", H=Const(H), I=Const(I), BM=Const(BM),
-                GROUP_M=Const(cfg.GROUP_M * (cfg.BM // BM)), EVEN_K=Const(H % 128 == 0), SAVE_GU=Const(True),
+                GROUP_M=Const(cfg.GROUP_M), EVEN_K=Const(H % 128 == 0), SAVE_GU=Const(True),
                 INTERPRET=Const(False), USE_TMA=Const(tma),
                 a_desc=f"tensordesc<fp8e4nv[{BM},128]>" if tma else Const(None),
                 wg_desc="tensordesc<fp8e4nv[1,128,128]>" if tma else Const(None),
-                wu_desc="tensordesc<fp8e4nv[1,128,128]>" if tma else Const(None), SUB_M=Const(cfg.BM // BM))
-    stages = cfg.num_stages if tma else min(cfg.num_stages, gemm_fp8.GATE_UP_PTR_STAGES)
-    return compile_args(gemm_fp8.gate_up_swiglu_fp8_kernel, args, num_warps=cfg.num_warps, num_stages=stages)
+                wu_desc="tensordesc<fp8e4nv[1,128,128]>" if tma else Const(None), SUB_M=Const(128 // BM))
+    return compile_args(gemm_fp8.gate_up_swiglu_fp8_kernel, args, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _sass(k):

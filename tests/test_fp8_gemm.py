@@ -15,6 +15,8 @@ from tabby import reference_fp8 as ref  # noqa: E402
 from tabby.ops.gemm import fp8 as gemm_fp8  # noqa: E402
 from tabby.ops.quantize import quantize_blocks, quantize_cols, quantize_rows  # noqa: E402
 from tabby.ops.gemm.bf16 import GemmConfig, tma_aligned  # noqa: E402
+from tabby.ops.gemm.fp8 import CORE_TRITON, CORE_WS, Fp8Gemm  # noqa: E402
+from tabby.functional import heuristics  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -56,6 +58,11 @@ def rand(*shape, seed, scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
 
 
+def triton_kernel(cfg, tma=False):
+    """The Triton core at ``cfg`` (the plan's choice, given as the entry points take it)."""
+    return Fp8Gemm(CORE_TRITON, cfg, tma=tma)
+
+
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
@@ -74,7 +81,7 @@ def test_rows_gemm_fp8_store(K, N, BN):
     sentinel = -7.0
     out = torch.full((sch.R, N), sentinel, dtype=torch.float32, device=DEV)
     cfg = GemmConfig(BM=BM, BN=BN, BK=128, num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
-    gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, out=out, config=cfg)
+    gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, out=out, kernel=triton_kernel(cfg), tile_m=BM)
     out = out.cpu()
     aqc, asc, bqc, bsc = aq.cpu(), as_.cpu(), bq.cpu(), bs.cpu()
     for e, st, c in sch.segments:
@@ -100,7 +107,8 @@ def test_rows_gemm_fp8_push(K, N):
     dst = [torch.zeros(TKr, N, dtype=torch.bfloat16, device=DEV) for _ in range(W)]
     ptrs = torch.tensor([d.data_ptr() for d in dst], dtype=torch.int64, device=DEV)
     cfg = GemmConfig(BM=BM, BN=128, BK=128, num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
-    gemm_fp8.down_push_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, sch.row_src, ptrs, TKr, config=cfg)
+    gemm_fp8.down_push_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, sch.row_src, ptrs, TKr,
+                           kernel=triton_kernel(cfg), tile_m=BM)
     got = torch.zeros(W * TKr, N, dtype=torch.bfloat16)
     for w in range(W):
         got[w * TKr:(w + 1) * TKr] = dst[w].cpu()
@@ -126,7 +134,7 @@ def test_gate_up_swiglu_fp8(H, I):
     gu = torch.zeros(sch.R, 2 * I, dtype=torch.bfloat16, device=DEV)
     cfg = GemmConfig(BM=BM, BN=128, BK=128, num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
     gemm_fp8.gate_up_swiglu_fp8(xq, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles, hq=hq, h_scale=hs, gu=gu,
-                                config=cfg)
+                                kernel=triton_kernel(cfg, tma=True), tile_m=BM)
     hq, hs, gu = hq.cpu(), hs.cpu(), gu.cpu()
     xqc, xsc = xq.cpu(), xs.cpu()
     for e, st, c in sch.segments:
@@ -151,11 +159,12 @@ def test_gate_up_swiglu_fp8(H, I):
 @pytest.mark.parametrize("BM,H,I", [(128, 256, 256), (128, 208, 256), (16, 256, 256), (128, 272, 144),
                                     (16, 272, 144)])
 def test_gate_up_swiglu_fp8_tma_and_pointer_loops_agree(BM, H, I):
-    """gate/up through tensor descriptors (aligned operands; at BM 128, kernel tiles of
-    GATE_UP_TMA_BM rows, two per schedule tile) and through the pointer loop (the same values at an
-    address that is not 16-byte aligned, where TMA cannot load): the same bits, also with H and I
-    not multiples of 128 (TMA's out-of-bounds zeros, along K and past I, against the pointer loop's
-    masked loads and weight rows modulo I)."""
+    """gate/up through tensor descriptors at the plan's kernel (at BM 128, kernel tiles of
+    FP8_GATE_UP_TMA_BM rows, two per schedule tile) and through the pointer loop at the schedule's
+    tile (on the same operands, and on a copy at an address that is not 16-byte aligned, where TMA
+    cannot load and is refused): the same bits, also with H and I not multiples of 128 (TMA's
+    out-of-bounds zeros, along K and past I, against the pointer loop's masked loads and weight
+    rows modulo I)."""
     counts = [130, 0, 40] if BM == 128 else [21, 0, 40]
     sch = Sched(counts, BM, seed=H)
     E = len(counts)
@@ -166,17 +175,23 @@ def test_gate_up_swiglu_fp8_tma_and_pointer_loops_agree(BM, H, I):
     xq_odd = torch.empty(sch.R * H + 1, dtype=xq.dtype, device=DEV)[1:].view(sch.R, H)
     xq_odd.copy_(xq)
     assert all(tma_aligned(t) for t in (xq, gq, uq)) and not tma_aligned(xq_odd)
-    cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_GATE_UP, BM=BM)
+    tma = heuristics.fp8_gate_up(H, BM, ws=False, programs=None)
+    assert tma.tma and tma.config.BM == (heuristics.FP8_GATE_UP_TMA_BM if BM == 128 else BM)
+    pointers = triton_kernel(GemmConfig(BM=BM, BN=128, BK=128, num_warps=8, GROUP_M=8,
+                                        num_stages=heuristics.FP8_GATE_UP_PTR_STAGES))
     outs = []
-    for a in (xq, xq_odd):
+    for a, kernel in ((xq, tma), (xq, pointers), (xq_odd, pointers)):
         hq = torch.zeros(sch.R, I, dtype=torch.float8_e4m3fn, device=DEV)
         hs = torch.full((sch.R, -(-I // 128)), -1.0, device=DEV)
         gu = torch.zeros(sch.R, 2 * I, dtype=torch.bfloat16, device=DEV)
         gemm_fp8.gate_up_swiglu_fp8(a, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles, hq=hq, h_scale=hs,
-                                    gu=gu, config=cfg)
+                                    gu=gu, kernel=kernel, tile_m=BM)
         outs.append((hq.view(torch.uint8).cpu(), hs.cpu(), gu.cpu()))
-    (hq_t, hs_t, gu_t), (hq_p, hs_p, gu_p) = outs
-    assert torch.equal(hq_t, hq_p) and torch.equal(hs_t, hs_p) and torch.equal(gu_t, gu_p)
+    (hq_t, hs_t, gu_t) = outs[0]
+    for hq_p, hs_p, gu_p in outs[1:]:
+        assert torch.equal(hq_t, hq_p) and torch.equal(hs_t, hs_p) and torch.equal(gu_t, gu_p)
+    with pytest.raises(ValueError, match="16-byte aligned"):  # TMA asked for, operands it cannot load: refused
+        gemm_fp8.gate_up_swiglu_fp8(xq_odd, xs, gq, gs, uq, us, sch.tile_expert, sch.num_tiles, kernel=tma, tile_m=BM)
     assert bool((hs_t[sch.used:] == -1).all()) and bool((gu_t[sch.used:] == 0).all())
     g = ref.fp8_gemm_ref(xq.cpu()[:counts[0]], xs.cpu()[:counts[0]], gq.cpu()[0], gs.cpu()[0])
     assert rel(gu_t[:counts[0], :I], g.to(torch.bfloat16)) < TIGHT_BF16
@@ -188,15 +203,38 @@ def test_config_checks():
     s = torch.ones(sch.R, 2, device=DEV)
     w = torch.zeros(1, 200, 256, dtype=torch.float8_e4m3fn, device=DEV)
     ws = torch.ones(1, 2, 2, device=DEV)
+    k16 = triton_kernel(GemmConfig(BM=16, BN=128, BK=128))
     with pytest.raises(ValueError, match="w_gate and w_up"):
         gemm_fp8.gate_up_swiglu_fp8(a, s, w, ws, w[:, :128], ws[:, :1], sch.tile_expert, sch.num_tiles,
-                                    config=GemmConfig(BM=16, BN=128, BK=128))
+                                    kernel=k16, tile_m=16)
     with pytest.raises(ValueError, match="scales"):  # I = 200: two scale block rows, not one
         gemm_fp8.gate_up_swiglu_fp8(a, s, w, ws[:, :1], w, ws[:, :1], sch.tile_expert, sch.num_tiles,
-                                    config=GemmConfig(BM=16, BN=128, BK=128))
+                                    kernel=k16, tile_m=16)
     with pytest.raises(ValueError, match="scales"):
-        gemm_fp8.rows_gemm_fp8(a, s[:, :1], w, ws, sch.tile_expert, sch.num_tiles,
-                               config=GemmConfig(BM=16, BN=128, BK=128))
+        gemm_fp8.rows_gemm_fp8(a, s[:, :1], w, ws, sch.tile_expert, sch.num_tiles, kernel=k16, tile_m=16)
+    with pytest.raises(ValueError, match="schedule's tile"):  # a Triton rows kernel's BM is the schedule's
+        gemm_fp8.rows_gemm_fp8(a, s, w, ws, sch.tile_expert, sch.num_tiles,
+                               kernel=triton_kernel(GemmConfig(BM=32, BN=128, BK=128)), tile_m=16)
+    with pytest.raises(ValueError, match="BK=64"):
+        triton_kernel(GemmConfig(BM=16, BN=128, BK=64))
+    with pytest.raises(ValueError, match="warp-specialized"):  # its tiles are 128 rows at 4 warps
+        Fp8Gemm(CORE_WS, GemmConfig(BM=64, BN=128, BK=128, num_warps=4))
+
+
+@pytest.mark.skipif(CUDA and torch.cuda.get_device_capability()[0] == 9, reason="sm_90 runs the ws kernels")
+def test_the_warp_specialized_kernels_named_where_they_cannot_run_raise():
+    """The plan names the core; an entry point that cannot run it says so (it never switches)."""
+    sch = Sched([130], 128)
+    a = torch.zeros(sch.R, 256, dtype=torch.float8_e4m3fn, device=DEV)
+    s = torch.ones(sch.R, 2, device=DEV)
+    w = torch.zeros(1, 256, 256, dtype=torch.float8_e4m3fn, device=DEV)
+    ws = torch.ones(1, 2, 2, device=DEV)
+    k = heuristics.fp8_rows(256, 256, 128, ws=True, programs=4)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        gemm_fp8.rows_gemm_fp8(a, s, w, ws, sch.tile_expert, sch.num_tiles, kernel=k, tile_m=128)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        gemm_fp8.gate_up_swiglu_fp8(a, s, w, ws, w, ws, sch.tile_expert, sch.num_tiles,
+                                    kernel=heuristics.fp8_gate_up(256, 128, ws=True, programs=4), tile_m=128)
 
 
 def test_quantize_cols_masks_padding_rows():
@@ -223,7 +261,8 @@ def test_expert_wgrad_fp8(M, N):
                      num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
     start = torch.tensor([st for _, st, _ in sch.segments], dtype=torch.int32, device=DEV)
     count = torch.tensor([c for _, _, c in sch.segments], dtype=torch.int32, device=DEV)
-    out = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, config=cfg).cpu()
+    out = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32,
+                                    kernel=triton_kernel(cfg)).cpu()
     aqc, bqc = aq.cpu().t().contiguous(), bq.cpu().t().contiguous()  # [R, C], as the reference takes them
     for e, st, c in sch.segments:
         want = ref.fp8_wgrad_ref(aqc, as_.cpu(), bqc, bs.cpu(), st, c)
@@ -249,13 +288,13 @@ def test_expert_wgrad_fp8_padded_segments(M, N):
                      num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
     start = torch.tensor([st for _, st, _ in sch.segments], dtype=torch.int32, device=DEV)
     count = torch.tensor([c for _, _, c in sch.segments], dtype=torch.int32, device=DEV)
-    general = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, config=cfg)
-    padded = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, config=cfg,
-                                       padded=True)
+    k = triton_kernel(cfg)
+    general = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, kernel=k)
+    padded = gemm_fp8.expert_wgrad_fp8(aq, as_, bq, bs, start, count, out_dtype=torch.float32, kernel=k, padded=True)
     assert torch.equal(general.view(torch.int32), padded.view(torch.int32))
     assert not padded[[0, 2, 6]].any()  # the empty experts
     with pytest.raises(ValueError, match="multiple of 128"):
-        gemm_fp8.expert_wgrad_fp8(aq[:, :-16], as_, bq[:, :-16], bs, start, count, padded=True)
+        gemm_fp8.expert_wgrad_fp8(aq[:, :-16], as_, bq[:, :-16], bs, start, count, padded=True, kernel=k)
 
 
 @pytest.mark.parametrize("H,I", [(256, 256), (272, 144), (208, 80)])
@@ -276,7 +315,7 @@ def test_down_dgrad_swiglu_fp8(H, I):
     wtq, wts = gemm_fp8.transpose_blocks(wq, wsc)
     cfg = GemmConfig(BM=BM, BN=128, BK=128, num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
     dgu, hw, dwp = gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, wtq, wts, gu.to(DEV), row_w.to(DEV), sch.tile_expert,
-                                                  sch.num_tiles, config=cfg)
+                                                  sch.num_tiles, kernel=triton_kernel(cfg), tile_m=BM)
     dgu, hw, dw = dgu.cpu().float(), hw.cpu().float(), dwp.cpu().sum(1)
     # the transposed blocks are the same quantization as quantizing W_down^T itself
     rq, rs = ref.quantize_blocks_ref(wd.transpose(1, 2).contiguous())
@@ -342,7 +381,7 @@ def test_gate_up_dgrad_fp8_halves_padded(H, I, made):
     assert torch.equal(bs.cpu(), torch.stack(rbs))
     out = torch.full((sch.R, H), -7.0, dtype=torch.float32, device=DEV)
     cfg = GemmConfig(BM=BM, BN=128, BK=128, num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
-    gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, out=out, config=cfg)
+    gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, out=out, kernel=triton_kernel(cfg), tile_m=BM)
     out = out.cpu()
     for e, st, c in sch.segments:
         if c == 0:

@@ -27,6 +27,7 @@ def _line(name, k, **more):
 def _report():
     from triton.experimental.gluon import language as gl
 
+    from tabby.functional import heuristics as hx
     from tabby.ops.gemm import fp8_ws as ws
 
     a_layout = gl.NVMMASharedLayout.get_default_for([ws.HALF, 128], gl.float8e4nv)
@@ -35,16 +36,22 @@ def _report():
             ws.EPI_PUSH.value: ("*i32", "*i64", "i32", "i32:16", "*bf16"),
             ws.EPI_SWIGLU_BWD.value: ("*bf16", "i32:16", "*fp32", "*bf16", "i32:16", "*bf16", "i32:16", "*fp32",
                                       "i32")}
-    # (epilogue, kernel, (NK, STAGES) cases): the stored and pushed rows at 128 x 256 (ring depth
-    # ws.wide_stages: 4 at qwen3-30b-a3b's down, K 768), the SwiGLU backward at 128 x 128; kimi-k2's
-    # K 2048 and gpt-oss-120b's 2880 (a partial last block)
+    # (epilogue, kernel, (NK, STAGES) cases): the stored and pushed rows at 128 x 256 (the plan's ring
+    # depth, heuristics.fp8_wide_stages: 4 at qwen3-30b-a3b's down, K 768), the SwiGLU backward at
+    # 128 x 128; kimi-k2's K 2048 and gpt-oss-120b's 2880 (a partial last block)
+    down_dgrad = hx.fp8_down_dgrad(128, ws=True, programs=None).config
     wide_cases = ((6, 4), (16, 3), (23, 3))
     runs = [(ws.EPI_STORE.value, "tile256", ws.rows_gemm_fp8_ws_wide_kernel, wide_cases),
             (ws.EPI_PUSH.value, "tile256", ws.rows_gemm_fp8_ws_wide_kernel, wide_cases),
-            (ws.EPI_SWIGLU_BWD.value, "tile128", ws.rows_gemm_fp8_ws_kernel, ((16, ws.STAGES), (23, ws.STAGES)))]
+            (ws.EPI_SWIGLU_BWD.value, "tile128", ws.rows_gemm_fp8_ws_kernel,
+             ((16, down_dgrad.num_stages), (23, down_dgrad.num_stages)))]
     for epilogue, tile, kernel, cases in runs:
         for nk, stages in cases:
-            assert stages == (ws.wide_stages(nk * 128) if tile == "tile256" else ws.STAGES)
+            if tile == "tile256":  # the plan's rows GEMM at this K
+                planned = hx.fp8_rows(2048, nk * 128, 128, ws=True, programs=None).config
+                assert (planned.BN, planned.num_stages) == (256, stages)
+            else:
+                assert down_dgrad.BN == 128
             args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
                         b_desc=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", bs_ptr="*fp32", stride_bse="i32",
                         stride_bsn="i32", epi=epis[epilogue], tile_expert_ptr="*i32", num_tiles_ptr="*i32",
@@ -57,7 +64,8 @@ def _report():
                     w_desc_u=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", gs_ptr="*fp32", us_ptr="*fp32",
                     stride_wse="i32", stride_wsn="i32", hq_ptr="*fp8e4nv", stride_hm="i32:16", hs_ptr="*fp32",
                     stride_hsm="i32", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
-                    num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk), STAGES=Const(3),
+                    num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk),
+                    STAGES=Const(hx.fp8_gate_up(2048, 128, ws=True, programs=None).config.num_stages),
                     GROUP_M=Const(8), SCHED_BM=Const(128), SAVE_GU=Const(True))
         _line(f"gate_up/nk{nk}", compile_args(ws.gate_up_swiglu_fp8_ws_kernel, args, num_warps=4))
     b_half = gl.NVMMASharedLayout.get_default_for([ws.BN, 128], gl.float8e4nv)
@@ -66,18 +74,22 @@ def _report():
         args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asr="i32",
                     b_desc=f"tensordesc<fp8e4nv[{ws.BN},128],{b_half!r}>", bs_ptr="*fp32", stride_bsr="i32",
                     c_desc=f"tensordesc<bf16[1,64,64],{c_layout!r}>", expert_start_ptr="*i32",
-                    expert_count_ptr="*i32", E="i32", M="i32:16", N="i32:16", STAGES=Const(ws.WGRAD_STAGES),
+                    expert_count_ptr="*i32", E="i32", M="i32:16", N="i32:16",
+                    STAGES=Const(hx.fp8_wgrad(ws=True, programs=None).config.num_stages),
                     GROUP_M=Const(8))
         _line(f"wgrad/{M}x{N}", compile_args(ws.expert_wgrad_fp8_ws_kernel, args, num_warps=4))
     # the dgrads reading the forward copies transposed: deepseek-v4-pro's down (K = H 7168, the
     # SwiGLU backward) and gate/up (two parts of 24 blocks, pushed)
+    bt = hx.fp8_down_dgrad(128, ws=True, programs=None, in_kernel=True)
+    assert bt == hx.fp8_gate_up_dgrad(7168, 6144, 128, ws=True, programs=None, in_kernel=True)
     for epilogue, nk, nk0 in ((ws.EPI_SWIGLU_BWD.value, 56, 56), (ws.EPI_PUSH.value, 48, 24)):
         args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
                     b0_desc=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>",
                     b1_desc=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", bs_ptr="*fp32", stride_bse="i32",
                     stride_bsn="i32", epi=epis[epilogue], tile_expert_ptr="*i32", num_tiles_ptr="*i32",
-                    num_m="i32", N="i32:16", KR="i32", NK=Const(nk), NK0=Const(nk0), STAGES=Const(ws.BT_STAGES),
-                    LAG=Const(ws.BT_LAG), GROUP_M=Const(8), SCHED_BM=Const(128), EPILOGUE=Const(epilogue))
+                    num_m="i32", N="i32:16", KR="i32", NK=Const(nk), NK0=Const(nk0),
+                    STAGES=Const(bt.config.num_stages), LAG=Const(bt.lag), GROUP_M=Const(8), SCHED_BM=Const(128),
+                    EPILOGUE=Const(epilogue))
         k = compile_args(ws.rows_gemm_fp8_ws_bt_kernel, args, num_warps=4)
         ptx = k.asm["ptx"]
         _line(f"bt/epilogue{epilogue}", k, transposes=ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16"),
@@ -97,9 +109,9 @@ def test_warp_specialized_rows_gemm_compiles_unserialized():
             # the transposing producer: per 128 x 128 block (once in the loop, once per lag block after
             # it) 8 ldmatrix.x4 a warp in (the push's epilogue uses more) and 32 word stores a thread out,
             # no byte crossing shared memory alone
-            from tabby.ops.gemm.fp8_ws import BT_LAG
+            from tabby.functional.heuristics import FP8_WS_BT_LAG
 
-            copies = 1 + BT_LAG
+            copies = 1 + FP8_WS_BT_LAG
             assert c["transposes"] >= 8 * copies and c["byte_stores"] == 0, line
             assert c["word_stores"] == 32 * copies, line
         if f[0].startswith("wgrad"):  # the weight gradient stores by TMA (4 boxes a tile and consumer)

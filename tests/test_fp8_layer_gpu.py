@@ -99,18 +99,23 @@ def test_fp8_layer_gpu_no_host_sync_and_graph_replay():
 @pytest.mark.parametrize("H,I,E,k,T", [(2880, 2880, 8, 4, 512), (1040, 720, 8, 2, 333)])
 def test_fp8_backward_reading_the_forward_copies_is_bitwise_the_cached_transposes(H, I, E, k, T):
     """cache_fp8_transposes=False: on an H200 the dgrads read the forward's E4M3 copies transposed
-    in the kernel (gemm_fp8.dgrads_read_forward_copies); every value and gradient is the cached
-    transposes' bit for bit (the same wgmma over the same bytes), with a partial K block (H 2880)
-    and I not a multiple of 128 (the gate/up dgrad's padded halves), and without a host sync."""
+    in the kernel (the plan's ``fp8.dgrad`` "transpose_in_kernel"); every value and gradient is the
+    cached transposes' bit for bit (the same wgmma over the same bytes), with a partial K block (H
+    2880) and I not a multiple of 128 (the gate/up dgrad's padded halves), and without a host sync;
+    so are transposes made per call (``Tuning(fp8_dgrad="transpose_per_call")``)."""
     from tabby.functional import fp8 as fp8_layer
 
     prob = make_problem(1, T, H, I, E, k, seed=H + 7 * T)
     want = _run(prob, GPU_CFG_BWD, device="cuda")
     fp8_layer.clear_weight_cache()
     uncached = dataclasses.replace(GPU_CFG_BWD, cache_fp8_transposes=False, debug=False)
-    got = _run(prob, uncached, device="cuda")
-    assert all(torch.equal(a, b) for a, b in zip(got, want)), [NAMES[i] for i, (a, b) in
-                                                                enumerate(zip(got, want)) if not torch.equal(a, b)]
+    per_call = dataclasses.replace(uncached, tuning=dataclasses.replace(uncached.tuning,
+                                                                        fp8_dgrad="transpose_per_call"))
+    for cfg in (per_call, uncached):
+        got = _run(prob, cfg, device="cuda")
+        fp8_layer.clear_weight_cache()
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), [NAMES[i] for i, (a, b) in
+                                                                    enumerate(zip(got, want)) if not torch.equal(a, b)]
     lv, idx, dy = _leaves(prob, "cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

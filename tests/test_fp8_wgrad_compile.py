@@ -6,8 +6,8 @@ pipeliner from turning them into async copies (one stage in shared memory whatev
 so the blocks inside an expert's segment are loaded unmasked. Checked here: the async copies
 (num_stages - 1 in flight), the FP8 wgmma with both operands from shared memory, no byte loads,
 no spills and no serialized wgmma (C7514 / C7515), at the benchmark's shapes, gpt-oss-120b's (2880:
-partial output tiles) and an odd one; and with PADDED at KIND_WGRAD's tiles (the layer's launch,
-every block in the loop).
+partial output tiles) and an odd one; and with PADDED at the plan's Triton tiles
+(``heuristics.fp8_wgrad``: the layer's launch off sm_90, every block in the loop).
 """
 import re
 
@@ -17,14 +17,15 @@ SHAPES = ((2048, 768), (768, 2048), (7168, 2048), (100, 70), (2880, 2880))  # (2
 
 
 def _report():
+    from tabby.functional import heuristics
     from tabby.ops.gemm import fp8 as gemm_fp8
     from tabby.ops.gemm.bf16 import GemmConfig
 
     GENERAL = GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=4, GROUP_M=8)  # the general form's
 
     for (M, N), padded in [(s, False) for s in SHAPES] + [(s, True) for s in SHAPES[:3]]:
-        # the padded form as the layer launches it (KIND_WGRAD's tiles)
-        cfg = gemm_fp8.default_config_fp8(gemm_fp8.KIND_WGRAD) if padded else GENERAL
+        # the padded form as the layer launches it (the plan's Triton tiles)
+        cfg = heuristics.fp8_wgrad(ws=False, programs=None).config if padded else GENERAL
         args = dict(at_ptr="*fp8e4nv", stride_at="i32:16", as_ptr="*fp32", stride_asr="i32:16", bt_ptr="*fp8e4nv",
                     stride_bt="i32:16", bs_ptr="*fp32", stride_bsr="i32:16", c_ptr="*bf16", stride_ce="i32:16",
                     stride_cm="i32:16", expert_start_ptr="*i32", expert_count_ptr="*i32", R="i32:16",

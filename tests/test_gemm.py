@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from tabby.functional import heuristics  # noqa: E402
 from tabby.ops.gemm import bf16 as gemm  # noqa: E402
 from tabby.ops.gemm.bf16 import GemmConfig  # noqa: E402
 
@@ -307,11 +308,28 @@ def test_gate_up_dgrad_push(counts, cfg):
     assert rel_err(out[used], ref[used]) < 1e-2
 
 
-def test_default_configs():
-    for kind in (gemm.KIND_GATE_UP, gemm.KIND_DOWN, gemm.KIND_DGRAD_SWIGLU, gemm.KIND_GATE_UP_DGRAD, gemm.KIND_WGRAD):
-        for N, K in ((768, 2048), (2048, 768), (40, 48)):
-            c = gemm.default_config(kind, N, K)
-            assert c.BM == 128 and c.BK in (32, 64) and c.BN in (16, 32, 64, 128, 256)
+def test_planned_configs():
+    """The heuristics' tiles of every standalone kernel (the plan's: the launchers take them as given)."""
+    for N, K in ((768, 2048), (2048, 768), (40, 48)):
+        for kind in (gemm.KIND_GATE_UP, gemm.KIND_DOWN, gemm.KIND_DGRAD_SWIGLU, gemm.KIND_GATE_UP_DGRAD):
+            c = heuristics.gemm_config(kind, N, K, 128)
+            assert c.BM == 128 and c.BK == 64 and c.BN in (16, 32, 64, 128, 256)
+        c = heuristics.wgrad_config(N)
+        assert c.BM == 128 and c.BK == 32 and c.BN in (16, 32, 64, 128, 256)
+    with pytest.raises(ValueError, match="unknown GEMM kind"):
+        heuristics.gemm_config("wgrad", 768, 2048, 128)
+
+
+def planned(kind, N, K):
+    """The plan's tiles of ``kind`` at 128-row tiles (``heuristics.gemm_config``)."""
+    return heuristics.gemm_config(kind, N, K, 128)
+
+
+def planned_wgrad(N):
+    """The plan's weight-gradient tiles and grid on this device."""
+    return dict(config=heuristics.wgrad_config(N),
+                programs=heuristics.wgrad_programs(torch.cuda.get_device_properties(0).multi_processor_count
+                                                   if CUDA else None))
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,7 +353,8 @@ def test_gpu_forward_realistic():
     wg = rand(E, I, H, seed=2, scale=H ** -0.5)
     wu = rand(E, I, H, seed=3, scale=H ** -0.5)
     wd = rand(E, H, I, seed=4, scale=I ** -0.5)
-    h, gu = gemm.gate_up_swiglu(xs, wg, wu, s.tile_expert, s.num_tiles, save_gu=True)
+    h, gu = gemm.gate_up_swiglu(xs, wg, wu, s.tile_expert, s.num_tiles, save_gu=True,
+                                config=planned(gemm.KIND_GATE_UP, I, H))
     used = s.used_rows.to(DEV)
     ex = s.row_expert.to(DEV)
     g_ref = torch.zeros(s.R, I, device=DEV)
@@ -348,7 +367,7 @@ def test_gpu_forward_realistic():
     assert rel_err(h[used], h_ref[used]) < 1e-2
     assert rel_err(gu[used, :I], g_ref[used]) < 1e-2
     dsts, ptrs = make_dsts(s, H)
-    gemm.down_push(h, wd, s.tile_expert, s.num_tiles, s.row_src, ptrs, s.TK)
+    gemm.down_push(h, wd, s.tile_expert, s.num_tiles, s.row_src, ptrs, s.TK, config=planned(gemm.KIND_DOWN, H, I))
     y_ref = torch.zeros(s.R, H, device=DEV)
     for e in range(E):
         m = ex == e
@@ -368,7 +387,8 @@ def test_gpu_backward_realistic():
     wd = rand(E, H, I, seed=10, scale=I ** -0.5)
     ws = torch.rand(s.R, device=DEV)
     ws[~s.real.to(DEV)] = 0
-    dgu, hw, dwp = gemm.down_dgrad_swiglu_bwd(dys, wd, gu, ws, s.tile_expert, s.num_tiles)
+    dgrad_cfg = planned(gemm.KIND_DGRAD_SWIGLU, I, H)
+    dgu, hw, dwp = gemm.down_dgrad_swiglu_bwd(dys, wd, gu, ws, s.tile_expert, s.num_tiles, config=dgrad_cfg)
     dw = gemm.reduce_dw(dwp)
     used = s.used_rows.to(DEV)
     ex = s.row_expert.to(DEV)
@@ -386,15 +406,16 @@ def test_gpu_backward_realistic():
     assert rel_err(dw[used], (dh_raw * hh).sum(1)[used]) < 1e-2
 
     dsts, ptrs = make_dsts(s, H)
-    gemm.gate_up_dgrad_push(dgu, wg, wu, s.tile_expert, s.num_tiles, s.row_src, ptrs, s.TK)
+    gemm.gate_up_dgrad_push(dgu, wg, wu, s.tile_expert, s.num_tiles, s.row_src, ptrs, s.TK,
+                            config=planned(gemm.KIND_GATE_UP_DGRAD, H, 2 * I))
     dx_ref = torch.zeros(s.R, H, device=DEV)
     for e in range(E):
         m = ex == e
         dx_ref[m] = dgu[m, :I].float() @ wg[e].float() + dgu[m, I:].float() @ wu[e].float()
     check_pushed(s, dsts, dx_ref.cpu(), H)
 
-    dwd = gemm.expert_wgrad(dys, hw, s.expert_start, s.expert_count)
-    dwg, dwu = gemm.expert_wgrad_gate_up(dgu, xs, s.expert_start, s.expert_count)
+    dwd = gemm.expert_wgrad(dys, hw, s.expert_start, s.expert_count, **planned_wgrad(I))
+    dwg, dwu = gemm.expert_wgrad_gate_up(dgu, xs, s.expert_start, s.expert_count, **planned_wgrad(H))
     for e in range(E):
         st, c = s.start_list[e], s.counts[e]
         if c == 0:
@@ -404,9 +425,9 @@ def test_gpu_backward_realistic():
         assert rel_err(dwg[e], dgu[st:st + c, :I].float().T @ xs[st:st + c].float()) < 1e-2
         assert rel_err(dwu[e], dgu[st:st + c, I:].float().T @ xs[st:st + c].float()) < 1e-2
     # determinism of the full backward chain
-    dgu2, hw2, dwp2 = gemm.down_dgrad_swiglu_bwd(dys, wd, gu, ws, s.tile_expert, s.num_tiles)
+    dgu2, hw2, dwp2 = gemm.down_dgrad_swiglu_bwd(dys, wd, gu, ws, s.tile_expert, s.num_tiles, config=dgrad_cfg)
     assert torch.equal(dgu2[used], dgu[used]) and torch.equal(dwp2[used], dwp[used])
-    assert torch.equal(gemm.expert_wgrad(dys, hw, s.expert_start, s.expert_count), dwd)
+    assert torch.equal(gemm.expert_wgrad(dys, hw, s.expert_start, s.expert_count, **planned_wgrad(I)), dwd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,9 +449,11 @@ def main_bench(E=64, H=2048, I=768, rows=65536, configs=None):
     wu = rand(E, I, H, seed=3, scale=H ** -0.5)
     wd = rand(E, H, I, seed=4, scale=I ** -0.5)
     ws = torch.rand(s.R, device=DEV)
-    h, gu = gemm.gate_up_swiglu(xs, wg, wu, s.tile_expert, s.num_tiles, save_gu=True)
+    configs = {"gate_up": planned(gemm.KIND_GATE_UP, I, H), "down": planned(gemm.KIND_DOWN, H, I),
+               "dgrad_swiglu": planned(gemm.KIND_DGRAD_SWIGLU, I, H),
+               "gate_up_dgrad": planned(gemm.KIND_GATE_UP_DGRAD, H, 2 * I), **(configs or {})}
+    h, gu = gemm.gate_up_swiglu(xs, wg, wu, s.tile_expert, s.num_tiles, save_gu=True, config=configs["gate_up"])
     dsts, ptrs = make_dsts(s, H)
-    configs = configs or {}
     res = {}
 
     def rep(name, ms, flop):
@@ -445,7 +468,8 @@ def main_bench(E=64, H=2048, I=768, rows=65536, configs=None):
     out = torch.empty(s.R, H, dtype=torch.bfloat16, device=DEV)
     rep("down_local", _bench(lambda: gemm.down_local(h, wd, s.tile_expert, s.num_tiles, out=out,
                                                      config=configs.get("down"))), f2)
-    dgu, hw, dwp = gemm.down_dgrad_swiglu_bwd(xs, wd, gu, ws, s.tile_expert, s.num_tiles)
+    dgu, hw, dwp = gemm.down_dgrad_swiglu_bwd(xs, wd, gu, ws, s.tile_expert, s.num_tiles,
+                                              config=configs["dgrad_swiglu"])
     rep("down_dgrad_swiglu_bwd", _bench(lambda: gemm.down_dgrad_swiglu_bwd(
         xs, wd, gu, ws, s.tile_expert, s.num_tiles, dgu=dgu, hw=hw, dw_part=dwp,
         config=configs.get("dgrad_swiglu"))), f2)
@@ -454,13 +478,14 @@ def main_bench(E=64, H=2048, I=768, rows=65536, configs=None):
     rep("gate_up_dgrad_push", _bench(lambda: gemm.gate_up_dgrad_push(
         dgu, wg, wu, s.tile_expert, s.num_tiles, s.row_src, ptrs, s.TK, config=configs.get("gate_up_dgrad"))), 2 * f2)
     dwd = torch.empty(E, H, I, dtype=torch.bfloat16, device=DEV)
-    rep("wgrad down", _bench(lambda: gemm.expert_wgrad(xs, hw, s.expert_start, s.expert_count, out=dwd,
-                                                       config=configs.get("wgrad"))), f2)
+    wgd, wgu = planned_wgrad(I), planned_wgrad(H)
+    if "wgrad" in configs:
+        wgd["config"] = wgu["config"] = configs["wgrad"]
+    rep("wgrad down", _bench(lambda: gemm.expert_wgrad(xs, hw, s.expert_start, s.expert_count, out=dwd, **wgd)), f2)
     dwg = torch.empty(E, I, H, dtype=torch.bfloat16, device=DEV)
     dwu = torch.empty(E, I, H, dtype=torch.bfloat16, device=DEV)
     rep("wgrad gate_up", _bench(lambda: gemm.expert_wgrad_gate_up(dgu, xs, s.expert_start, s.expert_count,
-                                                                   out_gate=dwg, out_up=dwu,
-                                                                   config=configs.get("wgrad"))), 2 * f2)
+                                                                   out_gate=dwg, out_up=dwu, **wgu)), 2 * f2)
     # anchor: torch._grouped_mm on the same rows
     offs = torch.tensor(s.start_list[1:], dtype=torch.int32, device=DEV)
     xa = xs[:s.used]

@@ -8,6 +8,7 @@ import torch
 from tabby.functional import config, heuristics
 from tabby.functional.config import MoEConfig, Tuning, config_string, parse_config
 from tabby.functional.plan import make_plan
+from tabby.ops.gemm import bf16 as gemm
 from tabby.validate import MoEDims, MoEInputError
 
 # name: (experts, H, I, k)
@@ -153,6 +154,15 @@ def test_the_operator_s_strings_read_as_before():
         "save_for_backward=0;tuning=group_m=2,pull_tokens=1"
 
 
+def test_a_config_s_text_is_written_inside_compiled_code():
+    """The operator writes its config string where torch.compile traces (fullgraph): the text form
+    reads no annotations then (they are read once, at import)."""
+    cfg = MoEConfig(precision="fp8", cache_fp8_transposes=False,
+                    tuning=Tuning(tile_m=256, tma=False, fp8_dgrad="transpose_per_call"))
+    f = torch.compile(lambda x, c: x * len(config_string(c)), fullgraph=True, backend="eager")
+    assert f(torch.ones(2), cfg).tolist() == [len(config_string(cfg))] * 2
+
+
 @pytest.mark.parametrize("text,field", [
     ("early_ticket=1", "early_ticket"), ("precision", "precision"), ("debug=yes", "debug"),
     ("max_wait_polls=lots", "max_wait_polls"), ("max_wait_ms=soon", "max_wait_ms"), ("precision=fp16", "precision"),
@@ -202,3 +212,89 @@ def test_a_plan_is_made_once_per_shape_and_config_and_freed_on_request():
     assert free_workspaces() > 0 and not cached_workspaces()
     with torch.no_grad():
         assert torch.equal(tabby.moe(x, idx, w, *experts, config=cfg), ys[0])  # made again, same answer
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels of a plan: every GEMM's kernel, tiles and stages chosen here, and named by describe()
+# --------------------------------------------------------------------------------------------
+
+def _fp8_plan(shape, precision="fp8", arch=90, cache=True, **tuning):
+    E, H, I, k = SHAPES[shape]
+    dims = MoEDims(T=16384, H=H, k=k, E_local=E // 2, I=I, world_size=2, I_shared=0)
+    config = MoEConfig(precision=precision, cache_fp8_transposes=cache, tuning=Tuning(**tuning))
+    return make_plan(dims, config, torch.device("cpu"), sms=132, arch=arch)
+
+
+def test_fp8_plans_on_sm90_run_the_warp_specialized_kernels_and_name_them():
+    p = _fp8_plan("kimi-k2")
+    f = p.fp8
+    assert {g.core for g in (f.gate_up, f.down, f.down_dgrad, f.gate_up_dgrad, f.wgrad)} == {"ws"}
+    assert f.dgrad == "cached_transposes" and not f.down_dgrad.lag and not f.gate_up_dgrad.lag
+    # ring depths: gate/up 3, the 128 x 256 rows kernel 3 from K 1024 (4 below), the SwiGLU backward 4 at
+    # 128 x 128, each weight-gradient pipeline 3; one program per SM
+    assert (f.gate_up.config.num_stages, f.down.config.num_stages, f.down_dgrad.config.num_stages,
+            f.wgrad.config.num_stages) == (3, 3, 4, 3)
+    assert (f.down.config.BN, f.gate_up_dgrad.config.BN, f.down_dgrad.config.BN) == (256, 256, 128)
+    assert f.gate_up.programs == 132
+    assert _fp8_plan("qwen3-30b-a3b").fp8.down.config.num_stages == 4  # down's K = I = 768
+    text = p.describe()
+    assert str(p) == text
+    for name in ("gate_up_swiglu_fp8_ws_kernel", "rows_gemm_fp8_ws_wide_kernel", "rows_gemm_fp8_ws_kernel",
+                 "expert_wgrad_fp8_ws_kernel", "128x256x128 tiles, 4 warps, 3 stages", "held transposes"):
+        assert name in text, (name, text)
+    # without held transposes the dgrads transpose the forward's copies in the kernel
+    u = _fp8_plan("kimi-k2", cache=False).fp8
+    assert u.dgrad == "transpose_in_kernel" and u.down_dgrad.lag == u.gate_up_dgrad.lag == 1
+    assert "rows_gemm_fp8_ws_bt_kernel" in _fp8_plan("kimi-k2", cache=False).describe()
+
+
+def test_fp8_plans_off_sm90_run_the_triton_kernels():
+    """The interpreter (or another GPU): the Triton kernels, gate/up through TMA at 64-row kernel
+    tiles, the transposes made per call where none are held."""
+    p = _fp8_plan("glm-5", arch=None, cache=False)
+    f = p.fp8
+    assert {g.core for g in (f.gate_up, f.down, f.down_dgrad, f.gate_up_dgrad, f.wgrad)} == {"triton"}
+    assert f.gate_up.tma and f.gate_up.config.BM == 64 and f.gate_up.config.GROUP_M == 16
+    assert f.gate_up.config.num_stages == 5 and f.down.config.num_stages == 4 and f.dgrad == "transpose_per_call"
+    assert (f.wgrad.config.BN, f.wgrad.config.num_warps) == (64, 4)
+    text = p.describe()
+    for name in ("gate_up_swiglu_fp8_kernel", "rows_gemm_fp8_kernel", "down_dgrad_swiglu_fp8_kernel",
+                 "expert_wgrad_fp8_kernel", "64x128x128 tiles, 8 warps, 5 stages, GROUP_M 16, TMA"):
+        assert name in text, (name, text)
+    # an FP8 forward with a bf16 backward: the bf16 kernels of Plan.gemm run the backward
+    fwd = _fp8_plan("glm-5", precision="fp8-forward")
+    assert fwd.fp8.dgrad is None and fwd.fp8.wgrad is None and "down_dgrad_swiglu_kernel" in fwd.describe()
+
+
+def test_bf16_plans_name_the_megakernel_and_the_backward_s_kernels():
+    p = _plan("kimi-k2", 4096)
+    assert p.fp8 is None and p.wgrad_programs == 132
+    assert p.gemm_config(gemm.KIND_WGRAD_DOWN).BN == 256 and p.gemm_config(gemm.KIND_WGRAD_GATE_UP).BK == 32
+    text = p.describe()
+    for name in ("moe_fwd_megakernel", "132 programs", "down_dgrad_swiglu_kernel", "rows_gemm_kernel",
+                 "expert_wgrad_kernel", "128x256x32 tiles"):
+        assert name in text, (name, text)
+    dims = MoEDims(T=8, H=32, k=2, E_local=2, I=16, world_size=1, I_shared=0)
+    assert make_plan(dims, MoEConfig(), torch.device("cpu")).wgrad_programs == heuristics.wgrad_programs(None) == 4
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(arch=None, fp8_ws=True), "fp8_ws"),  # no sm_90
+    (dict(fp8_ws=True, tile_m=64, precision="fp8-forward"), "fp8_ws"),  # tiles of 64 rows
+    (dict(fp8_dgrad="transpose_in_kernel"), "fp8_dgrad"),  # held transposes: the dgrads read them
+    (dict(cache=False, fp8_dgrad="cached_transposes"), "fp8_dgrad"),  # none held
+    (dict(cache=False, arch=None, fp8_dgrad="transpose_in_kernel"), "fp8_dgrad"),  # needs sm_90's kernels
+    (dict(cache=False, fp8_ws=False, fp8_dgrad="transpose_in_kernel"), "fp8_dgrad"),
+])
+def test_an_fp8_tuning_that_cannot_work_is_refused_naming_its_field(kw, field):
+    with pytest.raises(MoEInputError, match=field):
+        _fp8_plan("qwen3-30b-a3b", **kw)
+
+
+def test_fp8_tuning_overrides():
+    f = _fp8_plan("qwen3-30b-a3b", fp8_ws=False).fp8  # sm_90, the Triton kernels asked for
+    assert {g.core for g in (f.gate_up, f.down, f.down_dgrad, f.gate_up_dgrad, f.wgrad)} == {"triton"}
+    f = _fp8_plan("qwen3-30b-a3b", cache=False, fp8_dgrad="transpose_per_call").fp8
+    assert f.dgrad == "transpose_per_call" and f.down_dgrad.core == "ws" and not f.down_dgrad.lag
+    assert _fp8_plan("qwen3-30b-a3b", cache=False, fp8_ws=False).fp8.dgrad == "transpose_per_call"
+    assert _fp8_plan("qwen3-30b-a3b", tile_m=64, precision="fp8-forward").fp8.gate_up.core == "triton"

@@ -23,6 +23,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from sm90 import Const, compile_args, ptxas_report, run_compiled_check  # noqa: E402
 
+from tabby.functional import heuristics  # noqa: E402
 from tabby.ops.gemm import bf16 as gemm  # noqa: E402
 from tabby.ops.gemm.bf16 import GemmConfig  # noqa: E402
 
@@ -102,14 +103,14 @@ def test_expert_wgrad_gate_up_values():
     check_values(dwu, reference(dgu[:, I:], xs, es, ec), counts)
     assert torch.equal(gemm.expert_wgrad(dgu[:, :I], xs, es, ec, out_dtype=torch.float32, config=CFG), dwg)
     assert torch.equal(gemm.expert_wgrad(dgu[:, I:], xs, es, ec, out_dtype=torch.float32, config=CFG), dwu)
-    # the launchers' default tiles (128 x N) and bf16 outputs
-    dwg, dwu = gemm.expert_wgrad_gate_up(dgu, xs, es, ec)
+    # the plan's tiles (128 x N: heuristics.wgrad_config) and bf16 outputs
+    dwg, dwu = gemm.expert_wgrad_gate_up(dgu, xs, es, ec, config=heuristics.wgrad_config(H), programs=4)
     check_values(dwg, reference(dgu[:, :I], xs, es, ec), counts)
     check_values(dwu, reference(dgu[:, I:], xs, es, ec), counts)
 
 
 @pytest.mark.parametrize("launcher", ["down", "gate_up"])
-def test_bitwise_for_any_grid(monkeypatch, launcher):
+def test_bitwise_for_any_grid(launcher):
     """The same bits from 1, 3 and 7 programs, each run twice (fp32 outputs, where a different order of
     any sum would show): each output tile is one program's, its K steps in order."""
     counts = [40, 0, 3, 33, 17, 1, 0, 16]
@@ -117,18 +118,12 @@ def test_bitwise_for_any_grid(monkeypatch, launcher):
     E, M, N = len(counts), 37, 21
     a, a2, b = rows(R, M, 5), rows(R, M, 6), rows(R, N, 7)
     dgu = torch.cat([a, a2], 1)
-    grids = []  # the next launch's program count: the launcher takes it from _wgrad_programs
-    monkeypatch.setattr(gemm, "_wgrad_programs", lambda device: grids.pop())
 
-    def run(p):
-        grids.append(p)
+    def run(p):  # p programs: the launchers take the plan's grid as given
         if launcher == "down":
-            out = (gemm.expert_wgrad(a, b, es, ec, out=nan_out(E, M, N, torch.float32), config=CFG),)
-        else:
-            out = gemm.expert_wgrad_gate_up(dgu, b, es, ec, out_gate=nan_out(E, M, N, torch.float32),
-                                            out_up=nan_out(E, M, N, torch.float32), config=CFG)
-        assert not grids, "the launch ran with p programs"
-        return out
+            return (gemm.expert_wgrad(a, b, es, ec, out=nan_out(E, M, N, torch.float32), config=CFG, programs=p),)
+        return gemm.expert_wgrad_gate_up(dgu, b, es, ec, out_gate=nan_out(E, M, N, torch.float32),
+                                         out_up=nan_out(E, M, N, torch.float32), config=CFG, programs=p)
 
     first = run(1)
     check_values(first[0], reference(a, b, es, ec), counts)
@@ -161,7 +156,7 @@ def test_steps_of_counts_every_step():
 # The compiled kernel (sm_90a, on the CPU): `python tests/test_wgrad.py` prints its numbers
 # --------------------------------------------------------------------------------------------
 
-# kimi-k2 (H 7168, I 2048, E 384) at the launchers' default tiles: dW_down (expert_wgrad(dys, hw):
+# kimi-k2 (H 7168, I 2048, E 384) at the plan's tiles (heuristics.wgrad_config): dW_down (expert_wgrad(dys, hw):
 # M=H, N=I) and dW_gate | dW_up (expert_wgrad_gate_up: M=I, N=H, two pairs)
 COMPILED = (("down", 7168, 2048, 1), ("gate_up", 2048, 7168, 2))
 
@@ -169,7 +164,7 @@ COMPILED = (("down", 7168, 2048, 1), ("gate_up", 2048, 7168, 2))
 def _compiled_numbers():
     res = {}
     for name, M, N, pairs in COMPILED:
-        c = gemm.default_config(gemm.KIND_WGRAD, N, None, M=M)
+        c = heuristics.wgrad_config(N)
         P, I16 = "*bf16", "i32:16"
         args = {"a_ptr": P, "a2_ptr": P, "stride_ar": I16, "b_ptr": P, "stride_br": I16, "c_ptr": P, "c2_ptr": P,
                 "stride_ce": I16, "stride_cm": I16, "expert_start_ptr": "*i32", "expert_count_ptr": "*i32", "E": "i32",

@@ -27,8 +27,9 @@ The FP8 backward's dgrads read the weights transposed (FP8 wgmma reads B only K-
 ``MoEConfig(cache_fp8_transposes=True)`` (the default) caches those copies too, made with the
 forward's from one read of each weight; with False (a byte less per parameter held) the dgrads
 read the forward's copies and transpose each 128 x 128 block in shared memory on sm_90
-(``gemm_fp8.dgrads_read_forward_copies``; slower than cached copies, faster than making them),
-and elsewhere each backward transposes the copies and drops them.
+(slower than cached copies, faster than making them), and elsewhere each backward transposes the
+copies and drops them: the plan's ``Plan.fp8.dgrad`` (``heuristics.fp8_dgrad``; overridable
+through ``Tuning.fp8_dgrad``). Every GEMM runs the kernel the plan names (``Plan.fp8``).
 
 Backward: "fp8": ``moe_backward_fp8`` (``reference_fp8.moe_backward_reference_fp8`` defines it).
 "fp8-forward": ``backward.moe_backward`` as it is, in bf16 from the bf16 weights, with the g | u of
@@ -50,7 +51,7 @@ from ..ops.gemm import fp8 as gemm_fp8
 from ..validate import MoEInputError
 from .backward import moe_backward
 from .forward import KeptRows
-from .plan import Plan
+from .plan import CACHED_TRANSPOSES, TRANSPOSE_IN_KERNEL, Plan
 from .probe import Probe, mark
 from .steps import finish_backward, finish_forward, publish_and_schedule, pull_routed_rows, signal_and_wait
 from .workspace import BWD, BWD_READY
@@ -266,7 +267,7 @@ def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_d
     T, H = x.shape
     TK = topk_idx.numel()
     (wg_q, wg_s), (wu_q, wu_s), (wd_q, wd_s) = fp8_layer_weights(
-        w_gate, w_up, w_down, transposed=keep and not bf16_rows and plan.cache_fp8_transposes)
+        w_gate, w_up, w_down, transposed=keep and not bf16_rows and plan.fp8.dgrad == CACHED_TRANSPOSES)
     sched = publish_and_schedule(ws, plan, x, topk_idx, topk_weights, wg_q.shape[0], x_fp8=not bf16_rows,
                                  probe=probe)
     row_w = torch.empty(sched.R_max, dtype=torch.float32, device=x.device)
@@ -283,11 +284,10 @@ def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_d
         kept = KeptRows(sched, xq, None, row_w, x_scale=x_scale)
     hq, h_scale, gu = gemm_fp8.gate_up_swiglu_fp8(
         xq, x_scale, wg_q, wg_s, wu_q, wu_s, sched.tile_expert, sched.num_tiles, save_gu=keep,
-        config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_GATE_UP, BM=plan.tile_m))
+        kernel=plan.fp8.gate_up, tile_m=plan.tile_m)
     mark(probe, "fwd:gate_up")
     gemm_fp8.down_push_fp8(hq, h_scale, wd_q, wd_s, sched.tile_expert, sched.num_tiles, sched.row_src,
-                           ws.ptrs["y_in"], TK,
-                           config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=plan.tile_m))
+                           ws.ptrs["y_in"], TK, kernel=plan.fp8.down, tile_m=plan.tile_m)
     mark(probe, "fwd:down+push")
     kept.gu = gu
     return finish_forward(ws, plan, x, topk_weights, extra, probe=probe), kept
@@ -325,21 +325,18 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     mark(probe, "bwd:dispatch_dy")
     # Each buffer is dropped once its last launch is queued: the caching allocator hands it only to
     # later work on this stream, so the next buffers reuse it and the peak stays near one set.
-    # the dgrads' B: the cached transposed copies, or the forward's copies read transposed in the
-    # kernel, or (off sm_90) transposes made here and dropped after their GEMM
-    fwd_copies = None
-    if not plan.cache_fp8_transposes:
-        fwd_copies = [fp8_weight(w) for w in (w_gate, w_up, w_down)]
-        if not gemm_fp8.dgrads_read_forward_copies(dys_q, [q for q, _ in fwd_copies], BM):
-            fwd_copies = None
+    # the dgrads' B (the plan's ``fp8.dgrad``): the cached transposed copies, or the forward's copies
+    # read transposed in the kernel, or transposes made here and dropped after their GEMM
+    f = plan.fp8
+    fwd_copies = [fp8_weight(w) for w in (w_gate, w_up, w_down)] if f.dgrad == TRANSPOSE_IN_KERNEL else None
     if fwd_copies is not None:
         dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8_t(dys_q, dys_s, *fwd_copies[2], gu, row_w,
-                                                            sched.tile_expert, sched.num_tiles, BM=BM)
+                                                            sched.tile_expert, sched.num_tiles, kernel=f.down_dgrad,
+                                                            tile_m=BM)
     else:
-        wd_t = fp8_weight_t(w_down, hold=plan.cache_fp8_transposes)
-        dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(
-            dys_q, dys_s, *wd_t, gu, row_w, sched.tile_expert, sched.num_tiles,
-            config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_DOWN_DGRAD, BM=BM))
+        wd_t = fp8_weight_t(w_down, hold=f.dgrad == CACHED_TRANSPOSES)
+        dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(dys_q, dys_s, *wd_t, gu, row_w, sched.tile_expert,
+                                                          sched.num_tiles, kernel=f.down_dgrad, tile_m=BM)
         del wd_t
     del gu, row_w
     mark(probe, "bwd:down_dgrad+swiglu")
@@ -351,13 +348,14 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     if fwd_copies is not None:
         (gq, gs), (uq, us), _ = fwd_copies
         gemm_fp8.gate_up_dgrad_push_fp8_t(dgu_q, dgu_qs, gq, uq, _gate_up_t_scales(gs, us), sched.tile_expert,
-                                          sched.num_tiles, sched.row_src, ws.ptrs["dx_in"], TK, BM=BM)
+                                          sched.num_tiles, sched.row_src, ws.ptrs["dx_in"], TK,
+                                          kernel=f.gate_up_dgrad, tile_m=BM)
         del fwd_copies
     else:
-        gu_t = fp8_gate_up_t(w_gate, w_up, hold=plan.cache_fp8_transposes)
+        gu_t = fp8_gate_up_t(w_gate, w_up, hold=f.dgrad == CACHED_TRANSPOSES)
         gemm_fp8.rows_gemm_fp8(dgu_q, dgu_qs, *gu_t, sched.tile_expert, sched.num_tiles,
                                row_src=sched.row_src, dst_ptrs=ws.ptrs["dx_in"], TK=TK,
-                               config=gemm_fp8.default_config_fp8(gemm_fp8.KIND_ROWS, H, BM=BM))
+                               kernel=f.gate_up_dgrad, tile_m=BM)
         del gu_t
     del dgu_q, dgu_qs
     mark(probe, "bwd:gate_up_dgrad+push")
@@ -378,15 +376,17 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     (dy_t, dy_s), (hw_t, hw_s) = cols(dys_q, dys_s), cols(hw)
     del dys_q, dys_s, hw
     mark(probe, "bwd:quantize_cols_down")
-    dw_down = gemm_fp8.expert_wgrad_fp8(dy_t, dy_s, hw_t, hw_s, *seg, out_dtype=w_down.dtype, padded=True)
+    dw_down = gemm_fp8.expert_wgrad_fp8(dy_t, dy_s, hw_t, hw_s, *seg, out_dtype=w_down.dtype, padded=True,
+                                        kernel=f.wgrad)
     del dy_t, dy_s, hw_t, hw_s
     mark(probe, "bwd:wgrad_down")
     xs_t, xs_s = cols(xq, x_scale)
     del xq, x_scale
     mark(probe, "bwd:quantize_cols_gate_up")
     dw_gate = gemm_fp8.expert_wgrad_fp8(dgu_t[:I], dgu_s[:, :I], xs_t, xs_s, *seg, out_dtype=w_gate.dtype,
-                                        padded=True)
-    dw_up = gemm_fp8.expert_wgrad_fp8(dgu_t[I:], dgu_s[:, I:], xs_t, xs_s, *seg, out_dtype=w_up.dtype, padded=True)
+                                        padded=True, kernel=f.wgrad)
+    dw_up = gemm_fp8.expert_wgrad_fp8(dgu_t[I:], dgu_s[:, I:], xs_t, xs_s, *seg, out_dtype=w_up.dtype, padded=True,
+                                      kernel=f.wgrad)
     mark(probe, "bwd:wgrad_gate_up")
     dx, dtopk = finish_backward(ws, plan, dy, T, k, probe)
     return dx, dtopk, dw_gate, dw_up, dw_down

@@ -2,14 +2,17 @@
 
 Private to the library: ``plan.make_plan`` calls these where a ``Tuning`` field is ``None``. Each
 rule says in one line why it holds; the measurements behind it are in docs/performance.md under
-the heading named in its docstring. Shape letters: T tokens per rank, H model width, I expert
-width, I_s shared-expert width, k experts per token, E_local experts per rank, E all experts.
+the heading named in its docstring (FP8: docs/fp8-measurements.md, "fp8-measurements: ..."). Shape
+letters: T tokens per rank, H model width, I expert width, I_s shared-expert width, k experts per
+token, E_local experts per rank, E all experts.
 """
 from __future__ import annotations
 
 import triton
 
 from ..ops.gemm import bf16 as gemm
+from ..ops.gemm.bf16 import GemmConfig
+from ..ops.gemm.fp8 import CORE_TRITON, CORE_WS, Fp8Gemm
 
 TILE_M = 128  # rows per routed row tile: the GEMMs' BM (docs/performance.md "GEMM tiles")
 RING_ROWS = 4096  # megakernel ring: 32 slots of 128 rows, far enough ahead to hide a pull ("Ring size")
@@ -26,10 +29,121 @@ ALIGN_MAX_TILES = 4  # pad experts to 2 row tiles where they average at most thi
 PULL_TOKENS_MIN_TILES = 4  # pull whole tokens where experts get this many tiles per rank ("Token pull")
 
 
-def gemm_config(kind: str, N: int, K: int, tile_m: int) -> gemm.GemmConfig:
-    """The standalone GEMM kernels' tiles for ``kind`` (``gemm.KIND_*``), output width N, depth K;
-    routed row tiles are the schedule's (``tile_m``). Tile sizes per kind: "GEMM tiles"."""
-    return gemm.default_config(kind, N, K, BM=tile_m)
+def gemm_config(kind: str, N: int, K: int, tile_m: int) -> GemmConfig:
+    """The standalone bf16 GEMM kernels' tiles for ``kind`` (``gemm.KIND_GATE_UP``, ``KIND_DOWN``,
+    ``KIND_DGRAD_SWIGLU``, ``KIND_GATE_UP_DGRAD``), output width N, depth K; routed row tiles are
+    the schedule's (``tile_m``): 128 x 256 output tiles where N allows, 48 KB stages ("GEMM tiles")."""
+    if kind == gemm.KIND_GATE_UP:  # two accumulators (g, u): A 128x64 + 2 x (128x64) B a stage, 3 stages 144 KB
+        return GemmConfig(BM=tile_m, BN=128 if N > 64 else 64, BK=64, num_warps=8, num_stages=3, GROUP_M=8)
+    if kind == gemm.KIND_DGRAD_SWIGLU:
+        return GemmConfig(BM=tile_m, BN=128 if N > 64 else 64, BK=64, num_warps=8, num_stages=4, GROUP_M=8)
+    if kind in (gemm.KIND_DOWN, gemm.KIND_GATE_UP_DGRAD):
+        BN = 256 if N >= 256 else max(16, triton.next_power_of_2(N))
+        return GemmConfig(BM=tile_m, BN=BN, BK=64, num_warps=8, num_stages=3 if BN == 256 else 4, GROUP_M=8)
+    raise ValueError(f"unknown GEMM kind {kind!r}")
+
+
+def wgrad_config(N: int) -> GemmConfig:
+    """The bf16 weight gradients' tiles (output C[e] [M, N]; K is an expert's rows, so BK 32 at 4
+    stages): 128 x 256 x 32 at 8 warps ("GEMM tiles", weight gradients)."""
+    BN = 256 if N >= 256 else max(16, triton.next_power_of_2(N))
+    return GemmConfig(BM=128, BN=BN, BK=32, num_warps=8, num_stages=4, GROUP_M=8)
+
+
+def wgrad_programs(sm_count: int | None) -> int:
+    """The bf16 weight gradients' persistent grid: one program per SM ("GEMM tiles", "one program
+    per SM"); under the interpreter (``sm_count`` None) 4, each walking several tiles."""
+    return 4 if sm_count is None else sm_count
+
+
+# ---- FP8 (docs/fp8-measurements.md; the kernels: ops/gemm/fp8.py, the warp-specialized ones fp8_ws.py)
+
+FP8_WS_ARCH = 90  # the warp-specialized kernels' wgmma and TMA: sm_90 only
+FP8_GATE_UP_TMA_BM = 64  # Triton gate/up's kernel tile with TMA: 128 rows spill (fp8-measurements: "The first run")
+FP8_GATE_UP_TMA_STAGES = 5  # 40 KB a stage, 200 KB: the fastest measured ("The first run")
+FP8_GATE_UP_PTR_STAGES = 3  # the pointer loop's 48 KB stages: 5 would not fit ("The first run")
+FP8_WS_STAGES = 4  # the ws 128 x 128 ring (32 KB a stage); 5, 6 no faster ("The warp-specialized rows GEMM landed")
+FP8_WS_GATE_UP_STAGES = 3  # the ws gate/up ring (48 KB a stage); 4 no faster ("Cached weight transposes")
+FP8_WS_WGRAD_STAGES = 3  # each of the ws weight gradient's two rings ("The weight gradient as two pipelines")
+FP8_WS_BT_LAG = 1  # a raw block transposed one producer step after its load; 2, 3 no faster ("The dgrads transposing")
+
+
+def fp8_ws_possible(arch: int | None, tile_m: int, H: int, I: int) -> bool:
+    """The warp-specialized FP8 kernels run on sm_90 (not under the interpreter: ``arch`` None),
+    on routed tiles a multiple of their 128 rows, with 16-byte TMA row strides (H, I multiples of 16)."""
+    return arch == FP8_WS_ARCH and tile_m % 128 == 0 and H % 16 == 0 and I % 16 == 0
+
+
+def fp8_wide_stages(K: int) -> int:
+    """The ws 128 x 256 rows kernel's ring (48 KB a stage): 4 where K is short (K 768: 670 against
+    620 TFLOP/s at 3), 3 from K 1024 (K 2048: 1123 against 1020) ("Cached weight transposes")."""
+    return 4 if K < 1024 else 3
+
+
+def fp8_gate_up(H: int, tile_m: int, ws: bool, programs: int | None) -> Fp8Gemm:
+    """Gate/up: the ws kernel (128 x 128 tiles of h, 3-stage ring) where it runs; else the Triton
+    kernel through TMA at 64-row kernel tiles inside the schedule's (needs H a multiple of 16:
+    16-byte rows), or its pointer loop at the schedule's tile (fp8-measurements: "The first run")."""
+    if ws:
+        return Fp8Gemm(CORE_WS, GemmConfig(BM=128, BN=128, BK=128, num_warps=4, num_stages=FP8_WS_GATE_UP_STAGES,
+                                           GROUP_M=8), programs=programs)
+    tma = H % 16 == 0
+    BM = FP8_GATE_UP_TMA_BM if tma and tile_m % FP8_GATE_UP_TMA_BM == 0 else tile_m
+    return Fp8Gemm(CORE_TRITON, GemmConfig(BM=BM, BN=128, BK=128, num_warps=8, GROUP_M=8 * (tile_m // BM),
+                                           num_stages=FP8_GATE_UP_TMA_STAGES if tma else FP8_GATE_UP_PTR_STAGES),
+                   tma=tma)
+
+
+def fp8_rows(N: int, K: int, tile_m: int, ws: bool, programs: int | None) -> Fp8Gemm:
+    """The rows GEMM (the forward's down, the gate/up dgrad from held or made transposes): the ws
+    kernel at 128 x 256 tiles ("Cached weight transposes"); else Triton's 128 x 128 at 8 warps, 4
+    stages: K runs many blocks, two warpgroups on a tile feed more MMAs a load ("The first run")."""
+    if ws:
+        return Fp8Gemm(CORE_WS, GemmConfig(BM=128, BN=256, BK=128, num_warps=4, num_stages=fp8_wide_stages(K),
+                                           GROUP_M=8), programs=programs)
+    BN = 128 if N >= 128 else max(16, triton.next_power_of_2(N))
+    return Fp8Gemm(CORE_TRITON, GemmConfig(BM=tile_m, BN=BN, BK=128, num_warps=8, num_stages=4, GROUP_M=8))
+
+
+def fp8_down_dgrad(tile_m: int, ws: bool, programs: int | None, in_kernel: bool = False) -> Fp8Gemm:
+    """The down dgrad (SwiGLU backward in the epilogue, 128 columns of I a tile): the ws kernel at
+    128 x 128 (at 128 x 256 the epilogue spills), a 4-stage ring ("The warp-specialized rows GEMM
+    landed"); ``in_kernel``: its B blocks transposed by the producer, lag 1 ("The dgrads
+    transposing"); else Triton's rows loop at 4 stages ("The first run")."""
+    if ws:
+        return Fp8Gemm(CORE_WS, GemmConfig(BM=128, BN=128, BK=128, num_warps=4, num_stages=FP8_WS_STAGES, GROUP_M=8),
+                       lag=FP8_WS_BT_LAG if in_kernel else 0, programs=programs)
+    return Fp8Gemm(CORE_TRITON, GemmConfig(BM=tile_m, BN=128, BK=128, num_warps=8, num_stages=4, GROUP_M=8))
+
+
+def fp8_gate_up_dgrad(H: int, K: int, tile_m: int, ws: bool, programs: int | None, in_kernel: bool) -> Fp8Gemm:
+    """The gate/up dgrad (K = 2Ip): the rows GEMM's (``fp8_rows``), or reading the forward's copies
+    transposed in the kernel (``in_kernel``): the ws kernel at 128 x 128, a 4-stage ring, lag 1
+    ("The dgrads transposing")."""
+    if in_kernel:
+        return Fp8Gemm(CORE_WS, GemmConfig(BM=128, BN=128, BK=128, num_warps=4, num_stages=FP8_WS_STAGES, GROUP_M=8),
+                       lag=FP8_WS_BT_LAG, programs=programs)
+    return fp8_rows(H, K, tile_m, ws, programs)
+
+
+def fp8_wgrad(ws: bool, programs: int | None) -> Fp8Gemm:
+    """The padded weight gradients: the ws kernel's two pipelines of 128 x 128 tiles, 3-stage rings
+    ("The weight gradient as two pipelines"); else Triton's 128 x 64 at 4 warps, 3 stages: K is an
+    expert's few blocks, two programs an SM hide each other's fill and store ("Weight-gradient tiles")."""
+    if ws:
+        return Fp8Gemm(CORE_WS, GemmConfig(BM=128, BN=128, BK=128, num_warps=4, num_stages=FP8_WS_WGRAD_STAGES,
+                                           GROUP_M=8), programs=programs)
+    return Fp8Gemm(CORE_TRITON, GemmConfig(BM=128, BN=64, BK=128, num_warps=4, num_stages=3, GROUP_M=8))
+
+
+def fp8_dgrad(cache_transposes: bool, ws: bool) -> str:
+    """Where the dgrads read the weights transposed: the held transposes where the config holds
+    them; else the forward's copies transposed in the kernel on sm_90 (0.6-0.7x the held copies'
+    speed, faster than making them), else transposes made per backward ("deepseek-v4-pro's experts
+    where the transposes fit", "The dgrads transposing")."""
+    if cache_transposes:
+        return "cached_transposes"
+    return "transpose_in_kernel" if ws else "transpose_per_call"
 
 
 def use_tma(T: int, k: int, H: int, I: int, I_s: int) -> bool:

@@ -2,23 +2,52 @@
 
 ``make_plan`` takes the shape (``MoEDims``), the user's ``MoEConfig`` (its ``Tuning`` overrides)
 and the device, asks ``heuristics`` for whatever the tuning leaves open, and returns a frozen
-``Plan``. The launches read the plan and decide nothing themselves. A tuning that cannot work
-raises ``MoEInputError`` here, naming the field; nothing is switched off behind the user's back.
+``Plan``. The launches read the plan and decide nothing themselves: which kernel runs each GEMM,
+at which tiles, stages and grid, is here (``Plan.describe()`` lists them). A tuning that cannot
+work raises ``MoEInputError`` here, naming the field; nothing is switched off behind the user's
+back.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from ..ops import INTERPRET
 from ..ops.gemm import bf16 as gemm
+from ..ops.gemm import fp8 as gemm_fp8
+from ..ops.gemm.fp8 import Fp8Gemm
+from ..ops.megakernel import kernel as mega_kernel
 from ..ops.megakernel.plan import MegaPlan
+from ..ops.quantize import BLOCK
 from ..validate import MoEDims, MoEInputError
 from . import heuristics
 from .config import MoEConfig
 
 _ROUTED_KINDS = (gemm.KIND_GATE_UP, gemm.KIND_DOWN, gemm.KIND_DGRAD_SWIGLU, gemm.KIND_GATE_UP_DGRAD)
+
+CACHED_TRANSPOSES = "cached_transposes"  # the dgrads read the weights' transposes held with the forward's copies
+TRANSPOSE_IN_KERNEL = "transpose_in_kernel"  # ... read the forward's copies, each block transposed in the kernel
+TRANSPOSE_PER_CALL = "transpose_per_call"  # ... read transposes each backward makes and drops
+
+
+_DGRAD_TEXT = {CACHED_TRANSPOSES: "the weights' held transposes",
+               TRANSPOSE_IN_KERNEL: "the forward's copies, transposed in the kernel",
+               TRANSPOSE_PER_CALL: "transposes made for the call"}
+
+
+@dataclass(frozen=True)
+class Fp8Plan:
+    """The FP8 GEMMs' kernels (``precision`` "fp8" or "fp8-forward"): each an ``Fp8Gemm`` (core
+    "ws" or "triton", tiles, stages, grid). The backward's are None with a bf16 backward
+    ("fp8-forward": ``Plan.gemm``'s kernels run it)."""
+    gate_up: Fp8Gemm  # gate/up + SwiGLU + h's 1x128 quantization
+    down: Fp8Gemm  # down, rows pushed to their origin
+    dgrad: str | None = None  # where the dgrads read the weights transposed: CACHED_TRANSPOSES, TRANSPOSE_*
+    down_dgrad: Fp8Gemm | None = None  # down dgrad + SwiGLU backward
+    gate_up_dgrad: Fp8Gemm | None = None  # gate/up dgrad (K = 2Ip), rows pushed to their origin
+    wgrad: Fp8Gemm | None = None  # the three padded weight gradients (dW_down, dW_gate, dW_up)
 
 
 @dataclass(frozen=True)
@@ -34,13 +63,85 @@ class Plan:
     dispatch_rows: int  # the sync-free dispatch's block (rows x columns) and programs; the
     dispatch_cols: int  # backward's pulls use them on both paths
     dispatch_programs: int
-    gemm: dict  # gemm.KIND_* -> GemmConfig of the standalone kernels (sync-free forward, backward)
+    gemm: dict  # gemm.KIND_* -> GemmConfig of the bf16 standalone kernels (sync-free forward, backward)
     mega: MegaPlan | None  # the megakernel forward's launch (None: the sync-free path)
     precision: str = "bf16"  # MoEConfig.precision: the expert GEMMs' operands
     cache_fp8_transposes: bool = True  # MoEConfig.cache_fp8_transposes
+    wgrad_programs: int = 4  # the bf16 weight gradients' persistent grid
+    fp8: Fp8Plan | None = None  # the FP8 GEMMs' kernels (None: precision "bf16")
 
     def gemm_config(self, kind: str) -> gemm.GemmConfig:
         return self.gemm[kind]
+
+    def describe(self) -> str:
+        """Every kernel a call of this plan runs, one a line, with its tiles, warps, stages and grid."""
+        d = self.dims
+        path = "the forward megakernel" if self.mega is not None else "the path of separate launches"
+        lines = [f"Plan: T={d.T} H={d.H} I={d.I} k={d.k} E_local={d.E_local} EP{d.world_size} I_s={self.I_s}, "
+                 f"precision {self.precision}, {path}",
+                 f"  routed tiles of {self.tile_m} rows, experts padded to {self.align_tiles} tile(s); dispatch "
+                 f"{self.dispatch_rows} x {self.dispatch_cols} by {self.dispatch_programs} programs"]
+        g = self.gemm
+        lines.append("  forward:")
+        if self.mega is not None:
+            lines += ["    " + line for line in _describe_mega(self.mega)]
+        elif self.fp8 is not None:
+            lines += [_fp8_line("gate/up + SwiGLU", "gate_up", self.fp8.gate_up),
+                      _fp8_line("down + push", "rows", self.fp8.down)]
+        else:
+            lines += [_line("gate/up + SwiGLU", gemm.gate_up_swiglu_kernel, g[gemm.KIND_GATE_UP]),
+                      _line("down + push", gemm.rows_gemm_kernel, g[gemm.KIND_DOWN])]
+        f = self.fp8
+        if f is not None and f.dgrad is not None:
+            lines.append(f"  backward (FP8; the dgrads read {_DGRAD_TEXT[f.dgrad]}):")
+            lines += [_fp8_line("down dgrad + SwiGLU bwd", "down_dgrad", f.down_dgrad),
+                      _fp8_line("gate/up dgrad + push", "rows", f.gate_up_dgrad),
+                      _fp8_line("dW_down, dW_gate, dW_up", "wgrad", f.wgrad)]
+        else:
+            lines.append("  backward (bf16):")
+            if self.mega is not None and not self.save_for_backward:
+                lines.append(_line("gate/up (recomputed)", gemm.gate_up_swiglu_kernel, g[gemm.KIND_GATE_UP]))
+            lines += [_line("down dgrad + SwiGLU bwd", gemm.down_dgrad_swiglu_kernel, g[gemm.KIND_DGRAD_SWIGLU]),
+                      _line("gate/up dgrad + push", gemm.rows_gemm_kernel, g[gemm.KIND_GATE_UP_DGRAD]),
+                      _line("dW_down", gemm.expert_wgrad_kernel, g[gemm.KIND_WGRAD_DOWN],
+                            f", {self.wgrad_programs} programs"),
+                      _line("dW_gate | dW_up", gemm.expert_wgrad_kernel, g[gemm.KIND_WGRAD_GATE_UP],
+                            f", {self.wgrad_programs} programs")]
+        return "\n".join(lines)
+
+    __str__ = describe
+
+
+def _tiles(c: gemm.GemmConfig) -> str:
+    return (f"{c.BM}x{c.BN}x{c.BK} tiles, {c.num_warps} warps, {c.num_stages} stages, GROUP_M {c.GROUP_M}")
+
+
+def _line(name: str, kernel, c: gemm.GemmConfig, more: str = "") -> str:
+    return f"    {name:<24} {kernel.__name__:<30} triton  {_tiles(c)}{more}"
+
+
+def _fp8_line(name: str, role: str, k: Fp8Gemm) -> str:
+    more = ""
+    if k.core == gemm_fp8.CORE_WS:
+        more = f", lag {k.lag}" if k.lag else ""
+        more += f", {k.programs or 'one per SM'} programs"
+    elif k.tma:
+        more = ", TMA"
+    return f"    {name:<24} {gemm_fp8.kernel_name(k, role):<30} {k.core:<7} {_tiles(k.config)}{more}"
+
+
+def _describe_mega(m: MegaPlan) -> list:
+    c = m.gate_up
+    out = [f"{mega_kernel.moe_fwd_megakernel.__name__}: {m.programs} programs ({m.comm_programs} copy-only) of "
+           f"{m.num_warps} warps, {m.num_stages} stages; ring {m.n_slots} slots of {m.tile_m} rows in groups of "
+           f"{m.group_m}, prefetch {m.prefetch}, down lag {m.down_lag}",
+           f"  gate/up {c.BM}x{c.BN}x{c.BK}, down {m.down.BM}x{m.down.BN}x{m.down.BK} ({m.down_cols} column tile(s) "
+           f"a ticket); TMA {m.tma}, local rows {m.local_rows}, token pull {m.token_pull}, half tiles {m.half_tiles}",
+           f"  fills: {m.fill_split} a tile, {m.fill_cols} columns a step, {m.fill_stages} stage(s)"]
+    if m.shared_gate_up is not None:
+        s, sd = m.shared_gate_up, m.shared_down
+        out.append(f"  shared expert: gate/up {s.BM}x{s.BN}x{s.BK}, down {sd.BM}x{sd.BN}x{sd.BK}")
+    return out
 
 
 def _device_sms(device: torch.device) -> int | None:
@@ -49,17 +150,30 @@ def _device_sms(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int = 0, sms: int | None = None) -> Plan:
+def _device_arch(device: torch.device) -> int | None:
+    """The GPU's compute capability as 90 for sm_90; None under the interpreter or off CUDA."""
+    if INTERPRET or device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int = 0, sms: int | None = None,
+              arch: int | None = None) -> Plan:
     """The plan of a call with these sizes (``I_s``: the shared expert's width, 0 without one) on
-    ``device`` (``sms``: plan for a GPU of that many SMs instead, e.g. to inspect a plan on the CPU)."""
+    ``device`` (``sms``, ``arch``: plan for a GPU of that many SMs, of that compute capability (90:
+    sm_90) instead, e.g. to inspect a plan on the CPU)."""
     t = config.tuning
     T, H, I, k, E_local, W = dims.T, dims.H, dims.I, dims.k, dims.E_local, dims.world_size
     tile_m = t.tile_m or heuristics.TILE_M
+    sm_count = sms if sms is not None else _device_sms(device)
     wait_budget = config.resolved_max_wait_polls() if INTERPRET else int(config.resolved_max_wait_ms() * 1e6)
     gemms = {gemm.KIND_GATE_UP: heuristics.gemm_config(gemm.KIND_GATE_UP, I, H, tile_m),
              gemm.KIND_DOWN: heuristics.gemm_config(gemm.KIND_DOWN, H, I, tile_m),
              gemm.KIND_DGRAD_SWIGLU: heuristics.gemm_config(gemm.KIND_DGRAD_SWIGLU, I, H, tile_m),
-             gemm.KIND_GATE_UP_DGRAD: heuristics.gemm_config(gemm.KIND_GATE_UP_DGRAD, H, 2 * I, tile_m)}
+             gemm.KIND_GATE_UP_DGRAD: heuristics.gemm_config(gemm.KIND_GATE_UP_DGRAD, H, 2 * I, tile_m),
+             gemm.KIND_WGRAD_DOWN: heuristics.wgrad_config(I),
+             gemm.KIND_WGRAD_GATE_UP: heuristics.wgrad_config(H)}
     dispatch_cols = t.dispatch_cols or heuristics.DISPATCH_COLS
     if dispatch_cols & (dispatch_cols - 1):
         raise MoEInputError(f"Tuning(dispatch_cols={dispatch_cols}): must be a power of two")
@@ -67,7 +181,7 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     groups = 1
     if config.megakernel:
         try:
-            mega = _mega_plan(dims, config, sms if sms is not None else _device_sms(device), I_s, tile_m)
+            mega = _mega_plan(dims, config, sm_count, I_s, tile_m)
         except ValueError as e:
             raise MoEInputError(f"MoEConfig(megakernel=True) at T={T} H={H} I={I} k={k} E_local={E_local} "
                                 f"EP{W}: {e}") from None
@@ -80,7 +194,40 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
                 debug=config.resolved_debug(), wait_budget=wait_budget, tile_m=tile_m, align_tiles=align,
                 dispatch_rows=t.dispatch_rows or heuristics.DISPATCH_ROWS, dispatch_cols=dispatch_cols,
                 dispatch_programs=t.dispatch_programs or heuristics.DISPATCH_PROGRAMS, gemm=gemms, mega=mega,
-                precision=config.precision, cache_fp8_transposes=config.cache_fp8_transposes)
+                precision=config.precision, cache_fp8_transposes=config.cache_fp8_transposes,
+                wgrad_programs=heuristics.wgrad_programs(sm_count),
+                fp8=None if config.precision == "bf16" else _fp8_plan(
+                    dims, config, tile_m, sm_count, arch if arch is not None else _device_arch(device)))
+
+
+def _fp8_plan(dims: MoEDims, config: MoEConfig, tile_m: int, sms: int | None, arch: int | None) -> Fp8Plan:
+    t = config.tuning
+    H, I = dims.H, dims.I
+    possible = heuristics.fp8_ws_possible(arch, tile_m, H, I)
+    if t.fp8_ws and not possible:
+        raise MoEInputError(f"Tuning(fp8_ws=True): the warp-specialized FP8 kernels need sm_90 (this plan's device: "
+                            f"{'sm_%d' % arch if arch else 'none: the CPU or the interpreter'}), routed tiles a "
+                            f"multiple of 128 rows (tile_m={tile_m}) and H, I multiples of 16 (H={H}, I={I})")
+    ws = possible if t.fp8_ws is None else t.fp8_ws
+    gate_up, down = heuristics.fp8_gate_up(H, tile_m, ws, sms), heuristics.fp8_rows(H, I, tile_m, ws, sms)
+    if config.precision != "fp8":  # "fp8-forward": the bf16 backward of Plan.gemm
+        return Fp8Plan(gate_up=gate_up, down=down)
+    cache = config.cache_fp8_transposes
+    dgrad = t.fp8_dgrad or heuristics.fp8_dgrad(cache, ws)
+    if (dgrad == CACHED_TRANSPOSES) != cache:
+        raise MoEInputError(f"Tuning(fp8_dgrad={dgrad!r}) with MoEConfig(cache_fp8_transposes={cache}): the dgrads "
+                            f"read the held transposes exactly when the config holds them ({CACHED_TRANSPOSES!r} "
+                            f"with cache_fp8_transposes=True, the others with False)")
+    if dgrad == TRANSPOSE_IN_KERNEL and not ws:
+        raise MoEInputError(f"Tuning(fp8_dgrad={dgrad!r}): the dgrads transpose the forward's copies in the "
+                            f"warp-specialized kernels only (sm_90, Tuning.fp8_ws not False, tile_m a multiple of 128, "
+                            f"H and I multiples of 16)")
+    in_kernel = dgrad == TRANSPOSE_IN_KERNEL
+    gate_up_k = 2 * triton.cdiv(I, BLOCK) * BLOCK  # [dg | du]'s K: each half padded to a whole block
+    return Fp8Plan(gate_up=gate_up, down=down, dgrad=dgrad,
+                   down_dgrad=heuristics.fp8_down_dgrad(tile_m, ws, sms, in_kernel),
+                   gate_up_dgrad=heuristics.fp8_gate_up_dgrad(H, gate_up_k, tile_m, ws, sms, in_kernel),
+                   wgrad=heuristics.fp8_wgrad(ws, sms))
 
 
 def _mega_plan(dims: MoEDims, config: MoEConfig, sms: int | None, I_s: int, tile_m: int) -> MegaPlan:

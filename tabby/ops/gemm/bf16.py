@@ -42,7 +42,8 @@ Notes for callers of the tile functions (the megakernel):
 - Each tile function checks ``tile_expert`` / ``num_tiles`` itself and does nothing for an unused
   tile; ``grouped_tile`` maps a linear id to (m, n) in L2-friendly groups of GROUP_M row tiles.
 
-The tiles of ``default_config`` are measured choices (docs/performance.md, "GEMM tiles").
+Every launcher runs the tiles it is given (``config``: the plan's, ``functional/heuristics.py``,
+measured choices: docs/performance.md, "GEMM tiles") and decides none.
 """
 from __future__ import annotations
 
@@ -77,37 +78,13 @@ class GemmConfig:
         return replace(self, **kw)
 
 
-# Which kernel a default config is for.
+# The layer's standalone GEMMs, the keys of ``Plan.gemm`` (functional/plan.py).
 KIND_GATE_UP = "gate_up"  # two accumulators (g and u) per tile: BN=128 means 256 columns of MMA
 KIND_DOWN = "down"  # rows_gemm, B[e] [N, K] (A @ B^T), local store or push
 KIND_DGRAD_SWIGLU = "dgrad_swiglu"  # heavy epilogue
 KIND_GATE_UP_DGRAD = "gate_up_dgrad"  # rows_gemm, B[e] [K, N] two-phase, push
-KIND_WGRAD = "wgrad"  # expert_wgrad
-
-
-def default_config(kind: str = KIND_DOWN, N: int | None = None, K: int | None = None, BM: int = 128,
-                   M: int | None = None) -> GemmConfig:
-    """A good Hopper config for ``kind`` (one of the ``KIND_*``), output width ``N``, depth ``K``.
-
-    ``BM`` is the schedule's tile height for kinds 1-4 (ignored for ``KIND_WGRAD``, whose tiles
-    are free). ``M`` is only used by ``KIND_WGRAD`` (rows of each C[e]).
-    """
-    if kind == KIND_GATE_UP:
-        # A 128x64 + 2 x (128x64) B per stage = 48 KB; 3 stages = 144 KB
-        BN = 128 if N is None or N > 64 else 64
-        return GemmConfig(BM=BM, BN=BN, BK=64, num_warps=8, num_stages=3, GROUP_M=8)
-    if kind == KIND_DGRAD_SWIGLU:
-        BN = 128 if N is None or N > 64 else 64
-        return GemmConfig(BM=BM, BN=BN, BK=64, num_warps=8, num_stages=4, GROUP_M=8)
-    if kind in (KIND_DOWN, KIND_GATE_UP_DGRAD):
-        BN = 256 if N is None or N >= 256 else max(16, triton.next_power_of_2(N))
-        stages = 3 if BN == 256 else 4
-        return GemmConfig(BM=BM, BN=BN, BK=64, num_warps=8, num_stages=stages, GROUP_M=8)
-    if kind == KIND_WGRAD:
-        # K runs over an expert's rows: BK=32 with 4 stages
-        BN = 256 if N is None or N >= 256 else max(16, triton.next_power_of_2(N))
-        return GemmConfig(BM=128, BN=BN, BK=32, num_warps=8, num_stages=4, GROUP_M=8)
-    raise ValueError(f"unknown GEMM kind {kind!r}")
+KIND_WGRAD_DOWN = "wgrad_down"  # expert_wgrad(dys, hw): dW_down, C[e] [H, I]
+KIND_WGRAD_GATE_UP = "wgrad_gate_up"  # expert_wgrad_gate_up(dgu, xs): dW_gate | dW_up, C[e] [I, H]
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,7 +480,7 @@ def _check_schedule(tile_expert, num_tiles, R, BM):
 def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                    tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
                    h: torch.Tensor | None = None, gu: torch.Tensor | None = None, save_gu: bool = False,
-                   config: GemmConfig | None = None):
+                   config: GemmConfig):
     """h [R, I] = silu(xs @ Wg[e]^T) * (xs @ Wu[e]^T) per row tile; returns h, or (h, gu) with save_gu.
 
     xs [R, H] bf16; w_gate, w_up [E, I, H] bf16 (contiguous last dim, same strides);
@@ -513,7 +490,7 @@ def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     R, H = xs.shape
     E, I, H2 = w_gate.shape
     assert H2 == H and w_up.shape == w_gate.shape and w_up.stride() == w_gate.stride()
-    cfg = config or default_config(KIND_GATE_UP, I, H)
+    cfg = config
     _check_schedule(tile_expert, num_tiles, R, cfg.BM)
     _check_rows("xs", xs, R, cfg.BM)
     assert w_gate.stride(-1) == 1
@@ -607,7 +584,7 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
               row_src: torch.Tensor | None = None, dst_ptrs: torch.Tensor | None = None,
               TK: int | None = None, dst_stride: int | None = None, dst_dtype: torch.dtype = torch.bfloat16,
-              config: GemmConfig | None = None):
+              config: GemmConfig):
     """Routed-row GEMM: for each used row tile m (expert e = tile_expert[m]),
     ``rows = A[m-tile] @ op(B[e])`` (+ ``A2[m-tile] @ op(B2[e])`` when a2/b2 are given).
 
@@ -639,8 +616,7 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
         assert Kb2 == K2 and Nb2 == N and b2.shape[0] == E
     else:
         K2 = 0
-    kind = KIND_DOWN if b_layout == "nk" else KIND_GATE_UP_DGRAD
-    cfg = config or default_config(kind, N, K + K2)
+    cfg = config
     _check_schedule(tile_expert, num_tiles, R, cfg.BM)
     push = dst_ptrs is not None
     if push:
@@ -674,7 +650,7 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
 
 def down_push(h: torch.Tensor, w_down: torch.Tensor, tile_expert: torch.Tensor, num_tiles: torch.Tensor,
               row_src: torch.Tensor, dst_ptrs: torch.Tensor, TK: int, *, dst_stride: int | None = None,
-              config: GemmConfig | None = None):
+              config: GemmConfig):
     """Down projection with push epilogue: row r of h[m-tile] @ Wd[e]^T ([R, I] x [E, H, I]) goes,
     bf16, to ``dst_ptrs[row_src[r] // TK]`` row ``row_src[r] % TK`` (each destination [TK, H])."""
     rows_gemm(h, w_down, tile_expert, num_tiles, b_layout="nk", row_src=row_src, dst_ptrs=dst_ptrs,
@@ -682,7 +658,7 @@ def down_push(h: torch.Tensor, w_down: torch.Tensor, tile_expert: torch.Tensor, 
 
 
 def down_local(h: torch.Tensor, w_down: torch.Tensor, tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
-               out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, config: GemmConfig) -> torch.Tensor:
     """Down projection into a local [R, H] buffer (rows of unused tiles untouched)."""
     return rows_gemm(h, w_down, tile_expert, num_tiles, b_layout="nk", out=out, config=config)
 
@@ -690,7 +666,7 @@ def down_local(h: torch.Tensor, w_down: torch.Tensor, tile_expert: torch.Tensor,
 def gate_up_dgrad_push(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                        tile_expert: torch.Tensor, num_tiles: torch.Tensor,
                        row_src: torch.Tensor, dst_ptrs: torch.Tensor, TK: int, *,
-                       dst_stride: int | None = None, config: GemmConfig | None = None):
+                       dst_stride: int | None = None, config: GemmConfig):
     """dxs = dg @ Wg[e] + du @ Wu[e] (dgu [R, 2I]: dg = dgu[:, :I], du = dgu[:, I:]; w [E, I, H]),
     each row pushed bf16 to its origin as in ``down_push`` (destinations [TK, H])."""
     I = w_gate.shape[1]
@@ -701,7 +677,7 @@ def gate_up_dgrad_push(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
 
 def gate_up_dgrad_local(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                         tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
-                        out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, config: GemmConfig) -> torch.Tensor:
     """dxs [R, H] = dg @ Wg[e] + du @ Wu[e] into a local buffer."""
     I = w_gate.shape[1]
     return rows_gemm(dgu[:, :I], w_gate, tile_expert, num_tiles, b_layout="kn", a2=dgu[:, I:], b2=w_up,
@@ -801,7 +777,7 @@ def down_dgrad_swiglu_kernel(dys_ptr, stride_dym, wd_ptr, stride_we, stride_wh,
 def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Tensor, ws: torch.Tensor,
                           tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
                           dgu: torch.Tensor | None = None, hw: torch.Tensor | None = None,
-                          dw_part: torch.Tensor | None = None, config: GemmConfig | None = None):
+                          dw_part: torch.Tensor | None = None, config: GemmConfig):
     """Down dgrad fused with the SwiGLU backward. Returns (dgu, hw, dw_part).
 
     dys [R, H] bf16 (unscaled dy rows); w_down [E, H, I] bf16; gu [R, 2I] bf16 (saved g, u);
@@ -813,7 +789,7 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     E, H2, I = w_down.shape
     assert H2 == H and gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
     assert w_down.stride(-1) == 1 and gu.stride(-1) == 1 and ws.stride(0) == 1
-    cfg = config or default_config(KIND_DGRAD_SWIGLU, I, H)
+    cfg = config
     _check_schedule(tile_expert, num_tiles, R, cfg.BM)
     _check_rows("dys", dys, R, cfg.BM)
     nt_n = triton.cdiv(I, cfg.BN)
@@ -993,15 +969,19 @@ def expert_wgrad_kernel(a_ptr, a2_ptr, stride_ar, b_ptr, stride_br, c_ptr, c2_pt
                 BM, BN, BK, GROUP_M, INTERPRET)
 
 
-def _wgrad_programs(device) -> int:
-    """The weight gradient's grid: one program per SM (docs/performance.md, "GEMM tiles"); under the
-    interpreter a few, each walking several tiles."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+def _unplanned_wgrad(config: GemmConfig | None, programs: int | None, N: int, device):
+    """TRANSITIONAL, for callers that do not pass the plan's choice yet (functional/backward.py):
+    the plan's (``heuristics.wgrad_config(N)``, ``heuristics.wgrad_programs``) spelled once more.
+    Remove with the last such caller."""
+    if config is None:
+        BN = 256 if N >= 256 else max(16, triton.next_power_of_2(N))
+        config = GemmConfig(BM=128, BN=BN, BK=32, num_warps=8, num_stages=4, GROUP_M=8)
+    if programs is None:
+        programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return config, programs
 
 
-def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg):
+def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg, programs):
     E = expert_count.numel()
     N = out.shape[2]
     assert expert_start.dtype == torch.int32 and expert_count.dtype == torch.int32
@@ -1012,7 +992,7 @@ def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg):
     if pairs == 2:
         assert a2.stride() == a.stride() and out2.stride() == out.stride() and out2.shape == out.shape
     num_tiles = E * pairs * triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
-    grid = (max(1, min(num_tiles, _wgrad_programs(out.device))),)
+    grid = (max(1, min(num_tiles, programs)),)
     expert_wgrad_kernel[grid](
         a, a2 if pairs == 2 else a, a.stride(0), b, b.stride(0), out, out2 if pairs == 2 else out,
         out.stride(0), out.stride(1), expert_start, expert_count, E, M, N,
@@ -1023,36 +1003,38 @@ def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg):
 
 def expert_wgrad(a: torch.Tensor, b: torch.Tensor, expert_start: torch.Tensor, expert_count: torch.Tensor, *,
                  out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                 config: GemmConfig | None = None) -> torch.Tensor:
+                 config: GemmConfig | None = None, programs: int | None = None) -> torch.Tensor:
     """C [E, M, N] with C[e] = A[s:s+c]^T @ B[s:s+c] (s = expert_start[e], c = expert_count[e]).
 
     a [R, M], b [R, N]: any row strides (e.g. column slices of wider buffers), unit column stride.
     fp32 accumulation, each output tile by one program over its expert's rows in order (bitwise the
     same whatever the grid); experts with no rows get zeros. E.g. dW_down = expert_wgrad(dys, hw, ...)
-    -> [E, H, I].
+    -> [E, H, I]. ``config``: the tiles (``Plan.gemm[KIND_WGRAD_DOWN]``); ``programs``: the
+    persistent grid (``Plan.wgrad_programs``); None: ``_unplanned_wgrad``'s, for now.
     """
     M, N = a.shape[1], b.shape[1]
     E = expert_count.numel()
-    cfg = config or default_config(KIND_WGRAD, N, None, M=M)
+    cfg, programs = _unplanned_wgrad(config, programs, N, a.device)
     if out is None:
         out = torch.empty(E, M, N, dtype=out_dtype, device=a.device)
-    _wgrad_launch(a, None, b, expert_start, expert_count, M, out, None, cfg)
+    _wgrad_launch(a, None, b, expert_start, expert_count, M, out, None, cfg, programs)
     return out
 
 
 def expert_wgrad_gate_up(dgu: torch.Tensor, xs: torch.Tensor, expert_start: torch.Tensor,
                          expert_count: torch.Tensor, *, out_gate: torch.Tensor | None = None,
                          out_up: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                         config: GemmConfig | None = None):
+                         config: GemmConfig | None = None, programs: int | None = None):
     """dW_gate[e] = dg_seg^T @ xs_seg, dW_up[e] = du_seg^T @ xs_seg (dgu [R, 2I], xs [R, H]) in one
-    launch; returns (dW_gate, dW_up), each [E, I, H]."""
+    launch; returns (dW_gate, dW_up), each [E, I, H]. ``config``, ``programs``: as ``expert_wgrad``'s
+    (``Plan.gemm[KIND_WGRAD_GATE_UP]``, ``Plan.wgrad_programs``)."""
     I = dgu.shape[1] // 2
     H = xs.shape[1]
     E = expert_count.numel()
-    cfg = config or default_config(KIND_WGRAD, H, None, M=I)
+    cfg, programs = _unplanned_wgrad(config, programs, H, dgu.device)
     if out_gate is None:
         out_gate = torch.empty(E, I, H, dtype=out_dtype, device=dgu.device)
     if out_up is None:
         out_up = torch.empty(E, I, H, dtype=out_dtype, device=dgu.device)
-    _wgrad_launch(dgu[:, :I], dgu[:, I:], xs, expert_start, expert_count, I, out_gate, out_up, cfg)
+    _wgrad_launch(dgu[:, :I], dgu[:, I:], xs, expert_start, expert_count, I, out_gate, out_up, cfg, programs)
     return out_gate, out_up

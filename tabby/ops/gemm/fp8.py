@@ -32,24 +32,28 @@ Kernels:
 1. ``gate_up_swiglu_fp8``: g = A @ Wg[e]^T, u = A @ Wu[e]^T, h = silu(g) * u in fp32; g | u
    stored bf16 (for the backward); h quantized per 1x128 in the epilogue (BN = 128: a tile row
    is one 1x128 tile) into ``hq [R, I]`` E4M3 + ``h_scale [R, ceil(I/128)]``.
-   A and the weights load through TMA (tensor descriptors) wherever they are 16-byte aligned
-   (H a multiple of 16), at kernel tiles of ``GATE_UP_TMA_BM`` rows inside the schedule's
+   With ``Fp8Gemm.tma`` A and the weights load through TMA (tensor descriptors: 16-byte aligned
+   rows, H a multiple of 16), at kernel tiles of ``config.BM`` rows inside the schedule's
    (``SUB_M`` per schedule tile, each taking that tile's expert: ``_fp8_gate_up_mainloop_tma``);
-   other inputs go through pointer loads at the schedule's tile (``_fp8_gate_up_mainloop``).
+   without, through pointer loads (``_fp8_gate_up_mainloop``).
 2. ``rows_gemm_fp8`` / ``down_push_fp8``: A @ B[e]^T stored locally or pushed row by row to
    the origin (bf16).
 3. ``down_dgrad_swiglu_fp8``: the down dgrad with the SwiGLU backward in its epilogue.
 4. ``expert_wgrad_fp8``: the per-expert weight gradients from operands quantized per 128x1.
-On sm_90, at the default tiles, each runs fp8_ws.py's warp-specialized Gluon kernel where it
-fits (1-3: K a multiple of 16, contiguous operands, schedule tiles a multiple of 128 rows;
-4: ``padded``): the same sums (bitwise every output but the down dgrad's row sums dw,
-within 1e-6), with one warpgroup's promotion under the other's MMA. The Triton kernels here run
-elsewhere (the interpreter, other shapes) and where a caller names other tiles.
+Each entry point runs the kernel its ``kernel`` argument names (``Fp8Gemm``: the plan's choice,
+``functional/heuristics.py``) and decides nothing: ``core="ws"`` runs fp8_ws.py's
+warp-specialized Gluon kernel (sm_90; 1-3: K a multiple of 16, contiguous 16-byte aligned
+operands, schedule tiles a multiple of 128 rows; 4: ``padded``), the same sums (bitwise every
+output but the down dgrad's row sums dw, within 1e-6) with one warpgroup's promotion under the
+other's MMA; ``core="triton"`` the Triton kernels here, at the given tiles. Operands that the
+named kernel cannot take raise ``ValueError``; no entry point switches to another kernel.
 
 Under the interpreter Triton 3.6's fp8 ``tl.dot`` works as it is (it widens E4M3 to fp16,
 exactly, and multiplies in fp32), so no upcast is needed there (unlike gemm.py's bf16 ``_dot``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -61,42 +65,64 @@ from ..quantize import BLOCK, E4M3, quantize_tile_rows
 from .bf16 import (_TL_DTYPES, GemmConfig, _check_schedule, _push_rows, _row_tile_expert, _store_rows,
                    _swiglu_bwd_split_epilogue, grouped_tile, tma_aligned)
 
-KIND_GATE_UP = "gate_up"
-KIND_ROWS = "rows"
-KIND_WGRAD = "wgrad"
-KIND_DOWN_DGRAD = "down_dgrad"
-# gate/up's kernel tile height with TMA loads (a divisor of the schedule's): at 8 warps each
-# warpgroup holds a 64 x 64 quarter of g and of u (32 registers per tile); 128 rows spill
-# (docs/fp8-measurements.md)
-GATE_UP_TMA_BM = 64
-# the most stages of gate/up's pointer loop: its tile is the schedule's (128 rows: A 128 x 128 +
-# 2 x (128 x 128) B, one byte each, 48 KB per stage), where the TMA loop's 5 stages would not fit
-# in shared memory; 3 is the count it was measured at (docs/fp8-measurements.md)
-GATE_UP_PTR_STAGES = 3
+CORE_TRITON = "triton"  # this module's kernels
+CORE_WS = "ws"  # fp8_ws.py's warp-specialized kernels (sm_90)
 
 
-def default_config_fp8(kind: str, N: int | None = None, BM: int = 128) -> GemmConfig:
-    """Tiles of the FP8 GEMMs: BK is the quantization block (128); gate/up's BN is 128 (one h tile
-    per tile row). ``BM`` is the schedule's tile height."""
-    if kind == KIND_GATE_UP:
-        # for the TMA loop (64-row kernel tiles): A 64 x 128 + 2 x (128 x 128) B, one byte each,
-        # 40 KB per stage; 5 stages (200 KB of sm_90's 227 KB) were the fastest measured
-        # (docs/fp8-measurements.md); the pointer loop runs at most GATE_UP_PTR_STAGES
-        return GemmConfig(BM=BM, BN=128, BK=BLOCK, num_warps=8, num_stages=5, GROUP_M=8)
-    if kind == KIND_ROWS:
-        # 128 x 128 tiles at 8 warps, 4 stages (32 KB each): K runs many blocks, and two warpgroups
-        # on one tile feed more MMAs per load than 128 x 256 or 4-warp tiles (docs/fp8-measurements.md)
-        BN = 128 if N is None or N >= 128 else max(16, triton.next_power_of_2(N))
-        return GemmConfig(BM=BM, BN=BN, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
-    if kind == KIND_DOWN_DGRAD:
-        # the rows GEMM's main loop and tiles, 128 columns of I (whatever I) for the SwiGLU backward
-        return GemmConfig(BM=BM, BN=128, BK=BLOCK, num_warps=8, num_stages=4, GROUP_M=8)
-    if kind == KIND_WGRAD:
-        # 128 x 64 output tiles at 4 warps, 3 stages (24 KB each): K is an expert's rows, a few
-        # blocks, so a tile is mostly pipeline fill and store; two programs an SM run one's
-        # promotion and store under the other's loads and MMAs (docs/fp8-measurements.md)
-        return GemmConfig(BM=128, BN=64, BK=BLOCK, num_warps=4, num_stages=3, GROUP_M=8)
-    raise ValueError(f"unknown FP8 GEMM kind {kind!r}")
+@dataclass(frozen=True)
+class Fp8Gemm:
+    """Which kernel runs one FP8 GEMM, at which tiles: the plan's choice (``functional/heuristics.py``),
+    which the entry points here run as given.
+
+    core:     ``CORE_WS`` (fp8_ws.py's warp-specialized Gluon kernels, sm_90) or ``CORE_TRITON``
+    config:   the kernel's tiles. Triton: as launched (BM the schedule's tile height, except
+              gate/up's, a divisor of it; BK 128, the quantization block; num_warps, num_stages,
+              GROUP_M in kernel row tiles). ws: BM = BK = 128; BN 128, or 256 for the rows kernel
+              of 128 x 256 tiles; num_warps 4 (a consumer warpgroup); num_stages the ring's depth
+    tma:      Triton gate/up: A and the weights through tensor descriptors (16-byte aligned rows)
+    lag:      ws dgrads reading the forward's copies (``launch_bt``): producer steps between a raw
+              block's load and its transpose (0: not that kernel)
+    programs: the ws kernels' persistent grid (None: one program per SM of the device)
+    """
+    core: str
+    config: GemmConfig
+    tma: bool = False
+    lag: int = 0
+    programs: int | None = None
+
+    def __post_init__(self):
+        c = self.config
+        if self.core not in (CORE_TRITON, CORE_WS):
+            raise ValueError(f"Fp8Gemm.core must be {CORE_TRITON!r} or {CORE_WS!r}, got {self.core!r}")
+        if c.BK != BLOCK:
+            raise ValueError(f"FP8 GEMMs take K in blocks of {BLOCK} (the quantization block), got BK={c.BK}")
+        if self.core == CORE_WS and (c.BM != fp8_ws.BM or c.BN not in (fp8_ws.BN, 2 * fp8_ws.BN) or c.num_warps != 4
+                                     or self.tma):
+            raise ValueError(f"the warp-specialized kernels run 128-row tiles of 128 or 256 columns at 4 warps "
+                             f"(TMA always), got {self}")
+        if self.lag and (self.core != CORE_WS or not 0 < self.lag < c.num_stages):
+            raise ValueError(f"lag {self.lag} needs the warp-specialized core and must lie in [1, stages "
+                             f"{c.num_stages})")
+
+
+def kernel_name(kernel: Fp8Gemm, gemm: str) -> str:
+    """The kernel function that ``gemm``'s entry point ("gate_up", "rows", "down_dgrad", "wgrad")
+    launches for ``kernel``."""
+    if kernel.core == CORE_WS:
+        if kernel.lag:
+            return fp8_ws.rows_gemm_fp8_ws_bt_kernel.__name__
+        wide = kernel.config.BN == 2 * fp8_ws.BN
+        return {"gate_up": fp8_ws.gate_up_swiglu_fp8_ws_kernel, "wgrad": fp8_ws.expert_wgrad_fp8_ws_kernel,
+                "rows": fp8_ws.rows_gemm_fp8_ws_wide_kernel if wide else fp8_ws.rows_gemm_fp8_ws_kernel,
+                "down_dgrad": fp8_ws.rows_gemm_fp8_ws_kernel}[gemm].__name__
+    return {"gate_up": gate_up_swiglu_fp8_kernel, "rows": rows_gemm_fp8_kernel,
+            "down_dgrad": down_dgrad_swiglu_fp8_kernel, "wgrad": expert_wgrad_fp8_kernel}[gemm].__name__
+
+
+def _ws_fits(kernel: Fp8Gemm, what: str, fits: bool, rule: str) -> None:
+    if not fits:
+        raise ValueError(f"{what}: the plan chose the warp-specialized kernel ({kernel.config}), and these "
+                         f"operands do not suit it ({rule}): sm_90, contiguous 16-byte aligned rows")
 
 
 @triton.jit
@@ -294,19 +320,18 @@ def _check_fp8_weights(name, q, s):
                          f"{tuple(s.shape)} strides {s.stride()}")
 
 
-def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *,
-                       hq=None, h_scale=None, gu=None, save_gu: bool = True, config: GemmConfig | None = None):
+def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *, kernel: Fp8Gemm,
+                       tile_m: int, hq=None, h_scale=None, gu=None, save_gu: bool = True):
     """Returns (hq [R, I] E4M3, h_scale [R, ceil(I/128)] fp32, gu [R, 2I] bf16 or None).
 
     aq [R, H] E4M3 with a_scale [R, ceil(H/128)]; wg_q, wu_q [E, I, H] E4M3 with scales
     [E, ceil(I/128), ceil(H/128)] (same strides). h's 1x128 tiles are the kernel's column tiles
     (the last one partial where 128 does not divide I). Rows of unused tiles are left untouched.
-
-    A and the weights load through tensor descriptors (TMA) wherever those allow it (16-byte
-    aligned bases and strides: H a multiple of 16), at kernel tiles of ``GATE_UP_TMA_BM`` rows
-    when that divides the schedule's ``config.BM``; other inputs take the pointer loop at the
-    schedule's tile and at most ``GATE_UP_PTR_STAGES`` stages. Both give the same results (the
-    same sums in the same order).
+    ``tile_m``: the schedule's tile height. ``kernel``: the warp-specialized kernel
+    (``fp8_ws.gate_up_swiglu_fp8_ws``), or the Triton kernel at ``kernel.config`` (BN 128: one h
+    tile a tile row; BM a divisor of tile_m), through tensor descriptors where ``kernel.tma``
+    (which needs 16-byte aligned rows: else ``ValueError``), else through pointer loads. All give
+    the same results (the same sums in the same order).
     """
     R, H = aq.shape
     E, I, H2 = wg_q.shape
@@ -315,10 +340,11 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
     _check_fp8_rows("aq", aq, a_scale, R)
     _check_fp8_weights("wg_q", wg_q, wg_scale)
     _check_fp8_weights("wu_q", wu_q, wu_scale)
-    cfg = config or default_config_fp8(KIND_GATE_UP)
-    if cfg.BN != BLOCK or cfg.BK != BLOCK:
-        raise ValueError(f"gate_up_swiglu_fp8 needs BN = BK = {BLOCK}, got {cfg}")
-    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
+    cfg = kernel.config
+    if cfg.BN != BLOCK or tile_m % cfg.BM:
+        raise ValueError(f"gate_up_swiglu_fp8 needs BN = {BLOCK} and BM dividing the schedule's tile {tile_m}, "
+                         f"got {cfg}")
+    _check_schedule(tile_expert, num_tiles, R, tile_m)
     if hq is None:
         hq = torch.empty(R, I, dtype=E4M3, device=aq.device)
     if h_scale is None:
@@ -326,30 +352,32 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
     save_gu = save_gu or gu is not None
     if save_gu and gu is None:
         gu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=aq.device)
-    gu_arg = gu if save_gu else h_scale
-    if (cfg == default_config_fp8(KIND_GATE_UP, BM=cfg.BM)
-            and fp8_ws.fits_gate_up(aq, wg_q, wu_q, cfg.BM)):
+    if R == 0:  # no rows: nothing to compute (and no tensor descriptor over them)
+        return hq, h_scale, (gu if save_gu else None)
+    if kernel.core == CORE_WS:
+        _ws_fits(kernel, "gate_up_swiglu_fp8", fp8_ws.fits_gate_up(aq, wg_q, wu_q, tile_m), "fp8_ws.fits_gate_up")
         return fp8_ws.gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles,
-                                                 hq=hq, h_scale=h_scale, gu=gu, sched_bm=cfg.BM, save_gu=save_gu)
-    # a tensor descriptor needs 16-byte aligned rows: where they are not, the pointer loop
-    use_tma = R > 0 and all(tma_aligned(t) for t in (aq, wg_q, wu_q))
-    block_m = GATE_UP_TMA_BM if use_tma and cfg.BM % GATE_UP_TMA_BM == 0 else cfg.BM
-    sub = cfg.BM // block_m
-    num_stages = cfg.num_stages if use_tma else min(cfg.num_stages, GATE_UP_PTR_STAGES)
-    num_m = R // block_m
+                                            hq=hq, h_scale=h_scale, gu=gu, sched_bm=tile_m, save_gu=save_gu,
+                                            stages=cfg.num_stages, grid=kernel.programs, GROUP_M=cfg.GROUP_M)
+    gu_arg = gu if save_gu else h_scale
+    sub = tile_m // cfg.BM
+    num_m = R // cfg.BM
     descs = (None, None, None)
-    if use_tma:
+    if kernel.tma:
+        if not all(tma_aligned(t) for t in (aq, wg_q, wu_q)):
+            raise ValueError("gate_up_swiglu_fp8: the plan chose TMA loads (Fp8Gemm.tma), which need 16-byte aligned "
+                             "rows of A and the weights (bf16.tma_aligned)")
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        descs = (TensorDescriptor.from_tensor(aq, [block_m, BLOCK]),
+        descs = (TensorDescriptor.from_tensor(aq, [cfg.BM, BLOCK]),
                  TensorDescriptor.from_tensor(wg_q, [1, BLOCK, BLOCK]),
                  TensorDescriptor.from_tensor(wu_q, [1, BLOCK, BLOCK]))
     gate_up_swiglu_fp8_kernel[(num_m * triton.cdiv(I, BLOCK),)](
         aq, aq.stride(0), a_scale, a_scale.stride(0), wg_q, wu_q, wg_q.stride(0), wg_q.stride(1),
         wg_scale, wu_scale, wg_scale.stride(0), wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0),
-        gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, H, I, BM=block_m, GROUP_M=cfg.GROUP_M * sub,
-        EVEN_K=(H % BLOCK == 0), SAVE_GU=save_gu, INTERPRET=INTERPRET, USE_TMA=use_tma, a_desc=descs[0],
-        wg_desc=descs[1], wu_desc=descs[2], SUB_M=sub, num_warps=cfg.num_warps, num_stages=num_stages)
+        gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, H, I, BM=cfg.BM, GROUP_M=cfg.GROUP_M,
+        EVEN_K=(H % BLOCK == 0), SAVE_GU=save_gu, INTERPRET=INTERPRET, USE_TMA=kernel.tma, a_desc=descs[0],
+        wg_desc=descs[1], wu_desc=descs[2], SUB_M=sub, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return hq, h_scale, (gu if save_gu else None)
 
 
@@ -372,23 +400,23 @@ def rows_gemm_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm, b_ptr, stride_be,
             _store_rows(acc, pid_m, pid_n, c_ptr, stride_cm, N, BM, BN)
 
 
-def rows_gemm_fp8(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None, out_dtype=torch.bfloat16,
-                  row_src=None, dst_ptrs=None, TK=None, dst_stride=None, dst_dtype=torch.bfloat16,
-                  config: GemmConfig | None = None):
+def rows_gemm_fp8(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, kernel: Fp8Gemm, tile_m: int, out=None,
+                  out_dtype=torch.bfloat16, row_src=None, dst_ptrs=None, TK=None, dst_stride=None,
+                  dst_dtype=torch.bfloat16):
     """Routed-row FP8 GEMM: for each used row tile m (expert e), ``A[m-tile] @ B[e]^T`` with fp32
     promotion per K block. aq [R, K] E4M3 + a_scale [R, ceil(K/128)]; bq [E, N, K] E4M3 + b_scale
     [E, ceil(N/128), ceil(K/128)]. Epilogue as gemm.rows_gemm: pushed (``dst_ptrs``, ``row_src``,
-    ``TK``; returns None) or stored into ``out`` [R, N] (``out_dtype``; returned)."""
+    ``TK``; returns None) or stored into ``out`` [R, N] (``out_dtype``; returned). ``kernel``:
+    the warp-specialized kernel (``fp8_ws.launch``: 128 x 256 tiles at BN 256) or the Triton one
+    at ``kernel.config`` (BM the schedule's ``tile_m``)."""
     R, K = aq.shape
     E, N, Kb = bq.shape
     if Kb != K:
         raise ValueError(f"A has K={K}, B has {Kb}")
     _check_fp8_rows("aq", aq, a_scale, R)
     _check_fp8_weights("bq", bq, b_scale)
-    cfg = config or default_config_fp8(KIND_ROWS, N)
-    if cfg.BK != BLOCK:
-        raise ValueError(f"rows_gemm_fp8 needs BK = {BLOCK}, got {cfg}")
-    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
+    cfg = kernel.config
+    _check_schedule(tile_expert, num_tiles, R, tile_m)
     push = dst_ptrs is not None
     if push:
         assert row_src is not None and TK is not None
@@ -402,11 +430,15 @@ def rows_gemm_fp8(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None,
         c, stride_c = out, out.stride(0)
         row_src = dst_ptrs = tile_expert  # unused
         TK, stride_d = 1, 0
-    if cfg == default_config_fp8(KIND_ROWS, N, BM=cfg.BM) and fp8_ws.fits(aq, bq, cfg.BM):
+    if kernel.core == CORE_WS:
+        _ws_fits(kernel, "rows_gemm_fp8", fp8_ws.fits(aq, bq, tile_m), "fp8_ws.fits")
         epi = ((row_src, dst_ptrs, TK, stride_d, dst_ptrs.view(dst_dtype)) if push else (c, stride_c))
-        fp8_ws.launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, cfg.BM,
-                           fp8_ws.EPI_PUSH if push else fp8_ws.EPI_STORE, epi, N)
+        fp8_ws.launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, tile_m,
+                      fp8_ws.EPI_PUSH if push else fp8_ws.EPI_STORE, epi, N, tile_n=cfg.BN, stages=cfg.num_stages,
+                      grid=kernel.programs, GROUP_M=cfg.GROUP_M)
         return None if push else out
+    if cfg.BM != tile_m:
+        raise ValueError(f"rows_gemm_fp8: the Triton kernel's BM must be the schedule's tile {tile_m}, got {cfg}")
     num_m = R // cfg.BM
     rows_gemm_fp8_kernel[(num_m * triton.cdiv(N, cfg.BN),)](
         aq, aq.stride(0), a_scale, a_scale.stride(0), bq, bq.stride(0), bq.stride(1), b_scale, b_scale.stride(0),
@@ -416,12 +448,12 @@ def rows_gemm_fp8(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=None,
     return None if push else out
 
 
-def down_push_fp8(hq, h_scale, wd_q, wd_scale, tile_expert, num_tiles, row_src, dst_ptrs, TK, *,
-                  dst_stride=None, config: GemmConfig | None = None):
+def down_push_fp8(hq, h_scale, wd_q, wd_scale, tile_expert, num_tiles, row_src, dst_ptrs, TK, *, kernel: Fp8Gemm,
+                  tile_m: int, dst_stride=None):
     """Down projection in FP8, each row of h[m-tile] @ Wd[e]^T pushed bf16 to its origin
     (``dst_ptrs[row_src[r] // TK]`` row ``row_src[r] % TK``), as gemm.down_push."""
     rows_gemm_fp8(hq, h_scale, wd_q, wd_scale, tile_expert, num_tiles, row_src=row_src, dst_ptrs=dst_ptrs, TK=TK,
-                  dst_stride=dst_stride, config=config)
+                  dst_stride=dst_stride, kernel=kernel, tile_m=tile_m)
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,11 +493,12 @@ def _swiglu_bwd_outputs(gu, ws, nt_n: int):
     return dgu, hw, dw_part, (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0))
 
 
-def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_expert, num_tiles, *,
-                          config: GemmConfig | None = None):
+def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_expert, num_tiles, *, kernel: Fp8Gemm,
+                          tile_m: int):
     """gemm.down_dgrad_swiglu_bwd in FP8: dys [R, H] E4M3 per 1x128; wd_t [E, I, H] E4M3 (W_down's
     128x128 blocks transposed: :func:`transpose_blocks`) with its scales. Returns (dgu [R, 2I] bf16,
-    hw [R, I] bf16, dw_part [R, ceil(I/BN)] fp32), as the bf16 kernel."""
+    hw [R, I] bf16, dw_part [R, ceil(I/BN)] fp32), as the bf16 kernel. ``kernel``: the
+    warp-specialized kernel at 128 x 128 (``fp8_ws.launch``) or the Triton one (BM ``tile_m``)."""
     R, H = dys_q.shape
     E, I, H2 = wd_t_q.shape
     if H2 != H:
@@ -474,13 +507,17 @@ def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_exp
     _check_fp8_rows("dys_q", dys_q, dys_scale, R)
     _check_fp8_weights("wd_t_q", wd_t_q, wd_t_scale)
     assert gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
-    cfg = config or default_config_fp8(KIND_DOWN_DGRAD)
-    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
+    cfg = kernel.config
+    if kernel.lag or (kernel.core == CORE_TRITON and cfg.BM != tile_m):
+        raise ValueError(f"down_dgrad_swiglu_fp8: {kernel} is not a kernel of this dgrad (lag 0; Triton: BM the "
+                         f"schedule's tile {tile_m})")
+    _check_schedule(tile_expert, num_tiles, R, tile_m)
     nt_n = triton.cdiv(I, cfg.BN)
     dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, nt_n)
-    if cfg == default_config_fp8(KIND_DOWN_DGRAD, BM=cfg.BM) and fp8_ws.fits(dys_q, wd_t_q, cfg.BM):
-        fp8_ws.launch(dys_q, dys_scale, wd_t_q, wd_t_scale, tile_expert, num_tiles, cfg.BM,
-                           fp8_ws.EPI_SWIGLU_BWD, epi, I)
+    if kernel.core == CORE_WS:
+        _ws_fits(kernel, "down_dgrad_swiglu_fp8", fp8_ws.fits(dys_q, wd_t_q, tile_m), "fp8_ws.fits")
+        fp8_ws.launch(dys_q, dys_scale, wd_t_q, wd_t_scale, tile_expert, num_tiles, tile_m, fp8_ws.EPI_SWIGLU_BWD,
+                      epi, I, tile_n=cfg.BN, stages=cfg.num_stages, grid=kernel.programs, GROUP_M=cfg.GROUP_M)
         return dgu, hw, dw_part
     num_m = R // cfg.BM
     down_dgrad_swiglu_fp8_kernel[(num_m * nt_n,)](
@@ -491,53 +528,60 @@ def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_exp
     return dgu, hw, dw_part
 
 
-def dgrads_read_forward_copies(aq: torch.Tensor, weights, BM: int) -> bool:
-    """Whether the two dgrads can read the weights' forward E4M3 copies (``weights``) transposed in
-    the kernel (``down_dgrad_swiglu_fp8_t``, ``gate_up_dgrad_push_fp8_t``): sm_90, the Gluon
-    kernels' operand rules (``fp8_ws.fits_bt``). Elsewhere a dgrad needs the transposed
-    copies (``transpose_blocks``)."""
-    return fp8_ws.fits_bt(aq, weights, BM)
+def _check_bt(kernel: Fp8Gemm, what: str, aq, weights, tile_m: int) -> None:
+    """The dgrads reading the forward's copies run only on the warp-specialized transposing kernel."""
+    if kernel.core != CORE_WS or not kernel.lag or kernel.config.BN != fp8_ws.BN:
+        raise ValueError(f"{what}: needs the warp-specialized transposing kernel (core 'ws', BN {fp8_ws.BN}, "
+                         f"lag >= 1), got {kernel}")
+    _ws_fits(kernel, what, fp8_ws.fits_bt(aq, weights, tile_m), "fp8_ws.fits_bt")
 
 
-def down_dgrad_swiglu_fp8_t(dys_q, dys_scale, wd_q, wd_scale, gu, ws, tile_expert, num_tiles, *, BM: int = 128):
+def down_dgrad_swiglu_fp8_t(dys_q, dys_scale, wd_q, wd_scale, gu, ws, tile_expert, num_tiles, *, kernel: Fp8Gemm,
+                            tile_m: int):
     """``down_dgrad_swiglu_fp8`` reading W_down's forward copy wd_q [E, H, I] (128x128 scales
     [E, ceil(H/128), ceil(I/128)]) transposed in the kernel, the same values: no W_down^T in
-    memory. Runs where ``dgrads_read_forward_copies``."""
+    memory. ``kernel``: the warp-specialized transposing kernel (``fp8_ws.launch_bt``: core "ws",
+    ``lag`` >= 1)."""
     R, H = dys_q.shape
     E, H2, I = wd_q.shape
-    if H2 != H or not dgrads_read_forward_copies(dys_q, (wd_q,), BM):
-        raise ValueError(f"down_dgrad_swiglu_fp8_t: dys {tuple(dys_q.shape)}, W_down {tuple(wd_q.shape)} do not "
-                         "run on the transposing kernel (see dgrads_read_forward_copies)")
+    if H2 != H:
+        raise ValueError(f"down_dgrad_swiglu_fp8_t: dys {tuple(dys_q.shape)} and W_down {tuple(wd_q.shape)} "
+                         "differ in H")
+    _check_bt(kernel, "down_dgrad_swiglu_fp8_t", dys_q, (wd_q,), tile_m)
     _check_fp8_rows("dys_q", dys_q, dys_scale, R)
     _check_fp8_weights("wd_q", wd_q, wd_scale)
     assert gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
-    _check_schedule(tile_expert, num_tiles, R, BM)
+    _check_schedule(tile_expert, num_tiles, R, tile_m)
+    cfg = kernel.config
     dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, triton.cdiv(I, fp8_ws.BN))
     fp8_ws.launch_bt(dys_q, dys_scale, (wd_q,), wd_scale.transpose(-2, -1).contiguous(), tile_expert, num_tiles,
-                          BM, fp8_ws.EPI_SWIGLU_BWD, epi, I)
+                     tile_m, fp8_ws.EPI_SWIGLU_BWD, epi, I, stages=cfg.num_stages, lag=kernel.lag, grid=kernel.programs,
+                     GROUP_M=cfg.GROUP_M)
     return dgu, hw, dw_part
 
 
 def gate_up_dgrad_push_fp8_t(dgu_q, dgu_scale, wg_q, wu_q, b_scale, tile_expert, num_tiles, row_src, dst_ptrs, TK,
-                             *, BM: int = 128, dst_dtype=torch.bfloat16):
+                             *, kernel: Fp8Gemm, tile_m: int, dst_dtype=torch.bfloat16):
     """The gate/up dgrad, dg @ W_gate + du @ W_up per routed row pushed to its origin (as
     ``rows_gemm_fp8``'s push), reading W_gate's and W_up's forward copies [E, I, H] transposed in
     the kernel: no [W_gate^T | W_up^T] in memory. A = dgu_q [R, 2Ip] (Ip: I rounded up to 128,
     each half's padding columns zeros) with its 1x128 scales; ``b_scale`` [E, ceil(H/128), 2Ip/128]
-    the two weights' block scales transposed side by side. Runs where
-    ``dgrads_read_forward_copies``."""
+    the two weights' block scales transposed side by side. ``kernel``: as
+    ``down_dgrad_swiglu_fp8_t``'s."""
     R, K = dgu_q.shape
     E, I, H = wg_q.shape
-    if (wu_q.shape != wg_q.shape or K != 2 * triton.cdiv(I, BLOCK) * BLOCK
-            or not dgrads_read_forward_copies(dgu_q, (wg_q, wu_q), BM)):
+    if wu_q.shape != wg_q.shape or K != 2 * triton.cdiv(I, BLOCK) * BLOCK:
         raise ValueError(f"gate_up_dgrad_push_fp8_t: dgu {tuple(dgu_q.shape)}, W_gate {tuple(wg_q.shape)}, W_up "
-                         f"{tuple(wu_q.shape)} do not run on the transposing kernel (see dgrads_read_forward_copies)")
+                         f"{tuple(wu_q.shape)}: need the same weights and dgu's K = 2 * I rounded up to {BLOCK}")
+    _check_bt(kernel, "gate_up_dgrad_push_fp8_t", dgu_q, (wg_q, wu_q), tile_m)
     _check_fp8_rows("dgu_q", dgu_q, dgu_scale, R)
     assert b_scale.shape == (E, triton.cdiv(H, BLOCK), K // BLOCK) and b_scale.dtype == torch.float32
     assert dst_ptrs.dtype == torch.int64 and row_src.dtype == torch.int32 and row_src.numel() == R
-    _check_schedule(tile_expert, num_tiles, R, BM)
-    fp8_ws.launch_bt(dgu_q, dgu_scale, (wg_q, wu_q), b_scale.contiguous(), tile_expert, num_tiles, BM,
-                          fp8_ws.EPI_PUSH, (row_src, dst_ptrs, TK, H, dst_ptrs.view(dst_dtype)), H)
+    _check_schedule(tile_expert, num_tiles, R, tile_m)
+    cfg = kernel.config
+    fp8_ws.launch_bt(dgu_q, dgu_scale, (wg_q, wu_q), b_scale.contiguous(), tile_expert, num_tiles, tile_m,
+                     fp8_ws.EPI_PUSH, (row_src, dst_ptrs, TK, H, dst_ptrs.view(dst_dtype)), H, stages=cfg.num_stages,
+                     lag=kernel.lag, grid=kernel.programs, GROUP_M=cfg.GROUP_M)
 
 
 @triton.jit
@@ -682,8 +726,8 @@ def expert_wgrad_fp8_kernel(at_ptr, stride_at, as_ptr, stride_asr, bt_ptr, strid
     tl.store(cptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, out_dtype=torch.bfloat16,
-                     config: GemmConfig | None = None, padded: bool = False):
+def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, kernel: Fp8Gemm,
+                     out_dtype=torch.bfloat16, padded: bool = False):
     """C [E, M, N], C[e] = A[s:s+c]^T @ B[s:s+c] (s = expert_start[e], c = expert_count[e]) from
     operands quantized per 128x1 and stored transposed (``ops.quantize.quantize_cols``): at [M, R]
     E4M3 with a_scale [ceil(R/128), M], bt [N, R] with b_scale [ceil(R/128), N]; any row
@@ -691,7 +735,11 @@ def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, ou
     output tile, the expert's rows in order. ``padded``: the operands are the layer's routed rows
     (segments start at multiples of 128, rows between a segment's end and the next multiple of 128
     zeros, R a multiple of 128; the caller's promise, as ``quantize_cols`` with ``row_src`` makes
-    them): each segment's last block is loaded unmasked, inside the pipelined loop."""
+    them): each segment's last block is loaded unmasked, inside the pipelined loop. ``kernel``:
+    the warp-specialized kernel (``fp8_ws.expert_wgrad_fp8_ws``: ``padded`` only, a bf16 or fp16
+    result) or the Triton one at ``kernel.config``. The Triton kernel copies operands whose rows
+    are not 16-byte multiples at 16-byte aligned addresses into ones that are (zeros past R: the
+    same sums), so that its loads stay 16-byte async copies."""
     M, R = at.shape
     if padded and R % BLOCK:
         raise ValueError(f"expert_wgrad_fp8(padded=True) needs R a multiple of {BLOCK}, got {R}")
@@ -703,10 +751,14 @@ def expert_wgrad_fp8(at, a_scale, bt, b_scale, expert_start, expert_count, *, ou
             raise ValueError(f"{name} must be float8_e4m3fn [C, R={R}] with a unit last stride")
         if s.dtype != torch.float32 or tuple(s.shape) != (nr, C) or s.stride(-1) != 1:
             raise ValueError(f"{name}'s scales must be fp32 [ceil(R/128), C] = {(nr, C)}, got {tuple(s.shape)}")
-    cfg = config or default_config_fp8(KIND_WGRAD)
-    if padded and cfg == default_config_fp8(KIND_WGRAD) and fp8_ws.fits_wgrad(at, bt, out_dtype):
-        return fp8_ws.expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count,
-                                               out_dtype=out_dtype)
+    cfg = kernel.config
+    if kernel.core == CORE_WS:
+        if not padded:
+            raise ValueError("expert_wgrad_fp8: the warp-specialized kernel computes the layer's padded segments "
+                             "only (padded=True)")
+        _ws_fits(kernel, "expert_wgrad_fp8", fp8_ws.fits_wgrad(at, bt, out_dtype), "fp8_ws.fits_wgrad, a 16-bit result")
+        return fp8_ws.expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count, out_dtype=out_dtype,
+                                          stages=cfg.num_stages, grid=kernel.programs, GROUP_M=cfg.GROUP_M)
     R_k = R
     if R % 16 or any(q.stride(0) % 16 or q.data_ptr() % 16 for q in (at, bt)):
         # rows of 16-byte multiples, 16-byte aligned: the main loop's loads become 16-byte async

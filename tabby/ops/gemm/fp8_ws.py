@@ -9,8 +9,9 @@
 - ``launch_bt``: the rows GEMM at 128 x 128 with B read from forward weight copies, each block
   transposed in shared memory by a producer warpgroup (the dgrads where no transposed copy is
   held: ``fits_bt``).
-gemm_fp8's entry points run them wherever they fit at the default tiles: every FP8 GEMM of the
-layer runs here on an H200.
+gemm_fp8's entry points run them where the plan names them (``Fp8Gemm(core="ws")``:
+``functional/heuristics.py`` chooses them for every FP8 GEMM of the layer on sm_90). The
+launchers here take their ring depths, lags and grids as arguments and decide none.
 
 Same operands, layout contract and sum as ``gemm_fp8.rows_gemm_fp8`` (its docstring): routed rows
 ``aq [R, K]`` E4M3 with 1x128 scales, weights ``bq [E, N, K]`` with 128x128 block scales, each
@@ -58,9 +59,8 @@ from .bf16 import _check_schedule, _swiglu_bwd_epilogue, grouped_tile, tma_align
 BM = 128  # two consumer warpgroups of 64 rows
 BN = 128
 HALF = 64
-# ring depth: 4 stages of 32 KB (A's halves and B's block); 5 or 6 measured no faster, and 4 leave
-# shared memory for the epilogue's layout conversions (8 KB a consumer)
-STAGES = 4
+# (ring depths, lags and grids: the plan's, functional/heuristics.py: e.g. the 128 x 128 ring's 4
+# stages of 32 KB, which leave shared memory for the epilogue's layout conversions)
 
 
 EPI_STORE = gl.constexpr(0)  # bf16 rows into C [R, N] (gemm.rows_gemm's local form)
@@ -513,13 +513,6 @@ def fits_wgrad(at: torch.Tensor, bt: torch.Tensor, out_dtype: torch.dtype = torc
             and bt.shape[0] % 8 == 0)
 
 
-def wide_stages(K: int) -> int:
-    """The 128 x 256 rows kernel's ring depth (48 KB a stage): 4 where K is short (K 768: 670
-    against 620 TFLOP/s at 3), 3 from K 1024 (K 2048: 1123 against 1020 at 4; K 4096: 853 against
-    841; docs/fp8-measurements.md)."""
-    return 4 if K < 1024 else 3
-
-
 def _e4m3_desc(t: torch.Tensor, rows: int, block_rows: int) -> TensorDescriptor:
     """A TMA descriptor over ``t`` seen as [rows, t.shape[-1]] E4M3 (row stride t.stride(-2)), in
     blocks of block_rows x 128 with the 128-byte swizzle the wgmma reads."""
@@ -535,24 +528,21 @@ def _grid(device, tiles: int, grid: int | None) -> tuple:
 
 
 def launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, N: int, *,
-           stages: int | None = None, grid: int | None = None, GROUP_M: int = 8):
+           tile_n: int, stages: int, grid: int | None = None, GROUP_M: int = 8):
     """One persistent launch over the routed rows (R = aq.shape[0], kernel tiles of 128 rows) and
     N columns with ``epilogue`` (EPI_*) and its arguments ``epi``; the caller has checked operands.
-    The stored and pushed rows run at 128 x 256 tiles (ring depth ``wide_stages(K)``), the SwiGLU
-    backward at 128 x 128 (at 256 its epilogue spills) with ``STAGES``."""
+    ``tile_n`` 256: the 128 x 256 kernel (``rows_gemm_fp8_ws_wide_kernel``; not with the SwiGLU
+    backward, whose epilogue spills there), 128: ``rows_gemm_fp8_ws_kernel``; ``stages`` its ring's
+    depth; ``grid`` the persistent grid (None: one program per SM)."""
     R, K = aq.shape
     num_m = R // BM
-    wide = epilogue != EPI_SWIGLU_BWD
-    kernel = rows_gemm_fp8_ws_wide_kernel if wide else rows_gemm_fp8_ws_kernel
-    kernel[_grid(aq.device, num_m * triton.cdiv(N, 2 * BN if wide else BN), grid)](
+    if tile_n not in (BN, 2 * BN) or (tile_n == 2 * BN and epilogue == EPI_SWIGLU_BWD):
+        raise ValueError(f"launch: tile_n {tile_n} must be {BN} or {2 * BN} (not {2 * BN} with the SwiGLU backward)")
+    kernel = rows_gemm_fp8_ws_wide_kernel if tile_n == 2 * BN else rows_gemm_fp8_ws_kernel
+    kernel[_grid(aq.device, num_m * triton.cdiv(N, tile_n), grid)](
         _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bq, bq.shape[0] * bq.shape[1], BN), b_scale,
         b_scale.stride(0), b_scale.stride(1), epi, tile_expert, num_tiles, num_m, N, NK=triton.cdiv(K, BLOCK),
-        STAGES=stages or (wide_stages(K) if wide else STAGES), GROUP_M=GROUP_M, SCHED_BM=sched_bm,
-        EPILOGUE=epilogue, num_warps=4)
-
-
-BT_STAGES = 4  # the ring of rows_gemm_fp8_ws_bt_kernel (32 KB a stage) beside its LAG + 1 raw blocks
-BT_LAG = 1  # a raw block is transposed LAG producer steps after its load is issued (2 and 3 no faster)
+        STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, EPILOGUE=epilogue, num_warps=4)
 
 
 def fits_bt(aq: torch.Tensor, parts, sched_bm: int) -> bool:
@@ -562,12 +552,14 @@ def fits_bt(aq: torch.Tensor, parts, sched_bm: int) -> bool:
 
 
 def launch_bt(aq, a_scale, parts, b_scale, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, N: int,
-              *, stages: int = BT_STAGES, lag: int = BT_LAG, grid: int | None = None, GROUP_M: int = 8):
+              *, stages: int, lag: int, grid: int | None = None, GROUP_M: int = 8):
     """``launch`` at 128 x 128 tiles with B read from forward weight copies, transposed in the
     kernel (``rows_gemm_fp8_ws_bt_kernel``): ``parts``, one or two E4M3 [E, KR, N] copies whose K
     ranges follow one another in A's columns, the second from column ceil(KR/128) * 128 (A's
     columns past each part's KR zeros); ``b_scale`` the dgrad's [E, ceil(N/128), K/128] (unit
-    stride along K). The caller has checked operands (``fits_bt``)."""
+    stride along K). The caller has checked operands (``fits_bt``). ``stages``: the ring's depth
+    (beside its ``lag`` + 1 raw blocks); ``lag``: producer steps between a raw block's load and its
+    transpose."""
     R, K = aq.shape
     E, KR, NB = parts[0].shape
     if NB != N or any(p.shape != parts[0].shape for p in parts) or b_scale.stride(-1) != 1:
@@ -675,11 +667,11 @@ def gate_up_swiglu_fp8_ws_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u,
 
 
 def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *, hq=None,
-                          h_scale=None, gu=None, sched_bm: int = BM, save_gu: bool = True, stages: int = 3,
+                          h_scale=None, gu=None, sched_bm: int = BM, save_gu: bool = True, stages: int,
                           grid: int | None = None, GROUP_M: int = 8):
     """``gemm_fp8.gate_up_swiglu_fp8`` warp-specialized: (hq [R, I] E4M3, h_scale [R, ceil(I/128)],
     gu [R, 2I] bf16 or None), the same values, into the given outputs or new ones. Runs where
-    ``fits_gate_up`` holds. Ring depth 3 (48 KB a stage): 4 measured no faster at H 2048 or 7168."""
+    ``fits_gate_up`` holds. ``stages``: the ring's depth (48 KB a stage)."""
     R, H = aq.shape
     E, I, H2 = wg_q.shape
     if H2 != H or wu_q.shape != wg_q.shape or wu_scale.stride() != wg_scale.stride() or not fits_gate_up(
@@ -713,7 +705,7 @@ def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expe
 # gemm_fp8.expert_wgrad_fp8(padded=True)'s sums, warp-specialized: C[e] = A_seg^T @ B_seg from the
 # transposed operands (At [M, R], Bt [N, R], K-major), each 128-row block's product promoted by
 # the outer product of its 128x1 scales, blocks in order; its structure is described above
-# WGRAD_STAGES.
+# ``_wgrad_promote``.
 
 
 @gluon.jit
@@ -776,7 +768,7 @@ def _wgrad_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_sta
 # pipeline's MMAs to cover (prefetched into L1 a block ahead, they ran no faster). The column
 # scales' global load and their spread through shared memory also order ptxas's schedule: read
 # from a TMA-filled stage instead, or constant, the consumer spills (docs/fp8-measurements.md).
-WGRAD_STAGES = 3  # a pipeline's ring: 3 stages of 32 KB, 192 KB for both (+ 32 KB of store buffers)
+# (each pipeline's ring depth: the plan's; 3 stages of 32 KB: 192 KB for both, + 32 KB of store buffers)
 
 
 @gluon.jit
@@ -855,7 +847,7 @@ def _out_desc(out: torch.Tensor) -> TensorDescriptor:
 
 
 def expert_wgrad_fp8_ws(at, a_scale, bt, b_scale, expert_start, expert_count, *, out_dtype=torch.bfloat16,
-                        stages: int = WGRAD_STAGES, grid: int | None = None, GROUP_M: int = 8):
+                        stages: int, grid: int | None = None, GROUP_M: int = 8):
     """``gemm_fp8.expert_wgrad_fp8(..., padded=True)`` warp-specialized: C [E, M, N] from at [M, R],
     bt [N, R] E4M3 (128x1 scales [R/128, M], [R/128, N]), the layer's padded segments (each starts
     at a multiple of 128, zeros from its end to the next). Needs sm_90, R a multiple of 128,
