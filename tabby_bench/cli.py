@@ -148,7 +148,7 @@ def train_config(args, parser, gpus: int):
     if cfg.steps < 2 or cfg.mode_steps < 2 or cfg.tokens < 1 or cfg.seq_len < 1 or cfg.warmup_steps < 0:
         parser.error("--steps and --mode-steps must be >= 2, --tokens and --seq-len positive, --warmup >= 0")
     if cfg.tabby_config:
-        from tabby.functional.custom_op import parse_config
+        from tabby.functional.moe import parse_config
         from tabby.validate import MoEInputError
 
         try:

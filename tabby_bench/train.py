@@ -106,7 +106,7 @@ class TrainConfig:
     out: str | None = None
     tag: str = ""
     profile_dir: str | None = None  # write each eager run's kernel table here
-    tabby_config: str = ""  # a tabby.MoEConfig text (custom_op.config_string), "" for the defaults
+    tabby_config: str = ""  # a tabby.MoEConfig text (tabby.functional.moe.config_string), "" for the defaults
 
 
 # ---------------------------------------------------------------------------------------------
@@ -634,7 +634,7 @@ def plot(runs: list, entropy: dict, path: str) -> bool:
 def run(cfg: TrainConfig) -> dict:
     """Train the suite of every model; write JSON, the table and the loss chart; return the result."""
     import tabby.integrations.transformers as tabby_hf
-    from tabby.functional import custom_op
+    from tabby.functional import moe as layer
 
     unknown = [m for m in cfg.models if m not in MODELS]
     if unknown:
@@ -645,7 +645,7 @@ def run(cfg: TrainConfig) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and any(m != "eager" for m in cfg.modes):
         raise ValueError("without a GPU only --modes eager runs (compile and graph need CUDA)")
-    tabby_hf.register(custom_op.parse_config(cfg.tabby_config) if cfg.tabby_config else None)
+    tabby_hf.register(layer.parse_config(cfg.tabby_config) if cfg.tabby_config else None)
     info = machine_info()
     info["peak_bf16_tflops"] = gpu_peak_tflops()
     print(f"tabby train: {info['machine']}; torch {info['torch']}, triton {info['triton']}, commit "

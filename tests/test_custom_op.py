@@ -1,6 +1,7 @@
-"""torch.ops.tabby.moe: the registered operator against tabby.moe (bitwise), torch.library.opcheck,
-torch.compile(fullgraph=True) of a block that calls it (one graph holding the operator; the same
-bits as eager), the recompute path, and the group/config strings. On the GPU where there is one (the
+"""torch.ops.tabby.moe, the layer's one implementation: every entry (tabby.moe, the operator eager and
+compiled, tabby.nn.Experts) bitwise equal, torch.library.opcheck, torch.compile(fullgraph=True) of a
+block that calls it (one graph holding the operator; the same bits as eager), the recompute path,
+the eager backward's ownership of the kept rows, and the group/config strings. On the GPU where there is one (the
 same checks of the compiled kernels), else on the CPU under the interpreter."""
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch._dynamo.backends.debugging import aot_eager
 
 import tabby
 from tabby.functional import custom_op as co
+from tabby.functional.config import config_string, parse_config
 from tabby.functional.config import MoEConfig, Tuning
 from tabby.functional.threads import ThreadGroup, ThreadRank
 from tabby.nn import Experts
@@ -51,9 +53,9 @@ def run(fn, prob, config, **kw):
     MoEConfig(tuning=Tuning(group_m=2, tma=False, pull_tokens=True), max_wait_polls=100),
 ])
 def test_config_string_round_trip(config):
-    text = co.config_string(config)
-    assert co.parse_config(text) == (config or MoEConfig())
-    assert co.config_string(None) == "" and co.config_string(MoEConfig()) == ""
+    text = config_string(config)
+    assert parse_config(text) == (config or MoEConfig())
+    assert config_string(None) == "" and config_string(MoEConfig()) == ""
 
 
 def test_config_string_carries_every_field():
@@ -64,19 +66,16 @@ def test_config_string_carries_every_field():
                "debug": True, "tuning": Tuning(tile_m=32), "precision": "fp8", "cache_fp8_transposes": False}
     assert set(changed) == {f.name for f in dataclasses.fields(MoEConfig)}
     config = MoEConfig(**changed)
-    assert co.parse_config(co.config_string(config)) == config
+    assert parse_config(config_string(config)) == config
 
 
-def test_no_tokens_through_the_operator_wrapper():
-    """T = 0 through ``custom_op.moe`` (what tabby.nn and the integrations call): an empty y and the
-    gradients tabby.moe gives (zero weight gradients, empty dx)."""
+def test_no_tokens():
+    """T = 0 through tabby.moe (what tabby.nn and the integrations call): an empty y, an empty dx and
+    zero weight gradients."""
     x, idx, w, ws, sh, _ = problem(3)
     prob = (x[:0], idx[:0], w[:0], ws, sh, x[:0])
-    got = run(co.moe, prob, CFG)
-    want = run(tabby.moe, prob, CFG)
-    assert got[0].shape == (0, H) and got[1].shape == (0, H)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
+    got = run(tabby.moe, prob, CFG)
+    assert got[0].shape == (0, H) and got[1].shape == (0, H) and got[2].shape == (0, K)
     assert all(not g.any() for g in got[3:])
 
 
@@ -90,42 +89,84 @@ def _fp8_problem(shared):
                       r(Tq, Hq)))
 
 
-@pytest.mark.parametrize("precision,shared", [("fp8-forward", False), ("fp8", True)])
-def test_fp8_through_the_operator(precision, shared):
-    """``precision="fp8"`` / ``"fp8-forward"`` through ``torch.ops.tabby.moe``: y and every gradient
-    bitwise tabby.moe's FP8 path (the shared expert's gradients too), and compiled with
-    ``fullgraph=True``: one graph holding the operator, the same bits as eager."""
-    prob = _fp8_problem(shared)
-    fp8 = MoEConfig(precision=precision, megakernel=False)
-    got, want, bf16 = run(co.moe, prob, fp8), run(tabby.moe, prob, fp8), run(tabby.moe, prob, CFG)
-    if shared:  # tabby.moe differentiates the shared expert outside its Function: dx rounds its sum
-        # differently (module docstring); every other output is the same
-        assert (got[1] - want[1]).abs().max() <= 2 ** -6 * want[1].abs().max()
-        got, want = got[:1] + got[2:], want[:1] + want[2:]
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    assert not torch.equal(got[0], bf16[0])  # FP8 was used, not dropped from the config
+FP8 = MoEConfig(precision="fp8", megakernel=False)
+
+
+def _entries(config):
+    """Every way a user reaches the layer, each taking tabby.moe's arguments: tabby.moe (eager: its
+    backward owns the kept rows), the operator called directly (its backward operator reads them),
+    tabby.moe compiled with fullgraph=True (one graph holding the operator), tabby.nn.Experts."""
     graphs = []
 
     def counting_aot_eager(gm, example_inputs):
         graphs.append(gm)
         return aot_eager(gm, example_inputs)
 
-    compiled = torch.compile(lambda *a, **kw: co.moe(*a, **kw), fullgraph=True, backend=counting_aot_eager)
-    again = run(compiled, prob, fp8)
+    def operator(x, idx, w, wg, wu, wd, shared=None, config=None):
+        sh = tuple(shared) if shared is not None else (None, None, None)
+        return torch.ops.tabby.moe(x, idx, w, wg, wu, wd, *sh, "", config_string(config), True)[0]
+
+    def experts(x, idx, w, wg, wu, wd, shared=None, config=None):
+        module = Experts(wg.shape[0], wg.shape[2], wg.shape[1], layout="separate", config=config, skip_invalid=False,
+                         device=x.device)
+        # the module run with the leaves as its parameters: their gradients reach the leaves
+        return torch.func.functional_call(module, {"w_gate": wg, "w_up": wu, "w_down": wd}, (x, idx, w),
+                                          {"shared": shared})
+
+    compiled = torch.compile(lambda *a, **kw: tabby.moe(*a, **kw), fullgraph=True, backend=counting_aot_eager)
+    return {"tabby.moe": tabby.moe, "torch.ops.tabby.moe": operator, "compiled": compiled, "nn.Experts": experts}, \
+        graphs
+
+
+@pytest.mark.parametrize("name,config,shared", [("megakernel", MEGA, True), ("separate", CFG, True),
+                                                ("separate-no-shared", CFG, False), ("fp8", FP8, True),
+                                                ("fp8-forward", MoEConfig(precision="fp8-forward",
+                                                                          megakernel=False), False)])
+def test_every_entry_gives_the_same_bits(name, config, shared):
+    """tabby.moe, torch.ops.tabby.moe (eager and compiled) and tabby.nn.Experts on the same inputs:
+    bitwise equal y and every gradient (the shared expert's too), both paths and FP8."""
+    prob = _fp8_problem(shared) if config.precision != "bf16" else problem(5, shared=shared)
+    entries, graphs = _entries(config)
+    results = {entry: run(fn, prob, config) for entry, fn in entries.items()}
+    want = results["tabby.moe"]
+    for entry, got in results.items():
+        assert len(got) == len(want)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), (entry, i)
     assert len(graphs) == 1
     assert any(n.target in (torch.ops.tabby.moe, torch.ops.tabby.moe.default) for n in graphs[0].graph.nodes)
-    eager = run(co.moe, prob, fp8)
-    for a, b in zip(again, eager):
-        assert torch.equal(a, b)
+    x, idx, w, ws, sh, _ = prob
+    ref = (tabby.moe_reference if config.precision == "bf16" else tabby.moe_reference_fp8)(x, idx, w, *ws, shared=sh)
+    assert ((want[0].float() - ref.float()).norm() / ref.float().norm()) < 2e-2
+    if config.precision != "bf16":
+        bf16 = run(tabby.moe, prob, CFG)
+        assert not torch.equal(want[0], bf16[0])  # FP8 was used, not dropped from the config
     torch._dynamo.reset()
+
+
+def test_the_eager_backward_owns_the_kept_rows(monkeypatch):
+    """tabby.moe's eager backward takes the kept rows from autograd (``owned``: freed as it goes) and
+    runs once; under other saved-tensor hooks (checkpointing, offloading) it leaves them alone."""
+    seen = []
+    real = co._backward_pass
+    monkeypatch.setattr(co, "_backward_pass", lambda *a, **kw: seen.append(kw["owned"]) or real(*a, **kw))
+    x, idx, w, ws, _, dy = problem(6, shared=False)
+    xl = x.clone().requires_grad_(True)
+    y = tabby.moe(xl, idx, w, *ws, config=CFG)
+    y.backward(dy, retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once"):
+        y.backward(dy)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        y = tabby.moe(x.clone().requires_grad_(True), idx, w, *ws, config=CFG)
+    y.backward(dy)
+    assert seen == [True, False]
 
 
 def test_opcheck_fp8():
     """The FP8 operator's schema, fake kernels (E4M3 kept rows and their scales) and autograd."""
     x, idx, w, ws, sh, _ = _fp8_problem(True)
     args = (x, idx, w.requires_grad_(), *(t.requires_grad_() for t in ws), *(t.requires_grad_() for t in sh), "",
-            co.config_string(MoEConfig(precision="fp8", megakernel=False)), True)
+            config_string(MoEConfig(precision="fp8", megakernel=False)), True)
     # (opcheck's test_aot_dispatch_dynamic sums every output, and torch has no sum of E4M3 tensors;
     # compiling forward and backward through AOT dispatch is test_fp8_through_the_operator's)
     with co.zero_padding():
@@ -136,16 +177,18 @@ def test_opcheck_fp8():
 
 def test_memory_check_through_the_operator(monkeypatch):
     """The operator makes its workspace and plan as tabby.moe does: after the memory check."""
-    from tabby.functional import moe as moe_mod
+    from tabby.functional import memory
 
-    monkeypatch.setattr(moe_mod, "free_device_bytes", lambda device: 1024)
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: 1024)
     x, idx, w, ws, _, _ = problem(4, shared=False)
     big = torch.cat([x] * 5)  # a shape no earlier test made a workspace for
     with pytest.raises(tabby.TabbyMemoryError, match="needs"):
-        co.moe(big, torch.cat([idx] * 5), torch.cat([w] * 5), *ws, config=CFG)
+        tabby.moe(big, torch.cat([idx] * 5), torch.cat([w] * 5), *ws, config=CFG)
 
 
 def test_group_names():
+    from tabby.functional import resolve as co
+
     assert co.group_name(None) == "" and co.resolve_group("") is None
     tg = ThreadGroup(2)
     ranks = [ThreadRank(tg, 0), ThreadRank(tg, 1)]
@@ -155,27 +198,15 @@ def test_group_names():
         co.resolve_group("tabby.threads:0:0")
 
 
-def test_megakernel_bitwise_as_tabby_moe():
-    """The default path (the megakernel, shared expert in the kernel): the operator's y and every
-    gradient, the shared expert's included, are tabby.moe's bits."""
-    prob = problem(0)
-    want = run(tabby.moe, prob, MEGA)
-    got = run(co.moe, prob, MEGA)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a, b), i
-    ref = tabby.moe_reference(prob[0], prob[1], prob[2], *prob[3], shared=prob[4])
-    assert ((got[0].float() - ref.float()).norm() / ref.float().norm()) < 2e-2
-
-
 def test_sync_free_path_and_recompute():
     """The path of separate launches, through the operator with save=False (the forward keeps no
-    routed rows, the backward recomputes them): tabby.moe's bits (which keeps them); the same
+    routed rows, the backward recomputes them): the bits of tabby.moe (which keeps them); the same
     without grad."""
     prob = problem(1, shared=False)
     want = run(tabby.moe, prob, CFG)
 
     x, idx, w, ws, _, dy = prob
-    cstr = co.config_string(CFG)
+    cstr = config_string(CFG)
     leaves = [t.clone().requires_grad_(True) for t in (x, w, *ws)]
     out = torch.ops.tabby.moe(leaves[0], idx, leaves[1], *leaves[2:], None, None, None, "", cstr, False)
     assert all(t.numel() == 0 for t in out[6:])  # nothing kept: the backward recomputes the rows
@@ -183,14 +214,14 @@ def test_sync_free_path_and_recompute():
     for i, (a, b) in enumerate(zip([out[0]] + [t.grad for t in leaves], want)):
         assert torch.equal(a, b), i
     with torch.no_grad():
-        y = co.moe(x, idx, w, *ws, config=CFG)
+        y = tabby.moe(x, idx, w, *ws, config=CFG)
     assert torch.equal(y, want[0])
 
 
 def test_opcheck():
     x, idx, w, ws, sh, _ = problem(2)
     args = (x, idx, w.requires_grad_(), *(t.requires_grad_() for t in ws), *(t.requires_grad_() for t in sh), "",
-            co.config_string(CFG), True)
+            config_string(CFG), True)
     with co.zero_padding():  # opcheck compares every output, the kept buffers' padding rows too
         result = torch.library.opcheck(torch.ops.tabby.moe.default, args, test_utils=(
             "test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))

@@ -12,7 +12,7 @@ import torch
 
 import tabby
 from tabby import MoEConfig, MoEInputError, TabbyMemoryError, Tuning
-from tabby.functional import moe as moe_mod
+from tabby.functional import memory
 from tabby.functional.plan import make_plan
 from tabby.functional.threads import run_ranks
 from tabby.functional.workspace import WorkspaceKey, cached_workspaces, workspace_bytes
@@ -32,23 +32,25 @@ def _args(T, H, I, E_local, k, W=1, seed=0):
 
 
 def test_cpu_has_no_free_memory_query():
-    assert moe_mod.free_device_bytes(torch.device("cpu")) is None
+    assert memory.free_device_bytes(torch.device("cpu")) is None
 
 
 def test_needs_agree_with_the_report_and_the_settings_lower_them():
     d = MoEDims(T=16384, H=2048, k=8, E_local=64, I=768, world_size=2, I_shared=0)
     plan = lambda **kw: make_plan(d, MoEConfig(**kw), torch.device("cpu"))  # noqa: E731
-    keep = moe_mod.memory_needs(plan(tuning=Tuning(ring_rows=2048, pull_tokens=False)))
-    assert f"keeps {keep.kept / 2**20:.1f} MiB" in moe_mod.memory_report(plan(tuning=Tuning(ring_rows=2048,
+    keep = memory.memory_needs(plan(tuning=Tuning(ring_rows=2048, pull_tokens=False)))
+    assert f"keeps {keep.kept / 2**20:.1f} MiB" in memory.memory_report(plan(tuning=Tuning(ring_rows=2048,
                                                                                              pull_tokens=False)))
-    recompute = moe_mod.memory_needs(plan(save_for_backward=False, tuning=Tuning(ring_rows=2048, pull_tokens=False)))
+    recompute = memory.memory_needs(plan(save_for_backward=False, tuning=Tuning(ring_rows=2048, pull_tokens=False)))
     assert recompute.recompute and not keep.recompute
-    # one layer's peak is the same (the backward makes the rows again), held from forward to backward less
-    assert recompute.peak() == keep.peak() and recompute.held() == keep.ring < keep.held()
+    # one layer's peak is the same but for h, made again with g | u (the check sums a pass's transients: an
+    # upper bound), held from forward to backward less: the ring and the schedule (row_src: 4 bytes a row)
+    assert recompute.peak() == keep.peak() + keep.R_max * 768 * 2
+    assert recompute.held() == keep.ring + 4 * keep.R_max < keep.held()
     assert keep.peak(differentiated=False) == keep.ring < keep.peak()
-    separate = moe_mod.memory_needs(plan(megakernel=False))
+    separate = memory.memory_needs(plan(megakernel=False))
     assert separate.ring == 0 and separate.peak() == separate.kept + max(separate.forward, separate.backward)
-    half = moe_mod.memory_needs(make_plan(MoEDims(T=8192, H=2048, k=8, E_local=64, I=768, world_size=2, I_shared=0),
+    half = memory.memory_needs(make_plan(MoEDims(T=8192, H=2048, k=8, E_local=64, I=768, world_size=2, I_shared=0),
                                           MoEConfig(megakernel=False), torch.device("cpu")))
     assert half.peak() < 0.6 * separate.peak()  # fewer tokens per call
 
@@ -58,7 +60,7 @@ def test_a_call_that_cannot_fit_raises_before_allocating(mega, monkeypatch):
     T, H, I, E_local, k = 4096, 512, 256, 4, 8
     cfg = MoEConfig(megakernel=mega)
     free = int(0.05 * GiB)
-    monkeypatch.setattr(moe_mod, "free_device_bytes", lambda device: free)
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: free)
     before = len(cached_workspaces())
     x, idx, wts, *ws = _args(T, H, I, E_local, k)
     with pytest.raises(TabbyMemoryError) as info:
@@ -68,7 +70,7 @@ def test_a_call_that_cannot_fit_raises_before_allocating(mega, monkeypatch):
     msg = str(info.value)
     plan = make_plan(MoEDims(T=T, H=H, k=k, E_local=E_local, I=I, world_size=1, I_shared=0), cfg,
                      torch.device("cpu"))
-    need = moe_mod.memory_needs(plan).peak(differentiated=True) + workspace_bytes(
+    need = memory.memory_needs(plan).peak(differentiated=True) + workspace_bytes(
         WorkspaceKey(T, H, k, E_local, I, 1, torch.bfloat16, "cpu"))
     assert f"needs {need / GiB:.2f} GiB" in msg and f"but {free / GiB:.2f} GiB are free" in msg
     assert "fewer tokens per call" in msg
@@ -85,7 +87,7 @@ def test_a_call_that_fits_runs_and_the_check_is_made_once_per_shape(monkeypatch)
         calls.append(device)
         return 64 * GiB
 
-    monkeypatch.setattr(moe_mod, "free_device_bytes", free)
+    monkeypatch.setattr(memory, "free_device_bytes", free)
     args = _args(5, 24, 16, 2, 2, seed=1)
     cfg = MoEConfig(megakernel=False, tuning=Tuning(tile_m=16, dispatch_rows=16, dispatch_cols=64,
                                                     dispatch_programs=4))
@@ -99,7 +101,7 @@ def test_a_call_that_fits_runs_and_the_check_is_made_once_per_shape(monkeypatch)
 
 def test_at_ep2_a_rank_without_memory_makes_every_rank_raise(monkeypatch):
     who = threading.local()
-    monkeypatch.setattr(moe_mod, "free_device_bytes", lambda device: 1024 if who.rank == 1 else 64 * GiB)
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: 1024 if who.rank == 1 else 64 * GiB)
     T, H, I, E_local, k = 64, 64, 32, 2, 4
     cfg = MoEConfig(megakernel=False, max_wait_ms=20000.0)
 
@@ -127,10 +129,10 @@ def test_a_call_without_autograd_needs_only_the_forward(monkeypatch):
                                                     dispatch_programs=4))
     plan = make_plan(MoEDims(T=T, H=H, k=k, E_local=E_local, I=I, world_size=1, I_shared=0), cfg,
                      torch.device("cpu"))
-    needs = moe_mod.memory_needs(plan)
+    needs = memory.memory_needs(plan)
     sym = workspace_bytes(WorkspaceKey(T, H, k, E_local, I, 1, torch.bfloat16, "cpu"))
     assert needs.peak(differentiated=False) < needs.peak()
-    monkeypatch.setattr(moe_mod, "free_device_bytes", lambda device: sym + needs.peak(differentiated=False))
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: sym + needs.peak(differentiated=False))
     x, idx, wts, *ws = _args(T, H, I, E_local, k, seed=2)
     tabby.free_workspaces()
     with torch.no_grad():
@@ -140,48 +142,52 @@ def test_a_call_without_autograd_needs_only_the_forward(monkeypatch):
         tabby.moe(x.requires_grad_(True), idx, wts, *ws, config=cfg)
 
 
-def test_fp8_buffers_are_counted():
-    """precision="fp8": E4M3 rows and h instead of bf16 h, the FP8 backward's copies, and the weights'
-    FP8 copies (kept while the weights live), at 33/32 byte a value (fp32 scale per 128)."""
-    dims = MoEDims(T=4096, H=1024, k=8, E_local=16, I=512, world_size=1, I_shared=0)
+def _rows(R, C):  # E4M3 rows [R, C] and an fp32 scale per 1x128 tile (a partial last one too)
+    return R * (C + 4 * -(-C // 128))
+
+
+def _cols(R, C):  # transposed E4M3 [C, R] and an fp32 scale per 128x1 tile
+    return C * R + 4 * C * -(-R // 128)
+
+
+def _blocks(E, N, K):  # an E4M3 weight [E, N, K] and an fp32 scale per 128x128 block
+    return E * N * K + 4 * E * -(-N // 128) * -(-K // 128)
+
+
+@pytest.mark.parametrize("H,I", [(1024, 512), (2880, 2880)], ids=["multiples-of-128", "partial-tiles"])
+def test_fp8_buffers_are_counted(H, I):
+    """precision="fp8": E4M3 rows (with a scale per 1x128 tile, partial ones too) kept instead of bf16,
+    h in E4M3, the FP8 backward's quantized operands, and the weights' FP8 copies (kept while the
+    weights live) with, by default, their transposes ([W_gate^T | W_up^T] with each half padded to
+    a multiple of 128: gpt-oss-120b's 2880 to 2944)."""
+    dims = MoEDims(T=1024, H=H, k=4, E_local=8, I=I, world_size=1, I_shared=0)
+
     def needs(precision, **kw):
-        return moe_mod.memory_needs(make_plan(dims, MoEConfig(megakernel=False, precision=precision, **kw),
+        return memory.memory_needs(make_plan(dims, MoEConfig(megakernel=False, precision=precision, **kw),
                                               torch.device("cpu")))
 
     need = {p: needs(p) for p in ("bf16", "fp8-forward", "fp8")}
-    made = needs("fp8", cache_fp8_transposes=False)  # the transposes made in each backward
-    R, H, I, E = need["bf16"].R_max, 1024, 512, 16
+    made = needs("fp8", cache_fp8_transposes=False)
+    R, E, Ip = need["bf16"].R_max, 8, -(-I // 128) * 128
     assert need["fp8"].R_max == R and need["bf16"].fp8_weights == 0
-    assert need["fp8-forward"].forward == need["fp8"].forward == R * (H + I) * 33 // 32
-    assert need["fp8-forward"].backward == need["bf16"].backward
-    # dy rows pulled in E4M3, never bf16
-    assert need["fp8"].backward == need["bf16"].backward - R * 2 * H + R * (3 * H + 5 * I) * 33 // 32
-    # made in the backward: the larger transpose, [W_gate^T | W_up^T]; cached: both, with the copies
-    assert made.backward == need["fp8"].backward + E * H * 2 * I
-    assert need["fp8"].kept == need["bf16"].kept - R * 2 * H + R * H * 33 // 32  # the rows kept in E4M3
+    assert need["bf16"].forward == R * 2 * I
+    assert need["fp8"].forward == _rows(R, I)  # h in E4M3; the rows are kept
+    assert need["fp8-forward"].forward == _rows(R, H) + _rows(R, I)  # the bf16 rows quantized, and h
+    assert need["fp8"].kept == need["bf16"].kept - R * 2 * H + _rows(R, H)  # the rows kept in E4M3
     assert need["fp8-forward"].kept == need["bf16"].kept  # its bf16 backward keeps bf16 rows
-    assert need["fp8-forward"].fp8_weights == made.fp8_weights == 3 * E * I * H
-    assert need["fp8"].fp8_weights == 6 * E * I * H
+    assert need["fp8-forward"].backward == need["bf16"].backward
+    # dy rows pulled in E4M3 (never bf16); dg | du per 1x128 (halves padded); the 128x1 forms
+    assert need["fp8"].backward == (need["bf16"].backward - R * 2 * H + _rows(R, H) + _rows(R, 2 * Ip)
+                                    + _cols(R, 2 * I) + 2 * _cols(R, H) + _cols(R, I))
+    copies = _blocks(E, I, H) * 2 + _blocks(E, H, I)
+    transposes = _blocks(E, I, H) + _blocks(E, H, 2 * Ip)
+    assert need["fp8-forward"].fp8_weights == made.fp8_weights == copies
+    assert need["fp8"].fp8_weights == copies + transposes
+    assert made.backward == need["fp8"].backward + transposes  # made (and dropped) in each backward
     assert need["fp8"].peak() > need["fp8-forward"].peak() > need["bf16"].peak()
-    report = moe_mod.memory_report(make_plan(dims, MoEConfig(megakernel=False, precision="fp8"), torch.device("cpu")))
-    assert f"E4M3 copies (with their transposes) {6 * E * I * H / 2**20:.1f} MiB" in report
-    assert "E4M3" not in moe_mod.memory_report(make_plan(dims, MoEConfig(megakernel=False), torch.device("cpu")))
-
-
-def test_fp8_buffers_with_partial_tiles_are_counted():
-    """H, I not multiples of 128 (gpt-oss-120b: 2880 = 22.5 x 128): a scale per partial tile too, and
-    the gate/up dgrad's operands with each K half padded to a multiple of 128 (2944)."""
-    dims = MoEDims(T=1024, H=2880, k=4, E_local=8, I=2880, world_size=1, I_shared=0)
-    need = {p: moe_mod.memory_needs(make_plan(dims, MoEConfig(megakernel=False, precision=p), torch.device("cpu")))
-            for p in ("bf16", "fp8-forward", "fp8")}
-    R, H, I, Ip, E = need["bf16"].R_max, 2880, 2880, 2944, 8
-    rows = lambda C: R * (C + 4 * -(-C // 128))  # noqa: E731
-    assert need["fp8"].forward == rows(H) + rows(I) > R * (H + I) * 33 // 32
-    assert need["fp8"].backward == (need["bf16"].backward - R * 2 * H + rows(H) + 2 * rows(Ip)
-                                    + R * (2 * H + 3 * I) * 33 // 32)
-    assert need["fp8-forward"].fp8_weights == 3 * E * I * H
-    # the cached transposes: W_down^T and [W_gate^T | W_up^T] with its halves padded
-    assert need["fp8"].fp8_weights == 3 * E * I * H + E * H * (I + 2 * Ip)
+    report = memory.memory_report(make_plan(dims, MoEConfig(megakernel=False, precision="fp8"), torch.device("cpu")))
+    assert f"E4M3 copies (with their transposes) {(copies + transposes) / 2**20:.1f} MiB" in report
+    assert "E4M3" not in memory.memory_report(make_plan(dims, MoEConfig(megakernel=False), torch.device("cpu")))
 
 
 @pytest.mark.parametrize("held", [True, False], ids=["transposes-held", "one-copy"])
@@ -190,14 +196,59 @@ def test_fp8_shortfall_names_the_transposes_it_holds(held, monkeypatch):
     not holding them gives back; one that does not hold them has nothing to give back there."""
     T, H, I, E_local, k = 4096, 512, 256, 4, 8
     cfg = MoEConfig(precision="fp8", cache_fp8_transposes=held)
-    monkeypatch.setattr(moe_mod, "free_device_bytes", lambda device: int(0.05 * GiB))
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: int(0.05 * GiB))
     x, idx, wts, *ws = _args(T, H, I, E_local, k)
     with pytest.raises(TabbyMemoryError) as info:
         tabby.moe(x, idx, wts, *(w.requires_grad_(True) for w in ws), config=cfg)
     msg = str(info.value)
     assert ("MoEConfig(cache_fp8_transposes=False)" in msg) == held
     d = MoEDims(T=T, H=H, k=k, E_local=E_local, I=I, world_size=1, I_shared=0)
-    with_t, without = (moe_mod.memory_needs(make_plan(d, MoEConfig(precision="fp8", cache_fp8_transposes=h),
+    with_t, without = (memory.memory_needs(make_plan(d, MoEConfig(precision="fp8", cache_fp8_transposes=h),
                                                       torch.device("cpu"))) for h in (True, False))
     if held:  # the GiB it names are what the held copies add to the need
         assert f"{(with_t.fp8_weights - without.fp8_weights) / GiB:.2f} GiB less" in msg
+
+
+_SMALL = dict(tile_m=16, dispatch_rows=16, dispatch_cols=64, dispatch_programs=4)
+
+
+@pytest.mark.parametrize("cfg", [
+    MoEConfig(megakernel=False, tuning=Tuning(**_SMALL)),
+    MoEConfig(tuning=Tuning(**_SMALL, ring_rows=64, programs=3)),
+    MoEConfig(save_for_backward=False, tuning=Tuning(**_SMALL, ring_rows=64, programs=3)),
+    MoEConfig(tuning=Tuning(**_SMALL, ring_rows=64, programs=3, tma=True, pull_tokens=True)),
+], ids=["separate", "megakernel", "megakernel-recompute", "token-pull"])
+@pytest.mark.parametrize("shared", [False, True], ids=["", "shared"])
+def test_the_layer_allocates_what_the_check_counts(cfg, shared):
+    """One differentiated call of each path: the buffers the passes allocate (``Buffers.empty``, in
+    order) are the description's, and their bytes are the memory check's (held, forward transients
+    and the eager backward's transients); the buffers ops allocate are the sizes described too
+    (the megakernel's ring, the schedule)."""
+    from tabby.functional.moe import moe_with_probe
+    from tabby.functional.probe import Probe
+
+    T, H, I, E, k = 16, 64, 32, 8, 2
+    x, idx, wts, *ws = _args(T, H, I, E, k, seed=3)
+    ws = [w + 0.01 for w in ws]
+    sh = [torch.randn(48, H).bfloat16() / 8, torch.randn(48, H).bfloat16() / 8,
+          torch.randn(H, 48).bfloat16() / 8] if shared else None
+    leaves = [t.requires_grad_(True) for t in (x, *ws)]
+    probe = Probe()
+    moe_with_probe(leaves[0], idx, wts, *leaves[1:], shared=sh, config=cfg, probe=probe).sum().backward()
+    with memory.recording() as made:
+        moe_with_probe(leaves[0], idx, wts, *leaves[1:], shared=sh, config=cfg, probe=probe).sum().backward()
+    bufs = memory.layer_buffers(probe.plan)
+    needs = memory.memory_needs(probe.plan)
+    assert all(bufs[b.name] is b for b in made)
+    assert len({b.name for b in made}) == len(made)  # each once
+    described = [b for b in bufs.items.values() if not b.made_by and b.lifetime in ("held", "forward", "backward")
+                 and b.form in ("", "owned")]
+    assert sorted(b.name for b in made) == sorted(b.name for b in described)
+    by_ops = sum(b.nbytes for b in bufs.items.values() if b.made_by == "ops.schedule")
+    assert sum(b.nbytes for b in made) + by_ops == needs.kept + needs.forward + needs.backward_owned
+    ws_ = [w for w in cached_workspaces() if w.plans and probe.plan in w.plans.values()][0]
+    if probe.plan.mega is not None:
+        mb = ws_.mega_buffers
+        ring = [mb.counters, mb.xs_ring, mb.h_ring, mb.h_sh, mb.extra, mb.sh_tiles, mb.sh_n]
+        assert sum(t.untyped_storage().nbytes() for t in ring if t is not None) == needs.ring
+    assert bufs["row_src"].shape[0] == needs.R_max

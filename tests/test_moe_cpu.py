@@ -111,19 +111,26 @@ _MEGA_PULL = MoEConfig(megakernel=True, tuning=Tuning(**SMALL, ring_rows=32, pro
                                                 tuning=Tuning(**SMALL, ring_rows=32, programs=3)), _MEGA_PULL],
                          ids=["sync-free", "mega-recompute", "mega-token-pull"])
 def test_backward_buffers_freed_early_give_the_same_bits(cfg, monkeypatch):
-    """tabby.moe's backward owns the kept rows: it writes dg | du over g | u and frees each routed
-    buffer once its last launch is queued, the weight gradients in the order that peaks lower
-    (``gate_up_wgrad_first``). Both orders, and the registered operator's backward (which only
-    reads the kept rows; the token pull's rows gathered into dys's buffer), give the same bits."""
-    from tabby.functional import backward, custom_op
+    """tabby.moe's eager backward owns the kept rows: it writes dg | du over g | u and frees each
+    routed buffer once its last launch is queued, the weight gradients in the order that peaks lower
+    (``gate_up_wgrad_first``). Both orders, and the backward operator's (torch.ops.tabby.moe called
+    directly: it only reads the kept rows), give the same bits."""
+    from tabby.functional import memory
+    from tabby.functional.config import config_string
+    from tabby.functional.resolve import group_name
+
+    def operator(x, idx, w, wg, wu, wd, shared=None, group=None, config=None):  # its backward reads the rows
+        sh = tuple(shared) if shared is not None else (None, None, None)
+        return torch.ops.tabby.moe(x, idx, w, wg, wu, wd, *sh, group_name(group), config_string(config), True)[0]
 
     W, T, H, I, E_local, k = 2, 11, 32, 24, 2, 3
     prob = make_problem(W, T, H, I, E_local, k, seed=41)
     runs = {}
     for first in (True, False):
-        monkeypatch.setattr(backward, "gate_up_wgrad_first", lambda *a, first=first: first)
+        monkeypatch.setattr(memory, "gate_up_wgrad_first", lambda *a, first=first: first)
+        monkeypatch.setattr(memory, "_CACHE", {})  # (the description reads the order too)
         runs[first] = _run_tabby(W, T, prob, cfg=cfg)
-    monkeypatch.setitem(globals(), "moe", custom_op.moe)  # _run_tabby through the registered operator
+    monkeypatch.setitem(globals(), "moe", operator)  # _run_tabby through the operator called directly
     runs["op"] = _run_tabby(W, T, prob, cfg=cfg)
     for name in runs[True]:
         assert torch.equal(runs[True][name], runs[False][name]), name
@@ -131,7 +138,7 @@ def test_backward_buffers_freed_early_give_the_same_bits(cfg, monkeypatch):
     _check(runs[True], _run_reference(prob))
 
 def test_memory_report_sizes_the_worst_case():
-    from tabby.functional.moe import memory_report
+    from tabby.functional.memory import memory_report
     from tabby.functional.plan import make_plan
     from tabby.validate import MoEDims
 
@@ -151,10 +158,10 @@ def test_memory_report_sizes_the_worst_case():
     # the token pull (on by default here: 16 row tiles per expert and source rank) keeps every
     # rank's tokens [W*T, H] instead of the routed rows [R_max, H] (1056 MiB less, 128 MiB more),
     # and gathers the rows in the backward (no new buffer at the transient's high point: the
-    # registered operator gathers them into dys's buffer, tabby.moe writes dg|du over g|u; 1056 MiB
-    # less than a buffer of their own)
+    # operator's backward gathers them into dys's buffer, the eager one writes dg|du over g|u; 1056 MiB
+    # less than a buffer of their own); the same backward transient as without it
     rep = report(ring_rows=2048)
-    assert "keeps 922.1 MiB per layer" in rep and "backward transient 2258.4 MiB" in rep
+    assert "keeps 922.1 MiB per layer" in rep and "backward transient 2251.2 MiB" in rep
     # experts of few tiles padded to 2 (align_tiles): one more tile per expert in the worst case
     rep = report(ring_rows=2048, align_tiles=2, pull_tokens=False)
     assert "R_max=278528 rows" in rep and "keeps 1906.1 MiB per layer" in rep

@@ -6,6 +6,8 @@ import torch
 
 from ..ops import comm, sync
 from ..ops.gemm import bf16 as gemm
+from . import memory
+from .memory import layer_buffers
 from .workspace import BWD, BWD_READY
 from .forward import KeptRows, MegaSaved
 from .plan import Plan
@@ -35,22 +37,9 @@ def _rows_for_wgrad(ws, plan: Plan, sched, xs, x, missing, TK, k, out=None):
     # x is 16-byte aligned, as the copy's vectors need)
     src = torch.arange(W, dtype=torch.int64, device=x.device)
     table = torch.where(src == ws.rank, x.data_ptr(), src * (T * H * xs.element_size()) + xs.data_ptr())
-    rows = xs.new_empty((sched.R_max, H)) if out is None else out
+    rows = layer_buffers(plan).empty("wgrad_rows", x.device) if out is None else out
     pull_routed_rows(plan, sched, table, rows, TK, k)
     return rows
-
-
-def gate_up_wgrad_first(R, H, I, E_local, tokens_rows=0):
-    """The order of the two weight gradients that peaks lower when the backward owns the kept rows
-    (``moe_backward``'s ``owned``): gate/up first (then xs and dg | du are freed before dW_down is
-    allocated) or down first (dys and hw freed before dW_gate, dW_up). Bytes at each order's high
-    points, from the shapes alone (no host sync); ``tokens_rows``: the token pull's kept tokens
-    (W*T), 0 otherwise. Both orders give the same bits."""
-    rows_h, gu, hw, dw = R * H * 2, R * 4 * I, R * I * 2, E_local * H * I * 2
-    tok = tokens_rows * H * 2
-    down_first = max(gu + (tok or rows_h) + rows_h + hw + dw, gu + rows_h + 3 * dw)
-    gate_up_first = max(gu + tok + 2 * rows_h + hw, gu + 2 * rows_h + hw + 2 * dw, rows_h + hw + 3 * dw)
-    return gate_up_first <= down_first
 
 
 def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe | None = None, owned: bool = False):
@@ -97,32 +86,34 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
     ws.dy_pub.copy_(dy)
     signal_and_wait(ws, BWD_READY, BWD, True, sync.ERR_WAIT_PEER_READY, plan)
     mark(probe, "bwd:publish+wait")
+    bufs = layer_buffers(plan)
+    dev = dy.device
     if recompute:
-        xs = dy.new_empty((sched.R_max, H))
-        row_w = torch.empty(sched.R_max, dtype=torch.float32, device=dy.device)
+        xs, row_w = bufs.empty("xs", dev), bufs.empty("row_w", dev)
         pull_routed_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, k, ws.ptrs["w_pub"], row_w)
-        _, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, save_gu=True,
-                                    config=plan.gemm_config(gemm.KIND_GATE_UP))
+        _, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, h=bufs.empty("h", dev),
+                                    gu=bufs.empty("gu", dev), config=plan.gemm_config(gemm.KIND_GATE_UP))
         del _
         mark(probe, "bwd:recompute")
     R = sched.R_max
     tokens = missing == "tokens"
-    gate_up_first = owned and gate_up_wgrad_first(R, H, I, w_gate.shape[0], xs.shape[0] if tokens else 0)
+    gate_up_first = owned and memory.gate_up_wgrad_first(R, H, I, w_gate.shape[0], xs.shape[0] if tokens else 0)
 
-    dys = dy.new_empty((R, H))
+    dys = bufs.empty("dys", dev)
     pull_routed_rows(plan, sched, ws.ptrs["dy_pub"], dys, TK, k)
     mark(probe, "bwd:dispatch_dy")
     # dg | du over g | u when they are ours: each tile reads its own g, u columns before it writes them
     in_place = owned and gu.dtype == dys.dtype and gu.is_contiguous() and gu.shape == (R, 2 * I)
     dgu, hw, dw_part = gemm.down_dgrad_swiglu_bwd(dys, w_down, gu, row_w, sched.tile_expert, sched.num_tiles,
-                                                  dgu=gu if in_place else None,
+                                                  dgu=gu if in_place else bufs.empty("dgu", dev),
+                                                  hw=bufs.empty("hw", dev), dw_part=bufs.empty("dw_part", dev),
                                                   config=plan.gemm_config(gemm.KIND_DGRAD_SWIGLU))
     del gu, row_w
     mark(probe, "bwd:down_dgrad+swiglu")
     gemm.gate_up_dgrad_push(dgu, w_gate, w_up, sched.tile_expert, sched.num_tiles, sched.row_src,
                             ws.ptrs["dx_in"], TK, config=plan.gemm_config(gemm.KIND_GATE_UP_DGRAD))
     mark(probe, "bwd:gate_up_dgrad+push")
-    dw_rows = gemm.reduce_dw(dw_part)
+    dw_rows = gemm.reduce_dw(dw_part, out=bufs.empty("dw_rows", dev))
     del dw_part
     comm.push_scalars_kernel[(64,)](dw_rows, sched.row_src, sched.num_tiles, ws.ptrs["dw_in"], TK,
                                     BR=256, TILE_ROWS=plan.tile_m)

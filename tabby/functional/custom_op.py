@@ -1,14 +1,17 @@
-"""``tabby.moe`` as registered PyTorch operators, for ``torch.compile``, CUDA graphs and selective
-activation checkpointing.
+"""The layer's one implementation: two registered PyTorch operators and their autograd.
 
-Two operators, both opaque to the compiler:
+``tabby.moe`` (``moe.py``), ``tabby.nn``, the transformers and torchtitan backends, the bench and
+``tabby train`` all call ``torch.ops.tabby.moe``; there is no other forward or backward of the
+layer. Both operators are opaque to the compiler:
 
     torch.ops.tabby.moe(x, topk_idx, topk_weights, w_gate, w_up, w_down,
-                        shared_gate?, shared_up?, shared_down?, group: str, config: str, save: bool)
+                        shared_gate?, shared_up?, shared_down?, group: str, config: str, save: bool,
+                        local_rows_in_backward: bool)
         -> (y, row_src, tile_expert, expert_start, expert_count, num_tiles, xs, gu, row_w, x_scale)
     torch.ops.tabby.moe_backward(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate?, shared_up?,
                                  shared_down?, row_src, tile_expert, expert_start, expert_count,
-                                 num_tiles, xs, gu, row_w, x_scale, group: str, config: str, save: bool)
+                                 num_tiles, xs, gu, row_w, x_scale, group: str, config: str, save: bool,
+                                 local_rows_in_backward: bool)
         -> (dx, d topk_weights, dw_gate, dw_up, dw_down, dw_gate_s, dw_up_s, dw_down_s)
 
 The forward returns, besides y, everything its backward needs as tensors: the routed-row schedule
@@ -19,32 +22,34 @@ backward recomputes them). ``precision="fp8"`` keeps xs in E4M3 with its 1x128 s
 Nothing passes between the two through Python objects, so the pair works the same in eager mode,
 in a compiled graph (the kept tensors are ordinary saved activations) and inside a captured CUDA
 graph, and neither reads anything back to the host.
-``register_autograd`` wires them together: the forward's ``setup_context`` saves the inputs and
-the kept outputs, the backward calls ``moe_backward``.
 
 Non-tensor state travels as strings and is resolved again on each call: the process group as its
-name (``torch.distributed`` group name; "" for one rank; simulated ranks get a name registered
-here), the config as ``config_string(MoEConfig)`` (parsed once per string). The workspace and
-the plan are the cached ones of ``tabby.moe`` (found from the group and the shapes), and the plan
-decides the kept tensors' shapes, which is how the fake (meta) implementations size their outputs
-without running anything.
+name (``resolve.group_name``), the config as ``config_string(MoEConfig)`` (parsed once per
+string). The workspace and the plan are the cached ones of the group and shape
+(``resolve.workspace_and_plan``), and the plan decides the kept tensors' shapes, which is how the
+fake (meta) implementations size their outputs without running anything.
 
-``save``: keep the routed rows for the backward (the wrapper ``moe`` passes True when grad mode is
-on and an input requires grad, as ``tabby.moe`` decides). Without it, the megakernel forward keeps
-only its schedule and the backward recomputes the routed rows (as ``MoEConfig(save_for_backward=
-False)`` does); the result is the same either way.
+``save``: keep the routed rows for the backward (the wrapper passes True when grad mode is on and
+an input requires grad). Without it, the megakernel forward keeps only its schedule and the
+backward recomputes the routed rows (as ``MoEConfig(save_for_backward=False)`` does); the result
+is the same either way.
 
-The shared expert's gradients are computed inside ``moe_backward`` with explicit formulas: the
-operations autograd runs for ``(silu(x W_g^T) * (x W_u^T)) W_d^T``, in the same order, so y and
-every gradient are ``tabby.moe``'s bits on the megakernel path (the default). On the path of
-separate launches ``tabby.moe`` differentiates the shared expert outside its autograd Function,
-and dx (only dx) then differs from the operator's in the rounding of its three-term sum.
+The eager backward owns what its forward kept. Called eagerly, the wrapper (``moe.moe``) saves the
+operator's tensors for autograd through ``saved_tensors_hooks`` whose holders the backward can
+empty (``_OwnedSaves``): the backward then runs ``backward.moe_backward`` with ``owned`` (dg | du
+written over g | u, each routed buffer freed once its last launch is queued) and
+``local_rows_in_backward`` (the megakernel's local rows copied into xs there, not at the end of
+the forward). Compiled, or called as ``torch.ops.tabby.moe`` directly, the kept tensors are the
+graph's saved activations and the backward operator only reads them. The same launches and bits
+either way (tests/test_custom_op.py: every entry bitwise equal).
+
+The shared expert: inside the megakernel's launch, else ``shared_expert_forward`` in plain PyTorch
+(its output enters the combine); its gradients are ``shared_expert_backward``'s explicit formulas
+(the operations autograd runs for the forward's, in the same order) on both paths.
 
 Limits:
-  * no double backward (``moe_backward`` has no autograd formula);
-  * with the megakernel's local rows (GPU, TMA) the kept ``xs`` lacks this rank's rows; ``tabby.moe``
-    copies them in at the start of the weight gradient, the operator at the end of the forward
-    (the same copy, moved so that the backward mutates none of its inputs);
+  * no double backward (``moe_backward`` has no autograd formula); an eager backward runs once
+    (``retain_graph=True`` then raises when the graph is walked again);
   * the kept tensors' padding rows (and the unused tail of the worst-case buffers) are left
     uninitialized, so two calls give different bits there (``zero_padding`` zeroes them, for
     ``opcheck``, which compares every output);
@@ -57,127 +62,42 @@ Limits:
 """
 from __future__ import annotations
 
-import functools
-import os
-from dataclasses import fields
+import threading
 
 import torch
 import torch.nn.functional as F
 
 from ..ops.schedule import ScheduleBuffers, default_chunk, schedule_capacity
 from ..validate import MoEDims, MoEInputError, check_inputs
-from .backward import routed_rows_for_wgrad, moe_backward
-from .config import MoEConfig, Tuning
+from .backward import moe_backward, routed_rows_for_wgrad
+from .config import parse_config
 from .forward import KeptRows, MegaSaved, moe_forward
 from .forward_mega import moe_forward_mega
 from .fp8 import fp8_passes, moe_backward_fp8
-from .moe import group_info, workspace_and_plan, workspace_key
-from .moe import moe as moe_function
-from .plan import Plan, make_plan
-from .threads import ThreadRank
-
-__all__ = ["moe", "zero_padding", "group_name", "config_string", "parse_config", "resolve_group"]
+from .plan import Plan
+from .probe import Probe
+from .resolve import group_info, plan_without_workspace, workspace_and_plan, workspace_key
 
 # --------------------------------------------------------------------------------------------
-# Non-tensor arguments as strings
-# --------------------------------------------------------------------------------------------
-
-_THREAD_RANKS: dict[str, ThreadRank] = {}
-_THREAD_PREFIX = "tabby.threads:"
-
-
-def group_name(group) -> str:
-    """The operator's ``group`` string: "" for one rank (None), a ``torch.distributed`` process
-    group's ``group_name``, or a name registered here for a simulated rank (``ThreadRank``)."""
-    if group is None:
-        return ""
-    if isinstance(group, ThreadRank):
-        name = f"{_THREAD_PREFIX}{id(group.group)}:{group.rank}"
-        _THREAD_RANKS[name] = group  # holds the group: its id stays unique while the name is used
-        return name
-    return group.group_name
-
-
-def resolve_group(name: str):
-    """The group a ``group_name`` string stands for (None for "")."""
-    if name == "":
-        return None
-    if name.startswith(_THREAD_PREFIX):
-        try:
-            return _THREAD_RANKS[name]
-        except KeyError:
-            raise MoEInputError(f"unknown simulated-rank group {name!r} (not made by group_name in this "
-                                f"process)") from None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
-
-_CONFIG_FIELDS = tuple(f.name for f in fields(MoEConfig) if f.name != "tuning")
-_DEFAULT_CONFIG = MoEConfig()
-
-
-def config_string(config: MoEConfig | None) -> str:
-    """``MoEConfig`` -> the operator's ``config`` string: the fields that differ from the defaults,
-    ``name=value`` joined by ";" (the tuning as ``Tuning.describe``); "" for the defaults."""
-    if config is None:
-        return ""
-    if not isinstance(config, MoEConfig):
-        raise MoEInputError(f"config must be a tabby.MoEConfig, got {type(config).__name__}")
-    parts = []
-    for name in _CONFIG_FIELDS:
-        v = getattr(config, name)
-        if v != getattr(_DEFAULT_CONFIG, name):
-            parts.append(f"{name}={int(v) if isinstance(v, bool) else v}")
-    tuning = config.tuning.describe()
-    if tuning:
-        parts.append(f"tuning={tuning}")
-    return ";".join(parts)
-
-
-@functools.lru_cache(maxsize=256)
-def parse_config(text: str) -> MoEConfig:
-    """The inverse of ``config_string``."""
-    kw = {}
-    for item in filter(None, text.split(";")):
-        name, sep, value = item.partition("=")
-        if not sep or name not in _CONFIG_FIELDS + ("tuning",):
-            raise MoEInputError(f"config string: {item!r} is not field=value with a field of MoEConfig")
-        if name == "tuning":
-            kw[name] = Tuning.parse(value)
-        elif name in ("megakernel", "save_for_backward", "debug", "cache_fp8_transposes"):
-            kw[name] = value == "1"
-        elif name == "max_wait_ms":
-            kw[name] = float(value)
-        elif name == "precision":
-            kw[name] = value
-        else:
-            kw[name] = int(value)
-    return MoEConfig(**kw)
-
-
-# --------------------------------------------------------------------------------------------
-# Shapes and plans
+# What the calls share
 # --------------------------------------------------------------------------------------------
 
 
-def _is_static(*values) -> bool:
-    return all(isinstance(v, int) for v in values)
+def _shared(s_gate, s_up, s_down):
+    return None if s_gate is None else (s_gate, s_up, s_down)
 
 
-_FAKE_PLANS: dict = {}
+def _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W) -> MoEDims:
+    return check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, world_size=W, check_ids=False,
+                        dtypes=(torch.bfloat16,))
 
 
-def _fake_plan(dims: MoEDims, config: MoEConfig, device, I_s) -> Plan:
-    """The plan a real call makes (``make_plan``), without a workspace: for the fake kernels."""
-    if not _is_static(*(getattr(dims, f.name) for f in fields(dims))):
-        return make_plan(dims, config, device, I_s)
-    key = (dims, config, str(device), I_s, os.environ.get("TABBY_MAX_WAIT_MS"),
-           os.environ.get("TABBY_MAX_WAIT_POLLS"), os.environ.get("TABBY_DEBUG"))
-    plan = _FAKE_PLANS.get(key)
-    if plan is None:
-        plan = _FAKE_PLANS[key] = make_plan(dims, config, device, I_s)
-    return plan
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """x contiguous and 16-byte aligned (the megakernel's row gathers and TMA loads read it; the
+    backward gets the same values again from the same rule)."""
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x
 
 
 def _keeps_rows(plan: Plan, save: bool) -> bool:
@@ -186,12 +106,75 @@ def _keeps_rows(plan: Plan, save: bool) -> bool:
 
 
 def _missing(plan: Plan) -> str:
-    """``KeptRows.missing`` of this plan's forward."""
+    """``KeptRows.missing`` of this plan's forward, where it copies its local rows at its end."""
     if plan.mega is not None and plan.mega.token_pull:
         return "tokens"
     if plan.mega is not None and plan.mega.local_rows:
         return "local"
     return ""
+
+
+def _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group: str, config: str, save: bool):
+    """(workspace, plan, dims) of a real call (a new workspace or plan only after the memory check;
+    ``save``: the call is differentiated)."""
+    cfg = parse_config(config)
+    rank, W, pg, tg = group_info(group)
+    dims = _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W)
+    if W > 1 and tg is None and x.device.type != "cuda":
+        raise MoEInputError("Tabby across processes needs CUDA tensors (GPU symmetric memory); on the CPU "
+                            "run one rank, or simulated ranks (tabby.functional.threads.run_ranks)")
+    if dims.T == 0:  # (the wrapper ``moe.moe`` takes T = 0 itself)
+        raise MoEInputError("torch.ops.tabby.moe needs tokens (T = 0); tabby.moe takes T = 0")
+    ws, plan = workspace_and_plan(workspace_key(dims, W, x, cfg), dims, cfg, dims.I_shared, x.device, rank, pg, tg,
+                                  differentiated=save)
+    return ws, plan, dims
+
+
+def shared_expert_forward(x, s_gate, s_up, s_down):
+    """The shared expert in plain PyTorch, ``(silu(x s_gate^T) * (x s_up^T)) s_down^T`` (the path of
+    separate launches; the megakernel runs it in its launch)."""
+    return (F.silu(x @ s_gate.t()) * (x @ s_up.t())) @ s_down.t()
+
+
+def shared_expert_backward(dy, x, s_gate, s_up, s_down):
+    """Gradients (dx, d s_gate, d s_up, d s_down) of ``shared_expert_forward`` for the upstream
+    ``dy``: the operations autograd's formulas run (mm, mul, silu_backward), in their order."""
+    g = x.mm(s_gate.t())
+    a = F.silu(g)
+    u = x.mm(s_up.t())
+    h = a * u
+    dh = dy.mm(s_down)
+    dsd = dy.t().mm(h)
+    da, du = dh * u, dh * a
+    dg = torch.ops.aten.silu_backward(da, g)
+    dsg, dsu = dg.t().mm(x), du.t().mm(x)
+    dx = du.mm(s_up) + dg.mm(s_gate)
+    return dx, dsg, dsu, dsd
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement hooks (the tools' ``moe_with_probe``): eager calls only, never part of the op's schema
+# --------------------------------------------------------------------------------------------
+
+_PROBE = threading.local()
+
+
+class probing:
+    """Context manager: the calls of this thread inside it run with ``probe`` (``Probe``: stage
+    timer, ticket trace, ablations), and so do their backwards."""
+
+    def __init__(self, probe: Probe | None):
+        self.probe = probe
+
+    def __enter__(self):
+        self._before, _PROBE.value = getattr(_PROBE, "value", None), self.probe
+
+    def __exit__(self, *exc):
+        _PROBE.value = self._before
+
+
+def _current_probe() -> Probe | None:
+    return getattr(_PROBE, "value", None)
 
 
 _zero_padding = False
@@ -227,38 +210,6 @@ def _zero_padding_rows(row_src, xs, gu, row_w, x_scale, rank, T, tokens):
         xs.masked_fill_(pad[:, None], 0)
 
 
-def _shared(s_gate, s_up, s_down):
-    return None if s_gate is None else (s_gate, s_up, s_down)
-
-
-def _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W) -> MoEDims:
-    return check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, world_size=W, check_ids=False,
-                        dtypes=(torch.bfloat16,))
-
-
-def _aligned(x: torch.Tensor) -> torch.Tensor:
-    """x contiguous and 16-byte aligned (the megakernel's row gathers and TMA loads read it; the
-    backward gets the same values again from the same rule)."""
-    if not x.is_contiguous() or x.data_ptr() % 16:
-        x = x.clone(memory_format=torch.contiguous_format)
-    return x
-
-
-def _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group: str, config: str, save: bool):
-    """(workspace, plan, dims) of a real call, as ``tabby.moe`` finds them (a new workspace or plan
-    only after the memory check; ``save``: the call is differentiated)."""
-    cfg = parse_config(config)
-    rank, W, pg, tg = group_info(resolve_group(group))
-    dims = _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W)
-    if W > 1 and tg is None and x.device.type != "cuda":
-        raise MoEInputError("Tabby across processes needs CUDA tensors (GPU symmetric memory)")
-    if dims.T == 0:  # (the wrapper ``moe`` sends T = 0 to tabby.moe)
-        raise MoEInputError("torch.ops.tabby.moe needs tokens (T = 0); tabby.functional.custom_op.moe takes T = 0")
-    ws, plan = workspace_and_plan(workspace_key(dims, W, x, cfg), dims, cfg, dims.I_shared, x.device, rank, pg, tg,
-                                  differentiated=save)
-    return ws, plan, dims
-
-
 # --------------------------------------------------------------------------------------------
 # The forward operator
 # --------------------------------------------------------------------------------------------
@@ -268,28 +219,31 @@ def _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group: str, 
 def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
             w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: torch.Tensor | None,
             shared_up: torch.Tensor | None, shared_down: torch.Tensor | None, group: str, config: str,
-            save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                 torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            save: bool, local_rows_in_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor,
+                                                               torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                               torch.Tensor, torch.Tensor]:
     shared = _shared(shared_gate, shared_up, shared_down)
     ws, plan, dims = _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config, save)
+    probe = _current_probe()
+    if probe is not None:
+        probe.plan = plan
     x = _aligned(x)
     topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
     if shared is not None:
         shared = tuple(w.contiguous() for w in shared)
     keep = _keeps_rows(plan, save)
     if plan.megakernel:
-        y, saved = moe_forward_mega(ws, plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, keep)
+        y, saved = moe_forward_mega(ws, plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, keep,
+                                    probe=probe)
     else:
-        extra = None
-        if shared is not None:
-            sg, su, sd = shared
-            extra = (F.silu(x @ sg.t()) * (x @ su.t())) @ sd.t()
+        extra = shared_expert_forward(x, *shared) if shared is not None else None
         forward = moe_forward if plan.precision == "bf16" else fp8_passes(dims, plan, plan.precision, keep)[0]
-        y, saved = forward(ws, plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra)
+        y, saved = forward(ws, plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra, probe=probe)
     s = saved.sched
     x_scale = torch.empty(0, dtype=torch.float32, device=x.device)
     if keep:
-        if saved.missing == "local":  # this rank's rows into xs now, so that the backward changes no input
+        if saved.missing == "local" and not local_rows_in_backward:  # this rank's rows into xs now
             routed_rows_for_wgrad(ws, plan, saved, dims.T * dims.k, dims.k)
         xs, gu, row_w = saved.xs, saved.gu, saved.row_w
         if saved.x_scale is not None:
@@ -304,11 +258,11 @@ def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
 
 @_moe_op.register_fake
 def _moe_fake(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, group, config,
-              save):
+              save, local_rows_in_backward=False):
     shared = _shared(shared_gate, shared_up, shared_down)
-    _, W, _, _ = group_info(resolve_group(group))
+    _, W, _, _ = group_info(group)
     dims = _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W)
-    plan = _fake_plan(dims, parse_config(config), x.device, dims.I_shared)
+    plan = plan_without_workspace(dims, parse_config(config), x.device, dims.I_shared)
     T, H, I, E_local = dims.T, dims.H, dims.I, dims.E_local
     R = schedule_capacity(W, T, dims.k, E_local, plan.tile_m, plan.align_tiles)
     i32 = dict(dtype=torch.int32, device=x.device)
@@ -331,20 +285,47 @@ def _moe_fake(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared_gate, shar
 # --------------------------------------------------------------------------------------------
 
 
-def _shared_backward(dy, x, sg, su, sd):
-    """Gradients of ``(silu(x sg^T) * (x su^T)) sd^T`` for the upstream ``dy``: the operations
-    autograd's formulas run (mm, mul, silu_backward), so the result matches autograd's."""
-    g = x.mm(sg.t())
-    a = F.silu(g)
-    u = x.mm(su.t())
-    h = a * u
-    dh = dy.mm(sd)
-    dsd = dy.t().mm(h)
-    da, du = dh * u, dh * a
-    dg = torch.ops.aten.silu_backward(da, g)
-    dsg, dsu = dg.t().mm(x), du.t().mm(x)
-    dx = du.mm(su) + dg.mm(sg)
-    return dx, dsg, dsu, dsd
+def _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, shared, sched_tensors, kept: list, group: str,
+                   config: str, save: bool, local_rows_in_backward: bool, owned: bool, probe: Probe | None):
+    """The backward of one forward. ``kept``: the list [xs, gu, row_w, x_scale] of the forward's kept
+    outputs; with ``owned`` (nothing else holds them) it is emptied, and the pass frees each buffer
+    as it goes (``backward.moe_backward``'s ``owned``); otherwise the tensors are only read."""
+    T, k = topk_weights.shape
+    # topk_idx is not needed any more: the schedule holds the routing; a placeholder of its shape
+    idx = torch.empty((T, k), dtype=torch.int32, device=x.device)
+    ws, plan, dims = _setup(x, idx, topk_weights, w_gate, w_up, w_down, shared, group, config, True)
+    x = _aligned(x)
+    row_src, tile_expert, expert_start, expert_count, num_tiles = sched_tensors
+    sched = ScheduleBuffers(W=dims.world_size, T=T, k=k, E_local=dims.E_local, BM=plan.tile_m,
+                            ALIGN_TILES=plan.align_tiles, CHUNK=default_chunk(T, k), TPP=0, n_chunks=0,
+                            R_max=row_src.numel(), row_src=row_src, tile_expert=tile_expert,
+                            expert_start=expert_start, expert_count=expert_count, src_count=None,
+                            num_tiles=num_tiles, counts=None, within=None, done=None)
+    if _keeps_rows(plan, save):
+        missing = _missing(plan)
+        if missing == "local" and not local_rows_in_backward:
+            missing = ""  # (the forward copied them in)
+        xs, gu, row_w, x_scale = kept
+        if owned:
+            kept.clear()
+        elif missing == "local":  # this rank's rows are written into xs: a copy, the input stays as it is
+            xs = xs.clone()
+        saved = KeptRows(sched, xs, gu, row_w, missing, x if missing else None,
+                         x_scale=x_scale if plan.precision == "fp8" else None)
+        del xs, gu, row_w, x_scale
+    else:
+        kept.clear()
+        saved = MegaSaved(sched, x, topk_weights.contiguous())
+    backward = moe_backward_fp8 if plan.precision == "fp8" else moe_backward
+    dx, dtopk, dwg, dwu, dwd = backward(ws, plan, dy.contiguous(), saved, w_gate, w_up, w_down, probe=probe,
+                                        owned=owned)
+    del saved
+    if shared is None:
+        dsg, dsu, dsd = (dy.new_empty(0) for _ in range(3))  # (outputs must not alias each other)
+    else:
+        dxs, dsg, dsu, dsd = shared_expert_backward(dy.contiguous(), x, *(w.contiguous() for w in shared))
+        dx = dx + dxs
+    return dx, dtopk.to(topk_weights.dtype), dwg, dwu, dwd, dsg, dsu, dsd
 
 
 @torch.library.custom_op("tabby::moe_backward", mutates_args=())
@@ -353,40 +334,19 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tens
                      shared_up: torch.Tensor | None, shared_down: torch.Tensor | None, row_src: torch.Tensor,
                      tile_expert: torch.Tensor, expert_start: torch.Tensor, expert_count: torch.Tensor,
                      num_tiles: torch.Tensor, xs: torch.Tensor, gu: torch.Tensor, row_w: torch.Tensor,
-                     x_scale: torch.Tensor, group: str, config: str,
-                     save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                          torch.Tensor, torch.Tensor, torch.Tensor]:
-    shared = _shared(shared_gate, shared_up, shared_down)
-    T, k = topk_weights.shape
-    # topk_idx is not needed any more: the schedule holds the routing; a placeholder of its shape
-    idx = torch.empty((T, k), dtype=torch.int32, device=x.device)
-    ws, plan, dims = _setup(x, idx, topk_weights, w_gate, w_up, w_down, shared, group, config, True)
-    x = _aligned(x)
-    topk_weights_c = topk_weights.contiguous()
-    sched = ScheduleBuffers(W=dims.world_size, T=T, k=k, E_local=dims.E_local, BM=plan.tile_m,
-                            ALIGN_TILES=plan.align_tiles, CHUNK=default_chunk(T, k), TPP=0, n_chunks=0,
-                            R_max=row_src.numel(), row_src=row_src, tile_expert=tile_expert,
-                            expert_start=expert_start, expert_count=expert_count, src_count=None,
-                            num_tiles=num_tiles, counts=None, within=None, done=None)
-    if _keeps_rows(plan, save):
-        missing = "tokens" if _missing(plan) == "tokens" else ""  # (the forward completed local rows)
-        saved = KeptRows(sched, xs, gu, row_w, missing, x if missing else None,
-                         x_scale=x_scale if plan.precision == "fp8" else None)
-    else:
-        saved = MegaSaved(sched, x, topk_weights_c)
-    backward = moe_backward_fp8 if plan.precision == "fp8" else moe_backward
-    dx, dtopk, dwg, dwu, dwd = backward(ws, plan, dy.contiguous(), saved, w_gate, w_up, w_down)
-    if shared is None:
-        dsg, dsu, dsd = (dy.new_empty(0) for _ in range(3))  # (outputs must not alias each other)
-    else:
-        dxs, dsg, dsu, dsd = _shared_backward(dy.contiguous(), x, *(w.contiguous() for w in shared))
-        dx = dx + dxs
-    return dx, dtopk.to(topk_weights.dtype), dwg, dwu, dwd, dsg, dsu, dsd
+                     x_scale: torch.Tensor, group: str, config: str, save: bool,
+                     local_rows_in_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor,
+                                                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, _shared(shared_gate, shared_up, shared_down),
+                          (row_src, tile_expert, expert_start, expert_count, num_tiles), [xs, gu, row_w, x_scale],
+                          group, config, save, local_rows_in_backward, owned=False, probe=None)
 
 
 @_moe_backward_op.register_fake
 def _moe_backward_fake(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, row_src,
-                       tile_expert, expert_start, expert_count, num_tiles, xs, gu, row_w, x_scale, group, config, save):
+                       tile_expert, expert_start, expert_count, num_tiles, xs, gu, row_w, x_scale, group, config, save,
+                       local_rows_in_backward=False):
     def like(t):
         return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
@@ -401,62 +361,96 @@ def _moe_backward_fake(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate, s
 # Autograd
 # --------------------------------------------------------------------------------------------
 
+
+class _Holder:
+    """What autograd keeps of one saved tensor under ``_OwnedSaves``: the tensor, until the
+    backward that owns it takes it."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+_UNPACKED = threading.local()  # the holders a backward unpacks, while it unpacks them
+
+
+def _pack(t):
+    return _Holder(t)
+
+
+def _unpack(holder):
+    if holder.tensor is None:
+        raise RuntimeError("tabby.moe: this call's backward ran already and freed what its forward kept "
+                           "(an eager backward runs once: retain_graph=True is not supported)")
+    log = getattr(_UNPACKED, "holders", None)
+    if log is not None:
+        log.append(holder)
+    return holder.tensor
+
+
+class _OwnedSaves(torch.autograd.graph.saved_tensors_hooks):
+    """The eager wrapper's saved-tensor hooks (``moe.moe``): autograd keeps each saved tensor of
+    the operator in a ``_Holder``, so that the backward can take the kept rows out and free them as
+    it goes. Used only where no other saved-tensor hooks are active (checkpointing, offloading
+    keep theirs)."""
+
+    def __init__(self):
+        super().__init__(_pack, _unpack)
+
+    @staticmethod
+    def usable() -> bool:
+        return (not torch.compiler.is_compiling() and torch._C._autograd._saved_tensors_hooks_is_enabled()
+                and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
+
+
 def _setup_context(ctx, inputs, output):
-    x, _, topk_weights, w_gate, w_up, w_down, sg, su, sd, group, config, save = inputs
+    x, _, topk_weights, w_gate, w_up, w_down, sg, su, sd, group, config, save, local_rows_in_backward = inputs
     kept = output[1:]
     ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept)
     ctx.mark_non_differentiable(*kept)
     # no zero gradients made for the kept outputs (xs and g | u as big as the routed rows: autograd
     # would otherwise allocate them for every backward, unread)
     ctx.set_materialize_grads(False)
-    ctx.tabby_args = (group, config, save)
+    ctx.tabby_args = (group, config, save, local_rows_in_backward)
+    ctx.tabby_probe = None if torch.compiler.is_compiling() else _current_probe()
 
 
 def _backward(ctx, dy, *_kept_grads):
-    x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept = ctx.saved_tensors
-    group, config, save = ctx.tabby_args
+    holders = _UNPACKED.holders = []
+    try:
+        x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept = ctx.saved_tensors
+    finally:
+        _UNPACKED.holders = None
+    group, config, save, local_rows_in_backward = ctx.tabby_args
     if dy is None:  # (gradients are not materialized: y's is None only if nothing reached it)
         dy = torch.zeros((x.shape[0], w_down.shape[1]), dtype=x.dtype, device=x.device)
-    dx, dtw, dwg, dwu, dwd, dsg, dsu, dsd = torch.ops.tabby.moe_backward(
-        dy, x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept, group, config, save)
+    if holders:  # saved under _OwnedSaves: this backward takes the kept rows (autograd keeps the holders)
+        for h in holders:
+            if any(h.tensor is t for t in kept):
+                h.tensor = None
+        del holders
+        grads = _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, _shared(sg, su, sd), kept[:5], kept[5:],
+                               group, config, save, local_rows_in_backward, owned=True, probe=ctx.tabby_probe)
+    else:
+        grads = torch.ops.tabby.moe_backward(dy, x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept, group,
+                                             config, save, local_rows_in_backward)
+    dx, dtw, dwg, dwu, dwd, dsg, dsu, dsd = grads
     if sg is None:
         dsg = dsu = dsd = None
-    return dx, None, dtw, dwg, dwu, dwd, dsg, dsu, dsd, None, None, None
+    return dx, None, dtw, dwg, dwu, dwd, dsg, dsu, dsd, None, None, None, None
 
 
 _moe_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# --------------------------------------------------------------------------------------------
-# The wrapper
-# --------------------------------------------------------------------------------------------
+def run_operator(x, topk_idx, topk_weights, w_gate, w_up, w_down, sg, su, sd, group: str, config: str, save: bool):
+    """``torch.ops.tabby.moe``'s y: eagerly (where no other saved-tensor hooks are active) under
+    ``_OwnedSaves`` with the local rows left to the backward, else the plain call."""
+    if save and _OwnedSaves.usable():
+        with _OwnedSaves():
+            return torch.ops.tabby.moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, sg, su, sd, group, config,
+                                       save, True)[0]
+    return torch.ops.tabby.moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, sg, su, sd, group, config, save,
+                               False)[0]
 
-
-@torch.compiler.assume_constant_result
-def _group_string(group) -> str:
-    return group_name(group)
-
-
-def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None, config: MoEConfig | None = None):
-    """``tabby.moe`` through the registered operator ``torch.ops.tabby.moe``: the same arguments,
-    the same result and gradients, and ``torch.compile(fullgraph=True)`` traces it without a graph
-    break (``group``: None, a process group or a ``ThreadRank``; converted to its name).
-
-    A rank with no tokens (T = 0: an empty result, zero weight gradients) goes to ``tabby.moe``
-    itself instead, with the same result."""
-    if shared is not None:
-        if not (isinstance(shared, (tuple, list)) and len(shared) == 3):
-            raise MoEInputError("shared must be None or a tuple (w_gate_s [I_s, H], w_up_s [I_s, H], "
-                                "w_down_s [H, I_s])")
-        sg, su, sd = shared
-    else:
-        sg = su = sd = None
-    save = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, sg, su, sd))
-    gname = group if isinstance(group, str) else _group_string(group)
-    cstr = config if isinstance(config, str) else config_string(config)
-    if x.shape[0] == 0:
-        return moe_function(x, topk_idx, topk_weights, w_gate, w_up, w_down, None if sg is None else (sg, su, sd),
-                            group=resolve_group(gname), config=parse_config(cstr))
-    out = torch.ops.tabby.moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, sg, su, sd, gname, cstr, save)
-    return out[0]

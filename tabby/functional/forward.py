@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.gemm import bf16 as gemm
+from .memory import layer_buffers
 from .plan import Plan
 from .probe import Probe, mark
 from .steps import finish_forward, publish_and_schedule, pull_routed_rows
@@ -50,12 +51,12 @@ def moe_forward(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_down,
     T, H = x.shape
     TK = topk_idx.numel()
     sched = publish_and_schedule(ws, plan, x, topk_idx, topk_weights, w_gate.shape[0], probe=probe)
-    xs = x.new_empty((sched.R_max, H))
-    row_w = torch.empty(sched.R_max, dtype=torch.float32, device=x.device)
+    bufs = layer_buffers(plan)
+    xs, row_w = bufs.empty("xs", x.device), bufs.empty("row_w", x.device)
     pull_routed_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, sched.k, ws.ptrs["w_pub"], row_w)
     mark(probe, "fwd:dispatch")
-    h, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, save_gu=True,
-                                config=plan.gemm_config(gemm.KIND_GATE_UP))
+    h, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, h=bufs.empty("h", x.device),
+                                gu=bufs.empty("gu", x.device), config=plan.gemm_config(gemm.KIND_GATE_UP))
     mark(probe, "fwd:gate_up")
     gemm.down_push(h, w_down, sched.tile_expert, sched.num_tiles, sched.row_src, ws.ptrs["y_in"], TK,
                    config=plan.gemm_config(gemm.KIND_DOWN))

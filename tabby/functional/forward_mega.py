@@ -7,13 +7,14 @@ import torch
 from ..ops import INTERPRET, megakernel, streamops
 from ..ops.schedule import schedule_capacity
 from .forward import KeptRows, MegaSaved
+from .memory import layer_buffers
 from .plan import Plan
 from .probe import Probe, mark
 from .steps import finish_forward, publish_and_schedule
 from .workspace import FWD, FWD_DONE, FWD_X_PULL, FWD_X_READY
 
 
-def _pull_tokens(ws, x, counters, pulled_idx):
+def _pull_tokens(ws, plan: Plan, x, counters, pulled_idx):
     """The token pull (``MegaPlan.token_pull``): every peer's x_pub copied whole into xt [W*T, H]
     (rows src*T ..; this rank's own rows stay unused) by a copy engine, beside the megakernel, then
     ``counters[pulled_idx]`` set to 1. Call it after the publish (x_pub written on the current
@@ -34,7 +35,7 @@ def _pull_tokens(ws, x, counters, pulled_idx):
     """
     T, H = x.shape
     W, rank = ws.world_size, ws.rank
-    xt = x.new_empty((W * T, H))
+    xt = layer_buffers(plan).empty("tokens", x.device)
     peers = [src for src in range(W) if src != rank]
     if INTERPRET or not x.is_cuda:
         for src in peers:
@@ -85,13 +86,14 @@ def moe_forward_mega(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_
         x = x.clone(memory_format=torch.contiguous_format)
     tokens = mega.token_pull
     row_w = None
+    bufs = layer_buffers(plan)
     if save and tokens:  # written by the schedule (there are no fills)
-        row_w = torch.empty(n_tiles * plan.tile_m, dtype=torch.float32, device=x.device)  # the schedule's R_max
+        row_w = bufs.empty("row_w", x.device)
     sched = publish_and_schedule(ws, plan, x, topk_idx, topk_weights, E_local, in_kernel=True,
                                   on_main=mb.counters.zero_, order=tokens, row_w=row_w, probe=probe)
     pull_stream = xt = None
     if tokens:  # (queued before the launch: see _pull_tokens)
-        xt, pull_stream = _pull_tokens(ws, x, mb.counters, mb.layout.pulled)
+        xt, pull_stream = _pull_tokens(ws, plan, x, mb.counters, mb.layout.pulled)
     mprobe = None
     if probe is not None:
         trace = None
@@ -101,10 +103,8 @@ def moe_forward_mega(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_
         mprobe = megakernel.MegaProbe(trace=trace, ablate=probe.ablate)
     kept = None
     if save:
-        kept = megakernel.Kept(xs=None if tokens else x.new_empty((sched.R_max, H)),
-                               gu=x.new_empty((sched.R_max, 2 * I)),
-                               row_w=row_w if tokens else torch.empty(sched.R_max, dtype=torch.float32,
-                                                                      device=x.device))
+        kept = megakernel.Kept(xs=None if tokens else bufs.empty("xs", x.device), gu=bufs.empty("gu", x.device),
+                               row_w=row_w if tokens else bufs.empty("row_w", x.device))
     peers = megakernel.Peers(x_ptrs=ws.ptrs["x_pub"], y_ptrs=ws.ptrs["y_in"], w_ptrs=ws.ptrs["w_pub"],
                              flag_ptrs=ws.ptrs["flags"], my_flags=ws.flags, x_slot=FWD_X_READY, done_slot=FWD_DONE,
                              x_pull_slot=FWD_X_PULL, done_wait=not INTERPRET)

@@ -11,7 +11,7 @@ HybridEP / MinimalAsyncEP at EP > 1) around ``GroupedExperts`` with parameters
 the score weighting and the combine as one ``torch.ops.tabby.moe`` call. Activate it with::
 
     --override.imports tabby.integrations.torchtitan.tabby_routed_experts
-    # or, with a Tabby config string (``tabby.functional.custom_op.config_string(MoEConfig(...))``):
+    # or, with a Tabby config string (``tabby.functional.moe.config_string(MoEConfig(...))``):
     --override.imports 'tabby.integrations.torchtitan.tabby_routed_experts={"config": "..."}'
 
 or in Python: ``OverrideConfig(imports=["tabby.integrations.torchtitan.tabby_routed_experts"])``.
@@ -47,7 +47,7 @@ from torchtitan.config.override import derive
 from torchtitan.models.common.moe import RoutedExperts
 from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 
-from ..functional import custom_op
+from ..functional import moe as layer
 
 __all__ = ["OVERRIDE", "TabbyRoutedExperts", "tabby_routed_experts"]
 
@@ -69,7 +69,7 @@ class TabbyRoutedExperts(RoutedExperts):
         """Unused (Tabby dispatches itself); None, so that torchtitan's CUDA-graph check finds no
         host-syncing dispatcher."""
         tabby_config: str = ""
-        """``tabby.functional.custom_op.config_string(MoEConfig)`` ("" : the defaults)."""
+        """``tabby.functional.moe.config_string(MoEConfig)`` ("" : the defaults)."""
 
     def __init__(self, config: Config):
         # RoutedExperts.__init__ would build the dispatcher; build only the experts.
@@ -89,7 +89,7 @@ class TabbyRoutedExperts(RoutedExperts):
         x_TD = x_BLD.reshape(B * L, D).to(bf16)
         idx = topk_expert_ids_BLK.reshape(B * L, K)
         scores = topk_scores_BLK.reshape(B * L, K).to(torch.float32)
-        y = custom_op.moe(x_TD, idx, scores, w_gate, w_up, w_down, group=self.tabby_group_name,
+        y = layer.moe(x_TD, idx, scores, w_gate, w_up, w_down, group=self.tabby_group_name,
                           config=self.tabby_config)
         return y.to(x_BLD.dtype).view(B, -1, D)
 
@@ -99,7 +99,7 @@ class TabbyRoutedExperts(RoutedExperts):
         super(RoutedExperts, self).parallelize(parallel_dims)
         ep_mesh = parallel_dims.get_optional_mesh("ep")
         if ep_mesh is not None and ep_mesh.size() > 1:
-            self.tabby_group_name = custom_op.group_name(ep_mesh.get_group())
+            self.tabby_group_name = layer.group_name(ep_mesh.get_group())
 
 
 @override(target=RoutedExperts.Config, description="Tabby: dispatch + routed experts + combine in one op")

@@ -41,7 +41,7 @@ import logging
 import torch
 from torch import nn
 
-from ..functional import custom_op
+from ..functional import moe as layer
 from ..functional.config import MoEConfig
 from ..nn.convert import local_experts
 from ..nn.experts import group_rank_size, skip_invalid_ids, split_gate_up
@@ -97,7 +97,7 @@ def tabby_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     w_gate, w_up = split_gate_up(gate_up if gate_up.dtype == bf16 else gate_up.to(bf16))
     w_down = down if down.dtype == bf16 else down.to(bf16)
     x = hidden_states if hidden_states.dtype == bf16 else hidden_states.to(bf16)
-    y = custom_op.moe(x, idx, weights, w_gate, w_up, w_down, group=getattr(self, "tabby_group_name", ""),
+    y = layer.moe(x, idx, weights, w_gate, w_up, w_down, group=getattr(self, "tabby_group_name", ""),
                       config=getattr(self, "tabby_config_string", _config_string))
     return y.to(hidden_states.dtype)
 
@@ -110,7 +110,7 @@ def register(config: MoEConfig | None = None, name: str = NAME) -> None:
     global _config_string
     from transformers.integrations.moe import ExpertsInterface
 
-    _config_string = custom_op.config_string(config)
+    _config_string = layer.config_string(config)
     ExpertsInterface.register(name, tabby_experts_forward)
 
 
@@ -125,7 +125,7 @@ def experts_modules(model: nn.Module):
 
 def set_config(model: nn.Module, config: MoEConfig | None) -> None:
     """Use ``config`` for the Tabby calls of every experts module of ``model``."""
-    text = custom_op.config_string(config)
+    text = layer.config_string(config)
     for m in experts_modules(model):
         m.tabby_config_string = text
 
@@ -137,7 +137,7 @@ def shard_experts(model: nn.Module, group) -> nn.Module:
     simulated ranks) to Tabby. Every rank must hold the same full weights before the call (same
     seed or checkpoint). Returns the model."""
     rank, world = group_rank_size(group)
-    name = custom_op.group_name(group)
+    name = layer.group_name(group)
     for m in experts_modules(model):
         with torch.no_grad():
             for pname in ("gate_up_proj", "down_proj"):

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from ..functional import custom_op
+from ..functional import moe as layer
 from ..functional.config import MoEConfig
 from ..functional.threads import ThreadRank
 from ..validate import MoEInputError
@@ -76,7 +76,7 @@ class Experts(nn.Module):
         self.layout = layout
         self.group = group
         self.rank, self.world_size = group_rank_size(group)
-        self._group_name = custom_op.group_name(group)  # the operator's string, made once
+        self._group_name = layer.group_name(group)  # the operator's string, made once
         self.num_experts = num_experts_local * self.world_size
         self.config = config
         self.skip_invalid = skip_invalid
@@ -98,7 +98,7 @@ class Experts(nn.Module):
 
     @config.setter
     def config(self, config: MoEConfig | None) -> None:
-        self._config_string = custom_op.config_string(config)  # (validates it)
+        self._config_string = layer.config_string(config)  # (validates it)
         self._config = config
 
     def reset_parameters(self) -> None:
@@ -139,8 +139,8 @@ class Experts(nn.Module):
         if shared is not None:
             shared = tuple(t if t.dtype == dt else t.to(dt) for t in shared)
         xin = x2 if x2.dtype == dt else x2.to(dt)
-        y = custom_op.moe(xin, idx, w, *ws, shared=shared, group=self._group_name,
-                           config=self._config_string)
+        y = layer.moe(xin, idx, w, *ws, shared=shared, group=self._group_name,
+                      config=self._config_string)
         return y.to(x.dtype).reshape(shape)
 
 
