@@ -81,7 +81,8 @@ def test_rows_gemm_fp8_store(K, N, BN):
     sentinel = -7.0
     out = torch.full((sch.R, N), sentinel, dtype=torch.float32, device=DEV)
     cfg = GemmConfig(BM=BM, BN=BN, BK=128, num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
-    gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, out=out, kernel=triton_kernel(cfg), tile_m=BM)
+    gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, out=out, kernel=triton_kernel(cfg),
+                           tile_m=BM)
     out = out.cpu()
     aqc, asc, bqc, bsc = aq.cpu(), as_.cpu(), bq.cpu(), bs.cpu()
     for e, st, c in sch.segments:
@@ -381,7 +382,8 @@ def test_gate_up_dgrad_fp8_halves_padded(H, I, made):
     assert torch.equal(bs.cpu(), torch.stack(rbs))
     out = torch.full((sch.R, H), -7.0, dtype=torch.float32, device=DEV)
     cfg = GemmConfig(BM=BM, BN=128, BK=128, num_warps=8 if CUDA else 4, num_stages=3 if CUDA else 1, GROUP_M=2)
-    gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, out=out, kernel=triton_kernel(cfg), tile_m=BM)
+    gemm_fp8.rows_gemm_fp8(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, out=out, kernel=triton_kernel(cfg),
+                           tile_m=BM)
     out = out.cpu()
     for e, st, c in sch.segments:
         if c == 0:
