@@ -15,8 +15,6 @@
 #           torch.compile), in parallel as tests
 #   fp8-layer-tests  the FP8 layer's GPU files (test_fp8_cases_gpu.py, test_fp8_layer_gpu.py), one process per
 #           group of cases of one shape (scripts/gpu_case_groups.py: each shape's kernels compile once)
-#   fp8-gemm   scripts/fp8_bench.py --gemm-only (the FP8 GEMMs' TFLOP/s against bf16's and their variants;
-#           extra args go to it)
 #   fp8-bench  the FP8 layer's stage profile at kimi-k2 and deepseek-v4-pro (FP8_PROFILE_SHAPES), and the layer bench at 16384 tokens on the six shapes:
 #           tabby against tabby-fp8 with fixed weights (their FP8 copies reused), tabby-fp8 against torch-fp8
 #           from a new weight version per call (both quantize; FP8_BENCH_NEW=0 skips it; FP8_BENCH_SHAPES: other
@@ -24,6 +22,9 @@
 #           about 430 s;
 #           the SM clock, power and throttle reasons sampled every 100 ms meanwhile (gpu-clocks.csv), and
 #           per timed record (gpu-clocks-by-record.md, scripts/gpu_clocks.py)
+#   ab      the EP1 matrix at 16384 tokens on the six shapes (floor, tabby, tabby-fp8; weights fixed) of this tree,
+#           then of the tree in $BASE_TREE (a checkout of an earlier commit, carried: `git worktree add .base REV`,
+#           excluded from git, named in the call's carry) on the same machine; AB_SHAPES, AB_IMPLS to narrow it
 #   all     tests, then bench
 # Logs and results go under $RUN_DIR (default /tmp/tabby-run-<the calling shell's pid>: one folder a call); where $OUT is set (the device tool's
 # folder, from which at most 8 files come back) they are packed into $OUT/tabby-run.tgz after each
@@ -44,12 +45,12 @@ pack() {
 }
 trap pack EXIT
 trap 'exit 143' TERM
-# the tests and fp8-gemm stages end their processes by this time (STAGE_BUDGET_S after the start, default 540 s:
+# the tests stages end their processes by this time (STAGE_BUDGET_S after the start, default 540 s:
 # under a device call's 600) and pack what they have; a case that would start later is not run and says so
 export DEADLINE=$(( $(date +%s) + ${STAGE_BUDGET_S:-540} ))
 stage=${1:-all}; shift || true
-case "$stage" in tests|bench|train|reliability|fp8-tests|fp8-layer-tests|fp8-gemm|fp8-bench|all) ;;
-  *) echo "unknown stage '$stage': tests, bench, train, reliability, fp8-tests, fp8-layer-tests, fp8-gemm, fp8-bench or all" >&2; exit 2;; esac
+case "$stage" in tests|bench|train|reliability|fp8-tests|fp8-layer-tests|fp8-bench|ab|all) ;;
+  *) echo "unknown stage '$stage': tests, bench, train, reliability, fp8-tests, fp8-layer-tests, fp8-bench, ab or all" >&2; exit 2;; esac
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/machine.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/machine.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" >> "$OUT/machine.txt"
@@ -161,11 +162,6 @@ if [ "$stage" = fp8-layer-tests ]; then
   run_tests_by_shape $fp8_layer_files
 fi
 pack
-if [ "$stage" = fp8-gemm ]; then
-  # bounded like the tests: a kernel that hangs ends the stage, not the call
-  timeout $(( DEADLINE - $(date +%s) )) python3 scripts/fp8_bench.py --gemm-only "$@" 2>&1 | tee "$OUT/fp8-gemm.log" | tail -40
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-fi
 pack
 if [ "$stage" = fp8-bench ]; then
   fp8_shapes=${FP8_BENCH_SHAPES:-kimi-k2,glm-5,deepseek-v4-pro,qwen3-30b-a3b,gpt-oss-120b,qwen3.5-397b}
@@ -186,6 +182,19 @@ if [ "$stage" = fp8-bench ]; then
   fi
   stop_clocks
   cat "$OUT/gpu-clocks-by-record.md"
+fi
+pack
+if [ "$stage" = ab ]; then
+  start_clocks
+  for tree in . "${BASE_TREE:?ab needs BASE_TREE}"; do
+    name=$([ "$tree" = . ] && echo new || echo base)
+    (cd "$tree" && PYTHONPATH="$PWD" python3 -m tabby_bench bench --ep 1 --tokens 16384 \
+      --shapes "${AB_SHAPES:-qwen3-30b-a3b,gpt-oss-120b,deepseek-v4-pro,kimi-k2,glm-5,qwen3.5-397b}" \
+      --impls "${AB_IMPLS:-floor,tabby,tabby-fp8}" --weights fixed --iters 10 --warmup 3 --out "$OUT/res" \
+      --tag "ab-$name" 2>&1 | tee "$OUT/bench-ab-$name.log" | tail -25)
+    pack
+  done
+  stop_clocks
 fi
 pack
 exit $status

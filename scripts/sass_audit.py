@@ -252,8 +252,8 @@ def backward(plan, H, I, E, wgrad_cfg=None):
     from tabby.ops.gemm import bf16 as gemm
     dg = plan.gemm_config(gemm.KIND_DGRAD_SWIGLU)
     xg = plan.gemm_config(gemm.KIND_GATE_UP_DGRAD)
-    wd = wgrad_cfg or gemm.default_config(gemm.KIND_WGRAD, I, None, M=H)  # expert_wgrad(dys, hw): M=H, N=I
-    wgu = wgrad_cfg or gemm.default_config(gemm.KIND_WGRAD, H, None, M=I)  # gate_up: M=I, N=H
+    wd = wgrad_cfg or plan.gemm_config(gemm.KIND_WGRAD_DOWN)  # expert_wgrad(dys, hw): M=H, N=I
+    wgu = wgrad_cfg or plan.gemm_config(gemm.KIND_WGRAD_GATE_UP)  # gate_up: M=I, N=H
     out = [("down_dgrad_swiglu", gemm.down_dgrad_swiglu_kernel, {
         "dys_ptr": P, "stride_dym": I16, "wd_ptr": P, "stride_we": I16, "stride_wh": I16, "gu_ptr": P, "stride_gum": I16, "ws_ptr": "*fp32",
         "dgu_ptr": P, "stride_dgum": I16, "hw_ptr": P, "stride_hwm": I16, "dwp_ptr": "*fp32", "stride_dwpm": I32,

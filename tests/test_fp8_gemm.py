@@ -1,7 +1,7 @@
 """FP8 routed-row GEMMs (tabby/ops/gemm/fp8.py) against the recipe's plain PyTorch GEMM
 (tabby/reference_fp8.py: the same quantized operands, fp32 promotion per K block of 128) and
 against fp32 on the unquantized operands. Interpreter on the CPU, compiled on a GPU.
-(The GPU measurements: scripts/fp8_bench.py.)"""
+(The GPU measurements: `tabby profile --precision fp8`; the GEMM variants' A/Bs in docs/fp8-measurements.md.)"""
 import os
 
 import torch

@@ -99,7 +99,7 @@ def test_cli_form_with_a_tabby_config():
     )
 
     from tabby.functional.config import MoEConfig
-    from tabby.functional.custom_op import config_string
+    from tabby.functional.config import config_string
 
     text = config_string(MoEConfig())
     imports = parse_cli_imports([f"{tabby_tt.OVERRIDE}={json.dumps({'config': text})}"])

@@ -217,7 +217,9 @@ _SMALL = dict(tile_m=16, dispatch_rows=16, dispatch_cols=64, dispatch_programs=4
     MoEConfig(tuning=Tuning(**_SMALL, ring_rows=64, programs=3)),
     MoEConfig(save_for_backward=False, tuning=Tuning(**_SMALL, ring_rows=64, programs=3)),
     MoEConfig(tuning=Tuning(**_SMALL, ring_rows=64, programs=3, tma=True, pull_tokens=True)),
-], ids=["separate", "megakernel", "megakernel-recompute", "token-pull"])
+    MoEConfig(precision="fp8"), MoEConfig(precision="fp8", cache_fp8_transposes=False),
+    MoEConfig(precision="fp8-forward"),
+], ids=["separate", "megakernel", "megakernel-recompute", "token-pull", "fp8", "fp8-one-copy", "fp8-forward"])
 @pytest.mark.parametrize("shared", [False, True], ids=["", "shared"])
 def test_the_layer_allocates_what_the_check_counts(cfg, shared):
     """One differentiated call of each path: the buffers the passes allocate (``Buffers.empty``, in
@@ -227,9 +229,13 @@ def test_the_layer_allocates_what_the_check_counts(cfg, shared):
     from tabby.functional.moe import moe_with_probe
     from tabby.functional.probe import Probe
 
-    T, H, I, E, k = 16, 64, 32, 8, 2
+    T, H, I, E, k = (16, 64, 32, 8, 2) if cfg.precision == "bf16" else (8, 128, 144, 2, 1)
     x, idx, wts, *ws = _args(T, H, I, E, k, seed=3)
     ws = [w + 0.01 for w in ws]
+    if cfg.precision != "bf16":
+        from tabby.functional import fp8
+
+        fp8.clear_weight_cache()
     sh = [torch.randn(48, H).bfloat16() / 8, torch.randn(48, H).bfloat16() / 8,
           torch.randn(H, 48).bfloat16() / 8] if shared else None
     leaves = [t.requires_grad_(True) for t in (x, *ws)]
@@ -244,8 +250,17 @@ def test_the_layer_allocates_what_the_check_counts(cfg, shared):
     described = [b for b in bufs.items.values() if not b.made_by and b.lifetime in ("held", "forward", "backward")
                  and b.form in ("", "owned")]
     assert sorted(b.name for b in made) == sorted(b.name for b in described)
-    by_ops = sum(b.nbytes for b in bufs.items.values() if b.made_by == "ops.schedule")
+    # the rest of the call's bytes: the schedule's row_src, and transposes a backward makes through the
+    # weight cache (off sm_90 with cache_fp8_transposes=False)
+    by_ops = sum(b.nbytes for b in bufs.items.values()
+                 if b.made_by and b.lifetime in ("held", "forward", "backward") and b.form in ("", "owned"))
     assert sum(b.nbytes for b in made) + by_ops == needs.kept + needs.forward + needs.backward_owned
+    if cfg.precision != "bf16":  # the weights' FP8 copies (and transposes) the cache holds
+        from tabby.functional import fp8
+
+        held = sum(t.untyped_storage().nbytes() for _, _, value in fp8._weight_cache.values() for t in
+                   (value if isinstance(value, tuple) else (value,)) if isinstance(t, torch.Tensor))
+        assert held == needs.fp8_weights
     ws_ = [w for w in cached_workspaces() if w.plans and probe.plan in w.plans.values()][0]
     if probe.plan.mega is not None:
         mb = ws_.mega_buffers

@@ -124,12 +124,15 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
             xs = _rows_for_wgrad(ws, plan, sched, xs, x_kept, missing, TK, k)  # (tokens: drops them)
             mark(probe, "bwd:routed_rows")
         dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
-                                                   out_dtype=w_gate.dtype)
+                                                   out_dtype=w_gate.dtype, programs=plan.wgrad_programs,
+                                                   config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP))
         del dgu, xs
-        dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype)
+        dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype,
+                                    config=plan.gemm_config(gemm.KIND_WGRAD_DOWN), programs=plan.wgrad_programs)
         del dys, hw
     else:
-        dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype)
+        dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype,
+                                    config=plan.gemm_config(gemm.KIND_WGRAD_DOWN), programs=plan.wgrad_programs)
         del hw
         if missing:  # the token pull's rows gathered into dys's buffer (read by dW_down, queued before)
             xs = _rows_for_wgrad(ws, plan, sched, xs, x_kept, missing, TK, k,
@@ -137,7 +140,8 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
             mark(probe, "bwd:routed_rows")
         del dys
         dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
-                                                   out_dtype=w_gate.dtype)
+                                                   out_dtype=w_gate.dtype, programs=plan.wgrad_programs,
+                                                   config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP))
         del dgu, xs
     mark(probe, "bwd:wgrad")
     dx, dtopk = finish_backward(ws, plan, dy, T, k, probe)

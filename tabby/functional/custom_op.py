@@ -6,12 +6,11 @@ layer. Both operators are opaque to the compiler:
 
     torch.ops.tabby.moe(x, topk_idx, topk_weights, w_gate, w_up, w_down,
                         shared_gate?, shared_up?, shared_down?, group: str, config: str, save: bool,
-                        local_rows_in_backward: bool)
+                        owned: bool = False)
         -> (y, row_src, tile_expert, expert_start, expert_count, num_tiles, xs, gu, row_w, x_scale)
     torch.ops.tabby.moe_backward(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate?, shared_up?,
                                  shared_down?, row_src, tile_expert, expert_start, expert_count,
-                                 num_tiles, xs, gu, row_w, x_scale, group: str, config: str, save: bool,
-                                 local_rows_in_backward: bool)
+                                 num_tiles, xs, gu, row_w, x_scale, group: str, config: str, save: bool)
         -> (dx, d topk_weights, dw_gate, dw_up, dw_down, dw_gate_s, dw_up_s, dw_down_s)
 
 The forward returns, besides y, everything its backward needs as tensors: the routed-row schedule
@@ -34,14 +33,15 @@ an input requires grad). Without it, the megakernel forward keeps only its sched
 backward recomputes the routed rows (as ``MoEConfig(save_for_backward=False)`` does); the result
 is the same either way.
 
-The eager backward owns what its forward kept. Called eagerly, the wrapper (``moe.moe``) saves the
-operator's tensors for autograd through ``saved_tensors_hooks`` whose holders the backward can
-empty (``_OwnedSaves``): the backward then runs ``backward.moe_backward`` with ``owned`` (dg | du
-written over g | u, each routed buffer freed once its last launch is queued) and
-``local_rows_in_backward`` (the megakernel's local rows copied into xs there, not at the end of
-the forward). Compiled, or called as ``torch.ops.tabby.moe`` directly, the kept tensors are the
-graph's saved activations and the backward operator only reads them. The same launches and bits
-either way (tests/test_custom_op.py: every entry bitwise equal).
+The eager backward owns what its forward kept. Called eagerly (and where no saved-tensor hooks of
+checkpointing or offloading are active), the wrapper (``moe.moe``) passes ``owned``: autograd's
+context then holds the kept outputs as a list, not as saved tensors (they are non-differentiable
+outputs: no reference cycle), the forward leaves the megakernel's local rows to the backward, and
+the backward takes the list and runs ``backward.moe_backward`` with ``owned`` (dg | du written over
+g | u, each routed buffer freed once its last launch is queued), as the rows' only holder.
+Compiled, or called as ``torch.ops.tabby.moe`` directly, the kept tensors are saved activations
+and the backward operator only reads them. The same launches and bits either way
+(tests/test_custom_op.py: every entry bitwise equal).
 
 The shared expert: inside the megakernel's launch, else ``shared_expert_forward`` in plain PyTorch
 (its output enters the combine); its gradients are ``shared_expert_backward``'s explicit formulas
@@ -219,7 +219,7 @@ def _zero_padding_rows(row_src, xs, gu, row_w, x_scale, rank, T, tokens):
 def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
             w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: torch.Tensor | None,
             shared_up: torch.Tensor | None, shared_down: torch.Tensor | None, group: str, config: str,
-            save: bool, local_rows_in_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+            save: bool, owned: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                        torch.Tensor,
                                                                torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                                torch.Tensor, torch.Tensor]:
@@ -243,7 +243,7 @@ def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     s = saved.sched
     x_scale = torch.empty(0, dtype=torch.float32, device=x.device)
     if keep:
-        if saved.missing == "local" and not local_rows_in_backward:  # this rank's rows into xs now
+        if saved.missing == "local" and not owned:  # this rank's rows into xs now (an owning backward copies them)
             routed_rows_for_wgrad(ws, plan, saved, dims.T * dims.k, dims.k)
         xs, gu, row_w = saved.xs, saved.gu, saved.row_w
         if saved.x_scale is not None:
@@ -258,7 +258,7 @@ def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
 
 @_moe_op.register_fake
 def _moe_fake(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, group, config,
-              save, local_rows_in_backward=False):
+              save, owned=False):
     shared = _shared(shared_gate, shared_up, shared_down)
     _, W, _, _ = group_info(group)
     dims = _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W)
@@ -286,10 +286,11 @@ def _moe_fake(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared_gate, shar
 
 
 def _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, shared, sched_tensors, kept: list, group: str,
-                   config: str, save: bool, local_rows_in_backward: bool, owned: bool, probe: Probe | None):
+                   config: str, save: bool, owned: bool, probe: Probe | None):
     """The backward of one forward. ``kept``: the list [xs, gu, row_w, x_scale] of the forward's kept
     outputs; with ``owned`` (nothing else holds them) it is emptied, and the pass frees each buffer
-    as it goes (``backward.moe_backward``'s ``owned``); otherwise the tensors are only read."""
+    as it goes (``backward.moe_backward``'s ``owned``; the megakernel's local rows are then copied into
+    xs here); otherwise the tensors are only read (the forward copied the local rows in)."""
     T, k = topk_weights.shape
     # topk_idx is not needed any more: the schedule holds the routing; a placeholder of its shape
     idx = torch.empty((T, k), dtype=torch.int32, device=x.device)
@@ -303,13 +304,11 @@ def _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, shared, sched_tens
                             num_tiles=num_tiles, counts=None, within=None, done=None)
     if _keeps_rows(plan, save):
         missing = _missing(plan)
-        if missing == "local" and not local_rows_in_backward:
+        if missing == "local" and not owned:
             missing = ""  # (the forward copied them in)
         xs, gu, row_w, x_scale = kept
         if owned:
             kept.clear()
-        elif missing == "local":  # this rank's rows are written into xs: a copy, the input stays as it is
-            xs = xs.clone()
         saved = KeptRows(sched, xs, gu, row_w, missing, x if missing else None,
                          x_scale=x_scale if plan.precision == "fp8" else None)
         del xs, gu, row_w, x_scale
@@ -334,19 +333,17 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tens
                      shared_up: torch.Tensor | None, shared_down: torch.Tensor | None, row_src: torch.Tensor,
                      tile_expert: torch.Tensor, expert_start: torch.Tensor, expert_count: torch.Tensor,
                      num_tiles: torch.Tensor, xs: torch.Tensor, gu: torch.Tensor, row_w: torch.Tensor,
-                     x_scale: torch.Tensor, group: str, config: str, save: bool,
-                     local_rows_in_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                    torch.Tensor,
+                     x_scale: torch.Tensor, group: str, config: str,
+                     save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                             torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, _shared(shared_gate, shared_up, shared_down),
                           (row_src, tile_expert, expert_start, expert_count, num_tiles), [xs, gu, row_w, x_scale],
-                          group, config, save, local_rows_in_backward, owned=False, probe=None)
+                          group, config, save, owned=False, probe=None)
 
 
 @_moe_backward_op.register_fake
 def _moe_backward_fake(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, row_src,
-                       tile_expert, expert_start, expert_count, num_tiles, xs, gu, row_w, x_scale, group, config, save,
-                       local_rows_in_backward=False):
+                       tile_expert, expert_start, expert_count, num_tiles, xs, gu, row_w, x_scale, group, config, save):
     def like(t):
         return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
@@ -362,79 +359,40 @@ def _moe_backward_fake(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate, s
 # --------------------------------------------------------------------------------------------
 
 
-class _Holder:
-    """What autograd keeps of one saved tensor under ``_OwnedSaves``: the tensor, until the
-    backward that owns it takes it."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-_UNPACKED = threading.local()  # the holders a backward unpacks, while it unpacks them
-
-
-def _pack(t):
-    return _Holder(t)
-
-
-def _unpack(holder):
-    if holder.tensor is None:
-        raise RuntimeError("tabby.moe: this call's backward ran already and freed what its forward kept "
-                           "(an eager backward runs once: retain_graph=True is not supported)")
-    log = getattr(_UNPACKED, "holders", None)
-    if log is not None:
-        log.append(holder)
-    return holder.tensor
-
-
-class _OwnedSaves(torch.autograd.graph.saved_tensors_hooks):
-    """The eager wrapper's saved-tensor hooks (``moe.moe``): autograd keeps each saved tensor of
-    the operator in a ``_Holder``, so that the backward can take the kept rows out and free them as
-    it goes. Used only where no other saved-tensor hooks are active (checkpointing, offloading
-    keep theirs)."""
-
-    def __init__(self):
-        super().__init__(_pack, _unpack)
-
-    @staticmethod
-    def usable() -> bool:
-        return (not torch.compiler.is_compiling() and torch._C._autograd._saved_tensors_hooks_is_enabled()
-                and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
-
-
 def _setup_context(ctx, inputs, output):
-    x, _, topk_weights, w_gate, w_up, w_down, sg, su, sd, group, config, save, local_rows_in_backward = inputs
+    x, _, topk_weights, w_gate, w_up, w_down, sg, su, sd, group, config, save, owned = inputs
     kept = output[1:]
-    ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept)
     ctx.mark_non_differentiable(*kept)
     # no zero gradients made for the kept outputs (xs and g | u as big as the routed rows: autograd
     # would otherwise allocate them for every backward, unread)
     ctx.set_materialize_grads(False)
-    ctx.tabby_args = (group, config, save, local_rows_in_backward)
-    ctx.tabby_probe = None if torch.compiler.is_compiling() else _current_probe()
+    ctx.tabby_args = (group, config, save)
+    if owned:  # the eager wrapper's call: the backward takes the list and is their only holder
+        ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, sg, su, sd)
+        ctx.tabby_kept = list(kept)
+        ctx.tabby_probe = _current_probe()
+    else:
+        ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept)
+        ctx.tabby_kept = None
 
 
 def _backward(ctx, dy, *_kept_grads):
-    holders = _UNPACKED.holders = []
-    try:
-        x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept = ctx.saved_tensors
-    finally:
-        _UNPACKED.holders = None
-    group, config, save, local_rows_in_backward = ctx.tabby_args
+    x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept = ctx.saved_tensors
+    group, config, save = ctx.tabby_args
     if dy is None:  # (gradients are not materialized: y's is None only if nothing reached it)
         dy = torch.zeros((x.shape[0], w_down.shape[1]), dtype=x.dtype, device=x.device)
-    if holders:  # saved under _OwnedSaves: this backward takes the kept rows (autograd keeps the holders)
-        for h in holders:
-            if any(h.tensor is t for t in kept):
-                h.tensor = None
-        del holders
-        grads = _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, _shared(sg, su, sd), kept[:5], kept[5:],
-                               group, config, save, local_rows_in_backward, owned=True, probe=ctx.tabby_probe)
+    if ctx.tabby_kept is not None:  # the eager wrapper's call: this backward owns the kept rows
+        if not ctx.tabby_kept:
+            raise RuntimeError("tabby.moe: this call's backward ran already and freed what its forward kept "
+                               "(an eager backward runs once: retain_graph=True is not supported)")
+        kept, ctx.tabby_kept = ctx.tabby_kept, []
+        sched, rows = kept[:5], kept[5:]
+        del kept
+        grads = _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, _shared(sg, su, sd), sched, rows,
+                               group, config, save, owned=True, probe=ctx.tabby_probe)
     else:
         grads = torch.ops.tabby.moe_backward(dy, x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept, group,
-                                             config, save, local_rows_in_backward)
+                                             config, save)
     dx, dtw, dwg, dwu, dwd, dsg, dsu, dsd = grads
     if sg is None:
         dsg = dsu = dsd = None
@@ -444,13 +402,17 @@ def _backward(ctx, dy, *_kept_grads):
 _moe_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _owning_call_possible() -> bool:
+    """An eager call whose backward may own the kept rows: not traced by the compiler, and no
+    saved-tensor hooks active (checkpointing or offloading would not see rows held by the context)."""
+    return (not torch.compiler.is_compiling() and torch._C._autograd._saved_tensors_hooks_is_enabled()
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
+
+
 def run_operator(x, topk_idx, topk_weights, w_gate, w_up, w_down, sg, su, sd, group: str, config: str, save: bool):
-    """``torch.ops.tabby.moe``'s y: eagerly (where no other saved-tensor hooks are active) under
-    ``_OwnedSaves`` with the local rows left to the backward, else the plain call."""
-    if save and _OwnedSaves.usable():
-        with _OwnedSaves():
-            return torch.ops.tabby.moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, sg, su, sd, group, config,
-                                       save, True)[0]
+    """``torch.ops.tabby.moe``'s y; differentiated and eager (``_owning_call_possible``), a call whose
+    backward owns the kept rows."""
+    owned = save and _owning_call_possible()
     return torch.ops.tabby.moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, sg, su, sd, group, config, save,
-                               False)[0]
+                               owned)[0]
 

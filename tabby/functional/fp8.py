@@ -51,6 +51,7 @@ from ..ops.gemm import fp8 as gemm_fp8
 from ..validate import MoEInputError
 from .backward import moe_backward
 from .forward import KeptRows
+from .memory import gate_up_k, layer_buffers
 from .plan import CACHED_TRANSPOSES, TRANSPOSE_IN_KERNEL, Plan
 from .probe import Probe, mark
 from .steps import finish_backward, finish_forward, publish_and_schedule, pull_routed_rows, signal_and_wait
@@ -130,11 +131,6 @@ def fp8_weight(w: torch.Tensor):
     return _cached("blocks", (w,), lambda: quantize.quantize_blocks(w.detach().contiguous()))
 
 
-def gate_up_k(I: int) -> int:
-    """Columns of each half of the gate/up dgrad's K: I rounded up to a multiple of 128."""
-    return triton.cdiv(I, FP8_BLOCK) * FP8_BLOCK
-
-
 def _gate_up_t_buffer(E: int, I: int, H: int, device):
     """The gate/up dgrad's B values, E4M3 [E, H, 2Ip] (``fp8_gate_up_t``), with its padding columns
     zeroed, and the two halves' [E, H, I] views that receive the transposed values."""
@@ -199,7 +195,8 @@ def fp8_layer_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Te
     return tuple(fp8_weight(w) for w in ws3)  # (the backward makes and holds what is missing)
 
 
-def quantize_gate_up_grad(dgu: torch.Tensor, I: int, row_src: torch.Tensor, num_tiles: torch.Tensor, tile_rows: int):
+def quantize_gate_up_grad(dgu: torch.Tensor, I: int, row_src: torch.Tensor, num_tiles: torch.Tensor, tile_rows: int,
+                          outputs=None):
     """dg | du [R, 2I] -> both of its FP8 forms, from one read (``quantize.quantize_rows_and_cols``):
     - the gate/up dgrad's A: (E4M3 [R, 2Ip], scales [R, 2Ip/128]), Ip = ``gate_up_k(I)``, in
       ``fp8_gate_up_t``'s layout: dg and du each quantized per 1x128 on its own (where 128 does not
@@ -208,19 +205,22 @@ def quantize_gate_up_grad(dgu: torch.Tensor, I: int, row_src: torch.Tensor, num_
       ``num_tiles`` row tiles are not quantized (as ``quantize.quantize_rows``);
     - the weight gradients' operand: (E4M3 [2I, R] transposed, scales [R/128, 2I]) per 128x1,
       padding rows zeros (``quantize.quantize_cols``), dW_gate's the first I rows, dW_up's the rest.
-    ``tile_rows``: a multiple of 128 (an FP8 backward's routed tile height)."""
+    ``tile_rows``: a multiple of 128 (an FP8 backward's routed tile height). ``outputs``: the four
+    tensors (q, scales, transposed q, its scales) given, else made here."""
     Ip = gate_up_k(I)
-    both = functools.partial(quantize.quantize_rows_and_cols, row_src=row_src, num_tiles=num_tiles, tile_rows=tile_rows)
-    if Ip == I:  # every 1x128 tile of the row lies in one half: one launch over both
-        return both(dgu)
     R = dgu.shape[0]
     nb = Ip // FP8_BLOCK
-    q = torch.empty(R, 2 * Ip, dtype=torch.uint8, device=dgu.device)
-    q.view(R, 2, Ip)[:, :, I:].zero_()
-    q = q.view(quantize.E4M3)
-    s = torch.empty(R, 2 * nb, dtype=torch.float32, device=dgu.device)
-    qt = torch.empty(2 * I, R, dtype=quantize.E4M3, device=dgu.device)
-    st = torch.empty(-(-R // FP8_BLOCK), 2 * I, dtype=torch.float32, device=dgu.device)
+    if outputs is None:
+        outputs = (torch.empty(R, 2 * Ip, dtype=quantize.E4M3, device=dgu.device),
+                   torch.empty(R, 2 * nb, dtype=torch.float32, device=dgu.device),
+                   torch.empty(2 * I, R, dtype=quantize.E4M3, device=dgu.device),
+                   torch.empty(-(-R // FP8_BLOCK), 2 * I, dtype=torch.float32, device=dgu.device))
+    q, s, qt, st = outputs
+    both = functools.partial(quantize.quantize_rows_and_cols, row_src=row_src, num_tiles=num_tiles, tile_rows=tile_rows)
+    if Ip == I:  # every 1x128 tile of the row lies in one half: one launch over both
+        both(dgu, out=q, scale_out=s, out_t=qt, scale_out_t=st)
+        return (q, s), (qt, st)
+    q.view(torch.uint8).view(R, 2, Ip)[:, :, I:].zero_()
     for half in range(2):
         cols = slice(half * I, (half + 1) * I)
         both(dgu[:, cols], out=q[:, half * Ip:half * Ip + I], scale_out=s[:, half * nb:(half + 1) * nb],
@@ -228,14 +228,15 @@ def quantize_gate_up_grad(dgu: torch.Tensor, I: int, row_src: torch.Tensor, num_
     return (q, s), (qt, st)
 
 
-def pull_fp8_rows(ws, plan: Plan, sched, name: str, H: int, TK: int, *weights):
+def pull_fp8_rows(ws, plan: Plan, sched, name: str, buffer: str, TK: int, *weights):
     """The schedule's rows of the E4M3 buffer ``{name}q_pub`` and their 1x128 scales ``{name}s_pub``
-    (published quantized at their source) pulled from every rank: (E4M3 [R_max, H], fp32 scales
-    [R_max, ceil(H/128)]); padding rows come as zeros, scale 0. ``weights``: (w_ptrs, ws_out),
-    the router weights pulled with the values, as ``pull_routed_rows``'s."""
-    scales_pub = getattr(ws, f"{name}s_pub")
-    q = torch.empty((sched.R_max, H), dtype=quantize.E4M3, device=scales_pub.device)
-    s = torch.empty((sched.R_max, scales_pub.shape[1]), dtype=torch.float32, device=scales_pub.device)
+    (published quantized at their source) pulled from every rank into the call's ``buffer`` and
+    ``{buffer}_scale`` (``memory.layer_buffers``: E4M3 [R_max, H], fp32 scales [R_max, ceil(H/128)]);
+    padding rows come as zeros, scale 0. ``weights``: (w_ptrs, ws_out), the router weights pulled
+    with the values, as ``pull_routed_rows``'s."""
+    bufs = layer_buffers(plan)
+    device = ws.ptrs[f"{name}q_pub"].device
+    q, s = bufs.empty(buffer, device), bufs.empty(buffer + "_scale", device)
     pull_routed_rows(plan, sched, ws.ptrs[f"{name}q_pub"], q.view(torch.uint8), TK, sched.k, *weights)
     pull_routed_rows(plan, sched, ws.ptrs[f"{name}s_pub"], s, TK, sched.k)
     return q, s
@@ -270,20 +271,24 @@ def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_d
         w_gate, w_up, w_down, transposed=keep and not bf16_rows and plan.fp8.dgrad == CACHED_TRANSPOSES)
     sched = publish_and_schedule(ws, plan, x, topk_idx, topk_weights, wg_q.shape[0], x_fp8=not bf16_rows,
                                  probe=probe)
-    row_w = torch.empty(sched.R_max, dtype=torch.float32, device=x.device)
+    bufs = layer_buffers(plan)
+    dev = x.device
+    row_w = bufs.empty("row_w", dev)
     if bf16_rows:
-        xs = x.new_empty((sched.R_max, H))
+        xs = bufs.empty("xs", dev)
         pull_routed_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, sched.k, ws.ptrs["w_pub"], row_w)
         mark(probe, "fwd:dispatch")
-        xq, x_scale = quantize.quantize_rows(xs, num_tiles=sched.num_tiles, tile_rows=plan.tile_m)
+        xq, x_scale = quantize.quantize_rows(xs, num_tiles=sched.num_tiles, tile_rows=plan.tile_m,
+                                             out=bufs.empty("xs_fp8", dev), scale_out=bufs.empty("xs_fp8_scale", dev))
         mark(probe, "fwd:quantize")
         kept = KeptRows(sched, xs, None, row_w)
     else:
-        xq, x_scale = pull_fp8_rows(ws, plan, sched, "x", H, TK, ws.ptrs["w_pub"], row_w)
+        xq, x_scale = pull_fp8_rows(ws, plan, sched, "x", "xs_fp8", TK, ws.ptrs["w_pub"], row_w)
         mark(probe, "fwd:dispatch")
         kept = KeptRows(sched, xq, None, row_w, x_scale=x_scale)
     hq, h_scale, gu = gemm_fp8.gate_up_swiglu_fp8(
-        xq, x_scale, wg_q, wg_s, wu_q, wu_s, sched.tile_expert, sched.num_tiles, save_gu=keep,
+        xq, x_scale, wg_q, wg_s, wu_q, wu_s, sched.tile_expert, sched.num_tiles, hq=bufs.empty("h_fp8", dev),
+        h_scale=bufs.empty("h_fp8_scale", dev), gu=bufs.empty("gu", dev) if keep else None, save_gu=keep,
         kernel=plan.fp8.gate_up, tile_m=plan.tile_m)
     mark(probe, "fwd:gate_up")
     gemm_fp8.down_push_fp8(hq, h_scale, wd_q, wd_s, sched.tile_expert, sched.num_tiles, sched.row_src,
@@ -321,7 +326,9 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     quantize.quantize_rows(dy.contiguous(), out=ws.dyq_pub.view(quantize.E4M3), scale_out=ws.dys_pub)
     signal_and_wait(ws, BWD_READY, BWD, True, sync.ERR_WAIT_PEER_READY, plan)
     mark(probe, "bwd:publish+wait")
-    dys_q, dys_s = pull_fp8_rows(ws, plan, sched, "dy", H, TK)
+    bufs = layer_buffers(plan)
+    dev = dy.device
+    dys_q, dys_s = pull_fp8_rows(ws, plan, sched, "dy", "dys_fp8", TK)
     mark(probe, "bwd:dispatch_dy")
     # Each buffer is dropped once its last launch is queued: the caching allocator hands it only to
     # later work on this stream, so the next buffers reuse it and the peak stays near one set.
@@ -329,20 +336,24 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     # read transposed in the kernel, or transposes made here and dropped after their GEMM
     f = plan.fp8
     fwd_copies = [fp8_weight(w) for w in (w_gate, w_up, w_down)] if f.dgrad == TRANSPOSE_IN_KERNEL else None
+    dgrad_outputs = (bufs.empty("dgu", dev), bufs.empty("hw", dev), bufs.empty("dw_part", dev))
     if fwd_copies is not None:
         dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8_t(dys_q, dys_s, *fwd_copies[2], gu, row_w,
                                                             sched.tile_expert, sched.num_tiles, kernel=f.down_dgrad,
-                                                            tile_m=BM)
+                                                            tile_m=BM, outputs=dgrad_outputs)
     else:
         wd_t = fp8_weight_t(w_down, hold=f.dgrad == CACHED_TRANSPOSES)
         dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(dys_q, dys_s, *wd_t, gu, row_w, sched.tile_expert,
-                                                          sched.num_tiles, kernel=f.down_dgrad, tile_m=BM)
+                                                          sched.num_tiles, kernel=f.down_dgrad, tile_m=BM,
+                                                          outputs=dgrad_outputs)
         del wd_t
-    del gu, row_w
+    del gu, row_w, dgrad_outputs
     mark(probe, "bwd:down_dgrad+swiglu")
     # dg | du's two FP8 forms from one read: per 1x128 for the gate/up dgrad, per 128x1 (transposed)
     # for the weight gradients
-    (dgu_q, dgu_qs), (dgu_t, dgu_s) = quantize_gate_up_grad(dgu, I, sched.row_src, sched.num_tiles, BM)
+    (dgu_q, dgu_qs), (dgu_t, dgu_s) = quantize_gate_up_grad(
+        dgu, I, sched.row_src, sched.num_tiles, BM,
+        outputs=tuple(bufs.empty(n, dev) for n in ("dgu_fp8", "dgu_fp8_scale", "dgu_t_fp8", "dgu_t_fp8_scale")))
     del dgu
     mark(probe, "bwd:quantize_dgu")
     if fwd_copies is not None:
@@ -359,28 +370,29 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
         del gu_t
     del dgu_q, dgu_qs
     mark(probe, "bwd:gate_up_dgrad+push")
-    dw_rows = gemm.reduce_dw(dw_part)
+    dw_rows = gemm.reduce_dw(dw_part, out=bufs.empty("dw_rows", dev))
     comm.push_scalars_kernel[(64,)](dw_rows, sched.row_src, sched.num_tiles, ws.ptrs["dw_in"], TK,
                                     BR=256, TILE_ROWS=BM)
     mark(probe, "bwd:router_grad")
 
-    def cols(t, row_scale=None):
+    def cols(name, t, row_scale=None):
         return quantize.quantize_cols(t, row_src=sched.row_src, num_tiles=sched.num_tiles, tile_rows=BM,
-                                 row_scale=row_scale)
+                                      row_scale=row_scale, out=bufs.empty(name, dev),
+                                      scale_out=bufs.empty(name + "_scale", dev))
 
     # transposed E4M3 [C, R] and scales [R/128, C], padding rows zeros (the weight gradients'
     # ``padded``: segments start at multiples of tile_m, a multiple of 128); each operand quantized
     # just before its weight gradient and dropped after it, with its source (dg | du's: above, with
     # its 1x128 form)
     seg = (sched.expert_start, sched.expert_count)
-    (dy_t, dy_s), (hw_t, hw_s) = cols(dys_q, dys_s), cols(hw)
+    (dy_t, dy_s), (hw_t, hw_s) = cols("dys_t_fp8", dys_q, dys_s), cols("hw_t_fp8", hw)
     del dys_q, dys_s, hw
     mark(probe, "bwd:quantize_cols_down")
     dw_down = gemm_fp8.expert_wgrad_fp8(dy_t, dy_s, hw_t, hw_s, *seg, out_dtype=w_down.dtype, padded=True,
                                         kernel=f.wgrad)
     del dy_t, dy_s, hw_t, hw_s
     mark(probe, "bwd:wgrad_down")
-    xs_t, xs_s = cols(xq, x_scale)
+    xs_t, xs_s = cols("xs_t_fp8", xq, x_scale)
     del xq, x_scale
     mark(probe, "bwd:quantize_cols_gate_up")
     dw_gate = gemm_fp8.expert_wgrad_fp8(dgu_t[:I], dgu_s[:, :I], xs_t, xs_s, *seg, out_dtype=w_gate.dtype,

@@ -36,7 +36,7 @@ import triton
 
 from ..ops.megakernel.protocol import counter_layout
 from ..ops.schedule import schedule_capacity
-from .plan import Plan
+from .plan import CACHED_TRANSPOSES, TRANSPOSE_PER_CALL, Plan
 from .workspace import WorkspaceKey, workspace_bytes
 
 LIFETIMES = ("shape", "weights", "held", "forward", "backward")
@@ -155,9 +155,9 @@ def _describe(plan: Plan) -> list:
     def add(name, shape, dtype, lifetime, what, form="", without_grad=False, made_by=""):
         out.append(Buffer(name, tuple(shape), dtype, lifetime, what, form, without_grad, made_by))
 
-    def rows_fp8(name, rows, C, lifetime, what, form=""):  # E4M3 rows and an fp32 scale per 1x128 tile
-        add(name, (rows, C), E4M3, lifetime, what, form)
-        add(name + "_scale", (rows, cdiv(C, FP8_BLOCK)), f32, lifetime, what + ": 1x128 scales", form)
+    def rows_fp8(name, rows, C, lifetime, what, **kw):  # E4M3 rows and an fp32 scale per 1x128 tile
+        add(name, (rows, C), E4M3, lifetime, what, **kw)
+        add(name + "_scale", (rows, cdiv(C, FP8_BLOCK)), f32, lifetime, what + ": 1x128 scales", **kw)
 
     def cols_fp8(name, C, lifetime, what):  # transposed E4M3 [C, R] and an fp32 scale per 128x1 tile
         add(name, (C, R), E4M3, lifetime, what)
@@ -180,31 +180,35 @@ def _describe(plan: Plan) -> list:
     fp8 = plan.precision != "bf16"
     if fp8:
         nI, nH = cdiv(I, FP8_BLOCK), cdiv(H, FP8_BLOCK)
+        cache = dict(made_by="functional.fp8 (the weight cache)")
         for name, (n, k) in (("w_gate_fp8", (I, H)), ("w_up_fp8", (I, H)), ("w_down_fp8", (H, I))):
-            add(name, (E, n, k), E4M3, "weights", "a weight's E4M3 copy")
-            add(name + "_scale", (E, cdiv(n, FP8_BLOCK), cdiv(k, FP8_BLOCK)), f32, "weights", "its block scales")
-        if plan.precision == "fp8":
+            add(name, (E, n, k), E4M3, "weights", "a weight's E4M3 copy", **cache)
+            add(name + "_scale", (E, cdiv(n, FP8_BLOCK), cdiv(k, FP8_BLOCK)), f32, "weights", "its block scales",
+                **cache)
+        t_life = {CACHED_TRANSPOSES: "weights", TRANSPOSE_PER_CALL: "backward"}.get(plan.fp8.dgrad)
+        if t_life is not None:  # (TRANSPOSE_IN_KERNEL: the dgrads read the forward's copies, no transposes)
             Ip = gate_up_k(I)
-            t_life = "weights" if plan.cache_fp8_transposes else "backward"
-            add("w_down_t_fp8", (E, I, H), E4M3, t_life, "W_down^T in E4M3 (the down dgrad's B)")
-            add("w_down_t_fp8_scale", (E, nI, nH), f32, t_life, "its block scales")
-            add("w_gate_up_t_fp8", (E, H, 2 * Ip), E4M3, t_life, "[W_gate^T | W_up^T] (the gate/up dgrad's B)")
-            add("w_gate_up_t_fp8_scale", (E, nH, 2 * Ip // FP8_BLOCK), f32, t_life, "its block scales")
+            add("w_down_t_fp8", (E, I, H), E4M3, t_life, "W_down^T in E4M3 (the down dgrad's B)", **cache)
+            add("w_down_t_fp8_scale", (E, nI, nH), f32, t_life, "its block scales", **cache)
+            add("w_gate_up_t_fp8", (E, H, 2 * Ip), E4M3, t_life, "[W_gate^T | W_up^T] (the gate/up dgrad's B)",
+                **cache)
+            add("w_gate_up_t_fp8_scale", (E, nH, 2 * Ip // FP8_BLOCK), f32, t_life, "its block scales", **cache)
 
     # held: the schedule, and the routed rows a differentiated forward keeps for its backward
     add("row_src", (R,), i32, "held", "each routed row's source (the schedule)", made_by="ops.schedule")
     recompute = mega is not None and not plan.save_for_backward
     kept = "backward" if recompute else "held"  # recomputed by the backward where nothing is kept
+    separate = mega is None  # the path of separate launches pulls the rows (and row weights) without autograd too
     if plan.precision == "fp8":
-        rows_fp8("xs_fp8", R, H, kept, "the routed rows in E4M3")
+        rows_fp8("xs_fp8", R, H, kept, "the routed rows in E4M3", without_grad=separate)
     elif mega is not None and mega.token_pull and not recompute:  # pulled whole by every forward
         add("tokens", (W * T, H), bf16, "held", "every rank's tokens (the token pull)", without_grad=True)
     else:
         if mega is not None and mega.token_pull:
             add("tokens", (W * T, H), bf16, "forward", "every rank's tokens (the token pull)")
-        add("xs", (R, H), bf16, kept, "the routed rows")
-    add("gu", (R, 2 * I), bf16, kept, "g | u")
-    add("row_w", (R,), f32, kept, "the rows' router weights")
+        add("xs", (R, H), bf16, kept, "the routed rows", without_grad=separate)
+    add("gu", (R, 2 * I), bf16, kept, "g | u", without_grad=separate and not fp8)
+    add("row_w", (R,), f32, kept, "the rows' router weights", without_grad=separate)
     if recompute:
         add("h", (R, I), bf16, "backward", "h, made again with g | u")
 
@@ -234,8 +238,8 @@ def _describe(plan: Plan) -> list:
         add("hw", (R, I), bf16, "backward", "the rows' router weight times h")
         if mega is not None and mega.token_pull and not recompute and gate_up_wgrad_first(R, H, I, E, W * T):
             add("wgrad_rows", (R, H), bf16, "backward", "the routed rows gathered from the tokens", form="owned")
-    add("dw_part", (R, cdiv(I, plan.gemm_config("dgrad_swiglu").BN)), f32, "backward",
-        "partial router-weight gradients")
+    dgrad_bn = plan.fp8.down_dgrad.config.BN if plan.precision == "fp8" else plan.gemm_config("dgrad_swiglu").BN
+    add("dw_part", (R, cdiv(I, dgrad_bn)), f32, "backward", "partial router-weight gradients")
     add("dw_rows", (R,), f32, "backward", "the router-weight gradients of the rows")
     return out
 

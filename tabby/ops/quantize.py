@@ -384,21 +384,24 @@ def _packs(qt: torch.Tensor) -> bool:
 
 
 def quantize_cols(x: torch.Tensor, *, row_src: torch.Tensor | None = None, num_tiles: torch.Tensor | None = None,
-                  tile_rows: int = 128, row_scale: torch.Tensor | None = None):
+                  tile_rows: int = 128, row_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  scale_out: torch.Tensor | None = None):
     """x [R, C] -> (qt [C, R] E4M3: the quantized x transposed, scales [ceil(R/128), C] fp32), per
     128x1 tile (128 consecutive rows of one column: the recipe's quantization of an operand that a
     weight gradient contracts over tokens; transposed so that the GEMM reads its K contiguous).
     With ``row_src`` and ``num_tiles`` (a routed-row buffer), padding rows and rows past the used
     tiles count as zeros and are stored as zeros. ``row_scale``: x is E4M3 quantized per 1x128
-    with these fp32 scales [R, ceil(C/128)]; the tiles are those of its dequantized values."""
+    with these fp32 scales [R, ceil(C/128)]; the tiles are those of its dequantized values. ``out``,
+    ``scale_out``: qt and the scales, given (contiguous), else made here."""
     R, C = x.shape
     assert x.stride(-1) == 1
     scaled = row_scale is not None
     if scaled:
         assert x.dtype == E4M3 and row_scale.dtype == torch.float32 and row_scale.shape == (R, triton.cdiv(C, BLOCK))
     nr = triton.cdiv(R, BLOCK)
-    qt = torch.empty(C, R, dtype=E4M3, device=x.device)
-    s = torch.empty(nr, C, dtype=torch.float32, device=x.device)
+    qt = torch.empty(C, R, dtype=E4M3, device=x.device) if out is None else out
+    s = torch.empty(nr, C, dtype=torch.float32, device=x.device) if scale_out is None else scale_out
+    assert qt.shape == (C, R) and qt.dtype == E4M3 and s.shape == (nr, C) and s.dtype == torch.float32
     if R == 0 or C == 0:
         return qt, s
     masked = row_src is not None

@@ -969,18 +969,6 @@ def expert_wgrad_kernel(a_ptr, a2_ptr, stride_ar, b_ptr, stride_br, c_ptr, c2_pt
                 BM, BN, BK, GROUP_M, INTERPRET)
 
 
-def _unplanned_wgrad(config: GemmConfig | None, programs: int | None, N: int, device):
-    """TRANSITIONAL, for callers that do not pass the plan's choice yet (functional/backward.py):
-    the plan's (``heuristics.wgrad_config(N)``, ``heuristics.wgrad_programs``) spelled once more.
-    Remove with the last such caller."""
-    if config is None:
-        BN = 256 if N >= 256 else max(16, triton.next_power_of_2(N))
-        config = GemmConfig(BM=128, BN=BN, BK=32, num_warps=8, num_stages=4, GROUP_M=8)
-    if programs is None:
-        programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return config, programs
-
-
 def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg, programs):
     E = expert_count.numel()
     N = out.shape[2]
@@ -1002,19 +990,19 @@ def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg, progr
 
 
 def expert_wgrad(a: torch.Tensor, b: torch.Tensor, expert_start: torch.Tensor, expert_count: torch.Tensor, *,
-                 out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                 config: GemmConfig | None = None, programs: int | None = None) -> torch.Tensor:
+                 config: GemmConfig, programs: int, out: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """C [E, M, N] with C[e] = A[s:s+c]^T @ B[s:s+c] (s = expert_start[e], c = expert_count[e]).
 
     a [R, M], b [R, N]: any row strides (e.g. column slices of wider buffers), unit column stride.
     fp32 accumulation, each output tile by one program over its expert's rows in order (bitwise the
     same whatever the grid); experts with no rows get zeros. E.g. dW_down = expert_wgrad(dys, hw, ...)
     -> [E, H, I]. ``config``: the tiles (``Plan.gemm[KIND_WGRAD_DOWN]``); ``programs``: the
-    persistent grid (``Plan.wgrad_programs``); None: ``_unplanned_wgrad``'s, for now.
+    persistent grid (``Plan.wgrad_programs``).
     """
     M, N = a.shape[1], b.shape[1]
     E = expert_count.numel()
-    cfg, programs = _unplanned_wgrad(config, programs, N, a.device)
+    cfg = config
     if out is None:
         out = torch.empty(E, M, N, dtype=out_dtype, device=a.device)
     _wgrad_launch(a, None, b, expert_start, expert_count, M, out, None, cfg, programs)
@@ -1022,16 +1010,16 @@ def expert_wgrad(a: torch.Tensor, b: torch.Tensor, expert_start: torch.Tensor, e
 
 
 def expert_wgrad_gate_up(dgu: torch.Tensor, xs: torch.Tensor, expert_start: torch.Tensor,
-                         expert_count: torch.Tensor, *, out_gate: torch.Tensor | None = None,
-                         out_up: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                         config: GemmConfig | None = None, programs: int | None = None):
+                         expert_count: torch.Tensor, *, config: GemmConfig, programs: int,
+                         out_gate: torch.Tensor | None = None, out_up: torch.Tensor | None = None,
+                         out_dtype: torch.dtype = torch.bfloat16):
     """dW_gate[e] = dg_seg^T @ xs_seg, dW_up[e] = du_seg^T @ xs_seg (dgu [R, 2I], xs [R, H]) in one
     launch; returns (dW_gate, dW_up), each [E, I, H]. ``config``, ``programs``: as ``expert_wgrad``'s
     (``Plan.gemm[KIND_WGRAD_GATE_UP]``, ``Plan.wgrad_programs``)."""
     I = dgu.shape[1] // 2
     H = xs.shape[1]
     E = expert_count.numel()
-    cfg, programs = _unplanned_wgrad(config, programs, H, dgu.device)
+    cfg = config
     if out_gate is None:
         out_gate = torch.empty(E, I, H, dtype=out_dtype, device=dgu.device)
     if out_up is None:

@@ -482,23 +482,31 @@ def down_dgrad_swiglu_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm, b_ptr, st
         tl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw)
 
 
-def _swiglu_bwd_outputs(gu, ws, nt_n: int):
+def _swiglu_bwd_outputs(gu, ws, nt_n: int, outputs=None):
     """The down dgrad's outputs for gu [R, 2I] (dgu [R, 2I] bf16, hw [R, I] bf16, dw_part [R, nt_n]
-    fp32: a partial sum per column tile) and the warp-specialized kernels' EPI_SWIGLU_BWD arguments
-    over them."""
+    fp32: a partial sum per column tile; ``outputs``: the three given, else made here) and the
+    warp-specialized kernels' EPI_SWIGLU_BWD arguments over them."""
     R, I = gu.shape[0], gu.shape[1] // 2
-    dgu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=gu.device)
-    hw = torch.empty(R, I, dtype=torch.bfloat16, device=gu.device)
-    dw_part = torch.empty(R, nt_n, dtype=torch.float32, device=gu.device)
+    if outputs is None:
+        dgu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=gu.device)
+        hw = torch.empty(R, I, dtype=torch.bfloat16, device=gu.device)
+        dw_part = torch.empty(R, nt_n, dtype=torch.float32, device=gu.device)
+    else:
+        dgu, hw, dw_part = outputs
+        if (dgu.shape, hw.shape, dw_part.shape) != ((R, 2 * I), (R, I), (R, nt_n)) or not (
+                dgu.dtype == hw.dtype == torch.bfloat16 and dw_part.dtype == torch.float32):
+            raise ValueError(f"the down dgrad's outputs must be dgu [{R}, {2 * I}], hw [{R}, {I}] bf16 and dw_part "
+                             f"[{R}, {nt_n}] fp32; got {[(tuple(t.shape), t.dtype) for t in outputs]}")
     return dgu, hw, dw_part, (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0))
 
 
 def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_expert, num_tiles, *, kernel: Fp8Gemm,
-                          tile_m: int):
+                          tile_m: int, outputs=None):
     """gemm.down_dgrad_swiglu_bwd in FP8: dys [R, H] E4M3 per 1x128; wd_t [E, I, H] E4M3 (W_down's
     128x128 blocks transposed: :func:`transpose_blocks`) with its scales. Returns (dgu [R, 2I] bf16,
-    hw [R, I] bf16, dw_part [R, ceil(I/BN)] fp32), as the bf16 kernel. ``kernel``: the
-    warp-specialized kernel at 128 x 128 (``fp8_ws.launch``) or the Triton one (BM ``tile_m``)."""
+    hw [R, I] bf16, dw_part [R, ceil(I/BN)] fp32), as the bf16 kernel (``outputs``: those three,
+    given; else made here). ``kernel``: the warp-specialized kernel at 128 x 128 (``fp8_ws.launch``)
+    or the Triton one (BM ``tile_m``)."""
     R, H = dys_q.shape
     E, I, H2 = wd_t_q.shape
     if H2 != H:
@@ -513,7 +521,7 @@ def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_exp
                          f"schedule's tile {tile_m})")
     _check_schedule(tile_expert, num_tiles, R, tile_m)
     nt_n = triton.cdiv(I, cfg.BN)
-    dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, nt_n)
+    dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, nt_n, outputs)
     if kernel.core == CORE_WS:
         _ws_fits(kernel, "down_dgrad_swiglu_fp8", fp8_ws.fits(dys_q, wd_t_q, tile_m), "fp8_ws.fits")
         fp8_ws.launch(dys_q, dys_scale, wd_t_q, wd_t_scale, tile_expert, num_tiles, tile_m, fp8_ws.EPI_SWIGLU_BWD,
@@ -537,7 +545,7 @@ def _check_bt(kernel: Fp8Gemm, what: str, aq, weights, tile_m: int) -> None:
 
 
 def down_dgrad_swiglu_fp8_t(dys_q, dys_scale, wd_q, wd_scale, gu, ws, tile_expert, num_tiles, *, kernel: Fp8Gemm,
-                            tile_m: int):
+                            tile_m: int, outputs=None):
     """``down_dgrad_swiglu_fp8`` reading W_down's forward copy wd_q [E, H, I] (128x128 scales
     [E, ceil(H/128), ceil(I/128)]) transposed in the kernel, the same values: no W_down^T in
     memory. ``kernel``: the warp-specialized transposing kernel (``fp8_ws.launch_bt``: core "ws",
@@ -553,7 +561,7 @@ def down_dgrad_swiglu_fp8_t(dys_q, dys_scale, wd_q, wd_scale, gu, ws, tile_exper
     assert gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
     _check_schedule(tile_expert, num_tiles, R, tile_m)
     cfg = kernel.config
-    dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, triton.cdiv(I, fp8_ws.BN))
+    dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, triton.cdiv(I, fp8_ws.BN), outputs)
     fp8_ws.launch_bt(dys_q, dys_scale, (wd_q,), wd_scale.transpose(-2, -1).contiguous(), tile_expert, num_tiles,
                      tile_m, fp8_ws.EPI_SWIGLU_BWD, epi, I, stages=cfg.num_stages, lag=kernel.lag, grid=kernel.programs,
                      GROUP_M=cfg.GROUP_M)
