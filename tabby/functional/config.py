@@ -17,6 +17,10 @@ from typing import Literal
 
 from ..validate import MoEInputError
 
+# The environment variables a config defers to where its field is None (``MoEConfig.resolved_*``):
+# read at each call, so they are part of the key of a plan (``resolve.plan_key``).
+ENV_MAX_WAIT_MS, ENV_MAX_WAIT_POLLS, ENV_DEBUG = "TABBY_MAX_WAIT_MS", "TABBY_MAX_WAIT_POLLS", "TABBY_DEBUG"
+CONFIG_ENVIRONMENT = (ENV_MAX_WAIT_MS, ENV_MAX_WAIT_POLLS, ENV_DEBUG)
 _DEFAULT_MAX_WAIT_MS = 60_000.0
 _DEFAULT_MAX_WAIT_POLLS = 1 << 24
 
@@ -183,17 +187,17 @@ class MoEConfig:
     def resolved_max_wait_ms(self) -> float:
         if self.max_wait_ms is not None:
             return float(self.max_wait_ms)
-        return float(_env_number("TABBY_MAX_WAIT_MS", _DEFAULT_MAX_WAIT_MS))
+        return float(_env_number(ENV_MAX_WAIT_MS, _DEFAULT_MAX_WAIT_MS))
 
     def resolved_max_wait_polls(self) -> int:
         if self.max_wait_polls is not None:
             return self.max_wait_polls
-        return int(_env_number("TABBY_MAX_WAIT_POLLS", _DEFAULT_MAX_WAIT_POLLS))
+        return int(_env_number(ENV_MAX_WAIT_POLLS, _DEFAULT_MAX_WAIT_POLLS))
 
     def resolved_debug(self) -> bool:
         if self.debug is not None:
             return self.debug
-        return os.environ.get("TABBY_DEBUG", "0") == "1"
+        return os.environ.get(ENV_DEBUG, "0") == "1"
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,17 +14,13 @@ import os
 import torch
 
 from ..validate import MoEDims, MoEInputError, TabbyMemoryError
-from .config import MoEConfig
+from .config import CONFIG_ENVIRONMENT, MoEConfig
 from .memory import memory_report, memory_shortfall
 from .plan import Plan, make_plan
 from .threads import ThreadRank
 from .workspace import WorkspaceKey, get_workspace, peek_workspace
 
 log = logging.getLogger("tabby")
-
-# The environment variables a config defers to where its field is None (MoEConfig.resolved_*):
-# read at each call, so they are part of the key of a plan.
-CONFIG_ENVIRONMENT = ("TABBY_MAX_WAIT_MS", "TABBY_MAX_WAIT_POLLS", "TABBY_DEBUG")
 
 # --------------------------------------------------------------------------------------------
 # Groups, and their strings for the registered operator
