@@ -359,6 +359,18 @@ def gate_up_swiglu_tile(pid_m, pid_n,
 
 
 @triton.jit
+def _gate_up_block_tma(a, e, n0, k0, wg_desc, wu_desc, acc_g, acc_u, BN: tl.constexpr, BK: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    """One K block of gate/up against weights read through TMA: (acc_g, acc_u) plus A's block ``a``
+    [BM, BK] times (Wg[e], Wu[e])[n0 : n0 + BN, k0 : k0 + BK]^T (the K step of both TMA main loops)."""
+    bg = wg_desc.load([e, n0, k0]).reshape(BN, BK)
+    bu = wu_desc.load([e, n0, k0]).reshape(BN, BK)
+    acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)
+    acc_u = _dot(a, tl.trans(bu), acc_u, INTERPRET)
+    return acc_g, acc_u
+
+
+@triton.jit
 def _gate_up_mainloop_tma(a_row0, n0, e, xs_desc, wg_desc, wu_desc, H: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 ([BM, BN], [BM, BN]) = xs[a_row0 :, :] @ (Wg[e], Wu[e])[n0 :, :]^T through TMA loads.
@@ -372,10 +384,7 @@ def _gate_up_mainloop_tma(a_row0, n0, e, xs_desc, wg_desc, wu_desc, H: tl.conste
     for kt in range(0, NK):
         k0 = kt * BK
         a = xs_desc.load([a_row0, k0])
-        bg = wg_desc.load([e, n0, k0]).reshape(BN, BK)
-        bu = wu_desc.load([e, n0, k0]).reshape(BN, BK)
-        acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)
-        acc_u = _dot(a, tl.trans(bu), acc_u, INTERPRET)
+        acc_g, acc_u = _gate_up_block_tma(a, e, n0, k0, wg_desc, wu_desc, acc_g, acc_u, BN, BK, INTERPRET)
     return acc_g, acc_u
 
 
@@ -395,10 +404,7 @@ def _gate_up_mainloop_rows_tma(a_rows, n0, e, wg_desc, wu_desc, H: tl.constexpr,
             a = tl.load(a_rows[:, None] + (k0 + offs_k)[None, :])
         else:
             a = tl.load(a_rows[:, None] + (k0 + offs_k)[None, :], mask=(k0 + offs_k < H)[None, :], other=0.0)
-        bg = wg_desc.load([e, n0, k0]).reshape(BN, BK)
-        bu = wu_desc.load([e, n0, k0]).reshape(BN, BK)
-        acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)
-        acc_u = _dot(a, tl.trans(bu), acc_u, INTERPRET)
+        acc_g, acc_u = _gate_up_block_tma(a, e, n0, k0, wg_desc, wu_desc, acc_g, acc_u, BN, BK, INTERPRET)
     return acc_g, acc_u
 
 

@@ -126,6 +126,18 @@ def _ws_fits(kernel: Fp8Gemm, what: str, fits: bool, rule: str) -> None:
 
 
 @triton.jit
+def _load_k_block(ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
+    """One K block of 128 columns by pointer loads (``ptrs`` [rows, 128], ``offs_k`` the block's
+    column offsets): whole where EVEN_K, else the columns at or past ``k_left`` (K less the block's
+    first column) read as zeros, the last block's partial columns (the pointer main loops' load)."""
+    if EVEN_K:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=(offs_k < k_left)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
 def _fp8_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm,
                   b_ptr, stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn,
                   N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -151,13 +163,8 @@ def _fp8_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     NK: tl.constexpr = (K + 127) // 128
     for kb in range(0, NK):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            kmask = offs_k < K - kb * 128
-            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
+        a = _load_k_block(a_ptrs, offs_k, K - kb * 128, EVEN_K)
+        b = _load_k_block(b_ptrs, offs_k, K - kb * 128, EVEN_K)
         part = tl.dot(a, tl.trans(b))
         sa = tl.load(as_ptrs + kb)
         sb = tl.load(bs_ptrs + kb)
@@ -190,15 +197,9 @@ def _fp8_gate_up_mainloop(row0, pid_n, e, a_ptr, stride_am, as_ptr, stride_asm,
     acc_u = tl.zeros((BM, 128), dtype=tl.float32)
     NK: tl.constexpr = (H + 127) // 128
     for kb in range(0, NK):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            bg = tl.load(bg_ptrs)
-            bu = tl.load(bu_ptrs)
-        else:
-            kmask = offs_k < H - kb * 128
-            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-            bg = tl.load(bg_ptrs, mask=kmask[None, :], other=0.0)
-            bu = tl.load(bu_ptrs, mask=kmask[None, :], other=0.0)
+        a = _load_k_block(a_ptrs, offs_k, H - kb * 128, EVEN_K)
+        bg = _load_k_block(bg_ptrs, offs_k, H - kb * 128, EVEN_K)
+        bu = _load_k_block(bu_ptrs, offs_k, H - kb * 128, EVEN_K)
         pg = tl.dot(a, tl.trans(bg))
         pu = tl.dot(a, tl.trans(bu))
         sa = tl.load(as_ptrs + kb)

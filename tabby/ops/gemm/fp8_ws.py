@@ -134,25 +134,47 @@ def _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M: gl.constexpr, SCHED
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, N,
-              NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
-    num_n = gl.cdiv(N, 128)
+def _walk_row_tiles(TILE: gl.constexpr, args, state, tile_expert_ptr, num_tiles_ptr, num_m, num_n,
+                    GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
+    """A partition's persistent walk over num_m x num_n row tiles (this program's: tiles
+    program_id, program_id + programs, ... in ``_row_tile``'s order, the same for every partition
+    of a kernel): ``state = TILE(state, pid_m, pid_n, e, *args)`` for each used tile, the unused
+    skipped; returns the last state. The state is what a partition carries from tile to tile (the
+    ring's K-block count, a consumer's product registers); ``args`` the tile function's own (a
+    tuple, constexprs included: they reach TILE as its parameters, still constant)."""
     nt = gl.load(num_tiles_ptr)
-    it = 0
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
         if e >= 0:
-            row0 = pid_m * 128
-            # a partial last column tile reads the next expert's first rows (or TMA's zeros past
-            # the last): finite E4M3, and their columns are not stored
-            brow = e * N + pid_n * 128
-            for kb in range(NK):
-                s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes,
-                                    STAGES)
-                tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], bar, a_lo.index(s))
-                tma.async_copy_global_to_shared(a_desc, [row0 + 64, kb * 128], bar, a_hi.index(s))
-                tma.async_copy_global_to_shared(b_desc, [brow, kb * 128], bar, b_bufs.index(s))
-                it += 1
+            state = TILE(state, pid_m, pid_n, e, *args)
+    return state
+
+
+@gluon.jit
+def _producer_tile(it, pid_m, pid_n, e, a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, N, NK: gl.constexpr,
+                   STAGES: gl.constexpr):
+    """``_producer``'s tile: per K block, A's two 64-row halves and B's 128 x 128 block into the
+    ring's next stage; returns the K-block count."""
+    row0 = pid_m * 128
+    # a partial last column tile reads the next expert's first rows (or TMA's zeros past the last):
+    # finite E4M3, and their columns are not stored
+    brow = e * N + pid_n * 128
+    for kb in range(NK):
+        s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes, STAGES)
+        tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], bar, a_lo.index(s))
+        tma.async_copy_global_to_shared(a_desc, [row0 + 64, kb * 128], bar, a_hi.index(s))
+        tma.async_copy_global_to_shared(b_desc, [brow, kb * 128], bar, b_bufs.index(s))
+        it += 1
+    return it
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, N,
+              NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
+    num_n = gl.cdiv(N, 128)
+    it = 0
+    _walk_row_tiles(_producer_tile, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, N, NK, STAGES), it,
+                    tile_expert_ptr, num_tiles_ptr, num_m, num_n, GROUP_M, SCHED_BM)
 
 
 @gluon.jit
@@ -209,35 +231,45 @@ def _epilogue(acc, rows, pid_n, N, epi, EPILOGUE: gl.constexpr, layout: gl.const
 
 
 @gluon.jit
+def _consumer_tile(state, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse,
+                   stride_bsn, epi, N, HALF_ROW: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr,
+                   EPILOGUE: gl.constexpr):
+    """``_consumer``'s tile: its 64 rows' K loop, each block's product promoted by its row and
+    weight scales, then the epilogue; returns (the K-block count, the product registers)."""
+    it, part = state
+    layout: gl.constexpr = part.type.layout
+    rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    as_ptrs = as_ptr + rows * stride_asm
+    bs_base = bs_ptr + e.to(gl.int64) * stride_bse + pid_n * stride_bsn
+    sa = gl.load(as_ptrs)
+    sb = gl.load(bs_base)
+    acc = gl.zeros([64, 128], gl.float32, layout)
+    for kb in range(NK):
+        tok = _ring_mma(a_bufs, b_bufs, ready, it, part, STAGES)
+        # the next block's scales load under this block's MMA
+        kn = gl.minimum(kb + 1, NK - 1)
+        sa_next = gl.load(as_ptrs + kn)
+        sb_next = gl.load(bs_base + kn)
+        part = _ring_retire(tok, empty, it, STAGES)
+        acc += part * (sa * sb)[:, None]
+        sa = sa_next
+        sb = sb_next
+        it += 1
+    _epilogue(acc, rows, pid_n, N, epi, EPILOGUE, layout)
+    return it, part
+
+
+@gluon.jit
 def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
               tile_expert_ptr, num_tiles_ptr, num_m, N, HALF_ROW: gl.constexpr, NK: gl.constexpr,
               STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     num_n = gl.cdiv(N, 128)
-    nt = gl.load(num_tiles_ptr)
     it = 0
     part = gl.zeros([64, 128], gl.float32, layout)
-    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
-        if e >= 0:
-            rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-            as_ptrs = as_ptr + rows * stride_asm
-            bs_base = bs_ptr + e.to(gl.int64) * stride_bse + pid_n * stride_bsn
-            sa = gl.load(as_ptrs)
-            sb = gl.load(bs_base)
-            acc = gl.zeros([64, 128], gl.float32, layout)
-            for kb in range(NK):
-                tok = _ring_mma(a_bufs, b_bufs, ready, it, part, STAGES)
-                # the next block's scales load under this block's MMA
-                kn = gl.minimum(kb + 1, NK - 1)
-                sa_next = gl.load(as_ptrs + kn)
-                sb_next = gl.load(bs_base + kn)
-                part = _ring_retire(tok, empty, it, STAGES)
-                acc += part * (sa * sb)[:, None]
-                sa = sa_next
-                sb = sb_next
-                it += 1
-            _epilogue(acc, rows, pid_n, N, epi, EPILOGUE, layout)
+    _walk_row_tiles(_consumer_tile, (a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn,
+                                     epi, N, HALF_ROW, NK, STAGES, EPILOGUE), (it, part), tile_expert_ptr,
+                    num_tiles_ptr, num_m, num_n, GROUP_M, SCHED_BM)
 
 
 @gluon.jit
@@ -314,6 +346,36 @@ def _transpose_stage(raw, b_bufs, ready, raw_ready, j, STAGES: gl.constexpr, RAW
 
 
 @gluon.jit
+def _transposing_producer_tile(it, pid_m, pid_n, e, a_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, raw, ready, empty,
+                               raw_ready, KR, NK: gl.constexpr, NK0: gl.constexpr, STAGES: gl.constexpr,
+                               LAG: gl.constexpr):
+    """``_transposing_producer``'s tile: per K block, A's two halves into the ring's next stage and
+    B's N-major block into the raw ring, and the block LAG before it transposed into its stage;
+    returns the K-block count."""
+    RAW: gl.constexpr = LAG + 1
+    row0 = pid_m * 128
+    brow = e * KR
+    for kb in range(NK):
+        s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes, STAGES)
+        tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], bar, a_lo.index(s))
+        tma.async_copy_global_to_shared(a_desc, [row0 + 64, kb * 128], bar, a_hi.index(s))
+        r = it % RAW
+        mbarrier.expect(raw_ready.index(r), b0_desc.block_type.nbytes)
+        # a block's rows past KR are the next expert's (finite E4M3, or TMA's zeros past the last)
+        # against A's zero columns; columns past N are TMA's zeros, not stored
+        if kb < NK0:
+            tma.async_copy_global_to_shared(b0_desc, [brow + kb * 128, pid_n * 128], raw_ready.index(r),
+                                            raw.index(r))
+        else:
+            tma.async_copy_global_to_shared(b1_desc, [brow + (kb - NK0) * 128, pid_n * 128], raw_ready.index(r),
+                                            raw.index(r))
+        if it >= LAG:
+            _transpose_stage(raw, b_bufs, ready, raw_ready, it - LAG, STAGES, RAW)
+        it += 1
+    return it
+
+
+@gluon.jit
 def _transposing_producer(a_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, raw, ready, empty, raw_ready,
                           tile_expert_ptr, num_tiles_ptr, num_m, N, KR, NK: gl.constexpr, NK0: gl.constexpr,
                           STAGES: gl.constexpr, LAG: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
@@ -322,30 +384,10 @@ def _transposing_producer(a_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, raw, rea
     pid_n * 128, each transposed LAG blocks after its load."""
     RAW: gl.constexpr = LAG + 1
     num_n = gl.cdiv(N, 128)
-    nt = gl.load(num_tiles_ptr)
     it = 0
-    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
-        if e >= 0:
-            row0 = pid_m * 128
-            brow = e * KR
-            for kb in range(NK):
-                s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes, STAGES)
-                tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], bar, a_lo.index(s))
-                tma.async_copy_global_to_shared(a_desc, [row0 + 64, kb * 128], bar, a_hi.index(s))
-                r = it % RAW
-                mbarrier.expect(raw_ready.index(r), b0_desc.block_type.nbytes)
-                # a block's rows past KR are the next expert's (finite E4M3, or TMA's zeros past the
-                # last) against A's zero columns; columns past N are TMA's zeros, not stored
-                if kb < NK0:
-                    tma.async_copy_global_to_shared(b0_desc, [brow + kb * 128, pid_n * 128], raw_ready.index(r),
-                                                    raw.index(r))
-                else:
-                    tma.async_copy_global_to_shared(b1_desc, [brow + (kb - NK0) * 128, pid_n * 128],
-                                                    raw_ready.index(r), raw.index(r))
-                if it >= LAG:
-                    _transpose_stage(raw, b_bufs, ready, raw_ready, it - LAG, STAGES, RAW)
-                it += 1
+    it = _walk_row_tiles(_transposing_producer_tile, (a_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, raw, ready, empty,
+                                                      raw_ready, KR, NK, NK0, STAGES, LAG), it, tile_expert_ptr,
+                         num_tiles_ptr, num_m, num_n, GROUP_M, SCHED_BM)
     for d in gl.static_range(LAG):  # the last LAG blocks
         if it - LAG + d >= 0:
             _transpose_stage(raw, b_bufs, ready, raw_ready, it - LAG + d, STAGES, RAW)
@@ -386,6 +428,25 @@ def rows_gemm_fp8_ws_bt_kernel(a_desc, as_ptr, stride_asm, b0_desc, b1_desc, bs_
 
 
 @gluon.jit
+def _two_block_producer_tile(it, pid_m, pid_n, e, a_desc, b0_desc, b1_desc, a_lo, a_hi, b0_bufs, b1_bufs, ready,
+                             empty, NB, NK: gl.constexpr, STAGES: gl.constexpr, TILE_N: gl.constexpr,
+                             B1_ROW: gl.constexpr):
+    """``_two_block_producer``'s tile: per K block, A's two halves and the two weight blocks into
+    the ring's next stage; returns the K-block count."""
+    row0 = pid_m * 128
+    brow = e * NB + pid_n * TILE_N
+    for kb in range(NK):
+        s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes + 2 * b0_desc.block_type.nbytes, STAGES)
+        k0 = kb * 128
+        tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_lo.index(s))
+        tma.async_copy_global_to_shared(a_desc, [row0 + 64, k0], bar, a_hi.index(s))
+        tma.async_copy_global_to_shared(b0_desc, [brow, k0], bar, b0_bufs.index(s))
+        tma.async_copy_global_to_shared(b1_desc, [brow + B1_ROW, k0], bar, b1_bufs.index(s))
+        it += 1
+    return it
+
+
+@gluon.jit
 def _two_block_producer(a_desc, b0_desc, b1_desc, a_lo, a_hi, b0_bufs, b1_bufs, ready, empty, tile_expert_ptr,
                         num_tiles_ptr, num_m, NB, NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                         SCHED_BM: gl.constexpr, TILE_N: gl.constexpr, B1_ROW: gl.constexpr):
@@ -395,22 +456,10 @@ def _two_block_producer(a_desc, b0_desc, b1_desc, a_lo, a_hi, b0_bufs, b1_bufs, 
     the next expert's first rows (or TMA's zeros past the last): finite E4M3, whose columns the
     consumers neither store nor count."""
     num_n = gl.cdiv(NB, TILE_N)
-    nt = gl.load(num_tiles_ptr)
     it = 0
-    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
-        if e >= 0:
-            row0 = pid_m * 128
-            brow = e * NB + pid_n * TILE_N
-            for kb in range(NK):
-                s, bar = _ring_fill(ready, empty, it, 2 * a_desc.block_type.nbytes + 2 * b0_desc.block_type.nbytes,
-                                    STAGES)
-                k0 = kb * 128
-                tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_lo.index(s))
-                tma.async_copy_global_to_shared(a_desc, [row0 + 64, k0], bar, a_hi.index(s))
-                tma.async_copy_global_to_shared(b0_desc, [brow, k0], bar, b0_bufs.index(s))
-                tma.async_copy_global_to_shared(b1_desc, [brow + B1_ROW, k0], bar, b1_bufs.index(s))
-                it += 1
+    _walk_row_tiles(_two_block_producer_tile, (a_desc, b0_desc, b1_desc, a_lo, a_hi, b0_bufs, b1_bufs, ready, empty,
+                                               NB, NK, STAGES, TILE_N, B1_ROW), it, tile_expert_ptr, num_tiles_ptr,
+                    num_m, num_n, GROUP_M, SCHED_BM)
 
 
 @gluon.jit
@@ -447,27 +496,36 @@ def _two_block_mainloop(a_bufs, b0_bufs, b1_bufs, ready, empty, it, part, as_ptr
 
 
 @gluon.jit
+def _wide_consumer_tile(state, pid_m, pid_n, e, a_bufs, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr,
+                        stride_bse, stride_bsn, epi, N, last_bn, HALF_ROW: gl.constexpr, NK: gl.constexpr,
+                        STAGES: gl.constexpr, EPILOGUE: gl.constexpr):
+    """``_wide_consumer``'s tile: its 64 rows' two column halves (``_two_block_mainloop``), each
+    through the epilogue as a 128-column tile; returns (the K-block count, the product registers)."""
+    it, part = state
+    layout: gl.constexpr = part.type.layout
+    rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    bs_e = bs_ptr + e.to(gl.int64) * stride_bse
+    acc_lo, acc_hi, part, it = _two_block_mainloop(
+        a_bufs, b_lo, b_hi, ready, empty, it, part, as_ptr + rows * stride_asm, bs_e + (2 * pid_n) * stride_bsn,
+        bs_e + gl.minimum(2 * pid_n + 1, last_bn) * stride_bsn, NK, STAGES, layout)
+    _epilogue(acc_lo, rows, 2 * pid_n, N, epi, EPILOGUE, layout)
+    if (2 * pid_n + 1) * 128 < N:  # a half wholly past N has nothing to store (nor a dw partial)
+        _epilogue(acc_hi, rows, 2 * pid_n + 1, N, epi, EPILOGUE, layout)
+    return it, part
+
+
+@gluon.jit
 def _wide_consumer(a_bufs, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
                    tile_expert_ptr, num_tiles_ptr, num_m, N, HALF_ROW: gl.constexpr, NK: gl.constexpr,
                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     num_n = gl.cdiv(N, 256)
     last_bn = gl.cdiv(N, 128) - 1  # the weight scales' last block row
-    nt = gl.load(num_tiles_ptr)
     it = 0
     part = gl.zeros([64, 128], gl.float32, layout)
-    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
-        if e >= 0:
-            rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-            bs_e = bs_ptr + e.to(gl.int64) * stride_bse
-            acc_lo, acc_hi, part, it = _two_block_mainloop(
-                a_bufs, b_lo, b_hi, ready, empty, it, part, as_ptr + rows * stride_asm,
-                bs_e + (2 * pid_n) * stride_bsn, bs_e + gl.minimum(2 * pid_n + 1, last_bn) * stride_bsn, NK, STAGES,
-                layout)
-            _epilogue(acc_lo, rows, 2 * pid_n, N, epi, EPILOGUE, layout)
-            if (2 * pid_n + 1) * 128 < N:  # a half wholly past N has nothing to store (nor a dw partial)
-                _epilogue(acc_hi, rows, 2 * pid_n + 1, N, epi, EPILOGUE, layout)
+    _walk_row_tiles(_wide_consumer_tile, (a_bufs, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse,
+                                          stride_bsn, epi, N, last_bn, HALF_ROW, NK, STAGES, EPILOGUE), (it, part),
+                    tile_expert_ptr, num_tiles_ptr, num_m, num_n, GROUP_M, SCHED_BM)
 
 
 @gluon.jit
@@ -609,38 +667,49 @@ def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=No
 
 
 @gluon.jit
+def _gate_up_consumer_tile(state, pid_m, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr,
+                           us_ptr, stride_wse, stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
+                           I, HALF_ROW: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr,
+                           SAVE_GU: gl.constexpr):
+    """``_gate_up_consumer``'s tile: its 64 rows' g and u (``_two_block_mainloop``), h = silu(g) * u
+    quantized per 1x128 into hq and h's scales, g and u stored where SAVE_GU; returns (the K-block
+    count, the product registers)."""
+    it, part = state
+    layout: gl.constexpr = part.type.layout
+    rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    ws_off = e.to(gl.int64) * stride_wse + pid_n * stride_wsn
+    # g's and u's sums, promoted as the Triton kernel's
+    g, u, part, it = _two_block_mainloop(a_bufs, bg_bufs, bu_bufs, ready, empty, it, part, as_ptr + rows * stride_asm,
+                                         gs_ptr + ws_off, us_ptr + ws_off, NK, STAGES, layout)
+    cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+    h = g * tl.sigmoid(g) * u
+    h = gl.where((cols < I)[None, :], h, 0.0)  # columns past I take no part in the tile's scale
+    # fp8.quantize_tile_rows: the tile's 128 columns are this consumer's
+    j = scale_exponent(gl.max(gl.abs(h), axis=1))
+    hq = to_e4m3(h * exp2_int(-j)[:, None], False)
+    gl.store(hs_ptr + rows * stride_hsm + pid_n, exp2_int(j))
+    # hq, g and u in 16-byte row pieces: 16 E4M3 a thread, 8 threads a row; 8 bf16 a thread, 16 a row
+    _store_tile(hq_ptr, stride_hm, hq, rows, pid_n * 128, I, gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
+    if SAVE_GU:
+        bf16_rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        _store_tile(gu_ptr, stride_gum, g.to(gu_ptr.dtype.element_ty), rows, pid_n * 128, I, bf16_rows)
+        _store_tile(gu_ptr + I, stride_gum, u.to(gu_ptr.dtype.element_ty), rows, pid_n * 128, I, bf16_rows)
+    return it, part
+
+
+@gluon.jit
 def _gate_up_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
                       stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
                       num_tiles_ptr, num_m, I, HALF_ROW: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr,
                       GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
-    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
     num_n = gl.cdiv(I, 128)
-    nt = gl.load(num_tiles_ptr)
     it = 0
     part = gl.zeros([64, 128], gl.float32, layout)
-    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
-        if e >= 0:
-            rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=rows_layout)
-            ws_off = e.to(gl.int64) * stride_wse + pid_n * stride_wsn
-            # g's and u's sums, promoted as the Triton kernel's
-            g, u, part, it = _two_block_mainloop(a_bufs, bg_bufs, bu_bufs, ready, empty, it, part,
-                                                 as_ptr + rows * stride_asm, gs_ptr + ws_off, us_ptr + ws_off, NK,
-                                                 STAGES, layout)
-            cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
-            h = g * tl.sigmoid(g) * u
-            h = gl.where((cols < I)[None, :], h, 0.0)  # columns past I take no part in the tile's scale
-            # fp8.quantize_tile_rows: the tile's 128 columns are this consumer's
-            j = scale_exponent(gl.max(gl.abs(h), axis=1))
-            hq = to_e4m3(h * exp2_int(-j)[:, None], False)
-            gl.store(hs_ptr + rows * stride_hsm + pid_n, exp2_int(j))
-            # hq, g and u in 16-byte row pieces: 16 E4M3 a thread, 8 threads a row; 8 bf16 a thread, 16 a row
-            _store_tile(hq_ptr, stride_hm, hq, rows, pid_n * 128, I, gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
-            if SAVE_GU:
-                bf16_rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-                _store_tile(gu_ptr, stride_gum, g.to(gu_ptr.dtype.element_ty), rows, pid_n * 128, I, bf16_rows)
-                _store_tile(gu_ptr + I, stride_gum, u.to(gu_ptr.dtype.element_ty), rows, pid_n * 128, I, bf16_rows)
+    _walk_row_tiles(_gate_up_consumer_tile, (a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr,
+                                             us_ptr, stride_wse, stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm,
+                                             gu_ptr, stride_gum, I, HALF_ROW, NK, STAGES, SAVE_GU), (it, part),
+                    tile_expert_ptr, num_tiles_ptr, num_m, num_n, GROUP_M, SCHED_BM)
 
 
 @gluon.jit
