@@ -4,7 +4,8 @@ call allocates beyond what was there before it (``torch.cuda.max_memory_allocate
 description's (``memory.memory_needs``): what the forward holds for the backward plus the larger
 pass's transients, plus the call's outputs (y, dx, the router-weight and weight gradients). The
 check sums a pass's transients (an upper bound: the passes free buffers as they go), so the
-measured peak is at most the check's and, here, within a quarter of it."""
+measured peak is at most the check's: within a quarter of it in bf16, within half in FP8 (whose
+backward's many quantized operands are freed one after another)."""
 import pytest
 import torch
 
@@ -57,5 +58,7 @@ def test_the_check_bounds_what_a_call_allocates(shape, config):
           f"{needs.kept / 2**20:.1f}, forward {needs.forward / 2**20:.1f}, backward {needs.backward / 2**20:.1f} / "
           f"{needs.backward_owned / 2**20:.1f}, outputs {outputs / 2**20:.1f})")
     assert measured <= check
-    assert measured >= 0.75 * eager
+    # the bf16 passes' transients live together at their high point; the FP8 backward quantizes its
+    # operands one after another and frees each after its GEMM, which the sum counts at once
+    assert measured >= (0.75 if config.precision == "bf16" else 0.5) * eager
     tabby.free_workspaces()

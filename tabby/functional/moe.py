@@ -43,7 +43,7 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
     if isinstance(config, str):
         cstr = config
     elif config is None or isinstance(config, MoEConfig):
-        cstr = _config_text(config)
+        cstr = config_string(config)  # (traced under torch.compile: plain reads of the config's fields)
     else:
         raise MoEInputError(f"config must be a tabby.MoEConfig, got {type(config).__name__}")
     if not torch.compiler.is_compiling():  # (the operator checks again; here the errors name tabby.moe's arguments)
@@ -70,11 +70,6 @@ def moe_with_probe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
 @torch.compiler.assume_constant_result
 def _group_string(group) -> str:
     return group_name(group)
-
-
-@torch.compiler.assume_constant_result
-def _config_text(config) -> str:
-    return config_string(config)
 
 
 def _shared_tuple(sg, su, sd):
