@@ -24,7 +24,7 @@
 #           per timed record (gpu-clocks-by-record.md, scripts/gpu_clocks.py)
 #   ab      the EP1 matrix at 16384 tokens on the six shapes (floor, tabby, tabby-fp8; weights fixed) of this tree,
 #           then of the tree in $BASE_TREE (a checkout of an earlier commit, carried: `git worktree add .base REV`,
-#           excluded from git, named in the call's carry) on the same machine; AB_SHAPES, AB_IMPLS (this tree's rows)
+#           excluded from git, named in the call's carry; BASE_COMMIT its commit) on the same machine; AB_SHAPES, AB_IMPLS (this tree's rows)
 #           and AB_BASE_IMPLS (the earlier tree's, default tabby,tabby-fp8) to narrow it
 #   all     tests, then bench
 # Logs and results go under $RUN_DIR (default /tmp/tabby-run-<the calling shell's pid>: one folder a call); where $OUT is set (the device tool's
@@ -189,7 +189,9 @@ if [ "$stage" = ab ]; then
   start_clocks
   for tree in . "${BASE_TREE:?ab needs BASE_TREE}"; do
     name=$([ "$tree" = . ] && echo new || echo base)
-    (cd "$tree" && PYTHONPATH="$PWD" python3 -m tabby_bench bench --ep 1 --tokens 16384 \
+    # (the earlier tree's records name BASE_COMMIT: the device's copy has no git history of .base)
+    commit=$([ "$name" = new ] && echo "${TABBY_GIT_COMMIT:-unknown}" || echo "${BASE_COMMIT:?ab needs BASE_COMMIT}")
+    (cd "$tree" && TABBY_GIT_COMMIT="$commit" PYTHONPATH="$PWD" python3 -m tabby_bench bench --ep 1 --tokens 16384 \
       --shapes "${AB_SHAPES:-qwen3-30b-a3b,gpt-oss-120b,deepseek-v4-pro,kimi-k2,glm-5,qwen3.5-397b}" \
       --impls "$([ "$name" = new ] && echo "${AB_IMPLS:-floor,tabby,tabby-fp8}" || echo "${AB_BASE_IMPLS:-tabby,tabby-fp8}")" \
       --weights fixed --iters 10 --warmup 3 --out "$OUT/res" \
