@@ -267,3 +267,43 @@ def test_the_layer_allocates_what_the_check_counts(cfg, shared):
         ring = [mb.counters, mb.xs_ring, mb.h_ring, mb.h_sh, mb.extra, mb.sh_tiles, mb.sh_n]
         assert sum(t.untyped_storage().nbytes() for t in ring if t is not None) == needs.ring
     assert bufs["row_src"].shape[0] == needs.R_max
+
+
+@pytest.mark.parametrize("shape", ["kimi-k2", "glm-5", "qwen3.5-397b", "deepseek-v4-pro", "qwen3-30b-a3b",
+                                   "gpt-oss-120b", "kimi-k2@ep8", "qwen3-30b-a3b@ep8"])
+@pytest.mark.parametrize("config", [MoEConfig(), MoEConfig(megakernel=False), MoEConfig(precision="fp8"),
+                                    MoEConfig(precision="fp8", cache_fp8_transposes=False)],
+                         ids=["megakernel", "separate", "fp8", "fp8-one-copy"])
+def test_bench_shapes_plans_and_their_buffers(shape, config):
+    """Each bench shape's plan for an H100 (132 SMs, sm_90) at 16384 tokens: the check's figures are
+    the description's sums; the buffers ops allocate are the sizes described (the megakernel's, made
+    on the meta device; the schedule's worst case); every transient a pass allocates through the
+    description is there; and the plan names its kernels."""
+    from tabby.functional.memory import layer_buffers
+    from tabby.ops import megakernel
+    from tabby.ops.schedule import schedule_capacity
+    from tabby_bench.shapes import shape_named
+
+    s = shape_named(shape)
+    d = MoEDims(T=16384, H=s.H, k=s.k, E_local=s.E, I=s.I, world_size=1, I_shared=s.I_shared)
+    plan = make_plan(d, config, torch.device("cpu"), s.I_shared, sms=132, arch=90)
+    bufs, needs = layer_buffers(plan), memory.memory_needs(plan)
+    R = schedule_capacity(1, d.T, d.k, d.E_local, plan.tile_m, plan.align_tiles)
+    assert needs.R_max == R == bufs["row_src"].shape[0]
+    assert needs.kept == bufs.nbytes("held") and needs.ring == bufs.nbytes("shape")
+    assert needs.fp8_weights == bufs.nbytes("weights") and needs.forward == bufs.nbytes("forward")
+    assert needs.backward == max(bufs.nbytes("backward", "owned"), bufs.nbytes("backward", "operator"))
+    if plan.mega is not None:
+        mb = megakernel.alloc(plan.mega, d.T, R // plan.tile_m, torch.bfloat16, torch.device("meta"))
+        ring = [mb.counters, mb.xs_ring, mb.h_ring, mb.h_sh, mb.extra, mb.sh_tiles, mb.sh_n]
+        assert sum(t.untyped_storage().nbytes() for t in ring if t is not None) == needs.ring
+    names = {"xs", "gu", "row_w", "dys", "hw", "dw_part", "dw_rows"} if config.precision == "bf16" else {
+        "xs_fp8", "xs_fp8_scale", "h_fp8", "h_fp8_scale", "gu", "row_w", "dys_fp8", "dys_fp8_scale", "dgu", "hw",
+        "dw_part", "dw_rows", "dgu_fp8", "dgu_fp8_scale", "dgu_t_fp8", "dgu_t_fp8_scale", "dys_t_fp8", "hw_t_fp8",
+        "xs_t_fp8"}
+    if plan.mega is not None and plan.mega.token_pull:
+        names = (names - {"xs"}) | {"tokens"}
+    assert names <= set(bufs.items)
+    assert "w_down_t_fp8" not in bufs or config.precision == "fp8"
+    text = plan.describe()
+    assert "gate" in text and "down" in text
