@@ -29,6 +29,7 @@ device memory before a new workspace or plan is made (``resolve.workspace_and_pl
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +64,7 @@ class Buffer:
 class Buffers:
     """The buffers of one call of a plan, by name (``layer_buffers``)."""
 
-    def __init__(self, plan: Plan, items):
-        self.plan = plan
+    def __init__(self, items):
         self.items = {b.name: b for b in items}
 
     def __getitem__(self, name: str) -> Buffer:
@@ -105,16 +105,17 @@ class recording:
         _recorder = self._before
 
 
-_CACHE: dict = {}
+_CACHE: dict = {}  # id(plan) -> (a weak reference to the plan, its Buffers); an entry leaves with its plan
 
 
 def layer_buffers(plan: Plan) -> Buffers:
-    """Every buffer of one call of ``plan`` on one rank (cached per plan)."""
-    hit = _CACHE.get(id(plan))
-    if hit is not None and hit[0] is plan:
+    """Every buffer of one call of ``plan`` on one rank (cached while the plan lives)."""
+    key = id(plan)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is plan:
         return hit[1]
-    out = Buffers(plan, _describe(plan))
-    _CACHE[id(plan)] = (plan, out)
+    out = Buffers(_describe(plan))
+    _CACHE[key] = (weakref.ref(plan, lambda _, key=key: _CACHE.pop(key, None)), out)
     return out
 
 
