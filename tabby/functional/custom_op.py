@@ -219,10 +219,9 @@ def _zero_padding_rows(row_src, xs, gu, row_w, x_scale, rank, T, tokens):
 def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
             w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: torch.Tensor | None,
             shared_up: torch.Tensor | None, shared_down: torch.Tensor | None, group: str, config: str,
-            save: bool, owned: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                       torch.Tensor,
-                                                               torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                               torch.Tensor, torch.Tensor]:
+            save: bool, owned: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor, torch.Tensor]:
     shared = _shared(shared_gate, shared_up, shared_down)
     ws, plan, dims = _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config, save)
     probe = _current_probe()
@@ -334,8 +333,8 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tens
                      tile_expert: torch.Tensor, expert_start: torch.Tensor, expert_count: torch.Tensor,
                      num_tiles: torch.Tensor, xs: torch.Tensor, gu: torch.Tensor, row_w: torch.Tensor,
                      x_scale: torch.Tensor, group: str, config: str,
-                     save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                          torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, _shared(shared_gate, shared_up, shared_down),
                           (row_src, tile_expert, expert_start, expert_count, num_tiles), [xs, gu, row_w, x_scale],
                           group, config, save, owned=False, probe=None)
