@@ -198,12 +198,16 @@ def test_gate_up_swiglu_fp8_tma_and_pointer_loops_agree(BM, H, I):
     assert rel(gu_t[:counts[0], :I], g.to(torch.bfloat16)) < TIGHT_BF16
 
 
+def _zero_operands(R: int, N: int):
+    """A [R, 256] and one expert's B [1, N, 256], E4M3 zeros, with unit scales (N at most 256)."""
+    a = torch.zeros(R, 256, dtype=torch.float8_e4m3fn, device=DEV)
+    w = torch.zeros(1, N, 256, dtype=torch.float8_e4m3fn, device=DEV)
+    return a, torch.ones(R, 2, device=DEV), w, torch.ones(1, 2, 2, device=DEV)
+
+
 def test_config_checks():
     sch = Sched([3], 16)
-    a = torch.zeros(sch.R, 256, dtype=torch.float8_e4m3fn, device=DEV)
-    s = torch.ones(sch.R, 2, device=DEV)
-    w = torch.zeros(1, 200, 256, dtype=torch.float8_e4m3fn, device=DEV)
-    ws = torch.ones(1, 2, 2, device=DEV)
+    a, s, w, ws = _zero_operands(sch.R, 200)
     k16 = triton_kernel(GemmConfig(BM=16, BN=128, BK=128))
     with pytest.raises(ValueError, match="w_gate and w_up"):
         gemm_fp8.gate_up_swiglu_fp8(a, s, w, ws, w[:, :128], ws[:, :1], sch.tile_expert, sch.num_tiles,
@@ -226,10 +230,7 @@ def test_config_checks():
 def test_the_warp_specialized_kernels_named_where_they_cannot_run_raise():
     """The plan names the core; an entry point that cannot run it says so (it never switches)."""
     sch = Sched([130], 128)
-    a = torch.zeros(sch.R, 256, dtype=torch.float8_e4m3fn, device=DEV)
-    s = torch.ones(sch.R, 2, device=DEV)
-    w = torch.zeros(1, 256, 256, dtype=torch.float8_e4m3fn, device=DEV)
-    ws = torch.ones(1, 2, 2, device=DEV)
+    a, s, w, ws = _zero_operands(sch.R, 256)
     k = heuristics.fp8_rows(256, 256, 128, ws=True, programs=4)
     with pytest.raises(ValueError, match="warp-specialized"):
         gemm_fp8.rows_gemm_fp8(a, s, w, ws, sch.tile_expert, sch.num_tiles, kernel=k, tile_m=128)
