@@ -33,7 +33,7 @@ def _pull_tokens(ws, plan: Plan, x, counters, pulled_idx):
     memory would be a kernel on the SMs; docs/performance.md, "Token pull"). Under the interpreter (the
     peers' x_pub already waited for by the host) the copies run here.
     """
-    T, H = x.shape
+    T = x.shape[0]
     W, rank = ws.world_size, ws.rank
     xt = layer_buffers(plan).empty("tokens", x.device)
     peers = [src for src in range(W) if src != rank]
@@ -72,8 +72,7 @@ def moe_forward_mega(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_
     the ring is kept; the backward recomputes xs and g, u).
     """
     mega = plan.mega
-    T, H = x.shape
-    I = w_gate.shape[1]
+    T = x.shape[0]
     k, E_local = topk_idx.shape[1], w_gate.shape[0]
     n_tiles = schedule_capacity(ws.world_size, T, k, E_local, plan.tile_m, plan.align_tiles) // plan.tile_m
     mb = ws.mega_buffers

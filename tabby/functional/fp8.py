@@ -43,7 +43,6 @@ import functools
 import weakref
 
 import torch
-import triton
 
 from ..ops import comm, quantize, sync
 from ..ops.gemm import bf16 as gemm
