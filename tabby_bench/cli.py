@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show the library's INFO log (workspace and memory reports) without a GPU too")
     pr = sub.add_parser("profile", help="time every stage of Tabby's forward and backward",
                         description="Per-stage times (CUDA events between launches), median over iterations, "
-                                    "max over ranks. 'tiny' runs on the CPU under the Triton interpreter.")
+                                    "max over ranks; then each GEMM stage's TFLOP/s beside the floor's (bf16 "
+                                    "torch._grouped_mm on the same routed rows) and the dense matmul's. 'tiny' runs "
+                                    "on the CPU under the Triton interpreter (floor and dense not measured).")
     _one_shape_run_args(pr, "JSON file for the per-stage times")
     pr.add_argument("--mega", action="store_true",
                     help="profile the default layer (the forward megakernel) instead of the sync-free path")

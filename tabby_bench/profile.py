@@ -17,6 +17,12 @@ megakernel's peer flags are set and waited for inside its kernels, the forward's
 ``megakernel`` stages include them (``scripts/timeline.py`` shows each kernel). ``fwd_only``:
 forward passes only (under autograd, as the bench's forward), no backward in the loop.
 On the CPU (shape ``tiny``) the stages are wall-clock times of the Triton interpreter.
+
+After the stages, a table of the stages that run the routed GEMMs (:data:`STAGE_GEMMS`): their
+TFLOP/s (:func:`gemm_flops`, R = T k routed rows a rank: every rank's at EP1, the mean over ranks
+above), beside the floor's for the same GEMMs (bf16 ``torch._grouped_mm`` on the rank's routed rows,
+as ``floor``; also for the FP8 stages) and the dense matmul's (``timing.dense_matmul``: bf16, FP8
+for the FP8 stages). Floor and dense are measured on CUDA only (``-`` on the CPU).
 """
 from __future__ import annotations
 
@@ -29,8 +35,105 @@ import torch
 
 from .launch import launch
 from .shapes import SHAPES, TINY, make_inputs, shape_named
+from .timing import dense_matmul, max_over_ranks, release_implementation, time_iterations
 
 PROFILE_SHAPES = {**SHAPES, TINY.name: TINY}
+
+# The GEMMs each stage runs (:func:`gemm_flops`' kinds); the megakernel's forward also runs the shared expert's
+STAGE_GEMMS = {"fwd:gate_up": ("gate_up",), "fwd:down+push": ("down",),
+               "fwd:megakernel": ("gate_up", "down", "shared"), "bwd:recompute": ("gate_up",),
+               "bwd:down_dgrad+swiglu": ("down_dgrad",), "bwd:gate_up_dgrad+push": ("gate_up_dgrad",),
+               "bwd:wgrad": ("wgrad_down", "wgrad_gate_up"), "bwd:wgrad_down": ("wgrad_down",),
+               "bwd:wgrad_gate_up": ("wgrad_gate_up",)}
+
+
+def gemm_flops(R: int, T: int, H: int, I: int, I_shared: int = 0) -> dict:
+    """{GEMM kind: FLOPs} of one rank's layer: R routed rows, T tokens (the shared expert's, when
+    I_shared > 0), hidden H, expert intermediate I."""
+    flops = {"gate_up": 2 * R * H * 2 * I, "down": 2 * R * I * H, "down_dgrad": 2 * R * H * I,
+             "gate_up_dgrad": 2 * R * 2 * I * H, "wgrad_down": 2 * R * H * I, "wgrad_gate_up": 2 * R * 2 * I * H}
+    if I_shared:
+        flops["shared"] = 2 * T * H * 2 * I_shared + 2 * T * I_shared * H
+    return flops
+
+
+def _each(*calls):
+    """One call running ``calls`` in order; no output is kept (each is freed before the next runs)."""
+    def run():
+        for c in calls:
+            c()
+    return run
+
+
+def floor_gemms(p) -> dict:
+    """{GEMM kind: call} of the floor (``anchors.floor.FloorProblem`` ``p``): bf16 ``torch._grouped_mm``
+    on its routed rows, grouped by local expert at ``p.offs`` (the weight gradients group the rows as
+    K), with random operands where the floor's come from an earlier GEMM; "shared": the shared
+    expert's dense matmuls on the rank's tokens. Run under ``torch.no_grad()``."""
+    gm, offs = torch._grouped_mm, p.offs
+    xg, dy, wg, wu, wd = p.xg, p.dyg, p.w_gate, p.w_up, p.w_down
+    g, u, h = (torch.randn(xg.shape[0], wg.shape[1], device=xg.device, dtype=xg.dtype) for _ in range(3))
+    calls = {"gate_up": _each(lambda: gm(xg, wg.mT, offs=offs), lambda: gm(xg, wu.mT, offs=offs)),
+             "down": lambda: gm(h, wd.mT, offs=offs),
+             "down_dgrad": lambda: gm(dy, wd, offs=offs),
+             "gate_up_dgrad": _each(lambda: gm(g, wg, offs=offs), lambda: gm(u, wu, offs=offs)),
+             "wgrad_down": lambda: gm(dy.t(), h, offs=offs),
+             "wgrad_gate_up": _each(lambda: gm(g.t(), xg, offs=offs), lambda: gm(u.t(), xg, offs=offs))}
+    if p.shared is not None:
+        x, (sg, su, sd) = p.x, p.shared
+        hs = torch.randn(x.shape[0], sg.shape[0], device=x.device, dtype=x.dtype)
+        calls["shared"] = _each(lambda: x @ sg.t(), lambda: x @ su.t(), lambda: hs @ sd.t())
+    return calls
+
+
+def floor_gemm_ms(inp, group, kinds, warmup, iters) -> dict:
+    """{GEMM kind: ms} of the floor's GEMMs of ``kinds`` (:func:`floor_gemms`) on this rank's routed
+    rows, median of ``iters`` after ``warmup`` (CUDA events), max over ranks. Collective."""
+    from .anchors.floor import prepare_floor
+
+    p = prepare_floor(inp.x, inp.topk_idx, inp.w_gate, inp.w_up, inp.w_down, inp.shared, group,
+                      generator=inp.generator)
+    with torch.no_grad():
+        ms = {kind: statistics.median(time_iterations(call, warmup, iters))
+              for kind, call in floor_gemms(p).items() if kind in kinds}
+    return dict(zip(ms, max_over_ranks(list(ms.values()))))
+
+
+def gemm_rows(stages, flops, floor_ms, dense, precision) -> list:
+    """A dict per stage of ``stages`` ({stage: ms}) that runs GEMMs (:data:`STAGE_GEMMS`): its GEMMs'
+    FLOPs and TFLOP/s; the floor's ms and TFLOP/s for the same GEMMs and the stage's ms over them
+    (``x_floor``); the dense matmul's TFLOP/s (FP8 for the stages whose GEMMs run in FP8) and the
+    stage's fraction of it (``of_dense``). Floor and dense fields None where not measured."""
+    rows = []
+    for stage, ms in stages.items():
+        kinds = [g for g in STAGE_GEMMS.get(stage, ()) if g in flops]
+        if not kinds:
+            continue
+        flop = sum(flops[g] for g in kinds)
+        tflops = flop / ms / 1e9
+        fl = sum(floor_ms[g] for g in kinds) if floor_ms else None
+        fp8 = precision == "fp8" or (precision == "fp8-forward" and stage.startswith("fwd:"))
+        d = dense["fp8_tflops" if fp8 else "tflops"] if dense else None
+        rows.append(dict(stage=stage, gemms=kinds, flop=flop, ms=ms, tflops=tflops, floor_ms=fl,
+                         floor_tflops=flop / fl / 1e9 if fl else None, x_floor=ms / fl if fl else None,
+                         dense_tflops=d, of_dense=tflops / d if d else None))
+    return rows
+
+
+def format_gemms(rows, R, dense) -> str:
+    """The table of :func:`gemm_rows` ("-": not measured) under a line saying what it compares (R:
+    the routed rows a rank of the FLOP model)."""
+    cols = (("ms", "ms", 9, ".3f"), ("TFLOP/s", "tflops", 9, ".4g"), ("floor ms", "floor_ms", 9, ".3f"),
+            ("floor TFLOP/s", "floor_tflops", 13, ".4g"), ("x floor", "x_floor", 8, ".2f"),
+            ("dense TFLOP/s", "dense_tflops", 13, ".4g"), ("of dense", "of_dense", 8, ".3f"))
+    compared = (f"floor: bf16 torch._grouped_mm on the same rows (the FP8 stages too); dense: bf16 matmul "
+                f"{dense['m']}^3 (the FP8 stages: FP8)" if dense else "floor, dense: - (measured on CUDA only)")
+    lines = [f"    GEMM stages (R = T k = {R} routed rows a rank); {compared}",
+             f"    {'stage':28s}" + "".join(f" {name:>{w}s}" for name, _, w, _ in cols)]
+    for r in rows:
+        lines.append(f"    {r['stage']:28s}" + "".join(
+            f" {'-' if r[key] is None else format(r[key], spec):>{w}s}" for _, key, w, spec in cols))
+    return "\n".join(lines)
 
 
 class StageTimer:
@@ -76,8 +179,10 @@ class StageTimer:
 
 
 def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only=False, precision="bf16"):
-    """Per-stage medians on this rank: {stage: ms} (``mega``: the default config, the megakernel;
-    ``fwd_only``: no backward; ``precision``: ``MoEConfig.precision``)."""
+    """(every rank's per-stage medians [{stage: ms}], the floor's {GEMM kind: ms} of the stages'
+    GEMMs (:func:`floor_gemm_ms`), ``timing.dense_matmul``'s figures (this rank's)); the last two
+    None on the CPU. ``mega``: the default config, the megakernel; ``fwd_only``: no backward;
+    ``precision``: ``MoEConfig.precision``."""
     import torch.distributed as dist
 
     from tabby.functional.config import MoEConfig
@@ -116,7 +221,12 @@ def profile_rank(rank, world, shape_name, T, iters, warmup, mega=False, fwd_only
         every = [torch.empty_like(vals) for _ in range(world)]
         dist.all_gather(every, vals)
         per_rank = [dict(zip(med, v.tolist())) for v in every]
-    return per_rank
+    if not torch.cuda.is_available():
+        return per_rank, None, None
+    del y
+    release_implementation()  # the layer's workspaces and buffers, before the floor's operands
+    kinds = {g for stage in med for g in STAGE_GEMMS.get(stage, ())}
+    return per_rank, floor_gemm_ms(inp, group, kinds, warmup, iters), dense_matmul(warmup=warmup, iters=iters)
 
 
 def run(shapes, tokens, eps, iters=10, warmup=3, out=None, mega=False, fwd_only=False, precision="bf16") -> list:
@@ -127,18 +237,23 @@ def run(shapes, tokens, eps, iters=10, warmup=3, out=None, mega=False, fwd_only=
         for T in tokens:
             for ep in eps:
                 if ep > 1:
-                    per_rank = launch(profile_rank, shape, T, iters, warmup, mega, fwd_only, precision, nprocs=ep)
+                    per_rank, floor_ms, dense = launch(profile_rank, shape, T, iters, warmup, mega, fwd_only,
+                                                       precision, nprocs=ep)
                 else:
-                    per_rank = profile_rank(0, 1, shape, T, iters, warmup, mega, fwd_only, precision)
+                    per_rank, floor_ms, dense = profile_rank(0, 1, shape, T, iters, warmup, mega, fwd_only, precision)
                 stages = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+                dims = shape_named(shape, PROFILE_SHAPES)
+                flops = gemm_flops(T * dims.k, T, dims.H, dims.I, dims.I_shared)
+                gemms = gemm_rows(stages, flops, floor_ms, dense, precision)
                 rows.append(dict(shape=shape, tokens_per_gpu=T, ep=ep, megakernel=mega, fwd_only=fwd_only,
-                                 precision=precision, stages_ms=stages, stages_ms_per_rank=per_rank))
+                                 precision=precision, stages_ms=stages, stages_ms_per_rank=per_rank, gemms=gemms))
                 total = {p: sum(v for k, v in stages.items() if k.startswith(p)) for p in ("fwd", "bwd")}
                 print(f"{shape} T={T} EP{ep} {precision}: fwd {total['fwd']:.3f} ms, bwd {total['bwd']:.3f} ms "
                       f"(sums of the slowest rank's stage times; per rank: the columns)", flush=True)
                 for k, v in stages.items():
                     ranks = " ".join(f"{r[k]:9.3f}" for r in per_rank) if len(per_rank) > 1 else ""
                     print(f"    {k:28s} {v:9.3f} ms  {ranks}", flush=True)
+                print(format_gemms(gemms, T * dims.k, dense), flush=True)
     if out:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:

@@ -18,7 +18,54 @@ def test_profile_tiny_cpu(tmp_path, capsys):
     assert set(stages) == want
     assert all(v > 0 for v in stages.values())
     assert rows[0]["stages_ms_per_rank"] == [stages]  # one rank: its own medians are the maximum
-    assert "tiny T=8 EP1" in capsys.readouterr().out
+    gemms = rows[0]["gemms"]  # the GEMM stages, in the passes' order; floor and dense not measured on the CPU
+    assert [g["stage"] for g in gemms] == ["fwd:gate_up", "fwd:down+push", "bwd:down_dgrad+swiglu",
+                                           "bwd:gate_up_dgrad+push", "bwd:wgrad"]
+    assert gemms[-1]["gemms"] == ["wgrad_down", "wgrad_gate_up"] and gemms[-1]["flop"] == 65536 + 131072
+    assert all(g["tflops"] > 0 and g["ms"] == stages[g["stage"]] for g in gemms)
+    assert all(g[f] is None for g in gemms for f in ("floor_ms", "floor_tflops", "x_floor", "dense_tflops",
+                                                      "of_dense"))
+    printed = capsys.readouterr().out
+    assert "tiny T=8 EP1" in printed and "GEMM stages (R = T k = 16 routed rows a rank)" in printed
+    assert "floor TFLOP/s" in printed and "bwd:wgrad" in printed.split("GEMM stages")[1]
+
+
+def test_gemm_flops_and_rows_by_hand():
+    """tiny at T=8 (R = 16 rows, H=64, I=32, a shared expert of 32): each GEMM's FLOPs, and a
+    megakernel stage's row against a given floor and dense matmul."""
+    from tabby_bench.profile import gemm_flops, gemm_rows
+
+    flops = gemm_flops(16, 8, 64, 32, 32)
+    assert flops == {"gate_up": 131072, "down": 65536, "down_dgrad": 65536, "gate_up_dgrad": 131072,
+                     "wgrad_down": 65536, "wgrad_gate_up": 131072, "shared": 98304}
+    assert "shared" not in gemm_flops(16, 8, 64, 32)
+    dense = {"m": 8192, "tflops": 100.0, "fp8_tflops": 200.0}
+    floor = {"gate_up": 0.5e-3, "down": 0.25e-3, "shared": 0.25e-3}
+    (row,) = gemm_rows({"fwd:megakernel": 2e-3, "fwd:combine": 1e-3}, flops, floor, dense, "bf16")
+    assert row["gemms"] == ["gate_up", "down", "shared"] and row["flop"] == 294912
+    assert abs(row["tflops"] - 294912 / 2e-6 / 1e12) < 1e-12 and abs(row["floor_ms"] - 1e-3) < 1e-15
+    assert abs(row["x_floor"] - 2.0) < 1e-12 and abs(row["floor_tflops"] - 2 * row["tflops"]) < 1e-12
+    assert row["dense_tflops"] == 100.0 and abs(row["of_dense"] - row["tflops"] / 100.0) < 1e-15
+    # FP8 stages against the FP8 dense matmul: every stage with "fp8", the forward's with "fp8-forward"
+    fwd, bwd = gemm_rows({"fwd:gate_up": 1.0, "bwd:wgrad": 1.0}, flops, None, dense, "fp8-forward")
+    assert (fwd["dense_tflops"], bwd["dense_tflops"], fwd["floor_ms"]) == (200.0, 100.0, None)
+
+
+def test_floor_gemms_cover_the_flop_model():
+    """The floor times every GEMM kind of the FLOP model; each call runs on the floor's rows (CPU)."""
+    import torch
+
+    from tabby_bench.anchors.floor import prepare_floor
+    from tabby_bench.profile import floor_gemms, gemm_flops
+    from tabby_bench.shapes import TINY, make_inputs
+
+    inp = make_inputs(TINY, 8, 1, 0, "cpu")
+    p = prepare_floor(inp.x, inp.topk_idx, inp.w_gate, inp.w_up, inp.w_down, inp.shared, None)
+    calls = floor_gemms(p)
+    assert set(calls) == set(gemm_flops(16, 8, TINY.H, TINY.I, TINY.I_shared))
+    with torch.no_grad():
+        for call in calls.values():
+            call()
 
 
 def test_profile_mega_tiny_cpu(tmp_path):
@@ -32,6 +79,9 @@ def test_profile_mega_tiny_cpu(tmp_path):
     assert set(row["stages_ms"]) == {"fwd:publish+wait", "fwd:schedule", "fwd:wait_x", "fwd:megakernel",
                                      "fwd:signal+wait", "fwd:combine"}
     assert all(v > 0 for v in row["stages_ms"].values())
+    # one GEMM stage: the megakernel's routed gate/up and down and the shared expert (6 T H I_shared)
+    (gemm,) = row["gemms"]
+    assert gemm["stage"] == "fwd:megakernel" and gemm["flop"] == 131072 + 65536 + 98304
 
 
 def _synthetic_trace():
@@ -97,3 +147,5 @@ def test_profile_fp8_tiny_cpu(tmp_path):
             "bwd:signal+wait", "bwd:combine"}
     assert set(row["stages_ms"]) == want
     assert all(v > 0 for v in row["stages_ms"].values())
+    assert [g["stage"] for g in row["gemms"]] == ["fwd:gate_up", "fwd:down+push", "bwd:down_dgrad+swiglu",
+                                                  "bwd:gate_up_dgrad+push", "bwd:wgrad_down", "bwd:wgrad_gate_up"]
