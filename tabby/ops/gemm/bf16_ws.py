@@ -1,0 +1,328 @@
+"""bf16 expert GEMMs warp-specialized and persistent (Gluon, sm_90): the layer's routed GEMMs.
+
+- ``rows_launch``: the rows GEMM ``A @ op(B[e])`` over the routed-row buffer, one or two K phases,
+  B read K-major ([E, N, K], ``nn.Linear``'s) or N-major ([E, K, N]: the dgrads read the forward's
+  weights as they are), with fp8_ws's three epilogues: the stored rows, the rows pushed to their
+  origins, the down dgrad's SwiGLU backward. Tiles of 128 x ``tile_n`` (256 or 128).
+- ``gate_up_swiglu_ws``: gate/up with the SwiGLU (g and u saved where asked), 128 x 128 tiles of h.
+
+Same operands, layout contract and results as bf16.py's kernels (its docstring): each 128-row tile
+one expert's, fp32 sums over K in order, bf16 out.
+
+Structure: a CTA is three partitions of one ``gl.warp_specialize``: a one-warp TMA producer fills
+a ring of ``stages`` stages (A's two 64-row halves and B's block of 64 K), each stage with a
+``ready`` barrier (TMA transaction bytes) and an ``empty`` barrier counting one arrival per
+consumer; two consumer warpgroups, each owning 64 rows of the tile, issue each block's wgmma into
+their accumulator and keep one block in flight (wait 1), releasing the stage before it. Persistent:
+one program per SM walks the tiles in ``grouped_tile`` order (fp8_ws's ``_walk_row_tiles``); every
+partition walks the same sequence and the ring's stage and phase follow a running K-block count,
+so the producer loads the next tile while the consumers run the last one's epilogue.
+
+Why it cannot deadlock: the producer waits only for stages the consumers release after reading
+them, and the consumers only for stages the producer has filled; both walk the same blocks in the
+same order, inside one CTA (no wait on another program: any number of resident programs finishes).
+
+Runs where ``fits``: sm_90, schedule tiles a multiple of 128 rows, TMA-addressable operands (16-byte
+aligned bases and row strides, K and N multiples of 8). A block past K reads TMA's zeros in A, so a
+B block that runs into the next expert's rows (N-major) adds nothing; a partial last column tile's
+columns are not stored.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .bf16 import tma_aligned
+from .fp8_ws import (EPI_PUSH, EPI_STORE, EPI_SWIGLU_BWD, _epilogue, _grid, _ring_barriers, _ring_fill, _sm90,
+                     _store_tile, _walk_row_tiles)
+
+BM = gl.constexpr(128)  # two consumer warpgroups of 64 rows
+HALF = gl.constexpr(64)
+BK = gl.constexpr(64)  # 128 bytes of bf16: one swizzle span, TMA's widest swizzled box row
+
+__all__ = ["EPI_PUSH", "EPI_STORE", "EPI_SWIGLU_BWD", "fits", "rows_launch", "gate_up_swiglu_ws"]
+
+
+# --------------------------------------------------------------------------------------------
+# the rows GEMM
+# --------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _load_phase(it, row0, brow, bcol, a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, NKP, B_KN: gl.constexpr,
+                STAGES: gl.constexpr):
+    """The producer's NKP K blocks of one phase: A's two halves at columns kb * BK and B's block
+    (N-major: rows brow + kb * BK, columns bcol; K-major: rows brow, columns kb * BK)."""
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    for kb in range(NKP):
+        s, bar = _ring_fill(ready, empty, it, nbytes, STAGES)
+        k0 = kb * BK
+        tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_lo.index(s))
+        tma.async_copy_global_to_shared(a_desc, [row0 + HALF, k0], bar, a_hi.index(s))
+        if B_KN:
+            tma.async_copy_global_to_shared(b_desc, [brow + k0, bcol], bar, b_bufs.index(s))
+        else:
+            tma.async_copy_global_to_shared(b_desc, [brow, k0], bar, b_bufs.index(s))
+        it += 1
+    return it
+
+
+@gluon.jit
+def _rows_producer_tile(it, pid_m, pid_n, e, a0_desc, a1_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, ready, empty,
+                        N, KP, NK0, NK1, TILE_N: gl.constexpr, B_KN: gl.constexpr, STAGES: gl.constexpr):
+    """A tile's K blocks: phase 0 (A0, B0) then phase 1 (A1, B1; NK1 = 0 for one phase). B's rows of
+    expert e start at e * KP (N-major: KP the phase's K) or e * N (K-major)."""
+    row0 = pid_m * BM
+    if B_KN:
+        brow = e * KP
+        bcol = pid_n * TILE_N
+    else:
+        brow = e * N + pid_n * TILE_N
+        bcol = 0
+    it = _load_phase(it, row0, brow, bcol, a0_desc, b0_desc, a_lo, a_hi, b_bufs, ready, empty, NK0, B_KN, STAGES)
+    it = _load_phase(it, row0, brow, bcol, a1_desc, b1_desc, a_lo, a_hi, b_bufs, ready, empty, NK1, B_KN, STAGES)
+    return it
+
+
+@gluon.jit
+def _rows_producer(a0_desc, a1_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr,
+                   num_tiles_ptr, num_m, N, KP, NK0, NK1, TILE_N: gl.constexpr, B_KN: gl.constexpr,
+                   STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
+    it = 0
+    _walk_row_tiles(_rows_producer_tile, (a0_desc, a1_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, ready, empty, N, KP,
+                                          NK0, NK1, TILE_N, B_KN, STAGES), it, tile_expert_ptr, num_tiles_ptr,
+                    num_m, gl.cdiv(N, TILE_N), GROUP_M, SCHED_BM)
+
+
+@gluon.jit
+def _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, B_KN: gl.constexpr, STAGES: gl.constexpr):
+    """A consumer's K loop: acc += A_half @ B over NK blocks, one wgmma in flight; each stage is
+    released once the wgmma after it is issued and it has completed (wait 1), the last at the end.
+    Returns (acc, the K-block count)."""
+    for kb in range(NK):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        if B_KN:
+            b = b_bufs.index(s)
+        else:
+            b = b_bufs.index(s).permute((1, 0))
+        tok = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(tok, ))
+        if kb > 0:
+            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+        it += 1
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    if NK > 0:
+        mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+    return acc, it
+
+
+@gluon.jit
+def _rows_consumer_tile(it, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, epi, N, NK, HALF_ROW: gl.constexpr,
+                        TILE_N: gl.constexpr, B_KN: gl.constexpr, STAGES: gl.constexpr, EPILOGUE: gl.constexpr):
+    """A consumer's 64 rows of one tile: the K loop, then the epilogue per 128 columns (fp8_ws's,
+    so a 256-wide tile's halves are 128-column tiles of their own: the same dw partial columns)."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, TILE_N, 16])
+    acc = gl.zeros([HALF, TILE_N], gl.float32, layout)
+    acc, it = _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, B_KN, STAGES)
+    rows = pid_m.to(gl.int64) * BM + HALF_ROW + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
+    if TILE_N == 256:
+        lo, hi = gl.split(gl.permute(gl.reshape(acc, (HALF, 2, 128)), (0, 2, 1)))
+        _epilogue(lo, rows, 2 * pid_n, N, epi, EPILOGUE, layout)
+        if (2 * pid_n + 1) * 128 < N:  # a half wholly past N has nothing to store (nor a dw partial)
+            _epilogue(hi, rows, 2 * pid_n + 1, N, epi, EPILOGUE, layout)
+    else:
+        _epilogue(acc, rows, pid_n, N, epi, EPILOGUE, layout)
+    return it
+
+
+@gluon.jit
+def _rows_consumer(a_bufs, b_bufs, ready, empty, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, NK,
+                   HALF_ROW: gl.constexpr, TILE_N: gl.constexpr, B_KN: gl.constexpr, STAGES: gl.constexpr,
+                   GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
+    it = 0
+    _walk_row_tiles(_rows_consumer_tile, (a_bufs, b_bufs, ready, empty, epi, N, NK, HALF_ROW, TILE_N, B_KN, STAGES,
+                                          EPILOGUE), it, tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(N, TILE_N),
+                    GROUP_M, SCHED_BM)
+
+
+@gluon.jit
+def rows_gemm_ws_kernel(a0_desc, a1_desc, b0_desc, b1_desc, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, KP, NK0,
+                        NK1, TILE_N: gl.constexpr, B_KN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                        SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
+    a_lo = gl.allocate_shared_memory(a0_desc.dtype, [STAGES] + a0_desc.block_type.shape, a0_desc.layout)
+    a_hi = gl.allocate_shared_memory(a0_desc.dtype, [STAGES] + a0_desc.block_type.shape, a0_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b0_desc.dtype, [STAGES] + b0_desc.block_type.shape, b0_desc.layout)
+    ready, empty = _ring_barriers(STAGES)
+    NK = NK0 + NK1
+    gl.warp_specialize([
+        (_rows_consumer, (a_lo, b_bufs, ready, empty, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, NK, 0, TILE_N,
+                          B_KN, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
+        (_rows_consumer, (a_hi, b_bufs, ready, empty, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, NK, HALF, TILE_N,
+                          B_KN, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
+        (_rows_producer, (a0_desc, a1_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr,
+                          num_tiles_ptr, num_m, N, KP, NK0, NK1, TILE_N, B_KN, STAGES, GROUP_M, SCHED_BM)),
+    ], [4, 1], [232, 40])
+
+
+# --------------------------------------------------------------------------------------------
+# gate/up with the SwiGLU
+# --------------------------------------------------------------------------------------------
+#
+# A stage is A's two halves and W_gate's and W_up's 128 x 64 blocks (48 KB); each consumer holds g's
+# and u's 64 x 128 accumulators (128 registers) and issues both blocks' wgmmas before waiting for
+# the previous stage's pair (wait 2).
+
+@gluon.jit
+def _gate_up_producer_tile(it, pid_m, pid_n, e, a_desc, wg_desc, wu_desc, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty,
+                           I, NK, STAGES: gl.constexpr):
+    row0 = pid_m * BM
+    brow = e * I + pid_n * 128
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + 2 * wg_desc.block_type.nbytes
+    for kb in range(NK):
+        s, bar = _ring_fill(ready, empty, it, nbytes, STAGES)
+        k0 = kb * BK
+        tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_lo.index(s))
+        tma.async_copy_global_to_shared(a_desc, [row0 + HALF, k0], bar, a_hi.index(s))
+        tma.async_copy_global_to_shared(wg_desc, [brow, k0], bar, bg_bufs.index(s))
+        tma.async_copy_global_to_shared(wu_desc, [brow, k0], bar, bu_bufs.index(s))
+        it += 1
+    return it
+
+
+@gluon.jit
+def _gate_up_producer(a_desc, wg_desc, wu_desc, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty, tile_expert_ptr,
+                      num_tiles_ptr, num_m, I, NK, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                      SCHED_BM: gl.constexpr):
+    it = 0
+    _walk_row_tiles(_gate_up_producer_tile, (a_desc, wg_desc, wu_desc, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty, I,
+                                             NK, STAGES), it, tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(I, 128),
+                    GROUP_M, SCHED_BM)
+
+
+@gluon.jit
+def _gate_up_consumer_tile(it, pid_m, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr,
+                           stride_gum, I, NK, HALF_ROW: gl.constexpr, STAGES: gl.constexpr, SAVE_GU: gl.constexpr):
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    g = gl.zeros([HALF, 128], gl.float32, layout)
+    u = gl.zeros([HALF, 128], gl.float32, layout)
+    for kb in range(NK):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        tg = warpgroup_mma(a_bufs.index(s), bg_bufs.index(s).permute((1, 0)), g, is_async=True)
+        tu = warpgroup_mma(a_bufs.index(s), bu_bufs.index(s).permute((1, 0)), u, is_async=True)
+        g, u = warpgroup_mma_wait(2, deps=(tg, tu))
+        if kb > 0:
+            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+        it += 1
+    g, u = warpgroup_mma_wait(0, deps=(g, u))
+    if NK > 0:
+        mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+    rows = pid_m.to(gl.int64) * BM + HALF_ROW + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
+    h = g * tl.sigmoid(g) * u  # bf16.py's gate/up epilogue, the same bits
+    # 16-byte row pieces: 8 bf16 a thread, 16 a row
+    bf16_rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    _store_tile(h_ptr, stride_hm, h.to(h_ptr.dtype.element_ty), rows, pid_n * 128, I, bf16_rows)
+    if SAVE_GU:
+        _store_tile(gu_ptr, stride_gum, g.to(gu_ptr.dtype.element_ty), rows, pid_n * 128, I, bf16_rows)
+        _store_tile(gu_ptr + I, stride_gum, u.to(gu_ptr.dtype.element_ty), rows, pid_n * 128, I, bf16_rows)
+    return it
+
+
+@gluon.jit
+def _gate_up_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr,
+                      num_tiles_ptr, num_m, I, NK, HALF_ROW: gl.constexpr, STAGES: gl.constexpr,
+                      GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
+    it = 0
+    _walk_row_tiles(_gate_up_consumer_tile, (a_bufs, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr,
+                                             stride_gum, I, NK, HALF_ROW, STAGES, SAVE_GU), it, tile_expert_ptr,
+                    num_tiles_ptr, num_m, gl.cdiv(I, 128), GROUP_M, SCHED_BM)
+
+
+@gluon.jit
+def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr,
+                             num_tiles_ptr, num_m, I, NK, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                             SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
+    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    bg_bufs = gl.allocate_shared_memory(wg_desc.dtype, [STAGES] + wg_desc.block_type.shape, wg_desc.layout)
+    bu_bufs = gl.allocate_shared_memory(wu_desc.dtype, [STAGES] + wu_desc.block_type.shape, wu_desc.layout)
+    ready, empty = _ring_barriers(STAGES)
+    gl.warp_specialize([
+        (_gate_up_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr, stride_gum,
+                             tile_expert_ptr, num_tiles_ptr, num_m, I, NK, 0, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
+        (_gate_up_consumer, (a_hi, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr, stride_gum,
+                             tile_expert_ptr, num_tiles_ptr, num_m, I, NK, HALF, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
+        (_gate_up_producer, (a_desc, wg_desc, wu_desc, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty, tile_expert_ptr,
+                             num_tiles_ptr, num_m, I, NK, STAGES, GROUP_M, SCHED_BM)),
+    ], [4, 1], [232, 40])
+
+
+# --------------------------------------------------------------------------------------------
+# host
+# --------------------------------------------------------------------------------------------
+
+def _desc(t: torch.Tensor, rows: int, block: list) -> TensorDescriptor:
+    """A TMA descriptor over ``t`` seen as [rows, t.shape[-1]] bf16 (row stride t.stride(-2)), in
+    ``block`` boxes with the widest swizzle the wgmma reads."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return TensorDescriptor(t, [rows, t.shape[-1]], [t.stride(-2), 1], block, layout)
+
+
+def fits(*ts: torch.Tensor, sched_bm: int) -> bool:
+    """Whether the warp-specialized kernels run on these operands: a CUDA device of compute
+    capability 9 (wgmma, TMA), bf16, TMA-addressable (16-byte aligned bases and strides), the
+    schedule's tiles a multiple of 128 rows."""
+    return (sched_bm % BM.value == 0 and all(_sm90(t) and t.dtype == torch.bfloat16 and tma_aligned(t) for t in ts))
+
+
+def rows_launch(a_parts, b_parts, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, N: int, *,
+                b_kn: bool, tile_n: int, stages: int, grid: int | None = None, GROUP_M: int = 8):
+    """One persistent launch of the rows GEMM: sum over phases p of ``a_parts[p] [R, K] @ op(b_parts[p][e])``
+    (one or two phases of equal K; B [E, N, K] K-major, or [E, K, N] N-major with ``b_kn``) with
+    ``epilogue`` (fp8_ws's EPI_*) and its arguments ``epi``. The caller has checked the operands
+    (``fits``). ``tile_n``: 256 or 128 columns a tile; ``stages``: the ring's depth; ``grid``: the
+    persistent grid (None: one program per SM)."""
+    if len(a_parts) != len(b_parts) or len(a_parts) not in (1, 2):
+        raise ValueError(f"rows_launch: {len(a_parts)} A parts and {len(b_parts)} B parts (one or two phases)")
+    if tile_n not in (128, 256):
+        raise ValueError(f"rows_launch: tile_n {tile_n} must be 128 or 256")
+    R, K = a_parts[0].shape
+    E = b_parts[0].shape[0]
+    b_shape = (E, K, N) if b_kn else (E, N, K)
+    for a, b in zip(a_parts, b_parts):
+        if tuple(a.shape) != (R, K) or tuple(b.shape) != b_shape:
+            raise ValueError(f"rows_launch: A {tuple(a.shape)} and B {tuple(b.shape)} must be [{R}, {K}] and "
+                             f"{list(b_shape)} ({'N' if b_kn else 'K'}-major B)")
+    a_descs = [_desc(a, R, [HALF.value, BK.value]) for a in a_parts]
+    if b_kn:
+        b_descs = [_desc(b, E * K, [BK.value, tile_n]) for b in b_parts]
+    else:
+        b_descs = [_desc(b, E * N, [tile_n, BK.value]) for b in b_parts]
+    nk = triton.cdiv(K, BK.value)
+    num_m = R // BM.value
+    rows_gemm_ws_kernel[_grid(a_parts[0].device, num_m * triton.cdiv(N, tile_n), grid)](
+        a_descs[0], a_descs[-1], b_descs[0], b_descs[-1], epi, tile_expert, num_tiles, num_m, N, K, nk,
+        nk if len(a_parts) == 2 else 0, TILE_N=tile_n, B_KN=b_kn, STAGES=stages, GROUP_M=GROUP_M,
+        SCHED_BM=sched_bm, EPILOGUE=epilogue, num_warps=4)
+
+
+def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_bm: int, stages: int,
+                      grid: int | None = None, GROUP_M: int = 8):
+    """h [R, I] = silu(xs @ Wg[e]^T) * (xs @ Wu[e]^T) per row tile, g | u into gu [R, 2I] unless gu is
+    None; xs [R, H], W [E, I, H]. The caller has checked the operands (``fits``). ``stages``: the
+    ring's depth (48 KB a stage)."""
+    R, H = xs.shape
+    E, I, _ = w_gate.shape
+    save_gu = gu is not None
+    gu_arg = gu if save_gu else h
+    num_m = R // BM.value
+    gate_up_swiglu_ws_kernel[_grid(xs.device, num_m * triton.cdiv(I, 128), grid)](
+        _desc(xs, R, [HALF.value, BK.value]), _desc(w_gate, E * I, [128, BK.value]), _desc(w_up, E * I, [128, BK.value]), h, h.stride(0),
+        gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, triton.cdiv(H, BK.value), STAGES=stages,
+        GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, num_warps=4)

@@ -1,0 +1,152 @@
+"""The warp-specialized bf16 GEMMs (tabby/ops/gemm/bf16_ws.py) on a GPU against bf16.py's Triton
+kernels (the same wgmma sums over K in order: bitwise equal expected) and plain torch fp32, for
+each form the layer runs: gate/up with the SwiGLU, the rows stored and pushed (K-major B: the
+forward's down), the two-phase N-major push (the gate/up dgrad) and the SwiGLU backward (N-major B:
+the down dgrad). Odd K (a partial last block), N not a multiple of the tile, empty experts, all
+rows on one expert, unused tiles, schedule tiles of 256 rows, two ring depths and a grid smaller
+than the tiles (persistent); 20 repeats bitwise. Its sm_90a code: test_gemm_ws_compile.py."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+from tabby.functional import heuristics  # noqa: E402
+from tabby.ops.gemm import bf16 as gemm, bf16_ws as ws  # noqa: E402
+
+from test_gemm import Sched, check_pushed, make_dsts, per_row_ref, rand, rel_err  # noqa: E402
+
+# (rows per expert, K, N): the last two K not multiples of 64, N not of 256
+CASES = [([300, 0, 128, 5], 256, 256), ([129, 1, 700], 1040, 384), ([512] * 6, 2048, 1024),
+         ([40, 0, 0, 900], 7168, 128), ([77, 500, 3], 2880, 328)]
+RING = [(256, 4, None), (256, 3, 5), (128, 4, None)]  # (tile_n, stages, grid)
+
+
+def _cfg(kind, N, K, BM=128):
+    return heuristics.gemm_config(kind, N, K, BM)
+
+
+def _ws_rows(a_parts, b_parts, s, epilogue, epi, N, b_kn, tile_n, stages, grid, BM=128):
+    assert ws.fits(*a_parts, *b_parts, sched_bm=BM)
+    ws.rows_launch(a_parts, b_parts, s.tile_expert, s.num_tiles, BM, epilogue, epi, N, b_kn=b_kn, tile_n=tile_n,
+                   stages=stages, grid=grid)
+
+
+@pytest.mark.parametrize("counts,K,N", CASES)
+@pytest.mark.parametrize("tile_n,stages,grid", RING)
+@pytest.mark.parametrize("BM", [128, 256])
+def test_store_and_push_k_major(counts, K, N, tile_n, stages, grid, BM):
+    """The forward's down (B [E, N, K]): stored rows and pushed rows, bitwise the Triton kernel's."""
+    s = Sched(counts, BM, W=3, TK=(sum(counts) + 2) // 3 + 1, seed=K)
+    a = s.rows(K, seed=K + 1)
+    b = rand(s.E, N, K, seed=K + 2, scale=K ** -0.5)
+    want = gemm.rows_gemm(a, b, s.tile_expert, s.num_tiles, config=_cfg(gemm.KIND_DOWN, N, K, BM))
+    got = torch.full((s.R, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _ws_rows([a], [b], s, ws.EPI_STORE, (got, got.stride(0)), N, False, tile_n, stages, grid, BM)
+    used = s.used_rows.cuda()
+    assert torch.equal(got[used], want[used])
+    assert torch.all(got[~used].isnan()), "unused tiles must not be written"
+    ref = per_row_ref(s, a, lambda e, x: x @ b[e].float().cpu().T)
+    assert rel_err(got[used], ref[s.used_rows]) < 1e-2
+    dsts, ptrs = make_dsts(s, N)
+    _ws_rows([a], [b], s, ws.EPI_PUSH, (s.row_src, ptrs, s.TK, N, ptrs.view(torch.bfloat16)), N, False, tile_n, stages, grid, BM)
+    check_pushed(s, dsts, ref, N)
+    want_d, want_ptrs = make_dsts(s, N)
+    gemm.down_push(a, b, s.tile_expert, s.num_tiles, s.row_src, want_ptrs, s.TK, config=_cfg(gemm.KIND_DOWN, N, K, BM))
+    for x, y in zip(dsts, want_d):
+        assert torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("counts,K,N", CASES)
+@pytest.mark.parametrize("tile_n,stages,grid", RING)
+def test_two_phase_n_major_push(counts, K, N, tile_n, stages, grid):
+    """The gate/up dgrad: dxs = dg @ Wg[e] + du @ Wu[e] (dgu [R, 2I], W [E, I, H] read N-major),
+    I = K each phase; pushed bitwise as the Triton kernel's."""
+    I, H = K, N
+    s = Sched(counts, 128, W=2, TK=(sum(counts) + 1) // 2 + 1, seed=I)
+    dgu = s.rows(2 * I, seed=I + 3)
+    wg = rand(s.E, I, H, seed=I + 4, scale=I ** -0.5)
+    wu = rand(s.E, I, H, seed=I + 5, scale=I ** -0.5)
+    dsts, ptrs = make_dsts(s, H)
+    _ws_rows([dgu[:, :I], dgu[:, I:]], [wg, wu], s, ws.EPI_PUSH, (s.row_src, ptrs, s.TK, H, ptrs.view(torch.bfloat16)), H, True,
+             tile_n, stages, grid)
+    ref = per_row_ref(s, dgu, lambda e, x: x[:, :I] @ wg[e].float().cpu() + x[:, I:] @ wu[e].float().cpu())
+    check_pushed(s, dsts, ref, H)
+    want_d, want_ptrs = make_dsts(s, H)
+    gemm.gate_up_dgrad_push(dgu, wg, wu, s.tile_expert, s.num_tiles, s.row_src, want_ptrs, s.TK,
+                            config=_cfg(gemm.KIND_GATE_UP_DGRAD, H, I))
+    for x, y in zip(dsts, want_d):
+        assert torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("counts,K,N", CASES)
+@pytest.mark.parametrize("tile_n,stages,grid", RING)
+def test_swiglu_backward_n_major(counts, K, N, tile_n, stages, grid):
+    """The down dgrad (dys @ Wd[e], Wd [E, H, I] read N-major) with the SwiGLU backward: dgu and hw
+    bitwise the Triton kernel's at 128-column tiles, the dw partials per 128 columns alike."""
+    H, I = K, N
+    s = Sched(counts, 128, W=1, TK=sum(counts) + 1, seed=H)
+    dys = s.rows(H, seed=H + 6)
+    gu = s.rows(2 * I, seed=H + 7, scale=2.0)
+    wd = rand(s.E, H, I, seed=H + 8, scale=H ** -0.5)
+    w = torch.rand(s.R, generator=torch.Generator().manual_seed(H))
+    w[~s.real] = 0
+    w = w.cuda()
+    cfg = _cfg(gemm.KIND_DGRAD_SWIGLU, I, H).with_(BN=128)
+    want = gemm.down_dgrad_swiglu_bwd(dys, wd, gu, w, s.tile_expert, s.num_tiles, config=cfg)
+    nan = float("nan")
+    dgu = torch.full((s.R, 2 * I), nan, dtype=torch.bfloat16, device="cuda")
+    hw = torch.full((s.R, I), nan, dtype=torch.bfloat16, device="cuda")
+    dwp = torch.full((s.R, -(-I // 128)), nan, dtype=torch.float32, device="cuda")
+    epi = (gu, gu.stride(0), w, dgu, dgu.stride(0), hw, hw.stride(0), dwp, dwp.stride(0))
+    _ws_rows([dys], [wd], s, ws.EPI_SWIGLU_BWD, epi, I, True, tile_n, stages, grid)
+    used = s.used_rows.cuda()
+    assert torch.equal(dgu[used], want[0][used]) and torch.equal(hw[used], want[1][used])
+    assert torch.allclose(dwp[used], want[2][used], rtol=1e-6, atol=1e-6)
+    assert torch.all(dgu[~used].isnan()) and torch.all(hw[~used].isnan())
+
+
+@pytest.mark.parametrize("counts,K,N", CASES)
+@pytest.mark.parametrize("stages,grid", [(4, None), (3, 7)])
+@pytest.mark.parametrize("save_gu", [True, False])
+def test_gate_up_swiglu(counts, K, N, stages, grid, save_gu):
+    """gate/up + SwiGLU (W [E, I, H], H = K, I = N): h and g | u bitwise the Triton kernel's."""
+    H, I = K, N
+    s = Sched(counts, 128, W=1, TK=sum(counts) + 1, seed=H + I)
+    xs = s.rows(H, seed=H + 9)
+    wg = rand(s.E, I, H, seed=H + 10, scale=H ** -0.5)
+    wu = rand(s.E, I, H, seed=H + 11, scale=H ** -0.5)
+    want_h, want_gu = gemm.gate_up_swiglu(xs, wg, wu, s.tile_expert, s.num_tiles, save_gu=True,
+                                          config=_cfg(gemm.KIND_GATE_UP, I, H))
+    h = torch.full((s.R, I), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gu = torch.full((s.R, 2 * I), float("nan"), dtype=torch.bfloat16, device="cuda") if save_gu else None
+    assert ws.fits(xs, wg, wu, sched_bm=128)
+    ws.gate_up_swiglu_ws(xs, wg, wu, s.tile_expert, s.num_tiles, h, gu, sched_bm=128, stages=stages, grid=grid)
+    used = s.used_rows.cuda()
+    assert torch.equal(h[used], want_h[used])
+    assert torch.all(h[~used].isnan())
+    if save_gu:
+        assert torch.equal(gu[used], want_gu[used])
+    g = per_row_ref(s, xs, lambda e, x: x @ wg[e].float().cpu().T)
+    u = per_row_ref(s, xs, lambda e, x: x @ wu[e].float().cpu().T)
+    assert rel_err(h[used], (torch.nn.functional.silu(g) * u)[s.used_rows]) < 1e-2
+
+
+def test_repeat_bitwise():
+    """20 calls of each kernel on one input: the same bits (no atomics, a fixed K order)."""
+    counts, K, N = [77, 500, 3, 0, 1024], 2880, 328
+    s = Sched(counts, 128, W=1, TK=sum(counts) + 1, seed=1)
+    a = s.rows(K, seed=2)
+    b = rand(s.E, N, K, seed=3, scale=K ** -0.5)
+    outs = []
+    for _ in range(20):
+        out = torch.zeros(s.R, N, dtype=torch.bfloat16, device="cuda")
+        _ws_rows([a], [b], s, ws.EPI_STORE, (out, out.stride(0)), N, False, 256, 4, None)
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    hs = []
+    for _ in range(20):
+        h = torch.zeros(s.R, N, dtype=torch.bfloat16, device="cuda")
+        ws.gate_up_swiglu_ws(a, b, b, s.tile_expert, s.num_tiles, h, None, sched_bm=128, stages=4)
+        hs.append(h)
+    assert all(torch.equal(h, hs[0]) for h in hs)
