@@ -262,8 +262,35 @@ def test_fp8_plans_off_sm90_run_the_triton_kernels():
                  "expert_wgrad_fp8_kernel", "64x128x128 tiles, 8 warps, 5 stages, GROUP_M 16, TMA"):
         assert name in text, (name, text)
     # an FP8 forward with a bf16 backward: the bf16 kernels of Plan.gemm run the backward
-    fwd = _fp8_plan("glm-5", precision="fp8-forward")
+    fwd = _fp8_plan("glm-5", precision="fp8-forward", arch=None)
     assert fwd.fp8.dgrad is None and fwd.fp8.wgrad is None and "down_dgrad_swiglu_kernel" in fwd.describe()
+
+
+def test_bf16_plans_choose_the_core():
+    """The routed bf16 GEMMs on the warp-specialized kernels on sm_90, at the heuristics' tiles;
+    the Triton kernels elsewhere or with Tuning(bf16_ws=False); Tuning(bf16_ws=True) where they
+    cannot run is an error naming the field; the plan's description names the kernels."""
+    routed = (gemm.KIND_GATE_UP, gemm.KIND_DOWN, gemm.KIND_DGRAD_SWIGLU, gemm.KIND_GATE_UP_DGRAD)
+    E, H, I, k = SHAPES["kimi-k2"]
+    dims = MoEDims(T=16384, H=H, k=k, E_local=E // 8, I=I, world_size=1, I_shared=0)
+    p = make_plan(dims, MoEConfig(megakernel=False), torch.device("cpu"), sms=132, arch=90)
+    for kind in routed:
+        g = p.gemm[kind]
+        assert g.core == gemm.CORE_WS and g.config.BN == heuristics.BF16_WS_TILE_N[kind], kind
+        assert g.config.num_stages == heuristics.BF16_WS_STAGES[kind] and g.programs == 132
+    assert p.gemm[gemm.KIND_DGRAD_SWIGLU].dw_cols == 128
+    text = p.describe()
+    assert "gate_up_swiglu_ws_kernel" in text and "rows_gemm_ws_kernel" in text and "ws " in text, text
+    for arch, tuning in ((None, Tuning()), (90, Tuning(bf16_ws=False)), (80, Tuning())):
+        p = make_plan(dims, MoEConfig(megakernel=False, tuning=tuning), torch.device("cpu"), sms=132, arch=arch)
+        assert {p.gemm[kind].core for kind in routed} == {gemm.CORE_TRITON}
+        assert p.gemm[gemm.KIND_DGRAD_SWIGLU].dw_cols == p.gemm[gemm.KIND_DGRAD_SWIGLU].config.BN
+        assert "rows_gemm_ws_kernel" not in p.describe()
+    with pytest.raises(MoEInputError, match="bf16_ws"):
+        make_plan(dims, MoEConfig(tuning=Tuning(bf16_ws=True)), torch.device("cpu"), sms=132, arch=None)
+    odd = MoEDims(T=64, H=100, k=2, E_local=4, I=36, world_size=1, I_shared=0)  # H not a multiple of 8
+    assert make_plan(odd, MoEConfig(megakernel=False), torch.device("cpu"), sms=132,
+                     arch=90).gemm[gemm.KIND_DOWN].core == gemm.CORE_TRITON
 
 
 def test_bf16_plans_name_the_megakernel_and_the_backward_s_kernels():

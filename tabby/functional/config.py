@@ -59,6 +59,11 @@ class Tuning:
     The sync-free path's dispatch:
       dispatch_rows, dispatch_cols   the block one program copies per step
       dispatch_programs              programs of the dispatch launch
+    bf16:
+      bf16_ws        the routed GEMMs of the separate launches (the backward's on both paths) on the
+                     warp-specialized kernels (``ops/gemm/bf16_ws.py``, sm_90, routed tiles a multiple
+                     of 128 rows, H and I multiples of 8) where they run (True), or on the Triton
+                     kernels everywhere (False)
     FP8 (``MoEConfig(precision="fp8" | "fp8-forward")``):
       fp8_ws         the GEMMs on the warp-specialized kernels (``ops/gemm/fp8_ws.py``, sm_90, routed
                      tiles a multiple of 128 rows) where they run (True), or on the Triton kernels
@@ -92,6 +97,7 @@ class Tuning:
     dispatch_rows: int | None = None
     dispatch_cols: int | None = None
     dispatch_programs: int | None = None
+    bf16_ws: bool | None = None
     fp8_ws: bool | None = None
     fp8_dgrad: Literal["cached_transposes", "transpose_in_kernel", "transpose_per_call"] | None = None
 

@@ -43,6 +43,29 @@ def gemm_config(kind: str, N: int, K: int, tile_m: int) -> GemmConfig:
     raise ValueError(f"unknown GEMM kind {kind!r}")
 
 
+BF16_WS_ARCH = 90  # the warp-specialized kernels' wgmma and TMA: sm_90 only
+# each routed kind's tile width and ring depth on the warp-specialized core ("Warp-specialized bf16 GEMMs")
+BF16_WS_TILE_N = {gemm.KIND_GATE_UP: 128, gemm.KIND_DOWN: 256, gemm.KIND_DGRAD_SWIGLU: 256,
+                  gemm.KIND_GATE_UP_DGRAD: 256}
+BF16_WS_STAGES = {gemm.KIND_GATE_UP: 4, gemm.KIND_DOWN: 4, gemm.KIND_DGRAD_SWIGLU: 4, gemm.KIND_GATE_UP_DGRAD: 4}
+
+
+def bf16_ws_possible(arch: int | None, tile_m: int, H: int, I: int) -> bool:
+    """The warp-specialized bf16 kernels run on sm_90 (not under the interpreter: ``arch`` None),
+    with 128-row kernel tiles inside the schedule's and 16-byte rows for TMA (H, I multiples of 8)."""
+    return arch == BF16_WS_ARCH and tile_m % 128 == 0 and H % 8 == 0 and I % 8 == 0
+
+
+def bf16_gemm(kind: str, N: int, K: int, tile_m: int, ws: bool, programs: int | None) -> gemm.Bf16Gemm:
+    """A routed bf16 GEMM's kernel: the warp-specialized core where it runs, 128 x 256 tiles (a
+    consumer's 64 x 256 accumulator: 128 registers) but gate/up's 128 x 128 of h (g and u: 128) and
+    the SwiGLU backward's ... ("Warp-specialized bf16 GEMMs"); else this kind's Triton tiles."""
+    if not ws:
+        return gemm.Bf16Gemm(gemm.CORE_TRITON, gemm_config(kind, N, K, tile_m))
+    return gemm.Bf16Gemm(gemm.CORE_WS, GemmConfig(BM=tile_m, BN=BF16_WS_TILE_N[kind], BK=64, num_warps=4,
+                                                  num_stages=BF16_WS_STAGES[kind], GROUP_M=8), programs=programs)
+
+
 def wgrad_config(N: int) -> GemmConfig:
     """The bf16 weight gradients' tiles (output C[e] [M, N]; K is an expert's rows, so BK 32 at 4
     stages): 128 x 256 x 32 at 8 warps ("GEMM tiles", weight gradients)."""

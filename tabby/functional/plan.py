@@ -63,14 +63,15 @@ class Plan:
     dispatch_rows: int  # the sync-free dispatch's block (rows x columns) and programs; the
     dispatch_cols: int  # backward's pulls use them on both paths
     dispatch_programs: int
-    gemm: dict  # gemm.KIND_* -> GemmConfig of the bf16 standalone kernels (sync-free forward, backward)
+    gemm: dict  # the bf16 standalone kernels (sync-free forward, backward): the routed kinds' gemm.Bf16Gemm,
+    # the weight gradients' GemmConfig (gemm.KIND_*)
     mega: MegaPlan | None  # the megakernel forward's launch (None: the sync-free path)
     precision: str = "bf16"  # MoEConfig.precision: the expert GEMMs' operands
     cache_fp8_transposes: bool = True  # MoEConfig.cache_fp8_transposes
     wgrad_programs: int = 4  # the bf16 weight gradients' persistent grid
     fp8: Fp8Plan | None = None  # the FP8 GEMMs' kernels (None: precision "bf16")
 
-    def gemm_config(self, kind: str) -> gemm.GemmConfig:
+    def gemm_config(self, kind: str) -> gemm.Bf16Gemm | gemm.GemmConfig:
         return self.gemm[kind]
 
     def describe(self) -> str:
@@ -89,8 +90,8 @@ class Plan:
             lines += [_fp8_line("gate/up + SwiGLU", "gate_up", self.fp8.gate_up),
                       _fp8_line("down + push", "rows", self.fp8.down)]
         else:
-            lines += [_line("gate/up + SwiGLU", gemm.gate_up_swiglu_kernel, g[gemm.KIND_GATE_UP]),
-                      _line("down + push", gemm.rows_gemm_kernel, g[gemm.KIND_DOWN])]
+            lines += [_line("gate/up + SwiGLU", "gate_up", g[gemm.KIND_GATE_UP]),
+                      _line("down + push", "rows", g[gemm.KIND_DOWN])]
         f = self.fp8
         if f is not None and f.dgrad is not None:
             lines.append(f"  backward (FP8; the dgrads read {_DGRAD_TEXT[f.dgrad]}):")
@@ -100,13 +101,11 @@ class Plan:
         else:
             lines.append("  backward (bf16):")
             if self.mega is not None and not self.save_for_backward:
-                lines.append(_line("gate/up (recomputed)", gemm.gate_up_swiglu_kernel, g[gemm.KIND_GATE_UP]))
-            lines += [_line("down dgrad + SwiGLU bwd", gemm.down_dgrad_swiglu_kernel, g[gemm.KIND_DGRAD_SWIGLU]),
-                      _line("gate/up dgrad + push", gemm.rows_gemm_kernel, g[gemm.KIND_GATE_UP_DGRAD]),
-                      _line("dW_down", gemm.expert_wgrad_kernel, g[gemm.KIND_WGRAD_DOWN],
-                            f", {self.wgrad_programs} programs"),
-                      _line("dW_gate | dW_up", gemm.expert_wgrad_kernel, g[gemm.KIND_WGRAD_GATE_UP],
-                            f", {self.wgrad_programs} programs")]
+                lines.append(_line("gate/up (recomputed)", "gate_up", g[gemm.KIND_GATE_UP]))
+            lines += [_line("down dgrad + SwiGLU bwd", "down_dgrad", g[gemm.KIND_DGRAD_SWIGLU]),
+                      _line("gate/up dgrad + push", "rows", g[gemm.KIND_GATE_UP_DGRAD]),
+                      _line("dW_down", "wgrad", g[gemm.KIND_WGRAD_DOWN], f", {self.wgrad_programs} programs"),
+                      _line("dW_gate | dW_up", "wgrad", g[gemm.KIND_WGRAD_GATE_UP], f", {self.wgrad_programs} programs")]
         return "\n".join(lines)
 
     __str__ = describe
@@ -116,8 +115,20 @@ def _tiles(c: gemm.GemmConfig) -> str:
     return (f"{c.BM}x{c.BN}x{c.BK} tiles, {c.num_warps} warps, {c.num_stages} stages, GROUP_M {c.GROUP_M}")
 
 
-def _line(name: str, kernel, c: gemm.GemmConfig, more: str = "") -> str:
-    return f"    {name:<24} {kernel.__name__:<30} triton  {_tiles(c)}{more}"
+_BF16_KERNELS = {"gate_up": ("gate_up_swiglu_kernel", "gate_up_swiglu_ws_kernel"),
+                 "rows": ("rows_gemm_kernel", "rows_gemm_ws_kernel"),
+                 "down_dgrad": ("down_dgrad_swiglu_kernel", "rows_gemm_ws_kernel"),
+                 "wgrad": ("expert_wgrad_kernel", None)}
+
+
+def _line(name: str, role: str, k, more: str = "") -> str:
+    """A bf16 kernel's line: ``k`` a ``gemm.Bf16Gemm`` or the Triton tiles (``GemmConfig``)."""
+    if isinstance(k, gemm.GemmConfig):
+        k = gemm.Bf16Gemm(gemm.CORE_TRITON, k)
+    ws = k.core == gemm.CORE_WS
+    if ws:
+        more += f", {k.programs or 'one per SM'} programs"
+    return f"    {name:<24} {_BF16_KERNELS[role][ws]:<30} {k.core:<7} {_tiles(k.config)}{more}"
 
 
 def _fp8_line(name: str, role: str, k: Fp8Gemm) -> str:
@@ -168,11 +179,17 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     tile_m = t.tile_m or heuristics.TILE_M
     sm_count = sms if sms is not None else _device_sms(device)
     wait_budget = config.resolved_max_wait_polls() if INTERPRET else int(config.resolved_max_wait_ms() * 1e6)
-    gemms = {gemm.KIND_GATE_UP: heuristics.gemm_config(gemm.KIND_GATE_UP, I, H, tile_m),
-             gemm.KIND_DOWN: heuristics.gemm_config(gemm.KIND_DOWN, H, I, tile_m),
-             gemm.KIND_DGRAD_SWIGLU: heuristics.gemm_config(gemm.KIND_DGRAD_SWIGLU, I, H, tile_m),
-             gemm.KIND_GATE_UP_DGRAD: heuristics.gemm_config(gemm.KIND_GATE_UP_DGRAD, H, 2 * I, tile_m),
-             gemm.KIND_WGRAD_DOWN: heuristics.wgrad_config(I),
+    arch = arch if arch is not None else _device_arch(device)
+    ws_possible = heuristics.bf16_ws_possible(arch, tile_m, H, I)
+    if t.bf16_ws and not ws_possible:
+        raise MoEInputError(f"Tuning(bf16_ws=True): the warp-specialized bf16 kernels need sm_90 (this plan's device: "
+                            f"{'sm_%d' % arch if arch else 'none: the CPU or the interpreter'}), routed tiles a "
+                            f"multiple of 128 rows (tile_m={tile_m}) and H, I multiples of 8 (H={H}, I={I})")
+    ws = ws_possible if t.bf16_ws is None else t.bf16_ws
+    gemms = {kind: heuristics.bf16_gemm(kind, N, K, tile_m, ws, sm_count)
+             for kind, N, K in ((gemm.KIND_GATE_UP, I, H), (gemm.KIND_DOWN, H, I), (gemm.KIND_DGRAD_SWIGLU, I, H),
+                                (gemm.KIND_GATE_UP_DGRAD, H, 2 * I))}
+    gemms |= {gemm.KIND_WGRAD_DOWN: heuristics.wgrad_config(I),
              gemm.KIND_WGRAD_GATE_UP: heuristics.wgrad_config(H)}
     dispatch_cols = t.dispatch_cols or heuristics.DISPATCH_COLS
     if dispatch_cols & (dispatch_cols - 1):
@@ -196,8 +213,7 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
                 dispatch_programs=t.dispatch_programs or heuristics.DISPATCH_PROGRAMS, gemm=gemms, mega=mega,
                 precision=config.precision, cache_fp8_transposes=config.cache_fp8_transposes,
                 wgrad_programs=heuristics.wgrad_programs(sm_count),
-                fp8=None if config.precision == "bf16" else _fp8_plan(
-                    dims, config, tile_m, sm_count, arch if arch is not None else _device_arch(device)))
+                fp8=None if config.precision == "bf16" else _fp8_plan(dims, config, tile_m, sm_count, arch))
 
 
 def _fp8_plan(dims: MoEDims, config: MoEConfig, tile_m: int, sms: int | None, arch: int | None) -> Fp8Plan:

@@ -43,7 +43,9 @@ Notes for callers of the tile functions (the megakernel):
   tile; ``grouped_tile`` maps a linear id to (m, n) in L2-friendly groups of GROUP_M row tiles.
 
 Every launcher runs the tiles it is given (``config``: the plan's, ``functional/heuristics.py``,
-measured choices: docs/performance.md, "GEMM tiles") and decides none.
+measured choices: docs/performance.md, "GEMM tiles") and decides none. Roles 1-4 take either this
+file's tiles (``GemmConfig``) or the plan's ``Bf16Gemm``, whose core may be bf16_ws.py's
+warp-specialized kernels (the same sums, in the same order).
 """
 from __future__ import annotations
 
@@ -76,6 +78,50 @@ class GemmConfig:
 
     def with_(self, **kw) -> "GemmConfig":
         return replace(self, **kw)
+
+
+CORE_TRITON = "triton"  # this file's kernels
+CORE_WS = "ws"  # bf16_ws.py's warp-specialized persistent kernels (Gluon, sm_90)
+
+
+@dataclass(frozen=True)
+class Bf16Gemm:
+    """Which kernel runs one routed bf16 GEMM, at which tiles: the plan's choice
+    (``functional/heuristics.py``), which the entry points here run as given.
+
+    core:     ``CORE_WS`` (bf16_ws.py) or ``CORE_TRITON`` (this file's kernel at ``config``)
+    config:   the tiles. Triton: as launched. ws: BM the schedule's tile height (a multiple of the
+              kernels' 128-row tiles), BK 64, BN the tile's columns (256 or 128; gate/up: 128
+              columns of h), num_warps 4 (a consumer warpgroup), num_stages the ring's depth
+    programs: the ws kernels' persistent grid (None: one program per SM)
+    """
+    core: str
+    config: GemmConfig
+    programs: int | None = None
+
+    def __post_init__(self):
+        if self.core not in (CORE_TRITON, CORE_WS):
+            raise ValueError(f"Bf16Gemm.core must be {CORE_TRITON!r} or {CORE_WS!r}, got {self.core!r}")
+
+    @property
+    def dw_cols(self) -> int:
+        """The columns of I each down-dgrad partial router-weight gradient sums (``dw_part``'s
+        column width): the Triton tile's, the ws kernel's 128 (its epilogue's width)."""
+        return 128 if self.core == CORE_WS else self.config.BN
+
+
+def _choice(config) -> tuple:
+    """(the ws kernel or None, the Triton tiles or None) of an entry point's ``config``: a
+    ``GemmConfig`` (this file's kernel at those tiles) or the plan's ``Bf16Gemm``."""
+    if isinstance(config, Bf16Gemm):
+        return (config, None) if config.core == CORE_WS else (None, config.config)
+    return None, config
+
+
+def _ws_module():
+    from . import bf16_ws  # (bf16_ws imports this file's helpers: imported at first use)
+
+    return bf16_ws
 
 
 # The layer's standalone GEMMs, the keys of ``Plan.gemm`` (functional/plan.py).
@@ -486,7 +532,7 @@ def _check_schedule(tile_expert, num_tiles, R, BM):
 def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                    tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
                    h: torch.Tensor | None = None, gu: torch.Tensor | None = None, save_gu: bool = False,
-                   config: GemmConfig):
+                   config: GemmConfig | Bf16Gemm):
     """h [R, I] = silu(xs @ Wg[e]^T) * (xs @ Wu[e]^T) per row tile; returns h, or (h, gu) with save_gu.
 
     xs [R, H] bf16; w_gate, w_up [E, I, H] bf16 (contiguous last dim, same strides);
@@ -496,15 +542,21 @@ def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     R, H = xs.shape
     E, I, H2 = w_gate.shape
     assert H2 == H and w_up.shape == w_gate.shape and w_up.stride() == w_gate.stride()
-    cfg = config
-    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
-    _check_rows("xs", xs, R, cfg.BM)
+    ws, cfg = _choice(config)
+    bm = (ws.config if ws else cfg).BM
+    _check_schedule(tile_expert, num_tiles, R, bm)
+    _check_rows("xs", xs, R, bm)
     assert w_gate.stride(-1) == 1
     if h is None:
         h = torch.empty(R, I, dtype=xs.dtype, device=xs.device)
     save_gu = save_gu or gu is not None
     if save_gu and gu is None:
         gu = torch.empty(R, 2 * I, dtype=xs.dtype, device=xs.device)
+    if ws:
+        _ws_module().gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu if save_gu else None,
+                                       sched_bm=bm, stages=ws.config.num_stages,
+                                       grid=ws.programs, GROUP_M=ws.config.GROUP_M)
+        return (h, gu) if save_gu else h
     gu_arg = gu if save_gu else h
     num_m = R // cfg.BM
     grid = (num_m * triton.cdiv(I, cfg.BN),)
@@ -590,7 +642,7 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
               row_src: torch.Tensor | None = None, dst_ptrs: torch.Tensor | None = None,
               TK: int | None = None, dst_stride: int | None = None, dst_dtype: torch.dtype = torch.bfloat16,
-              config: GemmConfig):
+              config: GemmConfig | Bf16Gemm):
     """Routed-row GEMM: for each used row tile m (expert e = tile_expert[m]),
     ``rows = A[m-tile] @ op(B[e])`` (+ ``A2[m-tile] @ op(B2[e])`` when a2/b2 are given).
 
@@ -622,8 +674,9 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
         assert Kb2 == K2 and Nb2 == N and b2.shape[0] == E
     else:
         K2 = 0
-    cfg = config
-    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
+    ws, cfg = _choice(config)
+    bm = (ws.config if ws else cfg).BM
+    _check_schedule(tile_expert, num_tiles, R, bm)
     push = dst_ptrs is not None
     if push:
         assert row_src is not None and TK is not None
@@ -639,6 +692,15 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
         row_src = tile_expert  # unused
         dst_ptrs = tile_expert  # unused
         TK, stride_d = 1, 0
+    if ws:
+        if two and K2 != K:
+            raise ValueError(f"rows_gemm: the warp-specialized kernel's two phases take one K, got {K} and {K2}")
+        bws = _ws_module()
+        epi = (row_src, dst_ptrs, TK, stride_d, dst_ptrs.view(dst_dtype)) if push else (c, stride_c)
+        bws.rows_launch([a, a2] if two else [a], [b, b2] if two else [b], tile_expert, num_tiles, bm,
+                        bws.EPI_PUSH if push else bws.EPI_STORE, epi, N, b_kn=b_layout == "kn", tile_n=ws.config.BN,
+                        stages=ws.config.num_stages, grid=ws.programs, GROUP_M=ws.config.GROUP_M)
+        return None if push else out
     num_m = R // cfg.BM
     grid = (num_m * triton.cdiv(N, cfg.BN),)
     even_k = K % cfg.BK == 0 and K2 % cfg.BK == 0
@@ -656,7 +718,7 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
 
 def down_push(h: torch.Tensor, w_down: torch.Tensor, tile_expert: torch.Tensor, num_tiles: torch.Tensor,
               row_src: torch.Tensor, dst_ptrs: torch.Tensor, TK: int, *, dst_stride: int | None = None,
-              config: GemmConfig):
+              config: GemmConfig | Bf16Gemm):
     """Down projection with push epilogue: row r of h[m-tile] @ Wd[e]^T ([R, I] x [E, H, I]) goes,
     bf16, to ``dst_ptrs[row_src[r] // TK]`` row ``row_src[r] % TK`` (each destination [TK, H])."""
     rows_gemm(h, w_down, tile_expert, num_tiles, b_layout="nk", row_src=row_src, dst_ptrs=dst_ptrs,
@@ -664,7 +726,7 @@ def down_push(h: torch.Tensor, w_down: torch.Tensor, tile_expert: torch.Tensor, 
 
 
 def down_local(h: torch.Tensor, w_down: torch.Tensor, tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
-               out: torch.Tensor | None = None, config: GemmConfig) -> torch.Tensor:
+               out: torch.Tensor | None = None, config: GemmConfig | Bf16Gemm) -> torch.Tensor:
     """Down projection into a local [R, H] buffer (rows of unused tiles untouched)."""
     return rows_gemm(h, w_down, tile_expert, num_tiles, b_layout="nk", out=out, config=config)
 
@@ -672,7 +734,7 @@ def down_local(h: torch.Tensor, w_down: torch.Tensor, tile_expert: torch.Tensor,
 def gate_up_dgrad_push(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                        tile_expert: torch.Tensor, num_tiles: torch.Tensor,
                        row_src: torch.Tensor, dst_ptrs: torch.Tensor, TK: int, *,
-                       dst_stride: int | None = None, config: GemmConfig):
+                       dst_stride: int | None = None, config: GemmConfig | Bf16Gemm):
     """dxs = dg @ Wg[e] + du @ Wu[e] (dgu [R, 2I]: dg = dgu[:, :I], du = dgu[:, I:]; w [E, I, H]),
     each row pushed bf16 to its origin as in ``down_push`` (destinations [TK, H])."""
     I = w_gate.shape[1]
@@ -683,7 +745,7 @@ def gate_up_dgrad_push(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
 
 def gate_up_dgrad_local(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                         tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
-                        out: torch.Tensor | None = None, config: GemmConfig) -> torch.Tensor:
+                        out: torch.Tensor | None = None, config: GemmConfig | Bf16Gemm) -> torch.Tensor:
     """dxs [R, H] = dg @ Wg[e] + du @ Wu[e] into a local buffer."""
     I = w_gate.shape[1]
     return rows_gemm(dgu[:, :I], w_gate, tile_expert, num_tiles, b_layout="kn", a2=dgu[:, I:], b2=w_up,
@@ -783,7 +845,7 @@ def down_dgrad_swiglu_kernel(dys_ptr, stride_dym, wd_ptr, stride_we, stride_wh,
 def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Tensor, ws: torch.Tensor,
                           tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
                           dgu: torch.Tensor | None = None, hw: torch.Tensor | None = None,
-                          dw_part: torch.Tensor | None = None, config: GemmConfig):
+                          dw_part: torch.Tensor | None = None, config: GemmConfig | Bf16Gemm):
     """Down dgrad fused with the SwiGLU backward. Returns (dgu, hw, dw_part).
 
     dys [R, H] bf16 (unscaled dy rows); w_down [E, H, I] bf16; gu [R, 2I] bf16 (saved g, u);
@@ -795,10 +857,11 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     E, H2, I = w_down.shape
     assert H2 == H and gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
     assert w_down.stride(-1) == 1 and gu.stride(-1) == 1 and ws.stride(0) == 1
-    cfg = config
-    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
-    _check_rows("dys", dys, R, cfg.BM)
-    nt_n = triton.cdiv(I, cfg.BN)
+    ws_kernel, cfg = _choice(config)
+    bm = (ws_kernel.config if ws_kernel else cfg).BM
+    _check_schedule(tile_expert, num_tiles, R, bm)
+    _check_rows("dys", dys, R, bm)
+    nt_n = triton.cdiv(I, ws_kernel.dw_cols if ws_kernel else cfg.BN)
     if dgu is None:
         dgu = torch.empty(R, 2 * I, dtype=dys.dtype, device=dys.device)
     if hw is None:
@@ -806,6 +869,13 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     if dw_part is None:
         dw_part = torch.empty(R, nt_n, dtype=torch.float32, device=dys.device)
     assert dw_part.shape == (R, nt_n) and dw_part.dtype == torch.float32
+    if ws_kernel:
+        bws = _ws_module()
+        epi = (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0))
+        bws.rows_launch([dys], [w_down], tile_expert, num_tiles, bm, bws.EPI_SWIGLU_BWD, epi, I, b_kn=True,
+                        tile_n=ws_kernel.config.BN, stages=ws_kernel.config.num_stages, grid=ws_kernel.programs,
+                        GROUP_M=ws_kernel.config.GROUP_M)
+        return dgu, hw, dw_part
     num_m = R // cfg.BM
     grid = (num_m * nt_n,)
     down_dgrad_swiglu_kernel[grid](

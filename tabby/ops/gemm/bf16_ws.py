@@ -285,9 +285,9 @@ def rows_launch(a_parts, b_parts, tile_expert, num_tiles, sched_bm: int, epilogu
                 b_kn: bool, tile_n: int, stages: int, grid: int | None = None, GROUP_M: int = 8):
     """One persistent launch of the rows GEMM: sum over phases p of ``a_parts[p] [R, K] @ op(b_parts[p][e])``
     (one or two phases of equal K; B [E, N, K] K-major, or [E, K, N] N-major with ``b_kn``) with
-    ``epilogue`` (fp8_ws's EPI_*) and its arguments ``epi``. The caller has checked the operands
-    (``fits``). ``tile_n``: 256 or 128 columns a tile; ``stages``: the ring's depth; ``grid``: the
-    persistent grid (None: one program per SM)."""
+    ``epilogue`` (fp8_ws's EPI_*) and its arguments ``epi``; raises where ``fits`` does not hold.
+    ``tile_n``: 256 or 128 columns a tile; ``stages``: the ring's depth; ``grid``: the persistent
+    grid (None: one program per SM)."""
     if len(a_parts) != len(b_parts) or len(a_parts) not in (1, 2):
         raise ValueError(f"rows_launch: {len(a_parts)} A parts and {len(b_parts)} B parts (one or two phases)")
     if tile_n not in (128, 256):
@@ -299,6 +299,9 @@ def rows_launch(a_parts, b_parts, tile_expert, num_tiles, sched_bm: int, epilogu
         if tuple(a.shape) != (R, K) or tuple(b.shape) != b_shape:
             raise ValueError(f"rows_launch: A {tuple(a.shape)} and B {tuple(b.shape)} must be [{R}, {K}] and "
                              f"{list(b_shape)} ({'N' if b_kn else 'K'}-major B)")
+    if not fits(*a_parts, *b_parts, sched_bm=sched_bm):
+        raise ValueError(f"rows_launch: A {[tuple(a.shape) for a in a_parts]}, B {[tuple(b.shape) for b in b_parts]}, "
+                         f"schedule tiles of {sched_bm} rows do not run on the warp-specialized kernel (see fits)")
     a_descs = [_desc(a, R, [HALF.value, BK.value]) for a in a_parts]
     if b_kn:
         b_descs = [_desc(b, E * K, [BK.value, tile_n]) for b in b_parts]
@@ -315,10 +318,13 @@ def rows_launch(a_parts, b_parts, tile_expert, num_tiles, sched_bm: int, epilogu
 def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_bm: int, stages: int,
                       grid: int | None = None, GROUP_M: int = 8):
     """h [R, I] = silu(xs @ Wg[e]^T) * (xs @ Wu[e]^T) per row tile, g | u into gu [R, 2I] unless gu is
-    None; xs [R, H], W [E, I, H]. The caller has checked the operands (``fits``). ``stages``: the
+    None; xs [R, H], W [E, I, H] (raises where ``fits`` does not hold). ``stages``: the
     ring's depth (48 KB a stage)."""
     R, H = xs.shape
     E, I, _ = w_gate.shape
+    if not fits(xs, w_gate, w_up, sched_bm=sched_bm):
+        raise ValueError(f"gate_up_swiglu_ws: xs {tuple(xs.shape)}, W {tuple(w_gate.shape)}, schedule tiles of "
+                         f"{sched_bm} rows do not run on the warp-specialized kernel (see fits)")
     save_gu = gu is not None
     gu_arg = gu if save_gu else h
     num_m = R // BM.value
