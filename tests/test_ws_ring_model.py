@@ -1,5 +1,5 @@
-"""The warp-specialized kernels' ring protocol (tabby/ops/gemm/fp8_ws.py) as a model, run under
-random interleavings of its partitions.
+"""The warp-specialized kernels' ring protocol (tabby/ops/gemm/fp8_ws.py, bf16_ws.py) as a model, run
+under random interleavings of its partitions.
 
 A GPU runs the partitions in one order each launch and a lucky order hides a race; the model
 replays the kernels' barrier operations (the producer's ``_ring_fill``, the consumers' ready
@@ -73,6 +73,31 @@ def consumer(ring, blocks_per_tile):
         for _ in range(nb):
             yield from read(ring, it)
             it += 1
+
+
+def lagged_consumer(ring, blocks_per_tile):
+    """bf16_ws's consumers (``_mainloop``, gate/up's loop): block ``it``'s wgmma is issued once its
+    stage is ready and still reads the stage while the next block's is issued; after that issue
+    the wait for all but one wgmma (wait 1) completes block ``it``'s, which releases its stage; the
+    tile's last block is released after its wait 0, before the epilogue."""
+    it = 0
+    for nb in blocks_per_tile:
+        for kb in range(nb):
+            s = it % ring.S
+            yield lambda s=s, it=it: ring.ready[s].passes((it // ring.S) & 1)
+            assert ring.block[s] == it, f"block {it} read from stage {s}, which holds block {ring.block[s]}"
+            yield lambda: True  # the wgmma in flight; the other partitions run
+            if kb > 0:  # wait 1: the block before it is done
+                p = (it - 1) % ring.S
+                assert ring.block[p] == it - 1, f"block {it - 1}'s stage {p} refilled under its wgmma"
+                ring.unreleased[p] -= 1
+                ring.empty[p].arrive()
+            it += 1
+        if nb:  # wait 0: the tile's last block
+            p = (it - 1) % ring.S
+            assert ring.block[p] == it - 1, f"block {it - 1}'s stage {p} refilled under its wgmma"
+            ring.unreleased[p] -= 1
+            ring.empty[p].arrive()
 
 
 def alternating_consumer(ring, blocks_per_tile, which):
@@ -155,3 +180,21 @@ def test_the_model_catches_an_empty_barrier_counting_one_of_two_readers():
             ring = Ring(2, readers=2)
             ring.empty = [MBarrier(1) for _ in range(2)]
             run([producer(ring, [5] * 4), consumer(ring, [5] * 4), consumer(ring, [5] * 4)], random.Random(seed))
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_bf16_consumers_releasing_a_block_late_under_random_interleavings(stages):
+    """bf16_ws's two consumers each keep one wgmma in flight and release a stage one block late:
+    no stage is refilled under a wgmma that reads it, and the partitions never all wait."""
+    rng = random.Random(20 + stages)
+    for trial in range(200):
+        tiles = random_tiles(rng, stages)
+        ring = Ring(stages, readers=2)
+        run([producer(ring, tiles), lagged_consumer(ring, tiles), lagged_consumer(ring, tiles)], rng)
+
+
+def test_the_model_catches_a_one_stage_ring_with_a_late_release():
+    # one stage: block it + 1 needs the stage block it holds until block it + 1's wgmma is issued
+    with pytest.raises(AssertionError, match="deadlock"):
+        ring = Ring(1, readers=2)
+        run([producer(ring, [3]), lagged_consumer(ring, [3]), lagged_consumer(ring, [3])], random.Random(0))

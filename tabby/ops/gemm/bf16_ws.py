@@ -274,6 +274,13 @@ def _desc(t: torch.Tensor, rows: int, block: list) -> TensorDescriptor:
     return TensorDescriptor(t, [rows, t.shape[-1]], [t.stride(-2), 1], block, layout)
 
 
+def _check_stages(name: str, stages: int):
+    """A consumer releases a stage one block late (after the next block's wgmma is issued): a ring
+    of one stage would wait for itself (tests/test_ws_ring_model.py)."""
+    if stages < 2:
+        raise ValueError(f"{name}: stages {stages} must be at least 2")
+
+
 def fits(*ts: torch.Tensor, sched_bm: int) -> bool:
     """Whether the warp-specialized kernels run on these operands: a CUDA device of compute
     capability 9 (wgmma, TMA), bf16, TMA-addressable (16-byte aligned bases and strides), the
@@ -292,6 +299,7 @@ def rows_launch(a_parts, b_parts, tile_expert, num_tiles, sched_bm: int, epilogu
         raise ValueError(f"rows_launch: {len(a_parts)} A parts and {len(b_parts)} B parts (one or two phases)")
     if tile_n not in (128, 256):
         raise ValueError(f"rows_launch: tile_n {tile_n} must be 128 or 256")
+    _check_stages("rows_launch", stages)
     R, K = a_parts[0].shape
     E = b_parts[0].shape[0]
     b_shape = (E, K, N) if b_kn else (E, N, K)
@@ -322,6 +330,7 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
     ring's depth (48 KB a stage)."""
     R, H = xs.shape
     E, I, _ = w_gate.shape
+    _check_stages("gate_up_swiglu_ws", stages)
     if not fits(xs, w_gate, w_up, sched_bm=sched_bm):
         raise ValueError(f"gate_up_swiglu_ws: xs {tuple(xs.shape)}, W {tuple(w_gate.shape)}, schedule tiles of "
                          f"{sched_bm} rows do not run on the warp-specialized kernel (see fits)")
