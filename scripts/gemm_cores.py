@@ -6,7 +6,7 @@ Per shape (uniform random top-k routing of T tokens over the shape's experts, ro
 a expert as the schedule pads them) and GEMM kind (gate/up + SwiGLU, down pushed to the rows'
 origins, down dgrad + SwiGLU backward, gate/up dgrad pushed), the median time and TFLOP/s of:
 bf16.py's Triton kernel at the plan's tiles (``triton``), the warp-specialized kernels of
-bf16_ws.py at each (tile_n, stages) (``ws-N-S``), ``torch._grouped_mm`` on the same rows (the
+bf16_ws.py at each (tile_n, stages) (``ws-N-S``; gate/up and down, the kinds they run), ``torch._grouped_mm`` on the same rows (the
 floor) and one dense ``torch.mm`` of the same FLOPs (cuBLAS). FLOPs count real rows only. Writes
 gemm-cores.json and gemm-cores.md under --out.
 """
@@ -110,8 +110,8 @@ def run_shape(name, T):
     cfg = heuristics.gemm_config(gemm.KIND_DOWN, H, I, 128)
     add("down", "triton", lambda: gemm.down_push(h, wd, te, nt, row_src, ptrs, T * k, config=cfg), f_d)
     for tn, st in WS_VARIANTS:
-        add("down", f"ws-{tn}-{st}", lambda: ws.rows_launch([h], [wd], te, nt, 128, ws.EPI_PUSH, push, H, b_kn=False,
-                                                              tile_n=tn, stages=st), f_d)
+        add("down", f"ws-{tn}-{st}", lambda: ws.rows_launch(h, wd, te, nt, 128, ws.EPI_PUSH, push, tile_n=tn,
+                                                              stages=st), f_d)
     add("down", "floor", lambda: torch._grouped_mm(hr, wd.transpose(-2, -1), offs=offs), f_d)
     add("down", "dense", lambda: torch.mm(hr, wd[0].T), f_d)
     # down dgrad + SwiGLU backward
@@ -119,20 +119,12 @@ def run_shape(name, T):
     dwp = torch.empty(R, -(-I // 128), dtype=torch.float32, device="cuda")
     add("dgrad_swiglu", "triton", lambda: gemm.down_dgrad_swiglu_bwd(xs, wd, gu, w, te, nt, dgu=dgu, hw=hw,
                                                                     dw_part=dwp, config=cfg), f_d)
-    epi = (gu, gu.stride(0), w, dgu, dgu.stride(0), hw, hw.stride(0), dwp, dwp.stride(0))
-    for tn, st in WS_VARIANTS:
-        add("dgrad_swiglu", f"ws-{tn}-{st}", lambda: ws.rows_launch([xs], [wd], te, nt, 128, ws.EPI_SWIGLU_BWD, epi, I,
-                                                                      b_kn=True, tile_n=tn, stages=st), f_d)
     add("dgrad_swiglu", "floor", lambda: torch._grouped_mm(xr, wd, offs=offs), f_d)
     add("dgrad_swiglu", "dense", lambda: torch.mm(xr, wd[0]), f_d)
     # gate/up dgrad, pushed
     cfg = heuristics.gemm_config(gemm.KIND_GATE_UP_DGRAD, H, 2 * I, 128)
     add("gate_up_dgrad", "triton", lambda: gemm.gate_up_dgrad_push(gu, wg, wu, te, nt, row_src, ptrs, T * k,
                                                                    config=cfg), f_gu)
-    for tn, st in WS_VARIANTS:
-        add("gate_up_dgrad", f"ws-{tn}-{st}", lambda: ws.rows_launch([gu[:, :I], gu[:, I:]], [wg, wu], te, nt, 128,
-                                                                       ws.EPI_PUSH, push, H, b_kn=True, tile_n=tn,
-                                                                       stages=st), f_gu)
     add("gate_up_dgrad", "floor", lambda: torch._grouped_mm(gur, wgu, offs=offs), f_gu)
     add("gate_up_dgrad", "dense", lambda: torch.mm(gur, wgu[0]), f_gu)
     return rows

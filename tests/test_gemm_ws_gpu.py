@@ -1,8 +1,8 @@
 """The warp-specialized bf16 GEMMs (tabby/ops/gemm/bf16_ws.py) on a GPU against bf16.py's Triton
 kernels (the same wgmma sums over K in order: bitwise equal expected) and plain torch fp32, for
-each form the layer runs: gate/up with the SwiGLU, the rows stored and pushed (K-major B: the
-forward's down), the two-phase N-major push (the gate/up dgrad) and the SwiGLU backward (N-major B:
-the down dgrad). Odd K (a partial last block), N not a multiple of the tile, empty experts, all
+each form the layer runs: gate/up with the SwiGLU, the down projection's rows stored and pushed;
+through the entry points with the plan's kernel choice, and a ws choice where the Triton kernel
+must run (the dgrads) refused. Odd K (a partial last block), N not a multiple of the tile, empty experts, all
 rows on one expert, unused tiles, schedule tiles of 256 rows, two ring depths and a grid smaller
 than the tiles (persistent); 20 repeats bitwise. Its sm_90a code: test_gemm_ws_compile.py."""
 
@@ -26,10 +26,9 @@ def _cfg(kind, N, K, BM=128):
     return heuristics.gemm_config(kind, N, K, BM)
 
 
-def _ws_rows(a_parts, b_parts, s, epilogue, epi, N, b_kn, tile_n, stages, grid, BM=128):
-    assert ws.fits(*a_parts, *b_parts, sched_bm=BM)
-    ws.rows_launch(a_parts, b_parts, s.tile_expert, s.num_tiles, BM, epilogue, epi, N, b_kn=b_kn, tile_n=tile_n,
-                   stages=stages, grid=grid)
+def _ws_rows(a, b, s, epilogue, epi, tile_n, stages, grid, BM=128):
+    assert ws.fits(a, b, sched_bm=BM)
+    ws.rows_launch(a, b, s.tile_expert, s.num_tiles, BM, epilogue, epi, tile_n=tile_n, stages=stages, grid=grid)
 
 
 @pytest.mark.parametrize("counts,K,N", CASES)
@@ -42,68 +41,19 @@ def test_store_and_push_k_major(counts, K, N, tile_n, stages, grid, BM):
     b = rand(s.E, N, K, seed=K + 2, scale=K ** -0.5)
     want = gemm.rows_gemm(a, b, s.tile_expert, s.num_tiles, config=_cfg(gemm.KIND_DOWN, N, K, BM))
     got = torch.full((s.R, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    _ws_rows([a], [b], s, ws.EPI_STORE, (got, got.stride(0)), N, False, tile_n, stages, grid, BM)
+    _ws_rows(a, b, s, ws.EPI_STORE, (got, got.stride(0)), tile_n, stages, grid, BM)
     used = s.used_rows.cuda()
     assert torch.equal(got[used], want[used])
     assert torch.all(got[~used].isnan()), "unused tiles must not be written"
     ref = per_row_ref(s, a, lambda e, x: x @ b[e].float().cpu().T)
     assert rel_err(got[used], ref[s.used_rows]) < 1e-2
     dsts, ptrs = make_dsts(s, N)
-    _ws_rows([a], [b], s, ws.EPI_PUSH, (s.row_src, ptrs, s.TK, N, ptrs.view(torch.bfloat16)), N, False, tile_n, stages, grid, BM)
+    _ws_rows(a, b, s, ws.EPI_PUSH, (s.row_src, ptrs, s.TK, N, ptrs.view(torch.bfloat16)), tile_n, stages, grid, BM)
     check_pushed(s, dsts, ref, N)
     want_d, want_ptrs = make_dsts(s, N)
     gemm.down_push(a, b, s.tile_expert, s.num_tiles, s.row_src, want_ptrs, s.TK, config=_cfg(gemm.KIND_DOWN, N, K, BM))
     for x, y in zip(dsts, want_d):
         assert torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
-
-
-@pytest.mark.parametrize("counts,K,N", CASES)
-@pytest.mark.parametrize("tile_n,stages,grid", RING)
-def test_two_phase_n_major_push(counts, K, N, tile_n, stages, grid):
-    """The gate/up dgrad: dxs = dg @ Wg[e] + du @ Wu[e] (dgu [R, 2I], W [E, I, H] read N-major),
-    I = K each phase; pushed bitwise as the Triton kernel's."""
-    I, H = K, N
-    s = Sched(counts, 128, W=2, TK=(sum(counts) + 1) // 2 + 1, seed=I)
-    dgu = s.rows(2 * I, seed=I + 3)
-    wg = rand(s.E, I, H, seed=I + 4, scale=I ** -0.5)
-    wu = rand(s.E, I, H, seed=I + 5, scale=I ** -0.5)
-    dsts, ptrs = make_dsts(s, H)
-    _ws_rows([dgu[:, :I], dgu[:, I:]], [wg, wu], s, ws.EPI_PUSH, (s.row_src, ptrs, s.TK, H, ptrs.view(torch.bfloat16)), H, True,
-             tile_n, stages, grid)
-    ref = per_row_ref(s, dgu, lambda e, x: x[:, :I] @ wg[e].float().cpu() + x[:, I:] @ wu[e].float().cpu())
-    check_pushed(s, dsts, ref, H)
-    want_d, want_ptrs = make_dsts(s, H)
-    gemm.gate_up_dgrad_push(dgu, wg, wu, s.tile_expert, s.num_tiles, s.row_src, want_ptrs, s.TK,
-                            config=_cfg(gemm.KIND_GATE_UP_DGRAD, H, I))
-    for x, y in zip(dsts, want_d):
-        assert torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
-
-
-@pytest.mark.parametrize("counts,K,N", CASES)
-@pytest.mark.parametrize("tile_n,stages,grid", RING)
-def test_swiglu_backward_n_major(counts, K, N, tile_n, stages, grid):
-    """The down dgrad (dys @ Wd[e], Wd [E, H, I] read N-major) with the SwiGLU backward: dgu and hw
-    bitwise the Triton kernel's at 128-column tiles, the dw partials per 128 columns alike."""
-    H, I = K, N
-    s = Sched(counts, 128, W=1, TK=sum(counts) + 1, seed=H)
-    dys = s.rows(H, seed=H + 6)
-    gu = s.rows(2 * I, seed=H + 7, scale=2.0)
-    wd = rand(s.E, H, I, seed=H + 8, scale=H ** -0.5)
-    w = torch.rand(s.R, generator=torch.Generator().manual_seed(H))
-    w[~s.real] = 0
-    w = w.cuda()
-    cfg = _cfg(gemm.KIND_DGRAD_SWIGLU, I, H).with_(BN=128)
-    want = gemm.down_dgrad_swiglu_bwd(dys, wd, gu, w, s.tile_expert, s.num_tiles, config=cfg)
-    nan = float("nan")
-    dgu = torch.full((s.R, 2 * I), nan, dtype=torch.bfloat16, device="cuda")
-    hw = torch.full((s.R, I), nan, dtype=torch.bfloat16, device="cuda")
-    dwp = torch.full((s.R, -(-I // 128)), nan, dtype=torch.float32, device="cuda")
-    epi = (gu, gu.stride(0), w, dgu, dgu.stride(0), hw, hw.stride(0), dwp, dwp.stride(0))
-    _ws_rows([dys], [wd], s, ws.EPI_SWIGLU_BWD, epi, I, True, tile_n, stages, grid)
-    used = s.used_rows.cuda()
-    assert torch.equal(dgu[used], want[0][used]) and torch.equal(hw[used], want[1][used])
-    assert torch.allclose(dwp[used], want[2][used], rtol=1e-6, atol=1e-6)
-    assert torch.all(dgu[~used].isnan()) and torch.all(hw[~used].isnan())
 
 
 @pytest.mark.parametrize("counts,K,N", CASES)
@@ -141,7 +91,7 @@ def test_repeat_bitwise():
     outs = []
     for _ in range(20):
         out = torch.zeros(s.R, N, dtype=torch.bfloat16, device="cuda")
-        _ws_rows([a], [b], s, ws.EPI_STORE, (out, out.stride(0)), N, False, 256, 4, None)
+        _ws_rows(a, b, s, ws.EPI_STORE, (out, out.stride(0)), 256, 4, None)
         outs.append(out)
     assert all(torch.equal(o, outs[0]) for o in outs)
     hs = []
@@ -150,3 +100,29 @@ def test_repeat_bitwise():
         ws.gate_up_swiglu_ws(a, b, b, s.tile_expert, s.num_tiles, h, None, sched_bm=128, stages=4)
         hs.append(h)
     assert all(torch.equal(h, hs[0]) for h in hs)
+
+
+def test_entry_points_run_the_plans_kernels():
+    """The entry points with the plan's ``Bf16Gemm``: gate/up and down on the ws kernel bitwise the
+    Triton tiles' results; the dgrads' entry points refuse a ws choice (their kernel is bf16.py's)."""
+    counts, K, N = [300, 0, 128, 5], 1040, 384
+    s = Sched(counts, 128, W=1, TK=sum(counts) + 1, seed=5)
+    x = s.rows(K, seed=6)
+    w = rand(s.E, N, K, seed=7, scale=K ** -0.5)
+    wd = rand(s.E, K, N, seed=8, scale=N ** -0.5)
+    choice = {kind: heuristics.bf16_gemm(kind, n, k, 128, True, None)
+              for kind, n, k in ((gemm.KIND_GATE_UP, N, K), (gemm.KIND_DOWN, K, N))}
+    assert {c.core for c in choice.values()} == {gemm.CORE_WS}
+    used = s.used_rows.cuda()
+    h = gemm.gate_up_swiglu(x, w, w, s.tile_expert, s.num_tiles, config=choice[gemm.KIND_GATE_UP])
+    want_h = gemm.gate_up_swiglu(x, w, w, s.tile_expert, s.num_tiles, config=_cfg(gemm.KIND_GATE_UP, N, K))
+    assert torch.equal(h[used], want_h[used])
+    y = gemm.down_local(h, wd, s.tile_expert, s.num_tiles, config=choice[gemm.KIND_DOWN])
+    want_y = gemm.down_local(h, wd, s.tile_expert, s.num_tiles, config=_cfg(gemm.KIND_DOWN, K, N))
+    assert torch.equal(y[used], want_y[used])
+    ws_dgrad = gemm.Bf16Gemm(gemm.CORE_WS, _cfg(gemm.KIND_DGRAD_SWIGLU, N, K))
+    with pytest.raises(ValueError, match="this file's kernel"):
+        gemm.down_dgrad_swiglu_bwd(y, wd, torch.cat([h, h], 1), torch.ones(s.R, device="cuda"), s.tile_expert,
+                                   s.num_tiles, config=ws_dgrad)
+    with pytest.raises(ValueError, match="one K phase"):
+        gemm.gate_up_dgrad_local(torch.cat([h, h], 1), w, w, s.tile_expert, s.num_tiles, config=ws_dgrad)

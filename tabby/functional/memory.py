@@ -239,7 +239,7 @@ def _describe(plan: Plan) -> list:
         add("hw", (R, I), bf16, "backward", "the rows' router weight times h")
         if mega is not None and mega.token_pull and not recompute and gate_up_wgrad_first(R, H, I, E, W * T):
             add("wgrad_rows", (R, H), bf16, "backward", "the routed rows gathered from the tokens", form="owned")
-    dgrad_bn = plan.fp8.down_dgrad.config.BN if plan.precision == "fp8" else plan.gemm_config("dgrad_swiglu").dw_cols
+    dgrad_bn = plan.fp8.down_dgrad.config.BN if plan.precision == "fp8" else plan.gemm_config("dgrad_swiglu").config.BN
     add("dw_part", (R, cdiv(I, dgrad_bn)), f32, "backward", "partial router-weight gradients")
     add("dw_rows", (R,), f32, "backward", "the router-weight gradients of the rows")
     return out

@@ -45,7 +45,7 @@ Notes for callers of the tile functions (the megakernel):
 Every launcher runs the tiles it is given (``config``: the plan's, ``functional/heuristics.py``,
 measured choices: docs/performance.md, "GEMM tiles") and decides none. Roles 1-4 take either this
 file's tiles (``GemmConfig``) or the plan's ``Bf16Gemm``, whose core may be bf16_ws.py's
-warp-specialized kernels (the same sums, in the same order).
+warp-specialized kernels for roles 1 and 2 (the same sums, in the same order).
 """
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ class Bf16Gemm:
     """Which kernel runs one routed bf16 GEMM, at which tiles: the plan's choice
     (``functional/heuristics.py``), which the entry points here run as given.
 
-    core:     ``CORE_WS`` (bf16_ws.py) or ``CORE_TRITON`` (this file's kernel at ``config``)
+    core:     ``CORE_WS`` (bf16_ws.py: gate/up and down) or ``CORE_TRITON`` (this file's kernel at
+              ``config``)
     config:   the tiles. Triton: as launched. ws: BM the schedule's tile height (a multiple of the
               kernels' 128-row tiles), BK 64, BN the tile's columns (256 or 128; gate/up: 128
               columns of h), num_warps 4 (a consumer warpgroup), num_stages the ring's depth
@@ -102,12 +103,6 @@ class Bf16Gemm:
     def __post_init__(self):
         if self.core not in (CORE_TRITON, CORE_WS):
             raise ValueError(f"Bf16Gemm.core must be {CORE_TRITON!r} or {CORE_WS!r}, got {self.core!r}")
-
-    @property
-    def dw_cols(self) -> int:
-        """The columns of I each down-dgrad partial router-weight gradient sums (``dw_part``'s
-        column width): the Triton tile's, the ws kernel's 128 (its epilogue's width)."""
-        return 128 if self.core == CORE_WS else self.config.BN
 
 
 def _choice(config) -> tuple:
@@ -693,13 +688,13 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
         dst_ptrs = tile_expert  # unused
         TK, stride_d = 1, 0
     if ws:
-        if two and K2 != K:
-            raise ValueError(f"rows_gemm: the warp-specialized kernel's two phases take one K, got {K} and {K2}")
+        if two or b_layout != "nk":
+            raise ValueError("rows_gemm: the warp-specialized kernel runs one K phase of K-major B (the down "
+                             "projection); the gate/up dgrad runs on this file's kernel (a GemmConfig)")
         bws = _ws_module()
         epi = (row_src, dst_ptrs, TK, stride_d, dst_ptrs.view(dst_dtype)) if push else (c, stride_c)
-        bws.rows_launch([a, a2] if two else [a], [b, b2] if two else [b], tile_expert, num_tiles, bm,
-                        bws.EPI_PUSH if push else bws.EPI_STORE, epi, N, b_kn=b_layout == "kn", tile_n=ws.config.BN,
-                        stages=ws.config.num_stages, grid=ws.programs, GROUP_M=ws.config.GROUP_M)
+        bws.rows_launch(a, b, tile_expert, num_tiles, bm, bws.EPI_PUSH if push else bws.EPI_STORE, epi,
+                        tile_n=ws.config.BN, stages=ws.config.num_stages, grid=ws.programs, GROUP_M=ws.config.GROUP_M)
         return None if push else out
     num_m = R // cfg.BM
     grid = (num_m * triton.cdiv(N, cfg.BN),)
@@ -858,10 +853,12 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     assert H2 == H and gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
     assert w_down.stride(-1) == 1 and gu.stride(-1) == 1 and ws.stride(0) == 1
     ws_kernel, cfg = _choice(config)
-    bm = (ws_kernel.config if ws_kernel else cfg).BM
-    _check_schedule(tile_expert, num_tiles, R, bm)
-    _check_rows("dys", dys, R, bm)
-    nt_n = triton.cdiv(I, ws_kernel.dw_cols if ws_kernel else cfg.BN)
+    if ws_kernel:
+        raise ValueError("down_dgrad_swiglu_bwd runs on this file's kernel: config must be a GemmConfig or a "
+                         "Triton Bf16Gemm")
+    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
+    _check_rows("dys", dys, R, cfg.BM)
+    nt_n = triton.cdiv(I, cfg.BN)
     if dgu is None:
         dgu = torch.empty(R, 2 * I, dtype=dys.dtype, device=dys.device)
     if hw is None:
@@ -869,13 +866,6 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     if dw_part is None:
         dw_part = torch.empty(R, nt_n, dtype=torch.float32, device=dys.device)
     assert dw_part.shape == (R, nt_n) and dw_part.dtype == torch.float32
-    if ws_kernel:
-        bws = _ws_module()
-        epi = (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0))
-        bws.rows_launch([dys], [w_down], tile_expert, num_tiles, bm, bws.EPI_SWIGLU_BWD, epi, I, b_kn=True,
-                        tile_n=ws_kernel.config.BN, stages=ws_kernel.config.num_stages, grid=ws_kernel.programs,
-                        GROUP_M=ws_kernel.config.GROUP_M)
-        return dgu, hw, dw_part
     num_m = R // cfg.BM
     grid = (num_m * nt_n,)
     down_dgrad_swiglu_kernel[grid](

@@ -1,13 +1,14 @@
-"""bf16 expert GEMMs warp-specialized and persistent (Gluon, sm_90): the layer's routed GEMMs.
+"""bf16 expert GEMMs warp-specialized and persistent (Gluon, sm_90): the forward's routed GEMMs.
 
-- ``rows_launch``: the rows GEMM ``A @ op(B[e])`` over the routed-row buffer, one or two K phases,
-  B read K-major ([E, N, K], ``nn.Linear``'s) or N-major ([E, K, N]: the dgrads read the forward's
-  weights as they are), with fp8_ws's three epilogues: the stored rows, the rows pushed to their
-  origins, the down dgrad's SwiGLU backward. Tiles of 128 x ``tile_n`` (256 or 128).
+- ``rows_launch``: the rows GEMM ``A @ B[e]^T`` over the routed-row buffer (B [E, N, K], K-major:
+  ``nn.Linear``'s), the down projection, with fp8_ws's stored-rows or pushed-rows epilogue. Tiles
+  of 128 x ``tile_n`` (256 or 128).
 - ``gate_up_swiglu_ws``: gate/up with the SwiGLU (g and u saved where asked), 128 x 128 tiles of h.
 
 Same operands, layout contract and results as bf16.py's kernels (its docstring): each 128-row tile
-one expert's, fp32 sums over K in order, bf16 out.
+one expert's, fp32 sums over K in order, bf16 out. The backward's dgrads stay on bf16.py's kernels:
+measured here (N-major B, two K phases, the SwiGLU backward's epilogue) they were no faster
+(docs/performance.md, "Warp-specialized bf16 GEMMs").
 
 Structure: a CTA is three partitions of one ``gl.warp_specialize``: a one-warp TMA producer fills
 a ring of ``stages`` stages (A's two 64-row halves and B's block of 64 K), each stage with a
@@ -23,9 +24,9 @@ them, and the consumers only for stages the producer has filled; both walk the s
 same order, inside one CTA (no wait on another program: any number of resident programs finishes).
 
 Runs where ``fits``: sm_90, schedule tiles a multiple of 128 rows, TMA-addressable operands (16-byte
-aligned bases and row strides, K and N multiples of 8). A block past K reads TMA's zeros in A, so a
-B block that runs into the next expert's rows (N-major) adds nothing; a partial last column tile's
-columns are not stored.
+aligned bases and row strides, K and N multiples of 8). A block past K reads TMA's zeros in A and
+B; a partial last column tile reads the next expert's first rows of B (or TMA's zeros past the
+last), whose columns are not stored.
 """
 from __future__ import annotations
 
@@ -38,14 +39,14 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .bf16 import tma_aligned
-from .fp8_ws import (EPI_PUSH, EPI_STORE, EPI_SWIGLU_BWD, _epilogue, _grid, _ring_barriers, _ring_fill, _sm90,
+from .fp8_ws import (EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _sm90,
                      _store_tile, _walk_row_tiles)
 
 BM = gl.constexpr(128)  # two consumer warpgroups of 64 rows
 HALF = gl.constexpr(64)
 BK = gl.constexpr(64)  # 128 bytes of bf16: one swizzle span, TMA's widest swizzled box row
 
-__all__ = ["EPI_PUSH", "EPI_STORE", "EPI_SWIGLU_BWD", "fits", "rows_launch", "gate_up_swiglu_ws"]
+__all__ = ["EPI_PUSH", "EPI_STORE", "fits", "rows_launch", "gate_up_swiglu_ws"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -53,64 +54,40 @@ __all__ = ["EPI_PUSH", "EPI_STORE", "EPI_SWIGLU_BWD", "fits", "rows_launch", "ga
 # --------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _load_phase(it, row0, brow, bcol, a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, NKP, B_KN: gl.constexpr,
-                STAGES: gl.constexpr):
-    """The producer's NKP K blocks of one phase: A's two halves at columns kb * BK and B's block
-    (N-major: rows brow + kb * BK, columns bcol; K-major: rows brow, columns kb * BK)."""
+def _rows_producer_tile(it, pid_m, pid_n, e, a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, N, NK,
+                        TILE_N: gl.constexpr, STAGES: gl.constexpr):
+    """A tile's NK K blocks: A's two halves at columns kb * BK and B's block (expert e's rows
+    e * N + pid_n * TILE_N, columns kb * BK)."""
+    row0 = pid_m * BM
+    brow = e * N + pid_n * TILE_N
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    for kb in range(NKP):
+    for kb in range(NK):
         s, bar = _ring_fill(ready, empty, it, nbytes, STAGES)
         k0 = kb * BK
         tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_lo.index(s))
         tma.async_copy_global_to_shared(a_desc, [row0 + HALF, k0], bar, a_hi.index(s))
-        if B_KN:
-            tma.async_copy_global_to_shared(b_desc, [brow + k0, bcol], bar, b_bufs.index(s))
-        else:
-            tma.async_copy_global_to_shared(b_desc, [brow, k0], bar, b_bufs.index(s))
+        tma.async_copy_global_to_shared(b_desc, [brow, k0], bar, b_bufs.index(s))
         it += 1
     return it
 
 
 @gluon.jit
-def _rows_producer_tile(it, pid_m, pid_n, e, a0_desc, a1_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, ready, empty,
-                        N, KP, NK0, NK1, TILE_N: gl.constexpr, B_KN: gl.constexpr, STAGES: gl.constexpr):
-    """A tile's K blocks: phase 0 (A0, B0) then phase 1 (A1, B1; NK1 = 0 for one phase). B's rows of
-    expert e start at e * KP (N-major: KP the phase's K) or e * N (K-major)."""
-    row0 = pid_m * BM
-    if B_KN:
-        brow = e * KP
-        bcol = pid_n * TILE_N
-    else:
-        brow = e * N + pid_n * TILE_N
-        bcol = 0
-    it = _load_phase(it, row0, brow, bcol, a0_desc, b0_desc, a_lo, a_hi, b_bufs, ready, empty, NK0, B_KN, STAGES)
-    it = _load_phase(it, row0, brow, bcol, a1_desc, b1_desc, a_lo, a_hi, b_bufs, ready, empty, NK1, B_KN, STAGES)
-    return it
-
-
-@gluon.jit
-def _rows_producer(a0_desc, a1_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr,
-                   num_tiles_ptr, num_m, N, KP, NK0, NK1, TILE_N: gl.constexpr, B_KN: gl.constexpr,
-                   STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
+def _rows_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, N, NK,
+                   TILE_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
     it = 0
-    _walk_row_tiles(_rows_producer_tile, (a0_desc, a1_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, ready, empty, N, KP,
-                                          NK0, NK1, TILE_N, B_KN, STAGES), it, tile_expert_ptr, num_tiles_ptr,
-                    num_m, gl.cdiv(N, TILE_N), GROUP_M, SCHED_BM)
+    _walk_row_tiles(_rows_producer_tile, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, N, NK, TILE_N, STAGES),
+                    it, tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(N, TILE_N), GROUP_M, SCHED_BM)
 
 
 @gluon.jit
-def _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, B_KN: gl.constexpr, STAGES: gl.constexpr):
-    """A consumer's K loop: acc += A_half @ B over NK blocks, one wgmma in flight; each stage is
+def _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, STAGES: gl.constexpr):
+    """A consumer's K loop: acc += A_half @ B^T over NK blocks, one wgmma in flight; each stage is
     released once the wgmma after it is issued and it has completed (wait 1), the last at the end.
     Returns (acc, the K-block count)."""
     for kb in range(NK):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        if B_KN:
-            b = b_bufs.index(s)
-        else:
-            b = b_bufs.index(s).permute((1, 0))
-        tok = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
+        tok = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(tok, ))
         if kb > 0:
             mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
@@ -123,18 +100,18 @@ def _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, B_KN: gl.constexpr, STA
 
 @gluon.jit
 def _rows_consumer_tile(it, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, epi, N, NK, HALF_ROW: gl.constexpr,
-                        TILE_N: gl.constexpr, B_KN: gl.constexpr, STAGES: gl.constexpr, EPILOGUE: gl.constexpr):
+                        TILE_N: gl.constexpr, STAGES: gl.constexpr, EPILOGUE: gl.constexpr):
     """A consumer's 64 rows of one tile: the K loop, then the epilogue per 128 columns (fp8_ws's,
-    so a 256-wide tile's halves are 128-column tiles of their own: the same dw partial columns)."""
+    so a 256-wide tile's halves are 128-column tiles of their own)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, TILE_N, 16])
     acc = gl.zeros([HALF, TILE_N], gl.float32, layout)
-    acc, it = _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, B_KN, STAGES)
+    acc, it = _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, STAGES)
     rows = pid_m.to(gl.int64) * BM + HALF_ROW + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
     if TILE_N == 256:
         lo, hi = gl.split(gl.permute(gl.reshape(acc, (HALF, 2, 128)), (0, 2, 1)))
         _epilogue(lo, rows, 2 * pid_n, N, epi, EPILOGUE, layout)
-        if (2 * pid_n + 1) * 128 < N:  # a half wholly past N has nothing to store (nor a dw partial)
+        if (2 * pid_n + 1) * 128 < N:  # a half wholly past N has nothing to store
             _epilogue(hi, rows, 2 * pid_n + 1, N, epi, EPILOGUE, layout)
     else:
         _epilogue(acc, rows, pid_n, N, epi, EPILOGUE, layout)
@@ -143,30 +120,29 @@ def _rows_consumer_tile(it, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, epi, 
 
 @gluon.jit
 def _rows_consumer(a_bufs, b_bufs, ready, empty, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, NK,
-                   HALF_ROW: gl.constexpr, TILE_N: gl.constexpr, B_KN: gl.constexpr, STAGES: gl.constexpr,
-                   GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
+                   HALF_ROW: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                   SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
     it = 0
-    _walk_row_tiles(_rows_consumer_tile, (a_bufs, b_bufs, ready, empty, epi, N, NK, HALF_ROW, TILE_N, B_KN, STAGES,
+    _walk_row_tiles(_rows_consumer_tile, (a_bufs, b_bufs, ready, empty, epi, N, NK, HALF_ROW, TILE_N, STAGES,
                                           EPILOGUE), it, tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(N, TILE_N),
                     GROUP_M, SCHED_BM)
 
 
 @gluon.jit
-def rows_gemm_ws_kernel(a0_desc, a1_desc, b0_desc, b1_desc, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, KP, NK0,
-                        NK1, TILE_N: gl.constexpr, B_KN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                        SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
-    a_lo = gl.allocate_shared_memory(a0_desc.dtype, [STAGES] + a0_desc.block_type.shape, a0_desc.layout)
-    a_hi = gl.allocate_shared_memory(a0_desc.dtype, [STAGES] + a0_desc.block_type.shape, a0_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b0_desc.dtype, [STAGES] + b0_desc.block_type.shape, b0_desc.layout)
+def rows_gemm_ws_kernel(a_desc, b_desc, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, NK, TILE_N: gl.constexpr,
+                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr,
+                        EPILOGUE: gl.constexpr):
+    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready, empty = _ring_barriers(STAGES)
-    NK = NK0 + NK1
     gl.warp_specialize([
         (_rows_consumer, (a_lo, b_bufs, ready, empty, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, NK, 0, TILE_N,
-                          B_KN, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
+                          STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
         (_rows_consumer, (a_hi, b_bufs, ready, empty, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, NK, HALF, TILE_N,
-                          B_KN, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
-        (_rows_producer, (a0_desc, a1_desc, b0_desc, b1_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr,
-                          num_tiles_ptr, num_m, N, KP, NK0, NK1, TILE_N, B_KN, STAGES, GROUP_M, SCHED_BM)),
+                          STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
+        (_rows_producer, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, N,
+                          NK, TILE_N, STAGES, GROUP_M, SCHED_BM)),
     ], [4, 1], [232, 40])
 
 
@@ -288,39 +264,29 @@ def fits(*ts: torch.Tensor, sched_bm: int) -> bool:
     return (sched_bm % BM.value == 0 and all(_sm90(t) and t.dtype == torch.bfloat16 and tma_aligned(t) for t in ts))
 
 
-def rows_launch(a_parts, b_parts, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, N: int, *,
-                b_kn: bool, tile_n: int, stages: int, grid: int | None = None, GROUP_M: int = 8):
-    """One persistent launch of the rows GEMM: sum over phases p of ``a_parts[p] [R, K] @ op(b_parts[p][e])``
-    (one or two phases of equal K; B [E, N, K] K-major, or [E, K, N] N-major with ``b_kn``) with
-    ``epilogue`` (fp8_ws's EPI_*) and its arguments ``epi``; raises where ``fits`` does not hold.
+def rows_launch(a, b, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, *, tile_n: int,
+                stages: int, grid: int | None = None, GROUP_M: int = 8):
+    """One persistent launch of the rows GEMM ``a [R, K] @ b[e]^T`` (b [E, N, K]) with ``epilogue``
+    (EPI_STORE or EPI_PUSH) and its arguments ``epi``; raises where ``fits`` does not hold.
     ``tile_n``: 256 or 128 columns a tile; ``stages``: the ring's depth; ``grid``: the persistent
     grid (None: one program per SM)."""
-    if len(a_parts) != len(b_parts) or len(a_parts) not in (1, 2):
-        raise ValueError(f"rows_launch: {len(a_parts)} A parts and {len(b_parts)} B parts (one or two phases)")
     if tile_n not in (128, 256):
         raise ValueError(f"rows_launch: tile_n {tile_n} must be 128 or 256")
+    if epilogue not in (EPI_STORE, EPI_PUSH):
+        raise ValueError(f"rows_launch: epilogue {epilogue} must be EPI_STORE or EPI_PUSH")
     _check_stages("rows_launch", stages)
-    R, K = a_parts[0].shape
-    E = b_parts[0].shape[0]
-    b_shape = (E, K, N) if b_kn else (E, N, K)
-    for a, b in zip(a_parts, b_parts):
-        if tuple(a.shape) != (R, K) or tuple(b.shape) != b_shape:
-            raise ValueError(f"rows_launch: A {tuple(a.shape)} and B {tuple(b.shape)} must be [{R}, {K}] and "
-                             f"{list(b_shape)} ({'N' if b_kn else 'K'}-major B)")
-    if not fits(*a_parts, *b_parts, sched_bm=sched_bm):
-        raise ValueError(f"rows_launch: A {[tuple(a.shape) for a in a_parts]}, B {[tuple(b.shape) for b in b_parts]}, "
-                         f"schedule tiles of {sched_bm} rows do not run on the warp-specialized kernel (see fits)")
-    a_descs = [_desc(a, R, [HALF.value, BK.value]) for a in a_parts]
-    if b_kn:
-        b_descs = [_desc(b, E * K, [BK.value, tile_n]) for b in b_parts]
-    else:
-        b_descs = [_desc(b, E * N, [tile_n, BK.value]) for b in b_parts]
-    nk = triton.cdiv(K, BK.value)
+    R, K = a.shape
+    E, N, Kb = b.shape
+    if Kb != K:
+        raise ValueError(f"rows_launch: A {tuple(a.shape)} and B {tuple(b.shape)} must be [R, K] and [E, N, K]")
+    if not fits(a, b, sched_bm=sched_bm):
+        raise ValueError(f"rows_launch: A {tuple(a.shape)}, B {tuple(b.shape)}, schedule tiles of {sched_bm} rows "
+                         "do not run on the warp-specialized kernel (see fits)")
     num_m = R // BM.value
-    rows_gemm_ws_kernel[_grid(a_parts[0].device, num_m * triton.cdiv(N, tile_n), grid)](
-        a_descs[0], a_descs[-1], b_descs[0], b_descs[-1], epi, tile_expert, num_tiles, num_m, N, K, nk,
-        nk if len(a_parts) == 2 else 0, TILE_N=tile_n, B_KN=b_kn, STAGES=stages, GROUP_M=GROUP_M,
-        SCHED_BM=sched_bm, EPILOGUE=epilogue, num_warps=4)
+    rows_gemm_ws_kernel[_grid(a.device, num_m * triton.cdiv(N, tile_n), grid)](
+        _desc(a, R, [HALF.value, BK.value]), _desc(b, E * N, [tile_n, BK.value]), epi, tile_expert, num_tiles,
+        num_m, N, triton.cdiv(K, BK.value), TILE_N=tile_n, STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm,
+        EPILOGUE=epilogue, num_warps=4)
 
 
 def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_bm: int, stages: int,
