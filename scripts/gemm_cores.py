@@ -6,7 +6,7 @@ Per shape (uniform random top-k routing of T tokens over the shape's experts, ro
 a expert as the schedule pads them) and GEMM kind (gate/up + SwiGLU, down pushed to the rows'
 origins, down dgrad + SwiGLU backward, gate/up dgrad pushed), the median time and TFLOP/s of:
 bf16.py's Triton kernel at the plan's tiles (``triton``), the warp-specialized kernels of
-bf16_ws.py at each (tile_n, stages) (``ws-N-S``; gate/up, down, the down dgrad: the kinds they run), ``torch._grouped_mm`` on the same rows (the
+bf16_ws.py at each (tile_n, stages) (``ws-N-S``; gate/up and down, the kinds they run), ``torch._grouped_mm`` on the same rows (the
 floor) and one dense ``torch.mm`` of the same FLOPs (cuBLAS). FLOPs count real rows only. Writes
 gemm-cores.json and gemm-cores.md under --out.
 """
@@ -119,9 +119,6 @@ def run_shape(name, T):
     dwp = torch.empty(R, -(-I // 128), dtype=torch.float32, device="cuda")
     add("dgrad_swiglu", "triton", lambda: gemm.down_dgrad_swiglu_bwd(xs, wd, gu, w, te, nt, dgu=dgu, hw=hw,
                                                                     dw_part=dwp, config=cfg), f_d)
-    for st in (3, 2):
-        add("dgrad_swiglu", f"ws-128-{st}", lambda: ws.down_dgrad_swiglu_ws(xs, wd, gu, w, te, nt, dgu, hw, dwp,
-                                                                          sched_bm=128, stages=st), f_d)
     add("dgrad_swiglu", "floor", lambda: torch._grouped_mm(xr, wd, offs=offs), f_d)
     add("dgrad_swiglu", "dense", lambda: torch.mm(xr, wd[0]), f_d)
     # gate/up dgrad, pushed

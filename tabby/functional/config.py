@@ -60,10 +60,10 @@ class Tuning:
       dispatch_rows, dispatch_cols   the block one program copies per step
       dispatch_programs              programs of the dispatch launch
     bf16:
-      bf16_ws        gate/up and down of the separate launches, the backward's down dgrad (and
-                     gate/up recomputed) on the warp-specialized kernels (``ops/gemm/bf16_ws.py``,
-                     sm_90, routed tiles a multiple of 128 rows, H and I multiples of 8) where they
-                     run (True), or on the Triton kernels everywhere (False)
+      bf16_ws        gate/up and down of the separate launches (and gate/up recomputed in the
+                     backward) on the warp-specialized kernels (``ops/gemm/bf16_ws.py``, sm_90, routed tiles a multiple
+                     of 128 rows, H and I multiples of 8) where they run (True), or on the Triton
+                     kernels everywhere (False)
     FP8 (``MoEConfig(precision="fp8" | "fp8-forward")``):
       fp8_ws         the GEMMs on the warp-specialized kernels (``ops/gemm/fp8_ws.py``, sm_90, routed
                      tiles a multiple of 128 rows) where they run (True), or on the Triton kernels

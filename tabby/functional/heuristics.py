@@ -46,10 +46,9 @@ def gemm_config(kind: str, N: int, K: int, tile_m: int) -> GemmConfig:
 BF16_WS_ARCH = 90  # the warp-specialized kernels' wgmma and TMA: sm_90 only
 # the kinds that run on the warp-specialized core, their tile width and ring depth: gate/up at
 # 128 x 128 of h (g and u: 128 accumulator registers), down at 128 x 256 (a consumer's 64 x 256
-# accumulator), both 4 stages; the down dgrad as two pipelines of 128 x 128 tiles, 3 stages each
-# (2 x 96 KB); the gate/up dgrad stays on its Triton kernel ("Warp-specialized bf16 GEMMs")
-BF16_WS_TILE_N = {gemm.KIND_GATE_UP: 128, gemm.KIND_DOWN: 256, gemm.KIND_DGRAD_SWIGLU: 128}
-BF16_WS_STAGES = {gemm.KIND_GATE_UP: 4, gemm.KIND_DOWN: 4, gemm.KIND_DGRAD_SWIGLU: 3}
+# accumulator), both 4 stages; the dgrads stay on the Triton kernels ("Warp-specialized bf16 GEMMs")
+BF16_WS_TILE_N = {gemm.KIND_GATE_UP: 128, gemm.KIND_DOWN: 256}
+BF16_WS_STAGES = {gemm.KIND_GATE_UP: 4, gemm.KIND_DOWN: 4}
 
 
 def bf16_ws_possible(arch: int | None, tile_m: int, H: int, I: int) -> bool:
@@ -59,10 +58,10 @@ def bf16_ws_possible(arch: int | None, tile_m: int, H: int, I: int) -> bool:
 
 
 def bf16_gemm(kind: str, N: int, K: int, tile_m: int, ws: bool, programs: int | None) -> gemm.Bf16Gemm:
-    """A routed bf16 GEMM's kernel: gate/up, down and the down dgrad on the warp-specialized core
-    where it runs (faster than the Triton kernels: H100, gate/up 648-680 against 584-659 TFLOP/s,
-    down 650-673 against 635-641), the gate/up dgrad on its Triton tiles (the ws core no faster
-    there: 588-640 against 642-693) ("Warp-specialized bf16 GEMMs")."""
+    """A routed bf16 GEMM's kernel: gate/up and down on the warp-specialized core where it runs
+    (faster than the Triton kernels: H100, gate/up 648-680 against 584-659 TFLOP/s, down 650-673
+    against 635-641), the dgrads on their Triton tiles (the ws core no faster there: 361-640 against
+    449-693) ("Warp-specialized bf16 GEMMs")."""
     if not ws or kind not in BF16_WS_TILE_N:
         return gemm.Bf16Gemm(gemm.CORE_TRITON, gemm_config(kind, N, K, tile_m))
     return gemm.Bf16Gemm(gemm.CORE_WS, GemmConfig(BM=tile_m, BN=BF16_WS_TILE_N[kind], BK=64, num_warps=4,

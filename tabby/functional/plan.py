@@ -117,7 +117,7 @@ def _tiles(c: gemm.GemmConfig) -> str:
 
 _BF16_KERNELS = {"gate_up": ("gate_up_swiglu_kernel", "gate_up_swiglu_ws_kernel"),
                  "rows": ("rows_gemm_kernel", "rows_gemm_ws_kernel"),
-                 "down_dgrad": ("down_dgrad_swiglu_kernel", "down_dgrad_swiglu_ws_kernel"),
+                 "down_dgrad": ("down_dgrad_swiglu_kernel", None),
                  "wgrad": ("expert_wgrad_kernel", None)}
 
 

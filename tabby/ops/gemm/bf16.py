@@ -45,8 +45,7 @@ Notes for callers of the tile functions (the megakernel):
 Every launcher runs the tiles it is given (``config``: the plan's, ``functional/heuristics.py``,
 measured choices: docs/performance.md, "GEMM tiles") and decides none. Roles 1-4 take either this
 file's tiles (``GemmConfig``) or the plan's ``Bf16Gemm``, whose core may be bf16_ws.py's
-warp-specialized kernels for roles 1-3 (the same sums, in the same order; role 3's router-weight
-partials in another order).
+warp-specialized kernels for roles 1 and 2 (the same sums, in the same order).
 """
 from __future__ import annotations
 
@@ -90,8 +89,8 @@ class Bf16Gemm:
     """Which kernel runs one routed bf16 GEMM, at which tiles: the plan's choice
     (``functional/heuristics.py``), which the entry points here run as given.
 
-    core:     ``CORE_WS`` (bf16_ws.py: gate/up, down, the down dgrad) or ``CORE_TRITON`` (this
-              file's kernel at ``config``)
+    core:     ``CORE_WS`` (bf16_ws.py: gate/up and down) or ``CORE_TRITON`` (this file's kernel at
+              ``config``)
     config:   the tiles. Triton: as launched. ws: BM the schedule's tile height (a multiple of the
               kernels' 128-row tiles), BK 64, BN the tile's columns (256 or 128; gate/up: 128
               columns of h), num_warps 4 (a consumer warpgroup), num_stages the ring's depth
@@ -854,10 +853,12 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     assert H2 == H and gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
     assert w_down.stride(-1) == 1 and gu.stride(-1) == 1 and ws.stride(0) == 1
     ws_kernel, cfg = _choice(config)
-    bm = (ws_kernel.config if ws_kernel else cfg).BM
-    _check_schedule(tile_expert, num_tiles, R, bm)
-    _check_rows("dys", dys, R, bm)
-    nt_n = triton.cdiv(I, (ws_kernel.config if ws_kernel else cfg).BN)
+    if ws_kernel:
+        raise ValueError("down_dgrad_swiglu_bwd runs on this file's kernel: config must be a GemmConfig or a "
+                         "Triton Bf16Gemm")
+    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
+    _check_rows("dys", dys, R, cfg.BM)
+    nt_n = triton.cdiv(I, cfg.BN)
     if dgu is None:
         dgu = torch.empty(R, 2 * I, dtype=dys.dtype, device=dys.device)
     if hw is None:
@@ -865,11 +866,6 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     if dw_part is None:
         dw_part = torch.empty(R, nt_n, dtype=torch.float32, device=dys.device)
     assert dw_part.shape == (R, nt_n) and dw_part.dtype == torch.float32
-    if ws_kernel:
-        _ws_module().down_dgrad_swiglu_ws(dys, w_down, gu, ws, tile_expert, num_tiles, dgu, hw, dw_part, sched_bm=bm,
-                                          stages=ws_kernel.config.num_stages, grid=ws_kernel.programs,
-                                          GROUP_M=ws_kernel.config.GROUP_M)
-        return dgu, hw, dw_part
     num_m = R // cfg.BM
     grid = (num_m * nt_n,)
     down_dgrad_swiglu_kernel[grid](

@@ -39,14 +39,14 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .bf16 import tma_aligned
-from .fp8_ws import (EPI_PUSH, EPI_STORE, EPI_SWIGLU_BWD, _epilogue, _grid, _ring_barriers, _ring_fill, _row_tile,
-                     _sm90, _store_tile, _walk_row_tiles)
+from .fp8_ws import (EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _sm90,
+                     _store_tile, _walk_row_tiles)
 
 BM = gl.constexpr(128)  # two consumer warpgroups of 64 rows
 HALF = gl.constexpr(64)
 BK = gl.constexpr(64)  # 128 bytes of bf16: one swizzle span, TMA's widest swizzled box row
 
-__all__ = ["EPI_PUSH", "EPI_STORE", "fits", "rows_launch", "gate_up_swiglu_ws", "down_dgrad_swiglu_ws"]
+__all__ = ["EPI_PUSH", "EPI_STORE", "fits", "rows_launch", "gate_up_swiglu_ws"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,105 +240,6 @@ def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr,
 
 
 # --------------------------------------------------------------------------------------------
-# the down dgrad with the SwiGLU backward: two pipelines
-# --------------------------------------------------------------------------------------------
-#
-# dys [R, H] @ Wd[e] (Wd [E, H, I] read N-major: a block is 64 rows of H by 128 columns of I) into
-# 128 x 128 tiles of dg | du, h * w and the router-weight partials (fp8_ws's SwiGLU-backward
-# epilogue, 64 rows at a time). Its epilogue is the layer's heaviest (g | u read, dg | du and h * w
-# written), so the two consumer warpgroups do not share a tile: each has its own producer warp
-# and ring and takes alternate tiles of the program's walk (pipeline WHICH: WHICH, WHICH + 2, ...),
-# the whole tile's 128 rows (A's two halves, two 64 x 128 accumulators, both blocks' wgmmas issued
-# before the previous pair is waited for). One pipeline's epilogue runs under the other's MMAs.
-# The pipelines share nothing but the SM: each waits only for its own ring.
-
-
-@gluon.jit
-def _dgrad_tiles(WHICH: gl.constexpr):
-    """Pipeline WHICH's tiles of this program's walk: range(start, end, step) arguments."""
-    return gl.program_id(0) + WHICH * gl.num_programs(0), 2 * gl.num_programs(0)
-
-
-@gluon.jit
-def _dgrad_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, I, H,
-                    WHICH: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
-    num_n = gl.cdiv(I, 128)
-    nk = gl.cdiv(H, BK)
-    nt = gl.load(num_tiles_ptr)
-    start, step = _dgrad_tiles(WHICH)
-    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    it = 0
-    for t in range(start, num_m * num_n, step):
-        pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
-        if e >= 0:
-            row0 = pid_m * BM
-            # a block past H reads the next expert's first rows of Wd (or TMA's zeros past the
-            # last) against A's zero columns
-            brow = e * H
-            for kb in range(nk):
-                s, bar = _ring_fill(ready, empty, it, nbytes, STAGES)
-                k0 = kb * BK
-                tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_lo.index(s))
-                tma.async_copy_global_to_shared(a_desc, [row0 + HALF, k0], bar, a_hi.index(s))
-                tma.async_copy_global_to_shared(b_desc, [brow + k0, pid_n * 128], bar, b_bufs.index(s))
-                it += 1
-
-
-@gluon.jit
-def _dgrad_consumer(a_lo, a_hi, b_bufs, ready, empty, epi, tile_expert_ptr, num_tiles_ptr, num_m, I, H,
-                    WHICH: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
-    num_n = gl.cdiv(I, 128)
-    nk = gl.cdiv(H, BK)
-    nt = gl.load(num_tiles_ptr)
-    start, step = _dgrad_tiles(WHICH)
-    it = 0
-    for t in range(start, num_m * num_n, step):
-        pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
-        if e >= 0:
-            lo = gl.zeros([HALF, 128], gl.float32, layout)
-            hi = gl.zeros([HALF, 128], gl.float32, layout)
-            for kb in range(nk):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                t_lo = warpgroup_mma(a_lo.index(s), b_bufs.index(s), lo, is_async=True)
-                t_hi = warpgroup_mma(a_hi.index(s), b_bufs.index(s), hi, is_async=True)
-                lo, hi = warpgroup_mma_wait(2, deps=(t_lo, t_hi))
-                if kb > 0:
-                    mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
-                it += 1
-            lo, hi = warpgroup_mma_wait(0, deps=(lo, hi))
-            if nk > 0:
-                mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
-            rows = pid_m.to(gl.int64) * BM + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
-            _epilogue(lo, rows, pid_n, I, epi, EPI_SWIGLU_BWD, layout)
-            _epilogue(hi, rows + HALF, pid_n, I, epi, EPI_SWIGLU_BWD, layout)
-
-
-@gluon.jit
-def down_dgrad_swiglu_ws_kernel(a_desc, b_desc, epi, tile_expert_ptr, num_tiles_ptr, num_m, I, H,
-                                STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
-    a_lo0 = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    a_hi0 = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs0 = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    a_lo1 = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    a_hi1 = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs1 = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready0, empty0 = _ring_barriers(STAGES, 1)
-    ready1, empty1 = _ring_barriers(STAGES, 1)
-    gl.warp_specialize([
-        (_dgrad_consumer, (a_lo0, a_hi0, b_bufs0, ready0, empty0, epi, tile_expert_ptr, num_tiles_ptr, num_m, I, H, 0,
-                           STAGES, GROUP_M, SCHED_BM)),
-        (_dgrad_consumer, (a_lo1, a_hi1, b_bufs1, ready1, empty1, epi, tile_expert_ptr, num_tiles_ptr, num_m, I, H, 1,
-                           STAGES, GROUP_M, SCHED_BM)),
-        (_dgrad_producer, (a_desc, b_desc, a_lo0, a_hi0, b_bufs0, ready0, empty0, tile_expert_ptr, num_tiles_ptr, num_m,
-                           I, H, 0, STAGES, GROUP_M, SCHED_BM)),
-        (_dgrad_producer, (a_desc, b_desc, a_lo1, a_hi1, b_bufs1, ready1, empty1, tile_expert_ptr, num_tiles_ptr, num_m,
-                           I, H, 1, STAGES, GROUP_M, SCHED_BM)),
-    ], [4, 1, 1], [232, 40, 40])
-
-
-# --------------------------------------------------------------------------------------------
 # host
 # --------------------------------------------------------------------------------------------
 
@@ -406,24 +307,3 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
         _desc(xs, R, [HALF.value, BK.value]), _desc(w_gate, E * I, [128, BK.value]), _desc(w_up, E * I, [128, BK.value]), h, h.stride(0),
         gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, triton.cdiv(H, BK.value), STAGES=stages,
         GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, num_warps=4)
-
-
-def down_dgrad_swiglu_ws(dys, w_down, gu, ws, tile_expert, num_tiles, dgu, hw, dw_part, *, sched_bm: int, stages: int,
-                         grid: int | None = None, GROUP_M: int = 8):
-    """The down dgrad dys [R, H] @ Wd[e] (w_down [E, H, I]) with the SwiGLU backward into dgu
-    [R, 2I], hw [R, I] and dw_part [R, cdiv(I, 128)] (bf16.py's ``down_dgrad_swiglu_bwd`` at 128
-    columns a tile: dgu and hw the same bits, the router-weight partials summed in another order);
-    raises where ``fits`` does not hold. ``stages``: each pipeline's ring depth (32 KB a stage)."""
-    R, H = dys.shape
-    E, _, I = w_down.shape
-    _check_stages("down_dgrad_swiglu_ws", stages)
-    if not fits(dys, w_down, gu, dgu, hw, sched_bm=sched_bm):
-        raise ValueError(f"down_dgrad_swiglu_ws: dys {tuple(dys.shape)}, Wd {tuple(w_down.shape)}, schedule tiles of "
-                         f"{sched_bm} rows do not run on the warp-specialized kernel (see fits)")
-    if tuple(dw_part.shape) != (R, triton.cdiv(I, 128)):
-        raise ValueError(f"down_dgrad_swiglu_ws: dw_part {tuple(dw_part.shape)} must be [{R}, {triton.cdiv(I, 128)}]")
-    num_m = R // BM.value
-    epi = (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0))
-    down_dgrad_swiglu_ws_kernel[_grid(dys.device, num_m * triton.cdiv(I, 128), grid)](
-        _desc(dys, R, [HALF.value, BK.value]), _desc(w_down, E * H, [BK.value, 128]), epi, tile_expert, num_tiles,
-        num_m, I, H, STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, num_warps=4)
