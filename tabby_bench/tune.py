@@ -46,7 +46,7 @@ class Variant:
 
 
 def parse_variant(spec: str) -> Variant:
-    """'mega:group_m=2,tma=0' -> Variant('mega', MoEConfig(tuning=Tuning(group_m=2, tma=False))).
+    """'mega:group_m=2,tma=0' -> Variant('mega', MoEConfig(megakernel=True, tuning=Tuning(group_m=2, tma=False))).
     Raises ValueError naming the variant."""
     from tabby.functional.config import MoEConfig, Tuning
     from tabby.validate import MoEInputError

@@ -21,7 +21,7 @@ T = 16384
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("config", [tabby.MoEConfig(), tabby.MoEConfig(megakernel=False),
+@pytest.mark.parametrize("config", [tabby.MoEConfig(megakernel=True), tabby.MoEConfig(megakernel=False),
                                     tabby.MoEConfig(precision="fp8")], ids=["megakernel", "separate", "fp8"])
 def test_the_check_bounds_what_a_call_allocates(shape, config):
     H, I, E, k = SHAPES[shape]

@@ -145,7 +145,7 @@ def test_every_field_round_trips_through_its_text(owner):
 def test_the_operator_s_strings_read_as_before():
     """Strings written by the operator's earlier ``config_string`` (bools as 0/1, the tuning last,
     nested "a=1,b=2") read as they did."""
-    assert parse_config("megakernel=0;precision=fp8") == MoEConfig(precision="fp8")
+    assert parse_config("megakernel=0;precision=fp8") == MoEConfig(precision="fp8", megakernel=False)
     text = "megakernel=0;max_wait_ms=5000.0;debug=1;precision=fp8;cache_fp8_transposes=0;tuning=tile_m=256,tma=0"
     cfg = MoEConfig(megakernel=False, max_wait_ms=5000.0, debug=True, precision="fp8", cache_fp8_transposes=False,
                     tuning=Tuning(tile_m=256, tma=False))
@@ -327,3 +327,22 @@ def test_fp8_tuning_overrides():
     assert f.dgrad == "transpose_per_call" and f.down_dgrad.core == "ws" and not f.down_dgrad.lag
     assert _fp8_plan("qwen3-30b-a3b", cache=False, fp8_ws=False).fp8.dgrad == "transpose_per_call"
     assert _fp8_plan("qwen3-30b-a3b", tile_m=64, precision="fp8-forward").fp8.gate_up.core == "triton"
+
+
+def test_the_plan_chooses_the_forward_path():
+    """MoEConfig(megakernel=None): the megakernel for bf16 but at EP1 where the separate launches
+    run the warp-specialized GEMMs (sm_90); FP8 the separate launches; an explicit choice holds."""
+    E, H, I, k = SHAPES["glm-5"]
+    cpu = torch.device("cpu")
+    for W, arch, tuning, precision, want in ((1, 90, Tuning(), "bf16", False), (8, 90, Tuning(), "bf16", True),
+                                             (1, 90, Tuning(bf16_ws=False), "bf16", True),
+                                             (1, None, Tuning(), "bf16", True), (2, 90, Tuning(), "fp8", False),
+                                             (1, 90, Tuning(), "fp8", False)):
+        dims = MoEDims(T=4096, H=H, k=k, E_local=E // W, I=I, world_size=W, I_shared=0)
+        p = make_plan(dims, MoEConfig(precision=precision, tuning=tuning), cpu, sms=132, arch=arch)
+        assert p.megakernel is want and (p.mega is not None) is want, (W, arch, tuning, precision)
+        assert heuristics.use_megakernel(precision, W, tuning.bf16_ws is not False and arch == 90) is want
+    dims = MoEDims(T=4096, H=H, k=k, E_local=E, I=I, world_size=1, I_shared=0)
+    for explicit in (True, False):
+        p = make_plan(dims, MoEConfig(megakernel=explicit), cpu, sms=132, arch=90)
+        assert p.megakernel is explicit

@@ -10,14 +10,14 @@ from tabby_bench.tune import DEFAULT_VARIANTS, best_mega_variant, parse_variant
 
 def test_parse_variant():
     v = parse_variant("mega:group_m=2,tma=0")
-    assert v.kind == "mega" and v.config == MoEConfig(tuning=Tuning(group_m=2, tma=False)) and v.ablate == 0
+    assert v.kind == "mega" and v.config == MoEConfig(megakernel=True, tuning=Tuning(group_m=2, tma=False)) and v.ablate == 0
     assert v.tuning_text == "group_m=2,tma=0"
     v = parse_variant("sync-free:dispatch_rows=64")
     assert v.config == MoEConfig(megakernel=False, tuning=Tuning(dispatch_rows=64))
     v = parse_variant("mega:ablate=1,ring_rows=8192")
     assert v.ablate == 1 and v.config.tuning == Tuning(ring_rows=8192)
-    assert parse_variant("mega:save_for_backward=0").config == MoEConfig(save_for_backward=False)
-    assert parse_variant("floor").config is None and parse_variant("mega").config == MoEConfig()
+    assert parse_variant("mega:save_for_backward=0").config == MoEConfig(megakernel=True, save_for_backward=False)
+    assert parse_variant("floor").config is None and parse_variant("mega").config == MoEConfig(megakernel=True)
     for v in DEFAULT_VARIANTS:
         parse_variant(v)
 

@@ -129,9 +129,9 @@ class MoEConfig:
 
     megakernel:        the forward's dispatch, expert GEMMs, push and shared expert in one persistent
                        launch (True), or the sync-free path of separate launches (False); None (the
-                       default): the megakernel where the precision has one (bf16), else the path
-                       of separate launches. Resolved when the config is made: a made config's
-                       ``megakernel`` is True or False.
+                       default): the plan's choice (``Plan.megakernel``): the megakernel where the
+                       precision has one (bf16), but at EP1 where the separate launches run the
+                       warp-specialized GEMMs (sm_90: nothing to exchange, and those GEMMs faster).
     save_for_backward: a differentiated megakernel forward also keeps the routed rows, g | u and the
                        rows' router weights for the backward (True), or keeps only its ring and the
                        backward recomputes them (False: less memory, a slower backward).
@@ -172,13 +172,13 @@ class MoEConfig:
     def __post_init__(self):
         if self.precision not in ("bf16", "fp8", "fp8-forward"):
             raise MoEInputError(f"MoEConfig(precision={self.precision!r}): must be 'bf16', 'fp8' or 'fp8-forward'")
-        if self.megakernel is None:  # frozen: set once, here, before anything reads it
-            object.__setattr__(self, "megakernel", self.precision == "bf16")
         if self.precision != "bf16" and self.megakernel is True:
             raise MoEInputError(f"MoEConfig(precision={self.precision!r}, megakernel=True): the forward megakernel "
                                 "has no FP8 path yet; leave megakernel unset (or False): FP8 runs on the path of "
                                 "separate launches")
-        for name in ("megakernel", "save_for_backward", "cache_fp8_transposes"):
+        if self.megakernel is not None and not isinstance(self.megakernel, bool):
+            raise MoEInputError(f"MoEConfig(megakernel={self.megakernel!r}): must be True, False or None")
+        for name in ("save_for_backward", "cache_fp8_transposes"):
             if not isinstance(getattr(self, name), bool):
                 raise MoEInputError(f"MoEConfig({name}={getattr(self, name)!r}): must be True or False")
         if self.debug is not None and not isinstance(self.debug, bool):
@@ -269,7 +269,7 @@ def _kind_text(kind) -> str:
 
 
 def _defaults(cls):
-    """``cls()``: the values a text leaves out (a made MoEConfig's, e.g. its resolved megakernel)."""
+    """``cls()``: the values a text leaves out."""
     if cls not in _DEFAULTS:
         _DEFAULTS[cls] = cls()
     return _DEFAULTS[cls]

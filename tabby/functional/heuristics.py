@@ -68,6 +68,15 @@ def bf16_gemm(kind: str, N: int, K: int, tile_m: int, ws: bool, programs: int | 
                                                   num_stages=BF16_WS_STAGES[kind], GROUP_M=8), programs=programs)
 
 
+def use_megakernel(precision: str, world_size: int, bf16_ws: bool) -> bool:
+    """The forward's path where the config leaves it open: the megakernel where the precision has
+    one (bf16), but at EP1 where the separate launches run the warp-specialized GEMMs: with nothing
+    to exchange the megakernel hides nothing, and its GEMMs are the Triton tiles (one H100: separate
+    launches 1.04-1.09x the megakernel's forward speed on three of four full shapes at EP1, 0.99x
+    on qwen3.5-397b; 1.02-1.16x on the six @ep8 shares) ("Warp-specialized bf16 GEMMs")."""
+    return precision == "bf16" and (world_size > 1 or not bf16_ws)
+
+
 def wgrad_config(N: int) -> GemmConfig:
     """The bf16 weight gradients' tiles (output C[e] [M, N]; K is an expert's rows, so BK 32 at 4
     stages): 128 x 256 x 32 at 8 warps ("GEMM tiles", weight gradients)."""

@@ -194,20 +194,23 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     dispatch_cols = t.dispatch_cols or heuristics.DISPATCH_COLS
     if dispatch_cols & (dispatch_cols - 1):
         raise MoEInputError(f"Tuning(dispatch_cols={dispatch_cols}): must be a power of two")
+    megakernel = config.megakernel
+    if megakernel is None:
+        megakernel = heuristics.use_megakernel(config.precision, W, ws)
     mega = None
     groups = 1
-    if config.megakernel:
+    if megakernel:
         try:
             mega = _mega_plan(dims, config, sm_count, I_s, tile_m)
         except ValueError as e:
-            raise MoEInputError(f"MoEConfig(megakernel=True) at T={T} H={H} I={I} k={k} E_local={E_local} "
-                                f"EP{W}: {e}") from None
+            raise MoEInputError(f"the forward megakernel (MoEConfig(megakernel={config.megakernel})) at T={T} H={H} "
+                                f"I={I} k={k} E_local={E_local} EP{W}: {e}") from None
         groups = mega.group_m
-    align = t.align_tiles or heuristics.align_tiles(config.megakernel, T, k, E_local, tile_m, groups)
-    if not config.megakernel and t.align_tiles not in (None, 1):
+    align = t.align_tiles or heuristics.align_tiles(megakernel, T, k, E_local, tile_m, groups)
+    if not megakernel and t.align_tiles not in (None, 1):
         raise MoEInputError(f"Tuning(align_tiles={t.align_tiles}): the sync-free path does not pad experts; "
                             f"use it with megakernel=True")
-    return Plan(dims=dims, I_s=I_s, megakernel=config.megakernel, save_for_backward=config.save_for_backward,
+    return Plan(dims=dims, I_s=I_s, megakernel=megakernel, save_for_backward=config.save_for_backward,
                 debug=config.resolved_debug(), wait_budget=wait_budget, tile_m=tile_m, align_tiles=align,
                 dispatch_rows=t.dispatch_rows or heuristics.DISPATCH_ROWS, dispatch_cols=dispatch_cols,
                 dispatch_programs=t.dispatch_programs or heuristics.DISPATCH_PROGRAMS, gemm=gemms, mega=mega,
