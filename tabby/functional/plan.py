@@ -169,6 +169,18 @@ def _device_arch(device: torch.device) -> int | None:
     return 10 * major + minor
 
 
+def _ws_core(field: str, requested: bool | None, possible: bool, arch: int | None, tile_m: int, H: int, I: int,
+             multiple: int) -> bool:
+    """Whether a precision's GEMMs run on the warp-specialized kernels: where they can unless the
+    ``Tuning`` field says otherwise; asked for where they cannot, an error naming the field."""
+    if requested and not possible:
+        kind = "bf16" if field.startswith("bf16") else "FP8"
+        raise MoEInputError(f"Tuning({field}=True): the warp-specialized {kind} kernels need sm_90 (this plan's device: "
+                            f"{'sm_%d' % arch if arch else 'none: the CPU or the interpreter'}), routed tiles a "
+                            f"multiple of 128 rows (tile_m={tile_m}) and H, I multiples of {multiple} (H={H}, I={I})")
+    return possible if requested is None else requested
+
+
 def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int = 0, sms: int | None = None,
               arch: int | None = None) -> Plan:
     """The plan of a call with these sizes (``I_s``: the shared expert's width, 0 without one) on
@@ -180,12 +192,7 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     sm_count = sms if sms is not None else _device_sms(device)
     wait_budget = config.resolved_max_wait_polls() if INTERPRET else int(config.resolved_max_wait_ms() * 1e6)
     arch = arch if arch is not None else _device_arch(device)
-    ws_possible = heuristics.bf16_ws_possible(arch, tile_m, H, I)
-    if t.bf16_ws and not ws_possible:
-        raise MoEInputError(f"Tuning(bf16_ws=True): the warp-specialized bf16 kernels need sm_90 (this plan's device: "
-                            f"{'sm_%d' % arch if arch else 'none: the CPU or the interpreter'}), routed tiles a "
-                            f"multiple of 128 rows (tile_m={tile_m}) and H, I multiples of 8 (H={H}, I={I})")
-    ws = ws_possible if t.bf16_ws is None else t.bf16_ws
+    ws = _ws_core("bf16_ws", t.bf16_ws, heuristics.bf16_ws_possible(arch, tile_m, H, I), arch, tile_m, H, I, 8)
     gemms = {kind: heuristics.bf16_gemm(kind, N, K, tile_m, ws, sm_count)
              for kind, N, K in ((gemm.KIND_GATE_UP, I, H), (gemm.KIND_DOWN, H, I), (gemm.KIND_DGRAD_SWIGLU, I, H),
                                 (gemm.KIND_GATE_UP_DGRAD, H, 2 * I))}
@@ -222,12 +229,7 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
 def _fp8_plan(dims: MoEDims, config: MoEConfig, tile_m: int, sms: int | None, arch: int | None) -> Fp8Plan:
     t = config.tuning
     H, I = dims.H, dims.I
-    possible = heuristics.fp8_ws_possible(arch, tile_m, H, I)
-    if t.fp8_ws and not possible:
-        raise MoEInputError(f"Tuning(fp8_ws=True): the warp-specialized FP8 kernels need sm_90 (this plan's device: "
-                            f"{'sm_%d' % arch if arch else 'none: the CPU or the interpreter'}), routed tiles a "
-                            f"multiple of 128 rows (tile_m={tile_m}) and H, I multiples of 16 (H={H}, I={I})")
-    ws = possible if t.fp8_ws is None else t.fp8_ws
+    ws = _ws_core("fp8_ws", t.fp8_ws, heuristics.fp8_ws_possible(arch, tile_m, H, I), arch, tile_m, H, I, 16)
     gate_up, down = heuristics.fp8_gate_up(H, tile_m, ws, sms), heuristics.fp8_rows(H, I, tile_m, ws, sms)
     if config.precision != "fp8":  # "fp8-forward": the bf16 backward of Plan.gemm
         return Fp8Plan(gate_up=gate_up, down=down)

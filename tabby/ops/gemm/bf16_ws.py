@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .bf16 import tma_aligned
-from .fp8_ws import (EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _sm90,
+from .fp8_ws import (EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _ring_gate_up, _sm90,
                      _store_tile, _walk_row_tiles)
 
 BM = gl.constexpr(128)  # two consumer warpgroups of 64 rows
@@ -54,6 +54,13 @@ __all__ = ["EPI_PUSH", "EPI_STORE", "fits", "rows_launch", "gate_up_swiglu_ws"]
 # --------------------------------------------------------------------------------------------
 
 @gluon.jit
+def _load_a_halves(a_desc, row0, k0, bar, a_lo, a_hi, s):
+    """A's two 64-row halves of the tile at row0, K block k0, into stage s (one per consumer)."""
+    tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_lo.index(s))
+    tma.async_copy_global_to_shared(a_desc, [row0 + HALF, k0], bar, a_hi.index(s))
+
+
+@gluon.jit
 def _rows_producer_tile(it, pid_m, pid_n, e, a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, N, NK,
                         TILE_N: gl.constexpr, STAGES: gl.constexpr):
     """A tile's NK K blocks: A's two halves at columns kb * BK and B's block (expert e's rows
@@ -64,8 +71,7 @@ def _rows_producer_tile(it, pid_m, pid_n, e, a_desc, b_desc, a_lo, a_hi, b_bufs,
     for kb in range(NK):
         s, bar = _ring_fill(ready, empty, it, nbytes, STAGES)
         k0 = kb * BK
-        tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_lo.index(s))
-        tma.async_copy_global_to_shared(a_desc, [row0 + HALF, k0], bar, a_hi.index(s))
+        _load_a_halves(a_desc, row0, k0, bar, a_lo, a_hi, s)
         tma.async_copy_global_to_shared(b_desc, [brow, k0], bar, b_bufs.index(s))
         it += 1
     return it
@@ -163,8 +169,7 @@ def _gate_up_producer_tile(it, pid_m, pid_n, e, a_desc, wg_desc, wu_desc, a_lo, 
     for kb in range(NK):
         s, bar = _ring_fill(ready, empty, it, nbytes, STAGES)
         k0 = kb * BK
-        tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_lo.index(s))
-        tma.async_copy_global_to_shared(a_desc, [row0 + HALF, k0], bar, a_hi.index(s))
+        _load_a_halves(a_desc, row0, k0, bar, a_lo, a_hi, s)
         tma.async_copy_global_to_shared(wg_desc, [brow, k0], bar, bg_bufs.index(s))
         tma.async_copy_global_to_shared(wu_desc, [brow, k0], bar, bu_bufs.index(s))
         it += 1
@@ -224,11 +229,7 @@ def _gate_up_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, 
 def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr,
                              num_tiles_ptr, num_m, I, NK, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                              SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
-    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    bg_bufs = gl.allocate_shared_memory(wg_desc.dtype, [STAGES] + wg_desc.block_type.shape, wg_desc.layout)
-    bu_bufs = gl.allocate_shared_memory(wu_desc.dtype, [STAGES] + wu_desc.block_type.shape, wu_desc.layout)
-    ready, empty = _ring_barriers(STAGES)
+    a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _ring_gate_up(a_desc, wg_desc, STAGES)
     gl.warp_specialize([
         (_gate_up_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr, stride_gum,
                              tile_expert_ptr, num_tiles_ptr, num_m, I, NK, 0, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),

@@ -93,6 +93,18 @@ def _ring_128x128(a_desc, b_desc, STAGES: gl.constexpr, READERS: gl.constexpr = 
 
 
 @gluon.jit
+def _ring_gate_up(a_desc, w_desc, STAGES: gl.constexpr):
+    """Gate/up's ring: per stage A's two 64-row halves and W_gate's and W_up's blocks (``w_desc``'s
+    boxes), and the barriers (both consumers read each stage)."""
+    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    bg_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    bu_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready, empty = _ring_barriers(STAGES)
+    return a_lo, a_hi, bg_bufs, bu_bufs, ready, empty
+
+
+@gluon.jit
 def _ring_fill(ready, empty, it, nbytes, STAGES: gl.constexpr):
     """Producer, K block number ``it`` (counted over all tiles): wait until its stage is free and
     expect ``nbytes`` on its ready barrier; returns (stage, ready barrier). A fresh mbarrier counts
@@ -718,11 +730,7 @@ def gate_up_swiglu_fp8_ws_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u,
                                  tile_expert_ptr, num_tiles_ptr, num_m, I, NK: gl.constexpr,
                                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr,
                                  SAVE_GU: gl.constexpr):
-    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    bg_bufs = gl.allocate_shared_memory(w_desc_g.dtype, [STAGES] + w_desc_g.block_type.shape, w_desc_g.layout)
-    bu_bufs = gl.allocate_shared_memory(w_desc_u.dtype, [STAGES] + w_desc_u.block_type.shape, w_desc_u.layout)
-    ready, empty = _ring_barriers(STAGES)
+    a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _ring_gate_up(a_desc, w_desc_g, STAGES)
     gl.warp_specialize([
         (_gate_up_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
                              stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
