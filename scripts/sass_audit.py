@@ -208,7 +208,7 @@ def plan_of(shape, T=16384):
     from tabby_bench.shapes import SHAPES
     s = SHAPES[shape]
     d = MoEDims(T=T, H=s.H, k=s.k, E_local=s.E, I=s.I, world_size=1, I_shared=s.I_shared)
-    return make_plan(d, MoEConfig(), torch.device("cuda"), sms=132)
+    return make_plan(d, MoEConfig(megakernel=True), torch.device("cuda"), sms=132)
 
 
 def forward_mega(plan):
@@ -250,10 +250,14 @@ def backward(plan, H, I, E, wgrad_cfg=None):
     """The separate backward's kernels with the configs the plan and launchers give them."""
     from tabby.ops import comm
     from tabby.ops.gemm import bf16 as gemm
-    dg = plan.gemm_config(gemm.KIND_DGRAD_SWIGLU)
-    xg = plan.gemm_config(gemm.KIND_GATE_UP_DGRAD)
-    wd = wgrad_cfg or plan.gemm_config(gemm.KIND_WGRAD_DOWN)  # expert_wgrad(dys, hw): M=H, N=I
-    wgu = wgrad_cfg or plan.gemm_config(gemm.KIND_WGRAD_GATE_UP)  # gate_up: M=I, N=H
+    def tiles(kind):  # the Triton tiles (the routed kinds' plan entry is a gemm.Bf16Gemm)
+        c = plan.gemm_config(kind)
+        return c.config if isinstance(c, gemm.Bf16Gemm) else c
+
+    dg = tiles(gemm.KIND_DGRAD_SWIGLU)
+    xg = tiles(gemm.KIND_GATE_UP_DGRAD)
+    wd = wgrad_cfg or tiles(gemm.KIND_WGRAD_DOWN)  # expert_wgrad(dys, hw): M=H, N=I
+    wgu = wgrad_cfg or tiles(gemm.KIND_WGRAD_GATE_UP)  # gate_up: M=I, N=H
     out = [("down_dgrad_swiglu", gemm.down_dgrad_swiglu_kernel, {
         "dys_ptr": P, "stride_dym": I16, "wd_ptr": P, "stride_we": I16, "stride_wh": I16, "gu_ptr": P, "stride_gum": I16, "ws_ptr": "*fp32",
         "dgu_ptr": P, "stride_dgum": I16, "hw_ptr": P, "stride_hwm": I16, "dwp_ptr": "*fp32", "stride_dwpm": I32,
