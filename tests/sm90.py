@@ -30,7 +30,8 @@ def compile_args(fn, args: dict, **options):
     name -> a leaf or a (named) tuple of leaves, as the JIT would specialize them at run time. A
     leaf is ``Const(value)``, or a type string ('*bf16', 'i32', 'i64', 'tensordesc<bf16[128,64]>'; a
     Gluon kernel's descriptors name their shared layout: 'tensordesc<fp8e4nv[64,128],NVMMASharedLayout(...)>')
-    where pointers are 16-byte aligned and an integer written 'i32:16' is a multiple of 16."""
+    where pointers are 16-byte aligned and an integer written 'i32:16' is a multiple of 16. A constexpr
+    parameter not in ``args`` takes its default (as at a launch), any other an 'i32'."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -52,8 +53,14 @@ def compile_args(fn, args: dict, **options):
             return type(spec)(*vals) if hasattr(spec, "_fields") else tuple(vals)
         return leaf(path, spec)
 
-    for i, name in enumerate(fn.arg_names):
-        signature[name] = walk((i,), args.get(name, "i32"))
+    import inspect
+
+    for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
+        spec = args.get(name)
+        if spec is None:  # a constexpr left out takes its default, as at a launch; anything else an i32
+            spec = Const(param.default) if param.is_constexpr and param.default is not inspect.Parameter.empty \
+                else "i32"
+        signature[name] = walk((i,), spec)
     if getattr(fn, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)

@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from .. import INTERPRET
+from .activation import act_fwd, act_grads
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,8 +356,10 @@ def gate_up_swiglu_tile(pid_m, pid_n,
                         EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
                         n_rows=0, MASK_ROWS: tl.constexpr = False,
                         USE_TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, a_row_shift=0,
-                        TILE_M: tl.constexpr = 0, A_ROWS: tl.constexpr = False, a_rows=None):
-    """One (row tile, I-column tile): g = xs @ Wg[e]^T, u = xs @ Wu[e]^T, h = silu(g) * u.
+                        TILE_M: tl.constexpr = 0, A_ROWS: tl.constexpr = False, a_rows=None,
+                        ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
+    """One (row tile, I-column tile): g = xs @ Wg[e]^T, u = xs @ Wu[e]^T, h = act(g, u) (ACT, LIMIT,
+    ALPHA: ``activation.act_fwd``'s; the defaults: silu(g) * u).
 
     xs [R, H] (row stride stride_xm); Wg, Wu [E, I, H] (strides stride_we, stride_wn, 1);
     h [R, I] bf16; gu [R, 2I] bf16 (g in [0, I), u in [I, 2I)) when SAVE_GU.
@@ -391,7 +394,7 @@ def gate_up_swiglu_tile(pid_m, pid_n,
         rows = row0 + offs_m
         cols = pid_n * BN + tl.arange(0, BN)
         cmask = (cols < I)[None, :]
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        h = act_fwd(acc_g, acc_u, ACT, LIMIT, ALPHA)
         tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=cmask)
         if SAVE_GU:
             gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
@@ -493,12 +496,14 @@ def gate_up_swiglu_kernel(xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_w
                           h_ptr, stride_hm, gu_ptr, stride_gum,
                           tile_expert_ptr, num_tiles_ptr, num_m, H: tl.constexpr, I: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                          EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr):
+                          EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
+                          ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, BN), GROUP_M)
     gate_up_swiglu_tile(pid_m=pid_m, pid_n=pid_n, xs_ptr=xs_ptr, stride_xm=stride_xm, wg_ptr=wg_ptr, wu_ptr=wu_ptr,
                         stride_we=stride_we, stride_wn=stride_wn, h_ptr=h_ptr, stride_hm=stride_hm, gu_ptr=gu_ptr,
                         stride_gum=stride_gum, tile_expert_ptr=tile_expert_ptr, num_tiles_ptr=num_tiles_ptr, H=H, I=I,
-                        BM=BM, BN=BN, BK=BK, EVEN_K=EVEN_K, SAVE_GU=SAVE_GU, INTERPRET=INTERPRET)
+                        BM=BM, BN=BN, BK=BK, EVEN_K=EVEN_K, SAVE_GU=SAVE_GU, INTERPRET=INTERPRET,
+                        ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA)
 
 
 def _check_rows(name, t, R, BM):
@@ -760,8 +765,9 @@ def down_dgrad_swiglu_tile(pid_m, pid_n,
                            tile_expert_ptr, num_tiles_ptr,
                            H: tl.constexpr, I: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           EVEN_K: tl.constexpr, EPI_SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
-    """One (row tile, I-column tile) of the down dgrad + SwiGLU backward.
+                           EVEN_K: tl.constexpr, EPI_SPLIT: tl.constexpr, INTERPRET: tl.constexpr, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
+    """One (row tile, I-column tile) of the down dgrad + SwiGLU backward (ACT, LIMIT, ALPHA: another
+    activation's backward, ``activation.act_grads``; the formulas below are SwiGLU's).
 
     dh_raw = dys[m-tile] @ Wd[e] (dys [R, H], Wd [E, H, I]: K = H, B[e] is [K, N]).
     With g, u from gu [R, 2I] and the router weight ws[r] (fp32):
@@ -779,42 +785,40 @@ def down_dgrad_swiglu_tile(pid_m, pid_n,
         w = tl.load(ws_ptr + rows)
         if EPI_SPLIT:
             dw = _swiglu_bwd_split_epilogue(acc, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
-                                            hw_ptr, stride_hwm, I, BM, BN)
+                                            hw_ptr, stride_hwm, I, BM, BN, ACT, LIMIT, ALPHA)
         else:
             dw = _swiglu_bwd_epilogue(acc, rows, pid_n * BN + tl.arange(0, BN), w, gu_ptr, stride_gum, dgu_ptr,
-                                      stride_dgum, hw_ptr, stride_hwm, I)
+                                      stride_dgum, hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA)
         tl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw)
 
 
 @triton.jit
 def _swiglu_bwd_split_epilogue(acc, rows, col0, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
-                               I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                               I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
     """``_swiglu_bwd_epilogue`` on the tile's two column halves, one after the other: a whole-tile
     epilogue keeps ~6 fp32 tiles live and spills at BN=128."""
     acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
     dw_lo = _swiglu_bwd_epilogue(acc_lo, rows, col0 + tl.arange(0, BN // 2), w, gu_ptr, stride_gum, dgu_ptr,
-                                 stride_dgum, hw_ptr, stride_hwm, I)
+                                 stride_dgum, hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA)
     dw_hi = _swiglu_bwd_epilogue(acc_hi, rows, col0 + BN // 2 + tl.arange(0, BN // 2), w, gu_ptr, stride_gum,
-                                 dgu_ptr, stride_dgum, hw_ptr, stride_hwm, I)
+                                 dgu_ptr, stride_dgum, hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA)
     return dw_lo + dw_hi
 
 
 @triton.jit
 def _swiglu_bwd_epilogue(acc, rows, cols, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
-                         I: tl.constexpr):
-    """SwiGLU backward on a slice of dh_raw (its rows and columns given); returns sum_cols dh_raw * h.
-    Layout-free (no arange of its own), so that gemm_fp8_ws's Gluon kernel calls it too."""
+                         I: tl.constexpr, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
+    """The activation's backward (``activation.act_grads``; the defaults: SwiGLU) on a slice of dh_raw
+    (its rows and columns given); returns sum_cols dh_raw * h. Layout-free (no arange of its own),
+    so that gemm_fp8_ws's Gluon kernel calls it too."""
     cmask = (cols < I)[None, :]
     gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
     g = tl.load(gptrs, mask=cmask, other=0.0).to(tl.float32)
     u = tl.load(gptrs + I, mask=cmask, other=0.0).to(tl.float32)
-    sg = tl.sigmoid(g)
-    silu = g * sg
-    h = silu * u
-    dw = tl.sum(acc * h, axis=1)  # masked columns: g = u = 0 -> h = 0
+    h = act_fwd(g, u, ACT, LIMIT, ALPHA)
+    dw = tl.sum(acc * h, axis=1)  # masked columns: g = u = 0 -> h = 0 (every kind)
     dh = acc * w[:, None]
-    dg = dh * u * sg * (1.0 + g * (1.0 - sg))
-    du = dh * silu
+    dg, du = act_grads(g, u, dh, ACT, LIMIT, ALPHA)
     dptrs = dgu_ptr + rows[:, None] * stride_dgum + cols[None, :]
     tl.store(dptrs, dg.to(dgu_ptr.dtype.element_ty), mask=cmask)
     tl.store(dptrs + I, du.to(dgu_ptr.dtype.element_ty), mask=cmask)
@@ -829,12 +833,12 @@ def down_dgrad_swiglu_kernel(dys_ptr, stride_dym, wd_ptr, stride_we, stride_wh,
                              dgu_ptr, stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm,
                              tile_expert_ptr, num_tiles_ptr, num_m, H: tl.constexpr, I: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                             EVEN_K: tl.constexpr, EPI_SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
+                             EVEN_K: tl.constexpr, EPI_SPLIT: tl.constexpr, INTERPRET: tl.constexpr, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, BN), GROUP_M)
     down_dgrad_swiglu_tile(pid_m, pid_n, dys_ptr, stride_dym, wd_ptr, stride_we, stride_wh,
                            gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
                            dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, H, I,
-                           BM, BN, BK, EVEN_K, EPI_SPLIT, INTERPRET)
+                           BM, BN, BK, EVEN_K, EPI_SPLIT, INTERPRET, ACT, LIMIT, ALPHA)
 
 
 def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Tensor, ws: torch.Tensor,

@@ -1,0 +1,64 @@
+"""The experts' activation in the GEMM epilogues: ``h = act(g, u)`` and its backward, one constexpr
+variant per kind of ``tabby.activation`` (ACT = ``Activation.code``, the kind's index in
+``tabby.activation.KINDS``; LIMIT, ALPHA its floats).
+
+Both are layout-free elementwise ``triton.jit`` functions, so the Triton kernels, the megakernel's
+tiles and the Gluon kernels call the same code. ACT 0 (plain SwiGLU) is the expression the
+epilogues always had, operation for operation: its code and bits are unchanged
+(tests/test_activation_ptx_pinned.py). Clamps follow ``torch.clamp``: the gradient passes where
+the input lies within the bounds (bounds included) and is zero where the clamp clipped.
+"""
+import triton
+import triton.language as tl
+
+ACT_SWIGLU: tl.constexpr = tl.constexpr(0)  # silu(g) * u
+ACT_SWIGLU_CLAMP: tl.constexpr = tl.constexpr(1)  # silu(min(g, L)) * clamp(u, -L, L)
+ACT_SWIGLU_CLAMP_OUT: tl.constexpr = tl.constexpr(2)  # min(silu(g), L) * clamp(u, -L, L)
+ACT_GPT_OSS: tl.constexpr = tl.constexpr(3)  # (clamp(u, -L, L) + 1) * gc * sigmoid(alpha gc), gc = min(g, L)
+
+
+@triton.jit
+def _clamp_sym(u, LIMIT: tl.constexpr):
+    return tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+
+
+@triton.jit
+def act_fwd(g, u, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """h = act(g, u), fp32 in and out."""
+    if ACT == ACT_SWIGLU:
+        h = g * tl.sigmoid(g) * u
+    elif ACT == ACT_SWIGLU_CLAMP:
+        gc = tl.minimum(g, LIMIT)
+        h = gc * tl.sigmoid(gc) * _clamp_sym(u, LIMIT)
+    elif ACT == ACT_SWIGLU_CLAMP_OUT:
+        h = tl.minimum(g * tl.sigmoid(g), LIMIT) * _clamp_sym(u, LIMIT)
+    else:
+        gc = tl.minimum(g, LIMIT)
+        h = (_clamp_sym(u, LIMIT) + 1.0) * (gc * tl.sigmoid(ALPHA * gc))
+    return h
+
+
+@triton.jit
+def act_grads(g, u, dh, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """(dg, du): the gradients of g and u given dh = dL/dh (fp32). Beside ``act_fwd`` of the same
+    g, u the compiler computes the shared terms once (the sigmoid, silu)."""
+    if ACT == ACT_SWIGLU:
+        sg = tl.sigmoid(g)
+        dg = dh * u * sg * (1.0 + g * (1.0 - sg))
+        du = dh * (g * sg)
+    elif ACT == ACT_SWIGLU_CLAMP:
+        gc = tl.minimum(g, LIMIT)
+        sg = tl.sigmoid(gc)
+        dg = tl.where(g <= LIMIT, dh * _clamp_sym(u, LIMIT) * sg * (1.0 + gc * (1.0 - sg)), 0.0)
+        du = tl.where(tl.abs(u) <= LIMIT, dh * (gc * sg), 0.0)
+    elif ACT == ACT_SWIGLU_CLAMP_OUT:
+        sg = tl.sigmoid(g)
+        silu = g * sg
+        dg = tl.where(silu <= LIMIT, dh * _clamp_sym(u, LIMIT) * sg * (1.0 + g * (1.0 - sg)), 0.0)
+        du = tl.where(tl.abs(u) <= LIMIT, dh * tl.minimum(silu, LIMIT), 0.0)
+    else:
+        gc = tl.minimum(g, LIMIT)
+        sa = tl.sigmoid(ALPHA * gc)
+        dg = tl.where(g <= LIMIT, dh * (_clamp_sym(u, LIMIT) + 1.0) * sa * (1.0 + ALPHA * gc * (1.0 - sa)), 0.0)
+        du = tl.where(tl.abs(u) <= LIMIT, dh * (gc * sa), 0.0)
+    return dg, du
