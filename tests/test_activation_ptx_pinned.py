@@ -99,7 +99,8 @@ def _gate_up_fp8_ws(nk):
     return compile_args(ws.gate_up_swiglu_fp8_ws_kernel, args, num_warps=4)
 
 
-_SWIGLU_BWD_EPI = ("*bf16", "i32:16", "*fp32", "*bf16", "i32:16", "*bf16", "i32:16", "*fp32", "i32")
+_SWIGLU_BWD_EPI = ("*bf16", "i32:16", "*fp32", "*bf16", "i32:16", "*bf16", "i32:16", "*fp32", "i32", "fp32",
+                   "fp32")
 
 
 def _down_dgrad_fp8_ws(nk):

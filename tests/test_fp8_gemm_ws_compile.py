@@ -35,7 +35,7 @@ def _report():
     epis = {ws.EPI_STORE.value: ("*bf16", "i32:16"),
             ws.EPI_PUSH.value: ("*i32", "*i64", "i32", "i32:16", "*bf16"),
             ws.EPI_SWIGLU_BWD.value: ("*bf16", "i32:16", "*fp32", "*bf16", "i32:16", "*bf16", "i32:16", "*fp32",
-                                      "i32")}
+                                      "i32", "fp32", "fp32")}
     # (epilogue, kernel, (NK, STAGES) cases): the stored and pushed rows at 128 x 256 (the plan's ring
     # depth, heuristics.fp8_wide_stages: 4 at qwen3-30b-a3b's down, K 768), the SwiGLU backward at
     # 128 x 128; kimi-k2's K 2048 and gpt-oss-120b's 2880 (a partial last block)

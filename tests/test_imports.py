@@ -69,8 +69,9 @@ def test_the_library_never_imports_the_tools():
     assert not {m: v for m, v in bad.items() if v}
 
 
-# Below the ops: the input checks and the choice of compiled or interpreted kernels.
-BASE = {"tabby.validate": set(), "tabby._runtime": {"tabby.validate"}}
+# Below the ops: the input checks, the choice of compiled or interpreted kernels and the experts'
+# activation spec.
+BASE = {"tabby.validate": set(), "tabby._runtime": {"tabby.validate"}, "tabby.activation": {"tabby.validate"}}
 
 
 def test_ops_import_only_ops():

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from tabby.activation import Activation
 from tabby.functional import config, heuristics
 from tabby.functional.config import MoEConfig, Tuning, config_string, parse_config
 from tabby.functional.plan import make_plan
@@ -119,6 +120,8 @@ def _other_value(owner, f):
         return not default if default is not None else True
     if kind is Tuning:
         return Tuning(tile_m=64, tma=False)
+    if kind is Activation:
+        return Activation("gpt-oss", limit=7.0, alpha=1.702)
     return {int: 3, float: 2.5}[kind]
 
 

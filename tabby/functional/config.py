@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Literal
 
+from ..activation import SWIGLU, Activation
 from ..validate import MoEInputError
 
 # The environment variables a config defers to where its field is None (``MoEConfig.resolved_*``):
@@ -158,6 +159,8 @@ class MoEConfig:
                        forward's copies and transpose their blocks in shared memory (about 0.6-0.7x
                        the cached copies' speed), elsewhere each backward makes the transposes and
                        drops them.
+    activation:        the routed experts' function between gate/up and down (``tabby.Activation``:
+                       SwiGLU, the default; SwiGLU with clamps; gpt-oss's), in every path and precision.
     """
 
     megakernel: bool | None = None
@@ -168,6 +171,7 @@ class MoEConfig:
     tuning: Tuning = field(default_factory=Tuning)
     precision: str = "bf16"
     cache_fp8_transposes: bool = True
+    activation: Activation = SWIGLU
 
     def __post_init__(self):
         if self.precision not in ("bf16", "fp8", "fp8-forward"):
@@ -189,6 +193,8 @@ class MoEConfig:
         _check_positive("MoEConfig", "max_wait_polls", self.max_wait_polls)
         if not isinstance(self.tuning, Tuning):
             raise MoEInputError(f"MoEConfig(tuning={self.tuning!r}): must be a tabby.Tuning")
+        if not isinstance(self.activation, Activation):
+            raise MoEInputError(f"MoEConfig(activation={self.activation!r}): must be a tabby.Activation")
 
     def resolved_max_wait_ms(self) -> float:
         if self.max_wait_ms is not None:
@@ -356,7 +362,7 @@ def _env_number(name: str, default: float) -> float:
     return value
 
 
-for _cls in (Tuning, MoEConfig):  # the annotations read once (see "Text forms" above)
+for _cls in (Tuning, Activation, MoEConfig):  # the annotations read once (see "Text forms" above)
     _field_types(_cls)
-for _cls in (Tuning, MoEConfig):
+for _cls in (Tuning, Activation, MoEConfig):
     _defaults(_cls)

@@ -1,6 +1,7 @@
 """The experts' activation in the GEMM epilogues: ``h = act(g, u)`` and its backward, one constexpr
 variant per kind of ``tabby.activation`` (ACT = ``Activation.code``, the kind's index in
-``tabby.activation.KINDS``; LIMIT, ALPHA its floats).
+``tabby.activation.KINDS``, a constexpr; LIMIT, ALPHA its floats, constexprs of the Triton kernels and
+fp32 arguments of the Gluon kernels' shared epilogue).
 
 Both are layout-free elementwise ``triton.jit`` functions, so the Triton kernels, the megakernel's
 tiles and the Gluon kernels call the same code. ACT 0 (plain SwiGLU) is the expression the
@@ -18,12 +19,12 @@ ACT_GPT_OSS: tl.constexpr = tl.constexpr(3)  # (clamp(u, -L, L) + 1) * gc * sigm
 
 
 @triton.jit
-def _clamp_sym(u, LIMIT: tl.constexpr):
+def _clamp_sym(u, LIMIT):
     return tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
 
 
 @triton.jit
-def act_fwd(g, u, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+def act_fwd(g, u, ACT: tl.constexpr, LIMIT, ALPHA):
     """h = act(g, u), fp32 in and out."""
     if ACT == ACT_SWIGLU:
         h = g * tl.sigmoid(g) * u
@@ -39,7 +40,7 @@ def act_fwd(g, u, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
 
 
 @triton.jit
-def act_grads(g, u, dh, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+def act_grads(g, u, dh, ACT: tl.constexpr, LIMIT, ALPHA):
     """(dg, du): the gradients of g and u given dh = dL/dh (fp32). Beside ``act_fwd`` of the same
     g, u the compiler computes the shared terms once (the sigmoid, silu)."""
     if ACT == ACT_SWIGLU:

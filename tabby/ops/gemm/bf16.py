@@ -55,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...activation import SWIGLU, Activation
 from .. import INTERPRET
 from .activation import act_fwd, act_grads
 
@@ -532,8 +533,9 @@ def _check_schedule(tile_expert, num_tiles, R, BM):
 def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                    tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
                    h: torch.Tensor | None = None, gu: torch.Tensor | None = None, save_gu: bool = False,
-                   config: GemmConfig | Bf16Gemm):
-    """h [R, I] = silu(xs @ Wg[e]^T) * (xs @ Wu[e]^T) per row tile; returns h, or (h, gu) with save_gu.
+                   config: GemmConfig | Bf16Gemm, act: Activation = SWIGLU):
+    """h [R, I] = act(xs @ Wg[e]^T, xs @ Wu[e]^T) per row tile (SwiGLU: silu(g) * u); returns h, or
+    (h, gu) with save_gu.
 
     xs [R, H] bf16; w_gate, w_up [E, I, H] bf16 (contiguous last dim, same strides);
     gu [R, 2I] bf16 (g then u) is written when ``save_gu`` (or when ``gu`` is given).
@@ -555,16 +557,18 @@ def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     if ws:
         _ws_module().gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu if save_gu else None,
                                        sched_bm=bm, stages=ws.config.num_stages,
-                                       grid=ws.programs, GROUP_M=ws.config.GROUP_M)
+                                       grid=ws.programs, GROUP_M=ws.config.GROUP_M, act=act)
         return (h, gu) if save_gu else h
     gu_arg = gu if save_gu else h
     num_m = R // cfg.BM
     grid = (num_m * triton.cdiv(I, cfg.BN),)
+    ACT, LIMIT, ALPHA = act.constexprs()
     gate_up_swiglu_kernel[grid](
         xs, xs.stride(0), w_gate, w_up, w_gate.stride(0), w_gate.stride(1),
         h, h.stride(0), gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, H, I,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, EVEN_K=(H % cfg.BK == 0),
-        SAVE_GU=save_gu, INTERPRET=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SAVE_GU=save_gu, INTERPRET=INTERPRET, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return (h, gu) if save_gu else h
 
 
@@ -844,8 +848,10 @@ def down_dgrad_swiglu_kernel(dys_ptr, stride_dym, wd_ptr, stride_we, stride_wh,
 def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Tensor, ws: torch.Tensor,
                           tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
                           dgu: torch.Tensor | None = None, hw: torch.Tensor | None = None,
-                          dw_part: torch.Tensor | None = None, config: GemmConfig | Bf16Gemm):
-    """Down dgrad fused with the SwiGLU backward. Returns (dgu, hw, dw_part).
+                          dw_part: torch.Tensor | None = None, config: GemmConfig | Bf16Gemm,
+                          act: Activation = SWIGLU):
+    """Down dgrad fused with the activation's backward (``act``; SwiGLU's by default). Returns
+    (dgu, hw, dw_part).
 
     dys [R, H] bf16 (unscaled dy rows); w_down [E, H, I] bf16; gu [R, 2I] bf16 (saved g, u);
     ws [R] fp32 router weight of each row (0 for padding). Outputs: dgu [R, 2I] bf16 (dg, du),
@@ -872,12 +878,14 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     assert dw_part.shape == (R, nt_n) and dw_part.dtype == torch.float32
     num_m = R // cfg.BM
     grid = (num_m * nt_n,)
+    ACT, LIMIT, ALPHA = act.constexprs()
     down_dgrad_swiglu_kernel[grid](
         dys, dys.stride(0), w_down, w_down.stride(0), w_down.stride(1),
         gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0),
         tile_expert, num_tiles, num_m, H, I,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, EVEN_K=(H % cfg.BK == 0),
-        EPI_SPLIT=(cfg.BN >= 32), INTERPRET=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EPI_SPLIT=(cfg.BN >= 32), INTERPRET=INTERPRET, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return dgu, hw, dw_part
 
 

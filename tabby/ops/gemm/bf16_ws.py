@@ -38,6 +38,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ...activation import SWIGLU, Activation
+from .activation import act_fwd
 from .bf16 import tma_aligned
 from .fp8_ws import (EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _ring_gate_up, _sm90,
                      _store_tile, _walk_row_tiles)
@@ -188,7 +190,8 @@ def _gate_up_producer(a_desc, wg_desc, wu_desc, a_lo, a_hi, bg_bufs, bu_bufs, re
 
 @gluon.jit
 def _gate_up_consumer_tile(it, pid_m, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr,
-                           stride_gum, I, NK, HALF_ROW: gl.constexpr, STAGES: gl.constexpr, SAVE_GU: gl.constexpr):
+                           stride_gum, I, NK, HALF_ROW: gl.constexpr, STAGES: gl.constexpr, SAVE_GU: gl.constexpr,
+                           ACT: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
     g = gl.zeros([HALF, 128], gl.float32, layout)
     u = gl.zeros([HALF, 128], gl.float32, layout)
@@ -205,7 +208,7 @@ def _gate_up_consumer_tile(it, pid_m, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready,
     if NK > 0:
         mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
     rows = pid_m.to(gl.int64) * BM + HALF_ROW + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
-    h = g * tl.sigmoid(g) * u  # bf16.py's gate/up epilogue, the same bits
+    h = act_fwd(g, u, ACT, LIMIT, ALPHA)  # bf16.py's gate/up epilogue, the same bits
     # 16-byte row pieces: 8 bf16 a thread, 16 a row
     bf16_rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     _store_tile(h_ptr, stride_hm, h.to(h_ptr.dtype.element_ty), rows, pid_n * 128, I, bf16_rows)
@@ -218,23 +221,27 @@ def _gate_up_consumer_tile(it, pid_m, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready,
 @gluon.jit
 def _gate_up_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr,
                       num_tiles_ptr, num_m, I, NK, HALF_ROW: gl.constexpr, STAGES: gl.constexpr,
-                      GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
+                      GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr, ACT: gl.constexpr,
+                      LIMIT: gl.constexpr, ALPHA: gl.constexpr):
     it = 0
     _walk_row_tiles(_gate_up_consumer_tile, (a_bufs, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr,
-                                             stride_gum, I, NK, HALF_ROW, STAGES, SAVE_GU), it, tile_expert_ptr,
+                                             stride_gum, I, NK, HALF_ROW, STAGES, SAVE_GU, ACT, LIMIT, ALPHA), it,
+                    tile_expert_ptr,
                     num_tiles_ptr, num_m, gl.cdiv(I, 128), GROUP_M, SCHED_BM)
 
 
 @gluon.jit
 def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr,
                              num_tiles_ptr, num_m, I, NK, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                             SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
+                             SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr, ACT: gl.constexpr = 0, LIMIT: gl.constexpr = 0.0, ALPHA: gl.constexpr = 0.0):
     a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _ring_gate_up(a_desc, wg_desc, STAGES)
     gl.warp_specialize([
         (_gate_up_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr, stride_gum,
-                             tile_expert_ptr, num_tiles_ptr, num_m, I, NK, 0, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
+                             tile_expert_ptr, num_tiles_ptr, num_m, I, NK, 0, STAGES, GROUP_M, SCHED_BM, SAVE_GU,
+                             ACT, LIMIT, ALPHA)),
         (_gate_up_consumer, (a_hi, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr, stride_gum,
-                             tile_expert_ptr, num_tiles_ptr, num_m, I, NK, HALF, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
+                             tile_expert_ptr, num_tiles_ptr, num_m, I, NK, HALF, STAGES, GROUP_M, SCHED_BM, SAVE_GU,
+                             ACT, LIMIT, ALPHA)),
         (_gate_up_producer, (a_desc, wg_desc, wu_desc, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty, tile_expert_ptr,
                              num_tiles_ptr, num_m, I, NK, STAGES, GROUP_M, SCHED_BM)),
     ], [4, 1], [232, 40])
@@ -291,8 +298,8 @@ def rows_launch(a, b, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi:
 
 
 def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_bm: int, stages: int,
-                      grid: int | None = None, GROUP_M: int = 8):
-    """h [R, I] = silu(xs @ Wg[e]^T) * (xs @ Wu[e]^T) per row tile, g | u into gu [R, 2I] unless gu is
+                      grid: int | None = None, GROUP_M: int = 8, act: Activation = SWIGLU):
+    """h [R, I] = act(xs @ Wg[e]^T, xs @ Wu[e]^T) per row tile, g | u into gu [R, 2I] unless gu is
     None; xs [R, H], W [E, I, H] (raises where ``fits`` does not hold). ``stages``: the
     ring's depth (48 KB a stage)."""
     R, H = xs.shape
@@ -304,7 +311,8 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
     save_gu = gu is not None
     gu_arg = gu if save_gu else h
     num_m = R // BM.value
+    ACT, LIMIT, ALPHA = act.constexprs()
     gate_up_swiglu_ws_kernel[_grid(xs.device, num_m * triton.cdiv(I, 128), grid)](
         _desc(xs, R, [HALF.value, BK.value]), _desc(w_gate, E * I, [128, BK.value]), _desc(w_up, E * I, [128, BK.value]), h, h.stride(0),
         gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, triton.cdiv(H, BK.value), STAGES=stages,
-        GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, num_warps=4)
+        GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=4)

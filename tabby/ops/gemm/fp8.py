@@ -59,8 +59,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ...activation import SWIGLU, Activation
 from .. import INTERPRET
 from . import fp8_ws
+from .activation import act_fwd
 from ..quantize import BLOCK, E4M3, quantize_tile_rows
 from .bf16 import (_TL_DTYPES, GemmConfig, _check_schedule, _push_rows, _row_tile_expert, _store_rows,
                    _swiglu_bwd_split_epilogue, grouped_tile, tma_aligned)
@@ -256,8 +258,9 @@ def gate_up_swiglu_fp8_tile(pid_m, pid_n, a_ptr, stride_am, as_ptr, stride_asm,
                             tile_expert_ptr, num_tiles_ptr,
                             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, EVEN_K: tl.constexpr,
                             SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr = False,
-                            a_desc=None, wg_desc=None, wu_desc=None, SUB_M: tl.constexpr = 1):
-    """One (row tile, 128 I-columns): g, u with fp32 promotion; h = silu(g) * u quantized per
+                            a_desc=None, wg_desc=None, wu_desc=None, SUB_M: tl.constexpr = 1, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
+    """One (row tile, 128 I-columns): g, u with fp32 promotion; h = act(g, u) (ACT, LIMIT, ALPHA:
+    ``activation.act_fwd``'s; the defaults: silu(g) * u) quantized per
     1x128 (hq, h_scale[:, pid_n]: the last tile partial where 128 does not divide I, its columns
     past I zeroed before the amax); g | u bf16 into gu [R, 2I] when SAVE_GU. Unused tiles store nothing.
     USE_TMA: A and the weights through the descriptors a_desc, wg_desc, wu_desc (``_fp8_gate_up_mainloop_tma``).
@@ -275,7 +278,7 @@ def gate_up_swiglu_fp8_tile(pid_m, pid_n, a_ptr, stride_am, as_ptr, stride_asm,
         rows = row0 + tl.arange(0, BM)
         cols = pid_n * 128 + tl.arange(0, 128)
         cmask = (cols < I)[None, :]
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        h = act_fwd(acc_g, acc_u, ACT, LIMIT, ALPHA)
         h = tl.where(cmask, h, 0.0)  # columns past I take no part in the tile's scale
         hq, hs = quantize_tile_rows(h, INTERPRET)
         tl.store(hq_ptr + rows[:, None] * stride_hm + cols[None, :], hq, mask=cmask)
@@ -293,12 +296,12 @@ def gate_up_swiglu_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm,
                               tile_expert_ptr, num_tiles_ptr, num_m,
                               H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP_M: tl.constexpr,
                               EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
-                              USE_TMA: tl.constexpr, a_desc, wg_desc, wu_desc, SUB_M: tl.constexpr):
+                              USE_TMA: tl.constexpr, a_desc, wg_desc, wu_desc, SUB_M: tl.constexpr, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, 128), GROUP_M)
     gate_up_swiglu_fp8_tile(pid_m, pid_n, a_ptr, stride_am, as_ptr, stride_asm, wg_ptr, wu_ptr, stride_we,
                             stride_wn, gs_ptr, us_ptr, stride_wse, stride_wsn, hq_ptr, stride_hm, hs_ptr,
                             stride_hsm, gu_ptr, stride_gum, tile_expert_ptr, num_tiles_ptr, H, I, BM,
-                            EVEN_K, SAVE_GU, INTERPRET, USE_TMA, a_desc, wg_desc, wu_desc, SUB_M)
+                            EVEN_K, SAVE_GU, INTERPRET, USE_TMA, a_desc, wg_desc, wu_desc, SUB_M, ACT, LIMIT, ALPHA)
 
 
 def _check_fp8_rows(name, q, s, R):
@@ -322,8 +325,9 @@ def _check_fp8_weights(name, q, s):
 
 
 def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *, kernel: Fp8Gemm,
-                       tile_m: int, hq=None, h_scale=None, gu=None, save_gu: bool = True):
-    """Returns (hq [R, I] E4M3, h_scale [R, ceil(I/128)] fp32, gu [R, 2I] bf16 or None).
+                       tile_m: int, hq=None, h_scale=None, gu=None, save_gu: bool = True, act: Activation = SWIGLU):
+    """Returns (hq [R, I] E4M3, h_scale [R, ceil(I/128)] fp32, gu [R, 2I] bf16 or None): h = act(g, u)
+    (SwiGLU by default) quantized per 1x128.
 
     aq [R, H] E4M3 with a_scale [R, ceil(H/128)]; wg_q, wu_q [E, I, H] E4M3 with scales
     [E, ceil(I/128), ceil(H/128)] (same strides). h's 1x128 tiles are the kernel's column tiles
@@ -359,8 +363,10 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
         _ws_fits(kernel, "gate_up_swiglu_fp8", fp8_ws.fits_gate_up(aq, wg_q, wu_q, tile_m), "fp8_ws.fits_gate_up")
         return fp8_ws.gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles,
                                             hq=hq, h_scale=h_scale, gu=gu, sched_bm=tile_m, save_gu=save_gu,
-                                            stages=cfg.num_stages, grid=kernel.programs, GROUP_M=cfg.GROUP_M)
+                                            stages=cfg.num_stages, grid=kernel.programs, GROUP_M=cfg.GROUP_M,
+                                            act=act)
     gu_arg = gu if save_gu else h_scale
+    ACT, LIMIT, ALPHA = act.constexprs()
     sub = tile_m // cfg.BM
     num_m = R // cfg.BM
     descs = (None, None, None)
@@ -378,7 +384,8 @@ def gate_up_swiglu_fp8(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert,
         wg_scale, wu_scale, wg_scale.stride(0), wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0),
         gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, H, I, BM=cfg.BM, GROUP_M=cfg.GROUP_M,
         EVEN_K=(H % BLOCK == 0), SAVE_GU=save_gu, INTERPRET=INTERPRET, USE_TMA=kernel.tma, a_desc=descs[0],
-        wg_desc=descs[1], wu_desc=descs[2], SUB_M=sub, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        wg_desc=descs[1], wu_desc=descs[2], SUB_M=sub, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return hq, h_scale, (gu if save_gu else None)
 
 
@@ -467,7 +474,7 @@ def down_dgrad_swiglu_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm, b_ptr, st
                                  gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
                                  dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m,
                                  H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
     """gemm.down_dgrad_swiglu_tile with the FP8 main loop: dh_raw = dys @ Wd[e] from dys per 1x128
     and Wd^T [E, I, H] (the weight's blocks transposed) per 128x128; the same epilogue (its
     column mask leaves the columns of a partial last I tile past I out of dw, dgu and hw)."""
@@ -479,14 +486,14 @@ def down_dgrad_swiglu_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm, b_ptr, st
         rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
         w = tl.load(ws_ptr + rows)
         dw = _swiglu_bwd_split_epilogue(acc, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
-                                        hw_ptr, stride_hwm, I, BM, BN)
+                                        hw_ptr, stride_hwm, I, BM, BN, ACT, LIMIT, ALPHA)
         tl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw)
 
 
-def _swiglu_bwd_outputs(gu, ws, nt_n: int, outputs=None):
+def _swiglu_bwd_outputs(gu, ws, nt_n: int, outputs=None, act: Activation = SWIGLU):
     """The down dgrad's outputs for gu [R, 2I] (dgu [R, 2I] bf16, hw [R, I] bf16, dw_part [R, nt_n]
     fp32: a partial sum per column tile; ``outputs``: the three given, else made here) and the
-    warp-specialized kernels' EPI_SWIGLU_BWD arguments over them."""
+    warp-specialized kernels' activation-backward arguments over them (``act``'s limit and alpha last)."""
     R, I = gu.shape[0], gu.shape[1] // 2
     if outputs is None:
         dgu = torch.empty(R, 2 * I, dtype=torch.bfloat16, device=gu.device)
@@ -498,12 +505,14 @@ def _swiglu_bwd_outputs(gu, ws, nt_n: int, outputs=None):
                 dgu.dtype == hw.dtype == torch.bfloat16 and dw_part.dtype == torch.float32):
             raise ValueError(f"the down dgrad's outputs must be dgu [{R}, {2 * I}], hw [{R}, {I}] bf16 and dw_part "
                              f"[{R}, {nt_n}] fp32; got {[(tuple(t.shape), t.dtype) for t in outputs]}")
-    return dgu, hw, dw_part, (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0))
+    _, limit, alpha = act.constexprs()
+    return dgu, hw, dw_part, (gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0),
+                              limit, alpha)
 
 
 def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_expert, num_tiles, *, kernel: Fp8Gemm,
-                          tile_m: int, outputs=None):
-    """gemm.down_dgrad_swiglu_bwd in FP8: dys [R, H] E4M3 per 1x128; wd_t [E, I, H] E4M3 (W_down's
+                          tile_m: int, outputs=None, act: Activation = SWIGLU):
+    """gemm.down_dgrad_swiglu_bwd in FP8 (``act``'s backward; SwiGLU's by default): dys [R, H] E4M3 per 1x128; wd_t [E, I, H] E4M3 (W_down's
     128x128 blocks transposed: :func:`transpose_blocks`) with its scales. Returns (dgu [R, 2I] bf16,
     hw [R, I] bf16, dw_part [R, ceil(I/BN)] fp32), as the bf16 kernel (``outputs``: those three,
     given; else made here). ``kernel``: the warp-specialized kernel at 128 x 128 (``fp8_ws.launch``)
@@ -522,18 +531,20 @@ def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_exp
                          f"schedule's tile {tile_m})")
     _check_schedule(tile_expert, num_tiles, R, tile_m)
     nt_n = triton.cdiv(I, cfg.BN)
-    dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, nt_n, outputs)
+    dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, nt_n, outputs, act)
     if kernel.core == CORE_WS:
         _ws_fits(kernel, "down_dgrad_swiglu_fp8", fp8_ws.fits(dys_q, wd_t_q, tile_m), "fp8_ws.fits")
-        fp8_ws.launch(dys_q, dys_scale, wd_t_q, wd_t_scale, tile_expert, num_tiles, tile_m, fp8_ws.EPI_SWIGLU_BWD,
+        fp8_ws.launch(dys_q, dys_scale, wd_t_q, wd_t_scale, tile_expert, num_tiles, tile_m, fp8_ws.epi_act_bwd(act),
                       epi, I, tile_n=cfg.BN, stages=cfg.num_stages, grid=kernel.programs, GROUP_M=cfg.GROUP_M)
         return dgu, hw, dw_part
     num_m = R // cfg.BM
+    ACT, LIMIT, ALPHA = act.constexprs()
     down_dgrad_swiglu_fp8_kernel[(num_m * nt_n,)](
         dys_q, dys_q.stride(0), dys_scale, dys_scale.stride(0), wd_t_q, wd_t_q.stride(0), wd_t_q.stride(1),
         wd_t_scale, wd_t_scale.stride(0), wd_t_scale.stride(1), gu, gu.stride(0), ws, dgu, dgu.stride(0), hw,
         hw.stride(0), dw_part, dw_part.stride(0), tile_expert, num_tiles, num_m, H, I, BM=cfg.BM, BN=cfg.BN,
-        GROUP_M=cfg.GROUP_M, EVEN_K=(H % BLOCK == 0), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP_M=cfg.GROUP_M, EVEN_K=(H % BLOCK == 0), ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return dgu, hw, dw_part
 
 
@@ -546,7 +557,7 @@ def _check_bt(kernel: Fp8Gemm, what: str, aq, weights, tile_m: int) -> None:
 
 
 def down_dgrad_swiglu_fp8_t(dys_q, dys_scale, wd_q, wd_scale, gu, ws, tile_expert, num_tiles, *, kernel: Fp8Gemm,
-                            tile_m: int, outputs=None):
+                            tile_m: int, outputs=None, act: Activation = SWIGLU):
     """``down_dgrad_swiglu_fp8`` reading W_down's forward copy wd_q [E, H, I] (128x128 scales
     [E, ceil(H/128), ceil(I/128)]) transposed in the kernel, the same values: no W_down^T in
     memory. ``kernel``: the warp-specialized transposing kernel (``fp8_ws.launch_bt``: core "ws",
@@ -562,9 +573,9 @@ def down_dgrad_swiglu_fp8_t(dys_q, dys_scale, wd_q, wd_scale, gu, ws, tile_exper
     assert gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
     _check_schedule(tile_expert, num_tiles, R, tile_m)
     cfg = kernel.config
-    dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, triton.cdiv(I, fp8_ws.BN), outputs)
+    dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, triton.cdiv(I, fp8_ws.BN), outputs, act)
     fp8_ws.launch_bt(dys_q, dys_scale, (wd_q,), wd_scale.transpose(-2, -1).contiguous(), tile_expert, num_tiles,
-                     tile_m, fp8_ws.EPI_SWIGLU_BWD, epi, I, stages=cfg.num_stages, lag=kernel.lag, grid=kernel.programs,
+                     tile_m, fp8_ws.epi_act_bwd(act), epi, I, stages=cfg.num_stages, lag=kernel.lag, grid=kernel.programs,
                      GROUP_M=cfg.GROUP_M)
     return dgu, hw, dw_part
 

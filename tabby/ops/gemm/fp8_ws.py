@@ -52,8 +52,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ...activation import SWIGLU, Activation
 from .. import INTERPRET
 from ..quantize import BLOCK, exp2_int, scale_exponent, to_e4m3
+from .activation import act_fwd
 from .bf16 import _check_schedule, _swiglu_bwd_epilogue, grouped_tile, tma_aligned
 
 BM = 128  # two consumer warpgroups of 64 rows
@@ -66,6 +68,13 @@ HALF = 64
 EPI_STORE = gl.constexpr(0)  # bf16 rows into C [R, N] (gemm.rows_gemm's local form)
 EPI_PUSH = gl.constexpr(1)  # each row to its origin (gemm._push_rows: dst_ptrs[row_src // TK], row row_src % TK)
 EPI_SWIGLU_BWD = gl.constexpr(2)  # the down dgrad's SwiGLU backward (gemm._swiglu_bwd_split_epilogue)
+EPI_KINDS = gl.constexpr(4)  # EPILOGUE = EPI_SWIGLU_BWD + EPI_KINDS * ACT: another activation's backward (epi_act_bwd)
+
+
+def epi_act_bwd(act) -> int:
+    """The EPILOGUE of the down dgrad with ``act``'s backward (a ``tabby.Activation``; its limit and
+    alpha the epi tuple's last two arguments): EPI_SWIGLU_BWD itself for SwiGLU."""
+    return EPI_SWIGLU_BWD.value + EPI_KINDS.value * act.code
 
 
 @gluon.jit
@@ -226,8 +235,9 @@ def _epilogue(acc, rows, pid_n, N, epi, EPILOGUE: gl.constexpr, layout: gl.const
         ref_addr = dst_ptrs_ptr.to(gl.int64, bitcast=True)
         row_off = gl.multiple_of((base - ref_addr) // ESIZE + (rs % TK).to(gl.int64) * stride_dm, 16 // ESIZE)
         gl.store(ref + row_off[:, None] + cols[None, :], val, mask=valid[:, None] & (cols < N)[None, :])
-    else:
-        gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm = epi
+    else:  # the activation's backward, ACT = EPILOGUE // EPI_KINDS (epi_act_bwd)
+        gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm, limit, alpha = epi
+        ACT: gl.constexpr = EPILOGUE // EPI_KINDS
         w = gl.load(ws_ptr + rows)
         # the two column halves one after the other, as the Triton kernel (fewer live tiles; the
         # same dw sums)
@@ -236,9 +246,9 @@ def _epilogue(acc, rows, pid_n, N, epi, EPILOGUE: gl.constexpr, layout: gl.const
         rows_h = gl.convert_layout(rows, gl.SliceLayout(1, acc_lo.type.layout))
         w_h = gl.convert_layout(w, gl.SliceLayout(1, acc_lo.type.layout))
         dw = _swiglu_bwd_epilogue(acc_lo, rows_h, cols_lo, w_h, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr,
-                                  stride_hwm, N)
+                                  stride_hwm, N, ACT, limit, alpha)
         dw += _swiglu_bwd_epilogue(acc_hi, rows_h, cols_lo + 64, w_h, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr,
-                                   stride_hwm, N)
+                                   stride_hwm, N, ACT, limit, alpha)
         gl.store(dwp_ptr + rows_h * stride_dwpm + pid_n, dw)
 
 
@@ -606,7 +616,7 @@ def launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, sched_bm: int, epil
     depth; ``grid`` the persistent grid (None: one program per SM)."""
     R, K = aq.shape
     num_m = R // BM
-    if tile_n not in (BN, 2 * BN) or (tile_n == 2 * BN and epilogue == EPI_SWIGLU_BWD):
+    if tile_n not in (BN, 2 * BN) or (tile_n == 2 * BN and epilogue % EPI_KINDS.value == EPI_SWIGLU_BWD.value):
         raise ValueError(f"launch: tile_n {tile_n} must be {BN} or {2 * BN} (not {2 * BN} with the SwiGLU backward)")
     kernel = rows_gemm_fp8_ws_wide_kernel if tile_n == 2 * BN else rows_gemm_fp8_ws_kernel
     kernel[_grid(aq.device, num_m * triton.cdiv(N, tile_n), grid)](
@@ -682,8 +692,8 @@ def rows_gemm_fp8_ws(aq, a_scale, bq, b_scale, tile_expert, num_tiles, *, out=No
 def _gate_up_consumer_tile(state, pid_m, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr,
                            us_ptr, stride_wse, stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
                            I, HALF_ROW: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr,
-                           SAVE_GU: gl.constexpr):
-    """``_gate_up_consumer``'s tile: its 64 rows' g and u (``_two_block_mainloop``), h = silu(g) * u
+                           SAVE_GU: gl.constexpr, ACT: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr):
+    """``_gate_up_consumer``'s tile: its 64 rows' g and u (``_two_block_mainloop``), h = act(g, u)
     quantized per 1x128 into hq and h's scales, g and u stored where SAVE_GU; returns (the K-block
     count, the product registers)."""
     it, part = state
@@ -694,7 +704,7 @@ def _gate_up_consumer_tile(state, pid_m, pid_n, e, a_bufs, bg_bufs, bu_bufs, rea
     g, u, part, it = _two_block_mainloop(a_bufs, bg_bufs, bu_bufs, ready, empty, it, part, as_ptr + rows * stride_asm,
                                          gs_ptr + ws_off, us_ptr + ws_off, NK, STAGES, layout)
     cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
-    h = g * tl.sigmoid(g) * u
+    h = act_fwd(g, u, ACT, LIMIT, ALPHA)
     h = gl.where((cols < I)[None, :], h, 0.0)  # columns past I take no part in the tile's scale
     # fp8.quantize_tile_rows: the tile's 128 columns are this consumer's
     j = scale_exponent(gl.max(gl.abs(h), axis=1))
@@ -713,14 +723,16 @@ def _gate_up_consumer_tile(state, pid_m, pid_n, e, a_bufs, bg_bufs, bu_bufs, rea
 def _gate_up_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
                       stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
                       num_tiles_ptr, num_m, I, HALF_ROW: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr,
-                      GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr):
+                      GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr, ACT: gl.constexpr,
+                      LIMIT: gl.constexpr, ALPHA: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     num_n = gl.cdiv(I, 128)
     it = 0
     part = gl.zeros([64, 128], gl.float32, layout)
     _walk_row_tiles(_gate_up_consumer_tile, (a_bufs, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr,
                                              us_ptr, stride_wse, stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm,
-                                             gu_ptr, stride_gum, I, HALF_ROW, NK, STAGES, SAVE_GU), (it, part),
+                                             gu_ptr, stride_gum, I, HALF_ROW, NK, STAGES, SAVE_GU, ACT, LIMIT, ALPHA),
+                    (it, part),
                     tile_expert_ptr, num_tiles_ptr, num_m, num_n, GROUP_M, SCHED_BM)
 
 
@@ -729,15 +741,15 @@ def gate_up_swiglu_fp8_ws_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u,
                                  stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
                                  tile_expert_ptr, num_tiles_ptr, num_m, I, NK: gl.constexpr,
                                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr,
-                                 SAVE_GU: gl.constexpr):
+                                 SAVE_GU: gl.constexpr, ACT: gl.constexpr = 0, LIMIT: gl.constexpr = 0.0, ALPHA: gl.constexpr = 0.0):
     a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _ring_gate_up(a_desc, w_desc_g, STAGES)
     gl.warp_specialize([
         (_gate_up_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
                              stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
-                             num_tiles_ptr, num_m, I, 0, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
+                             num_tiles_ptr, num_m, I, 0, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU, ACT, LIMIT, ALPHA)),
         (_gate_up_consumer, (a_hi, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
                              stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum, tile_expert_ptr,
-                             num_tiles_ptr, num_m, I, 64, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU)),
+                             num_tiles_ptr, num_m, I, 64, NK, STAGES, GROUP_M, SCHED_BM, SAVE_GU, ACT, LIMIT, ALPHA)),
         (_two_block_producer, (a_desc, w_desc_g, w_desc_u, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty,
                                tile_expert_ptr, num_tiles_ptr, num_m, I, NK, STAGES, GROUP_M, SCHED_BM, 128, 0)),
     ], [4, 1], [232, 40])
@@ -745,8 +757,8 @@ def gate_up_swiglu_fp8_ws_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u,
 
 def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expert, num_tiles, *, hq=None,
                           h_scale=None, gu=None, sched_bm: int = BM, save_gu: bool = True, stages: int,
-                          grid: int | None = None, GROUP_M: int = 8):
-    """``gemm_fp8.gate_up_swiglu_fp8`` warp-specialized: (hq [R, I] E4M3, h_scale [R, ceil(I/128)],
+                          grid: int | None = None, GROUP_M: int = 8, act: Activation = SWIGLU):
+    """``gemm_fp8.gate_up_swiglu_fp8`` warp-specialized (h = act(g, u)): (hq [R, I] E4M3, h_scale [R, ceil(I/128)],
     gu [R, 2I] bf16 or None), the same values, into the given outputs or new ones. Runs where
     ``fits_gate_up`` holds. ``stages``: the ring's depth (48 KB a stage)."""
     R, H = aq.shape
@@ -766,12 +778,13 @@ def gate_up_swiglu_fp8_ws(aq, a_scale, wg_q, wg_scale, wu_q, wu_scale, tile_expe
     assert hq.stride(-1) == 1 and h_scale.stride(-1) == 1 and (gu is None or gu.stride(-1) == 1)
     gu_arg = gu if save_gu else h_scale
     num_m = R // BM
+    ACT, LIMIT, ALPHA = act.constexprs()
     gate_up_swiglu_fp8_ws_kernel[_grid(aq.device, num_m * triton.cdiv(I, BLOCK), grid)](
         _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(wg_q, E * I, BN),
         _e4m3_desc(wu_q, E * I, BN), wg_scale, wu_scale, wg_scale.stride(0),
         wg_scale.stride(1), hq, hq.stride(0), h_scale, h_scale.stride(0), gu_arg, gu_arg.stride(0), tile_expert,
         num_tiles, num_m, I, NK=triton.cdiv(H, BLOCK), STAGES=stages, GROUP_M=GROUP_M,
-        SCHED_BM=sched_bm, SAVE_GU=save_gu, num_warps=4)
+        SCHED_BM=sched_bm, SAVE_GU=save_gu, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=4)
     return hq, h_scale, (gu if save_gu else None)
 
 
