@@ -88,3 +88,31 @@ def apply(g, u, act: Activation):
         return torch.clamp(F.silu(g), max=L) * uc
     gc = torch.clamp(g, max=L)
     return (uc + 1) * (gc * torch.sigmoid(act.alpha * gc))
+
+
+def grads(g, u, dh, act: Activation):
+    """(dg, du) given dh = dL/dh, by the formulas the kernels' epilogues use (ops/gemm/activation.py
+    ``act_grads``, operation for operation in fp32): the FP8 backward's reference reads these."""
+    import torch
+
+    if act.kind == "swiglu":
+        sg = torch.sigmoid(g)
+        return dh * u * sg * (1 + g * (1 - sg)), dh * (g * sg)
+    L = act.limit
+    uc = torch.clamp(u, -L, L)
+    u_in = u.abs() <= L
+    zero = torch.zeros((), dtype=g.dtype, device=g.device)
+    if act.kind == "swiglu-clamp":
+        gc = torch.clamp(g, max=L)
+        sg = torch.sigmoid(gc)
+        return (torch.where(g <= L, dh * uc * sg * (1 + gc * (1 - sg)), zero),
+                torch.where(u_in, dh * (gc * sg), zero))
+    if act.kind == "swiglu-clamp-out":
+        sg = torch.sigmoid(g)
+        silu = g * sg
+        return (torch.where(silu <= L, dh * uc * sg * (1 + g * (1 - sg)), zero),
+                torch.where(u_in, dh * torch.clamp(silu, max=L), zero))
+    gc = torch.clamp(g, max=L)
+    sa = torch.sigmoid(act.alpha * gc)
+    return (torch.where(g <= L, dh * (uc + 1) * sa * (1 + act.alpha * gc * (1 - sa)), zero),
+            torch.where(u_in, dh * (gc * sa), zero))

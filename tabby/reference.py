@@ -1,6 +1,9 @@
 """The MoE layer in plain PyTorch: the definition of the right answer.
 
-    y[t] = shared(x[t]) + sum_k topk_weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]),  e = topk_idx[t, k]
+    y[t] = shared(x[t]) + sum_k topk_weights[t, k] * down_e(act(gate_e x[t], up_e x[t])),  e = topk_idx[t, k]
+
+act is ``activation`` (``tabby.Activation``; SwiGLU, silu(g) * u, by default: tabby/activation.py);
+the shared expert is SwiGLU.
 
 Forward and backward come from autograd. The computation runs in ``compute_dtype`` (fp32 by
 default; pass fp64 for a tighter oracle) and returns ``x.dtype``.
@@ -19,7 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .validate import MoEDims, check_group_agrees, check_inputs
+from .activation import SWIGLU, Activation
+from .activation import apply as apply_activation
+from .validate import MoEDims, MoEInputError, check_group_agrees, check_inputs
 
 
 class _AllToAll(torch.autograd.Function):
@@ -43,12 +48,15 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
-def swiglu_mlp(x, w_gate, w_up, w_down):
-    """down(silu(gate x) * up x) for x [M, H], w_gate/w_up [I, H], w_down [H, I]."""
-    return (F.silu(x @ w_gate.t()) * (x @ w_up.t())) @ w_down.t()
+def swiglu_mlp(x, w_gate, w_up, w_down, act: Activation = SWIGLU):
+    """down(act(gate x, up x)) for x [M, H], w_gate/w_up [I, H], w_down [H, I] (SwiGLU by default:
+    down(silu(gate x) * up x))."""
+    if act == SWIGLU:
+        return (F.silu(x @ w_gate.t()) * (x @ w_up.t())) @ w_down.t()
+    return apply_activation(x @ w_gate.t(), x @ w_up.t(), act) @ w_down.t()
 
 
-def expert_segments(xs, counts, w_gate, w_up, w_down, compute_dtype):
+def expert_segments(xs, counts, w_gate, w_up, w_down, compute_dtype, act: Activation = SWIGLU):
     """Run each local expert on its contiguous segment of ``xs`` [sum(counts), H]; returns [rows, H]."""
     outs = []
     H = xs.shape[1]
@@ -58,7 +66,7 @@ def expert_segments(xs, counts, w_gate, w_up, w_down, compute_dtype):
         # A fresh allocation per segment: BLAS results must not depend on where a segment starts.
         rows = rows.to(compute_dtype).clone()
         outs.append(swiglu_mlp(rows, w_gate[e].to(compute_dtype), w_up[e].to(compute_dtype),
-                               w_down[e].to(compute_dtype)))
+                               w_down[e].to(compute_dtype), act))
     return torch.cat(outs) if outs else xs.new_zeros((0, H), dtype=compute_dtype)
 
 
@@ -71,7 +79,7 @@ def combine_k(y_rep, topk_weights, compute_dtype):
     return acc
 
 
-def _routed(x, topk_idx, topk_weights, w_gate, w_up, w_down, dims: MoEDims, group, compute_dtype):
+def _routed(x, topk_idx, topk_weights, w_gate, w_up, w_down, dims: MoEDims, group, compute_dtype, act):
     T, H, k, E_local, W = dims.T, dims.H, dims.k, dims.E_local, dims.world_size
     flat_e = topk_idx.reshape(-1).long()
     # Stable sort: rows ordered by expert, then token, then k (the flat order).
@@ -83,7 +91,7 @@ def _routed(x, topk_idx, topk_weights, w_gate, w_up, w_down, dims: MoEDims, grou
     e_sorted = flat_e[perm]
     if W == 1:
         counts = torch.bincount(e_sorted, minlength=E_local).tolist()
-        ys = expert_segments(x_send, counts, w_gate, w_up, w_down, compute_dtype)
+        ys = expert_segments(x_send, counts, w_gate, w_up, w_down, compute_dtype, act)
         y_back = ys
     else:
         import torch.distributed as dist
@@ -102,18 +110,22 @@ def _routed(x, topk_idx, topk_weights, w_gate, w_up, w_down, dims: MoEDims, grou
         inv_order = torch.empty_like(order)
         inv_order[order] = torch.arange(order.numel(), device=order.device)
         counts = torch.bincount(e_recv, minlength=E_local).tolist()
-        ys = expert_segments(x_recv[order], counts, w_gate, w_up, w_down, compute_dtype)
+        ys = expert_segments(x_recv[order], counts, w_gate, w_up, w_down, compute_dtype, act)
         y_back = _AllToAll.apply(ys[inv_order], recv_splits, send_splits, group)
     y_rep = y_back[inv_perm].view(T, k, H)
     return combine_k(y_rep, topk_weights, compute_dtype)
 
 
 def moe_reference(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None,
-                  compute_dtype=torch.float32):
+                  compute_dtype=torch.float32, activation: Activation | None = None):
     """Reference MoE layer; see the module docstring. Returns y [T, H] in x.dtype.
 
     ``group``: a ``torch.distributed`` process group for expert parallelism (None: one process).
+    ``activation``: the routed experts' (``tabby.Activation``; None: SwiGLU).
     """
+    act = SWIGLU if activation is None else activation
+    if not isinstance(act, Activation):
+        raise MoEInputError(f"activation must be a tabby.Activation, got {type(act).__name__}")
     W = 1
     if group is not None:
         import torch.distributed as dist
@@ -122,7 +134,7 @@ def moe_reference(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, 
     dims = check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, world_size=W)
     if W > 1:
         check_group_agrees(dims, x, group)
-    y = _routed(x, topk_idx, topk_weights, w_gate, w_up, w_down, dims, group, compute_dtype)
+    y = _routed(x, topk_idx, topk_weights, w_gate, w_up, w_down, dims, group, compute_dtype, act)
     if shared is not None:
         y = y + swiglu_mlp(x.to(compute_dtype), *(w.to(compute_dtype) for w in shared))
     return y.to(x.dtype)

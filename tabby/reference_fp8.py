@@ -58,6 +58,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .activation import SWIGLU, Activation
+from .activation import apply as apply_activation
+from .activation import grads as activation_grads
 from .validate import check_inputs
 
 E4M3 = torch.float8_e4m3fn
@@ -225,7 +228,8 @@ def _straight_through(value: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
     return graph + (value - graph).detach()
 
 
-def moe_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, bf16_rounding="nearest"):
+def moe_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, bf16_rounding="nearest",
+                      activation: Activation | None = None):
     """Tabby's FP8 layer (``MoEConfig(precision="fp8")``) in plain PyTorch, one process.
 
     Forward, per routed row (token t, expert e): ``xq = quantize_rows(x[t])``; ``g, u =
@@ -241,7 +245,9 @@ def moe_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=No
     With expert parallelism Tabby's result on a rank equals this on that rank's tokens with every
     rank's experts (quantization is per token and per weight block, independent of the rank).
     ``bf16_rounding``: how the values the layer stores as bf16 are rounded (:func:`to_bf16`).
+    ``activation``: the routed experts' (``tabby.Activation``; None: SwiGLU), in place of silu(g) * u.
     """
+    act = SWIGLU if activation is None else activation
     dims = check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
     T, H, k, E = dims.T, dims.H, dims.k, dims.E_local
     flat_e = topk_idx.reshape(-1).long()
@@ -257,13 +263,13 @@ def moe_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=No
         (gq, gs), (uq, us), (dq, ds) = (quantize_blocks_ref(w[e].detach()) for w in (w_gate, w_up, w_down))
         g8 = fp8_gemm_ref(xq[tok], xs[tok], gq, gs)
         u8 = fp8_gemm_ref(xq[tok], xs[tok], uq, us)
-        hq, hs = quantize_rows_ref(F.silu(g8) * u8)
+        hq, hs = quantize_rows_ref(apply_activation(g8, u8, act))
         idx.append(rows)
         vals.append(to_bf16(fp8_gemm_ref(hq, hs, dq, ds), bf16_rounding).float())
         # the backward's graph: g, u as the layer keeps them (bf16), its own h and y_e
         g = _straight_through(to_bf16(g8, bf16_rounding).float(), xf[tok] @ w_gate[e].float().t())
         u = _straight_through(to_bf16(u8, bf16_rounding).float(), xf[tok] @ w_up[e].float().t())
-        graphs.append((F.silu(g) * u) @ w_down[e].float().t())
+        graphs.append(apply_activation(g, u, act) @ w_down[e].float().t())
 
     def combine(parts):
         rows = x.new_zeros((T * k, H), dtype=torch.float32)
@@ -299,7 +305,8 @@ def gate_up_grad_operands_ref(g, u):
     return torch.cat([pad_k(g[0], Ip), pad_k(u[0], Ip)], -1), torch.cat([g[1], u[1]], -1)
 
 
-def moe_backward_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, dy, bf16_rounding="nearest"):
+def moe_backward_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, dy, bf16_rounding="nearest",
+                               activation: Activation | None = None):
     """The gradients of Tabby's FP8 backward (``precision="fp8"``), one process, no shared expert,
     bf16 inputs: (dx [T, H] bf16, d topk_weights [T, k] fp32, dW_gate, dW_up, dW_down bf16).
 
@@ -326,8 +333,10 @@ def moe_backward_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, 
     The recipe's granularity (DeepSeek-V3, section 3.3): dgrad with the output gradient per
     1x128 and the weights' 128x128 blocks transposed (the same blocks); wgrad with both operands
     per 128x1, along the dimension the GEMM contracts. ``bf16_rounding``: as in
-    :func:`moe_reference_fp8`.
+    :func:`moe_reference_fp8`. ``activation``: as there (its backward by ``tabby.activation.grads``,
+    the kernels' formulas, in place of SwiGLU's above).
     """
+    act = SWIGLU if activation is None else activation
     bf16 = lambda t: to_bf16(t, bf16_rounding)  # noqa: E731
     T, H = x.shape
     k = topk_idx.shape[1]
@@ -354,11 +363,17 @@ def moe_backward_reference_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, 
         dyq, dys_s = quantize_rows_ref(dys)
         dtq, dts = quantize_blocks_ref(w_down[e].t().contiguous())
         dh_raw = fp8_gemm_ref(dyq, dys_s, dtq, dts)
-        sg = torch.sigmoid(g)
-        h = g * sg * u
-        dtopk[rows] = (dh_raw * h).sum(1)
-        dh = dh_raw * w[:, None]
-        dgu = bf16(torch.cat([dh * u * sg * (1 + g * (1 - sg)), dh * g * sg], dim=1))
+        if act == SWIGLU:
+            sg = torch.sigmoid(g)
+            h = g * sg * u
+            dtopk[rows] = (dh_raw * h).sum(1)
+            dh = dh_raw * w[:, None]
+            dgu = bf16(torch.cat([dh * u * sg * (1 + g * (1 - sg)), dh * g * sg], dim=1))
+        else:
+            h = apply_activation(g, u, act)
+            dtopk[rows] = (dh_raw * h).sum(1)
+            dh = dh_raw * w[:, None]
+            dgu = bf16(torch.cat(activation_grads(g, u, dh, act), dim=1))
         hw = bf16(h * w[:, None])
         gq_t, gs_t = gate_up_grad_operands_ref(*(quantize_blocks_ref(wt[e].t().contiguous())
                                                  for wt in (w_gate, w_up)))

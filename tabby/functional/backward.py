@@ -92,7 +92,8 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
         xs, row_w = bufs.empty("xs", dev), bufs.empty("row_w", dev)
         pull_routed_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, k, ws.ptrs["w_pub"], row_w)
         _, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, h=bufs.empty("h", dev),
-                                    gu=bufs.empty("gu", dev), config=plan.gemm_config(gemm.KIND_GATE_UP))
+                                    gu=bufs.empty("gu", dev), config=plan.gemm_config(gemm.KIND_GATE_UP),
+                                    act=plan.activation)
         del _
         mark(probe, "bwd:recompute")
     R = sched.R_max
@@ -107,7 +108,8 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
     dgu, hw, dw_part = gemm.down_dgrad_swiglu_bwd(dys, w_down, gu, row_w, sched.tile_expert, sched.num_tiles,
                                                   dgu=gu if in_place else bufs.empty("dgu", dev),
                                                   hw=bufs.empty("hw", dev), dw_part=bufs.empty("dw_part", dev),
-                                                  config=plan.gemm_config(gemm.KIND_DGRAD_SWIGLU))
+                                                  config=plan.gemm_config(gemm.KIND_DGRAD_SWIGLU),
+                                                  act=plan.activation)
     del gu, row_w
     mark(probe, "bwd:down_dgrad+swiglu")
     gemm.gate_up_dgrad_push(dgu, w_gate, w_up, sched.tile_expert, sched.num_tiles, sched.row_src,

@@ -56,7 +56,8 @@ def moe_forward(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_down,
     pull_routed_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, sched.k, ws.ptrs["w_pub"], row_w)
     mark(probe, "fwd:dispatch")
     h, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, h=bufs.empty("h", x.device),
-                                gu=bufs.empty("gu", x.device), config=plan.gemm_config(gemm.KIND_GATE_UP))
+                                gu=bufs.empty("gu", x.device), config=plan.gemm_config(gemm.KIND_GATE_UP),
+                                act=plan.activation)
     mark(probe, "fwd:gate_up")
     gemm.down_push(h, w_down, sched.tile_expert, sched.num_tiles, sched.row_src, ws.ptrs["y_in"], TK,
                    config=plan.gemm_config(gemm.KIND_DOWN))

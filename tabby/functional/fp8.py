@@ -288,7 +288,7 @@ def moe_forward_fp8(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_d
     hq, h_scale, gu = gemm_fp8.gate_up_swiglu_fp8(
         xq, x_scale, wg_q, wg_s, wu_q, wu_s, sched.tile_expert, sched.num_tiles, hq=bufs.empty("h_fp8", dev),
         h_scale=bufs.empty("h_fp8_scale", dev), gu=bufs.empty("gu", dev) if keep else None, save_gu=keep,
-        kernel=plan.fp8.gate_up, tile_m=plan.tile_m)
+        kernel=plan.fp8.gate_up, tile_m=plan.tile_m, act=plan.activation)
     mark(probe, "fwd:gate_up")
     gemm_fp8.down_push_fp8(hq, h_scale, wd_q, wd_s, sched.tile_expert, sched.num_tiles, sched.row_src,
                            ws.ptrs["y_in"], TK, kernel=plan.fp8.down, tile_m=plan.tile_m)
@@ -339,12 +339,12 @@ def moe_backward_fp8(ws, plan: Plan, dy, saved: KeptRows, w_gate, w_up, w_down, 
     if fwd_copies is not None:
         dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8_t(dys_q, dys_s, *fwd_copies[2], gu, row_w,
                                                             sched.tile_expert, sched.num_tiles, kernel=f.down_dgrad,
-                                                            tile_m=BM, outputs=dgrad_outputs)
+                                                            tile_m=BM, outputs=dgrad_outputs, act=plan.activation)
     else:
         wd_t = fp8_weight_t(w_down, hold=f.dgrad == CACHED_TRANSPOSES)
         dgu, hw, dw_part = gemm_fp8.down_dgrad_swiglu_fp8(dys_q, dys_s, *wd_t, gu, row_w, sched.tile_expert,
                                                           sched.num_tiles, kernel=f.down_dgrad, tile_m=BM,
-                                                          outputs=dgrad_outputs)
+                                                          outputs=dgrad_outputs, act=plan.activation)
         del wd_t
     del gu, row_w, dgrad_outputs
     mark(probe, "bwd:down_dgrad+swiglu")

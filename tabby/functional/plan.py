@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ..activation import SWIGLU, Activation
 from ..ops import INTERPRET
 from ..ops.gemm import bf16 as gemm
 from ..ops.gemm import fp8 as gemm_fp8
@@ -70,6 +71,7 @@ class Plan:
     cache_fp8_transposes: bool = True  # MoEConfig.cache_fp8_transposes
     wgrad_programs: int = 4  # the bf16 weight gradients' persistent grid
     fp8: Fp8Plan | None = None  # the FP8 GEMMs' kernels (None: precision "bf16")
+    activation: Activation = SWIGLU  # MoEConfig.activation: every gate/up epilogue and its backward
 
     def gemm_config(self, kind: str) -> gemm.Bf16Gemm | gemm.GemmConfig:
         return self.gemm[kind]
@@ -79,7 +81,7 @@ class Plan:
         d = self.dims
         path = "the forward megakernel" if self.mega is not None else "the path of separate launches"
         lines = [f"Plan: T={d.T} H={d.H} I={d.I} k={d.k} E_local={d.E_local} EP{d.world_size} I_s={self.I_s}, "
-                 f"precision {self.precision}, {path}",
+                 f"precision {self.precision}, activation {self.activation}, {path}",
                  f"  routed tiles of {self.tile_m} rows, experts padded to {self.align_tiles} tile(s); dispatch "
                  f"{self.dispatch_rows} x {self.dispatch_cols} by {self.dispatch_programs} programs"]
         g = self.gemm
@@ -223,7 +225,8 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
                 dispatch_programs=t.dispatch_programs or heuristics.DISPATCH_PROGRAMS, gemm=gemms, mega=mega,
                 precision=config.precision, cache_fp8_transposes=config.cache_fp8_transposes,
                 wgrad_programs=heuristics.wgrad_programs(sm_count),
-                fp8=None if config.precision == "bf16" else _fp8_plan(dims, config, tile_m, sm_count, arch))
+                fp8=None if config.precision == "bf16" else _fp8_plan(dims, config, tile_m, sm_count, arch),
+                activation=config.activation)
 
 
 def _fp8_plan(dims: MoEDims, config: MoEConfig, tile_m: int, sms: int | None, arch: int | None) -> Fp8Plan:
@@ -286,4 +289,5 @@ def _mega_plan(dims: MoEDims, config: MoEConfig, sms: int | None, I_s: int, tile
         fill_split=fill_split, fill_cols=heuristics.fill_cols(H), fill_stages=t.fill_stages or heuristics.fill_stages(warps),
         programs=grid, comm_programs=comm, num_warps=warps, num_stages=stages,
         gate_up=gu, down=dn, shared_gate_up=gus, shared_down=dns, down_cols=dcols, tma=tma,
-        half_tiles=heuristics.half_tiles(tile_m, INTERPRET), local_rows=local_rows, token_pull=pull)
+        half_tiles=heuristics.half_tiles(tile_m, INTERPRET), local_rows=local_rows, token_pull=pull,
+        activation=config.activation)

@@ -115,6 +115,7 @@ def kernel_consts(plan: MegaPlan, *, world_size: int, has_shared: bool, save: bo
     gus, dns = (plan.shared_gate_up, plan.shared_down) if has_shared else (gu, dn)  # placeholders without
     I_s = plan.I_s if has_shared else 0
     cdiv = triton.cdiv
+    act, limit, alpha = plan.activation.constexprs()
     return MegaConsts(
         NS=plan.n_slots, FS=plan.fill_split, GM=plan.group_m, COMM=plan.comm_programs, HAS_SHARED=has_shared,
         H=plan.H, I=plan.I, IS=I_s, BM=plan.tile_m, BH=plan.fill_cols,
@@ -125,7 +126,7 @@ def kernel_consts(plan: MegaPlan, *, world_size: int, has_shared: bool, save: bo
         INTERPRET=interpret,
         G=cdiv(plan.I, gu.BN), D=cdiv(plan.H, dn.BN) // plan.down_cols, GS=cdiv(I_s, gus.BN),
         DS=cdiv(plan.H, dns.BN), F=0 if (plan.comm_programs > 0 or tokens) else plan.fill_split,
-        TR=save and not tokens, SH_GU=counter_layout(plan.n_slots, 0).sh_gu)
+        TR=save and not tokens, SH_GU=counter_layout(plan.n_slots, 0).sh_gu, ACT=act, LIMIT=limit, ALPHA=alpha)
 
 
 def _desc(t: torch.Tensor, block) -> TensorDescriptor:

@@ -238,6 +238,9 @@ class MegaConsts(NamedTuple):
     F: int  # fill tickets per row tile in the compute order (0: comm programs or the token pull)
     TR: bool  # per-tile fill counters (SAVE without TOKENS: fills write rows of their own)
     SH_GU: int  # counter index of sh_gu[0]
+    ACT: int = 0  # the routed experts' activation (ops/gemm/activation.py; the shared expert's is SwiGLU)
+    LIMIT: float = 0.0
+    ALPHA: float = 0.0
 
 
 class ProbeConsts(NamedTuple):

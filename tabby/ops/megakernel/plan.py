@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...activation import SWIGLU, Activation
 from ..gemm.bf16 import GemmConfig
 
 
@@ -41,6 +42,7 @@ class MegaPlan:
     half_tiles: bool  # a row tile whose real rows fit in tile_m / 2 is computed at half height
     local_rows: bool  # gate/up reads this rank's rows from x; fills copy only the peers' (needs tma)
     token_pull: bool  # a copy engine pulls every peer's x whole beside the kernel; no fills
+    activation: Activation = SWIGLU  # the routed experts' (the shared expert's is SwiGLU)
 
     @property
     def n_groups(self) -> int:

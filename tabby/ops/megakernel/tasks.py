@@ -182,7 +182,7 @@ def routed_compute(kind, i, n, p, sync_args, epoch, route, routed, descs, saved,
                         BM=BM // 2, BN=C.BN_GU, BK=C.BK_GU, EVEN_K=H % C.BK_GU == 0, SAVE_GU=C.SAVE,
                         INTERPRET=C.INTERPRET, n_rows=0, MASK_ROWS=False, USE_TMA=C.TMA, xs_desc=descs.xs_half,
                         wg_desc=descs.w_gate, wu_desc=descs.w_up, a_row_shift=xs_shift, TILE_M=BM, A_ROWS=C.LOCAL_A,
-                        a_rows=a_half)
+                        a_rows=a_half, ACT=C.ACT, LIMIT=C.LIMIT, ALPHA=C.ALPHA)
             if full:
                 a_full = None
                 if C.LOCAL_A:
@@ -194,7 +194,8 @@ def routed_compute(kind, i, n, p, sync_args, epoch, route, routed, descs, saved,
                     stride_gum=2 * I, tile_expert_ptr=route.tile_expert, num_tiles_ptr=route.num_tiles, H=H, I=I,
                     BM=BM, BN=C.BN_GU, BK=C.BK_GU, EVEN_K=H % C.BK_GU == 0, SAVE_GU=C.SAVE, INTERPRET=C.INTERPRET,
                     n_rows=0, MASK_ROWS=False, USE_TMA=C.TMA, xs_desc=descs.xs, wg_desc=descs.w_gate,
-                    wu_desc=descs.w_up, a_row_shift=xs_shift, TILE_M=0, A_ROWS=C.LOCAL_A, a_rows=a_full)
+                    wu_desc=descs.w_up, a_row_shift=xs_shift, TILE_M=0, A_ROWS=C.LOCAL_A, a_rows=a_full,
+                    ACT=C.ACT, LIMIT=C.LIMIT, ALPHA=C.ALPHA)
         if C.TMA:  # the down tiles read h through TMA (fenced before the caller's release)
             sync.fence_proxy_async()
     else:  # down column tiles of row tile i, rows pushed to their origins
