@@ -4,10 +4,11 @@
 
 Per shape (uniform random top-k routing of T tokens over the shape's experts, rows padded to 128
 a expert as the schedule pads them) and GEMM kind (gate/up + SwiGLU, down pushed to the rows'
-origins, down dgrad + SwiGLU backward, gate/up dgrad pushed), the median time and TFLOP/s of:
-bf16.py's Triton kernel at the plan's tiles (``triton``), the warp-specialized kernels of
-bf16_ws.py at each (tile_n, stages) (``ws-N-S``; gate/up and down, the kinds they run), ``torch._grouped_mm`` on the same rows (the
-floor) and one dense ``torch.mm`` of the same FLOPs (cuBLAS). FLOPs count real rows only. Writes
+origins, down dgrad + SwiGLU backward, gate/up dgrad pushed, the two weight gradients), the median
+time and TFLOP/s of: bf16.py's Triton kernel at the plan's tiles (``triton``), the warp-specialized
+kernels of bf16_ws.py at each (tile_n, stages) (``ws-N-S``; gate/up, down and the weight
+gradients), ``torch._grouped_mm`` on the same rows (the floor) and one dense ``torch.mm`` of the
+same FLOPs (cuBLAS). FLOPs count real rows only. Writes
 gemm-cores.json and gemm-cores.md under --out.
 """
 from __future__ import annotations
@@ -127,6 +128,28 @@ def run_shape(name, T):
                                                                    config=cfg), f_gu)
     add("gate_up_dgrad", "floor", lambda: torch._grouped_mm(gur, wgu, offs=offs), f_gu)
     add("gate_up_dgrad", "dense", lambda: torch.mm(gur, wgu[0]), f_gu)
+    # weight gradients (K = an expert's rows): dW_down = dys^T hw, dW_gate | dW_up = dg | du^T xs
+    pad = (counts + 127) // 128 * 128
+    es = (torch.cumsum(pad, 0) - pad).to(torch.int32).cuda()
+    ec = counts.to(torch.int32).cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    hw.normal_()
+    dwd, dwg, dwu = torch.empty(E, H, I, **bf), torch.empty(E, I, H, **bf), torch.empty(E, I, H, **bf)
+    f_w = 2.0 * n_real * H * I
+    cfg = heuristics.wgrad_config(I)
+    add("wgrad_down", "triton", lambda: gemm.expert_wgrad(xs, hw, es, ec, config=cfg, programs=sms, out=dwd), f_w)
+    for st in (4, 3):
+        add("wgrad_down", f"ws-256-{st}", lambda: ws.expert_wgrad_ws([xs], hw, es, ec, [dwd], stages=st), f_w)
+    add("wgrad_down", "floor", lambda: torch._grouped_mm(xr.t(), hr, offs=offs), f_w)
+    add("wgrad_down", "dense", lambda: torch.mm(xr.t(), hr), f_w)
+    cfg = heuristics.wgrad_config(H)
+    add("wgrad_gate_up", "triton", lambda: gemm.expert_wgrad_gate_up(gu, xs, es, ec, config=cfg, programs=sms,
+                                                                      out_gate=dwg, out_up=dwu), 2 * f_w)
+    for st in (4, 3):
+        add("wgrad_gate_up", f"ws-256-{st}", lambda: ws.expert_wgrad_ws([gu[:, :I], gu[:, I:]], xs, es, ec, [dwg, dwu],
+                                                                         stages=st), 2 * f_w)
+    add("wgrad_gate_up", "floor", lambda: torch._grouped_mm(gur.t(), xr, offs=offs), 2 * f_w)
+    add("wgrad_gate_up", "dense", lambda: torch.mm(gur.t(), xr), 2 * f_w)
     return rows
 
 

@@ -43,11 +43,17 @@ def _report():
                     num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK="i32", STAGES=Const(stages), GROUP_M=Const(8),
                     SCHED_BM=Const(128), SAVE_GU=Const(True))
         _line(f"gate_up/stages{stages}", compile_args(ws.gate_up_swiglu_ws_kernel, args, num_warps=4))
+    for pairs, stages in ((1, 4), (2, 4), (2, 3)):
+        args = dict(a0_desc=desc([64, 64]), a1_desc=desc([64, 64]), b_desc=desc([64, 256]), c0_ptr="*bf16",
+                    c1_ptr="*bf16", stride_ce="i32:16", stride_cm="i32:16", expert_start_ptr="*i32",
+                    expert_count_ptr="*i32", E="i32", M="i32:16", N="i32:16", NUM_PAIRS=Const(pairs),
+                    STAGES=Const(stages), GROUP_M=Const(8))
+        _line(f"wgrad/pairs{pairs}/stages{stages}", compile_args(ws.expert_wgrad_ws_kernel, args, num_warps=4))
 
 
 def test_warp_specialized_bf16_gemms_compile():
     lines = run_compiled_check(__file__).splitlines()
-    assert len(lines) == 6, lines
+    assert len(lines) == 9, lines
     for line in lines:
         f = line.split()
         c = dict(zip(f[1::2], map(int, f[2::2])))

@@ -126,3 +126,44 @@ def test_entry_points_run_the_plans_kernels():
                                    s.num_tiles, config=ws_dgrad)
     with pytest.raises(ValueError, match="one K phase"):
         gemm.gate_up_dgrad_local(torch.cat([h, h], 1), w, w, s.tile_expert, s.num_tiles, config=ws_dgrad)
+
+
+WGRAD_CASES = [([300, 0, 128, 5], 256, 384), ([129, 1, 700], 1040, 328), ([0, 0, 900, 64], 2048, 768),
+               ([77, 500, 3], 2880, 2880)]  # (rows per expert, M, N): empty, single-row, 64-row experts
+
+
+@pytest.mark.parametrize("counts,M,N", WGRAD_CASES)
+@pytest.mark.parametrize("stages,grid", [(4, None), (3, 5), (2, 1)])
+def test_expert_wgrad(counts, M, N, stages, grid):
+    """C[e] = A_seg^T B_seg, one and two pairs, against bf16.py's Triton kernel and fp32 torch; the
+    padding rows NaN in both operands (the kernel zeroes a partial block's rows: nothing leaks),
+    experts without rows zeros, a grid of one program and grids smaller than the tiles."""
+    s = Sched(counts, 128, W=1, TK=sum(counts) + 1, seed=M + N)
+    pad = ~s.real.cuda()
+    a, a2, b = s.rows(M, seed=M + 1), s.rows(M, seed=M + 2), s.rows(N, seed=M + 3)
+    for t in (a, a2, b):
+        t[pad] = float("nan")
+    E = s.E
+    cfg = heuristics.wgrad_config(N)
+    want = gemm.expert_wgrad(a.nan_to_num(0.0), b.nan_to_num(0.0), s.expert_start, s.expert_count, config=cfg,
+                             programs=8)
+    outs = [torch.full((E, M, N), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    ws.expert_wgrad_ws([a], b, s.expert_start, s.expert_count, outs[:1], stages=stages, grid=grid)
+    torch.testing.assert_close(outs[0], want, rtol=1e-2, atol=1e-3 * want.abs().max().item())
+    ref = torch.stack([a[st:st + c].float().T @ b[st:st + c].float() if c else torch.zeros(M, N, device="cuda")
+                       for st, c in zip(s.start_list, counts)])
+    assert rel_err(outs[0], ref) < 1e-2
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.all(outs[0][e] == 0)
+    one_pair = outs[0].clone()
+    outs[0].fill_(float("nan"))
+    ws.expert_wgrad_ws([a, a2], b, s.expert_start, s.expert_count, outs, stages=stages, grid=grid)
+    assert torch.equal(outs[0], one_pair)  # a pair's tiles the same sums with a second pair beside
+    ref2 = torch.stack([a2[st:st + c].float().T @ b[st:st + c].float() if c else torch.zeros(M, N, device="cuda")
+                        for st, c in zip(s.start_list, counts)])
+    assert rel_err(outs[1], ref2) < 1e-2 and not outs[1].isnan().any()
+    again = [torch.empty_like(o) for o in outs]
+    for _ in range(5):
+        ws.expert_wgrad_ws([a, a2], b, s.expert_start, s.expert_count, again, stages=stages, grid=grid)
+        assert all(torch.equal(x, y) for x, y in zip(again, outs))

@@ -284,6 +284,9 @@ def test_bf16_plans_choose_the_core():
         assert g.config.num_stages == heuristics.BF16_WS_STAGES[kind] and g.programs == 132
     for kind, N, K in ((gemm.KIND_DGRAD_SWIGLU, I, H), (gemm.KIND_GATE_UP_DGRAD, H, 2 * I)):
         assert p.gemm[kind] == gemm.Bf16Gemm(gemm.CORE_TRITON, heuristics.gemm_config(kind, N, K, p.tile_m)), kind
+    for kind in (gemm.KIND_WGRAD_DOWN, gemm.KIND_WGRAD_GATE_UP):
+        assert p.gemm[kind].core == gemm.CORE_WS and p.gemm[kind].config.num_stages == heuristics.BF16_WS_WGRAD_STAGES
+    assert "expert_wgrad_ws_kernel" in p.describe()
     text = p.describe()
     assert "gate_up_swiglu_ws_kernel" in text and "rows_gemm_ws_kernel" in text and "ws " in text, text
     assert "down_dgrad_swiglu_kernel" in text, text
@@ -301,7 +304,7 @@ def test_bf16_plans_choose_the_core():
 def test_bf16_plans_name_the_megakernel_and_the_backward_s_kernels():
     p = _plan("kimi-k2", 4096)
     assert p.fp8 is None and p.wgrad_programs == 132
-    assert p.gemm_config(gemm.KIND_WGRAD_DOWN).BN == 256 and p.gemm_config(gemm.KIND_WGRAD_GATE_UP).BK == 32
+    assert p.gemm_config(gemm.KIND_WGRAD_DOWN).config.BN == 256 and p.gemm_config(gemm.KIND_WGRAD_GATE_UP).config.BK == 32
     text = p.describe()
     for name in ("moe_fwd_megakernel", "132 programs", "down_dgrad_swiglu_kernel", "rows_gemm_kernel",
                  "expert_wgrad_kernel", "128x256x32 tiles"):

@@ -84,6 +84,18 @@ def wgrad_config(N: int) -> GemmConfig:
     return GemmConfig(BM=128, BN=BN, BK=32, num_warps=8, num_stages=4, GROUP_M=8)
 
 
+BF16_WS_WGRAD_STAGES = 4  # 48 KB a stage: 192 KB with the zeroing's and the store's scratch (UNMEASURED)
+
+
+def wgrad_gemm(N: int, ws: bool, programs: int | None) -> gemm.Bf16Gemm:
+    """The bf16 weight gradients' kernel: the warp-specialized one (128 x 256 tiles of C, K blocks
+    of 64 rows) where it runs, else the Triton tiles of ``wgrad_config`` (UNMEASURED: issue 47)."""
+    if not ws:
+        return gemm.Bf16Gemm(gemm.CORE_TRITON, wgrad_config(N))
+    return gemm.Bf16Gemm(gemm.CORE_WS, GemmConfig(BM=128, BN=256, BK=64, num_warps=4, num_stages=BF16_WS_WGRAD_STAGES,
+                                                  GROUP_M=8), programs=programs)
+
+
 def wgrad_programs(sm_count: int | None) -> int:
     """The bf16 weight gradients' persistent grid: one program per SM ("GEMM tiles", "one program
     per SM"); under the interpreter (``sm_count`` None) 4, each walking several tiles."""

@@ -120,7 +120,7 @@ def _tiles(c: gemm.GemmConfig) -> str:
 _BF16_KERNELS = {"gate_up": ("gate_up_swiglu_kernel", "gate_up_swiglu_ws_kernel"),
                  "rows": ("rows_gemm_kernel", "rows_gemm_ws_kernel"),
                  "down_dgrad": ("down_dgrad_swiglu_kernel", None),
-                 "wgrad": ("expert_wgrad_kernel", None)}
+                 "wgrad": ("expert_wgrad_kernel", "expert_wgrad_ws_kernel")}
 
 
 def _line(name: str, role: str, k, more: str = "") -> str:
@@ -198,8 +198,8 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     gemms = {kind: heuristics.bf16_gemm(kind, N, K, tile_m, ws, sm_count)
              for kind, N, K in ((gemm.KIND_GATE_UP, I, H), (gemm.KIND_DOWN, H, I), (gemm.KIND_DGRAD_SWIGLU, I, H),
                                 (gemm.KIND_GATE_UP_DGRAD, H, 2 * I))}
-    gemms |= {gemm.KIND_WGRAD_DOWN: heuristics.wgrad_config(I),
-             gemm.KIND_WGRAD_GATE_UP: heuristics.wgrad_config(H)}
+    gemms |= {gemm.KIND_WGRAD_DOWN: heuristics.wgrad_gemm(I, ws, sm_count),
+             gemm.KIND_WGRAD_GATE_UP: heuristics.wgrad_gemm(H, ws, sm_count)}
     dispatch_cols = t.dispatch_cols or heuristics.DISPATCH_COLS
     if dispatch_cols & (dispatch_cols - 1):
         raise MoEInputError(f"Tuning(dispatch_cols={dispatch_cols}): must be a power of two")

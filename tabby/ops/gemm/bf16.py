@@ -1068,7 +1068,7 @@ def _wgrad_launch(a, a2, b, expert_start, expert_count, M, out, out2, cfg, progr
 
 
 def expert_wgrad(a: torch.Tensor, b: torch.Tensor, expert_start: torch.Tensor, expert_count: torch.Tensor, *,
-                 config: GemmConfig, programs: int, out: torch.Tensor | None = None,
+                 config: GemmConfig | Bf16Gemm, programs: int, out: torch.Tensor | None = None,
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """C [E, M, N] with C[e] = A[s:s+c]^T @ B[s:s+c] (s = expert_start[e], c = expert_count[e]).
 
@@ -1080,15 +1080,19 @@ def expert_wgrad(a: torch.Tensor, b: torch.Tensor, expert_start: torch.Tensor, e
     """
     M, N = a.shape[1], b.shape[1]
     E = expert_count.numel()
-    cfg = config
+    ws, cfg = _choice(config)
     if out is None:
         out = torch.empty(E, M, N, dtype=out_dtype, device=a.device)
+    if ws:
+        _ws_module().expert_wgrad_ws([a], b, expert_start, expert_count, [out], stages=ws.config.num_stages,
+                                     grid=ws.programs, GROUP_M=ws.config.GROUP_M)
+        return out
     _wgrad_launch(a, None, b, expert_start, expert_count, M, out, None, cfg, programs)
     return out
 
 
 def expert_wgrad_gate_up(dgu: torch.Tensor, xs: torch.Tensor, expert_start: torch.Tensor,
-                         expert_count: torch.Tensor, *, config: GemmConfig, programs: int,
+                         expert_count: torch.Tensor, *, config: GemmConfig | Bf16Gemm, programs: int,
                          out_gate: torch.Tensor | None = None, out_up: torch.Tensor | None = None,
                          out_dtype: torch.dtype = torch.bfloat16):
     """dW_gate[e] = dg_seg^T @ xs_seg, dW_up[e] = du_seg^T @ xs_seg (dgu [R, 2I], xs [R, H]) in one
@@ -1097,10 +1101,14 @@ def expert_wgrad_gate_up(dgu: torch.Tensor, xs: torch.Tensor, expert_start: torc
     I = dgu.shape[1] // 2
     H = xs.shape[1]
     E = expert_count.numel()
-    cfg = config
+    ws, cfg = _choice(config)
     if out_gate is None:
         out_gate = torch.empty(E, I, H, dtype=out_dtype, device=dgu.device)
     if out_up is None:
         out_up = torch.empty(E, I, H, dtype=out_dtype, device=dgu.device)
+    if ws:
+        _ws_module().expert_wgrad_ws([dgu[:, :I], dgu[:, I:]], xs, expert_start, expert_count, [out_gate, out_up],
+                                     stages=ws.config.num_stages, grid=ws.programs, GROUP_M=ws.config.GROUP_M)
+        return out_gate, out_up
     _wgrad_launch(dgu[:, :I], dgu[:, I:], xs, expert_start, expert_count, I, out_gate, out_up, cfg, programs)
     return out_gate, out_up

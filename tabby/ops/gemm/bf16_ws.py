@@ -35,12 +35,13 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...activation import SWIGLU, Activation
 from .activation import act_fwd
-from .bf16 import tma_aligned
+from .bf16 import grouped_tile, tma_aligned
 from .fp8_ws import (EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _ring_gate_up, _sm90,
                      _store_tile, _walk_row_tiles)
 
@@ -48,7 +49,7 @@ BM = gl.constexpr(128)  # two consumer warpgroups of 64 rows
 HALF = gl.constexpr(64)
 BK = gl.constexpr(64)  # 128 bytes of bf16: one swizzle span, TMA's widest swizzled box row
 
-__all__ = ["EPI_PUSH", "EPI_STORE", "fits", "rows_launch", "gate_up_swiglu_ws"]
+__all__ = ["EPI_PUSH", "EPI_STORE", "fits", "rows_launch", "gate_up_swiglu_ws", "expert_wgrad_ws"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,6 +249,136 @@ def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr,
 
 
 # --------------------------------------------------------------------------------------------
+# per-expert weight gradients
+# --------------------------------------------------------------------------------------------
+#
+# C[e] [M, N] = A_seg^T @ B_seg over expert e's rows (A [R, M], B [R, N]; K = the expert's rows,
+# from expert_start[e], count expert_count[e], segments starting at multiples of 128). Output
+# tiles 128 x 256, numbered expert-major (then pair: dW_gate, dW_up; then grouped (m, n)); a
+# program walks tiles pid, pid + P, ... A stage holds the block's 64 rows of A's two 64-column
+# halves ([64 K, 64 M] each: a consumer's, read M-major) and of B ([64 K, 256 N], N-major).
+#
+# An expert's last block may run past its rows into its segment's padding, which nothing
+# guarantees to be zero or even finite (the megakernel's fills skip it). So where a block is
+# partial, each consumer zeroes those rows of its A half and of its 128 columns of B in shared
+# memory, and the two meet on the ``fixed`` barrier before either issues the block's wgmma (both
+# then read zeros in both operands: the rows add exactly nothing). Blocks past the segment's
+# padding are never loaded (a block starts inside the rows, and segments are 128-row aligned).
+#
+# Deterministic for any grid: a tile is one program's, its K blocks in order into one accumulator.
+
+
+@gluon.jit
+def _wgrad_tile(t, num_m, num_n, NUM_PAIRS: gl.constexpr, GROUP_M: gl.constexpr):
+    """Tile t -> (expert, pair, pid_m, pid_n)."""
+    per_pair = num_m * num_n
+    e = t // (per_pair * NUM_PAIRS)
+    rem = t % (per_pair * NUM_PAIRS)
+    pid_m, pid_n = grouped_tile(rem % per_pair, num_m, num_n, GROUP_M)
+    return e, rem // per_pair, pid_m, pid_n
+
+
+@gluon.jit
+def _wgrad_producer(a0_desc, a1_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_start_ptr, expert_count_ptr,
+                    E, M, N, NUM_PAIRS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    num_m = gl.cdiv(M, BM)
+    num_n = gl.cdiv(N, 256)
+    nbytes: gl.constexpr = 2 * a0_desc.block_type.nbytes + b_desc.block_type.nbytes
+    it = 0
+    for t in range(gl.program_id(0), E * NUM_PAIRS * num_m * num_n, gl.num_programs(0)):
+        e, pair, pid_m, pid_n = _wgrad_tile(t, num_m, num_n, NUM_PAIRS, GROUP_M)
+        start = gl.load(expert_start_ptr + e)
+        nk = gl.cdiv(gl.load(expert_count_ptr + e), BK)
+        for kb in range(nk):
+            s, bar = _ring_fill(ready, empty, it, nbytes, STAGES)
+            r0 = start + kb * BK
+            if pair == 0:
+                tma.async_copy_global_to_shared(a0_desc, [r0, pid_m * BM], bar, a_lo.index(s))
+                tma.async_copy_global_to_shared(a0_desc, [r0, pid_m * BM + HALF], bar, a_hi.index(s))
+            else:
+                tma.async_copy_global_to_shared(a1_desc, [r0, pid_m * BM], bar, a_lo.index(s))
+                tma.async_copy_global_to_shared(a1_desc, [r0, pid_m * BM + HALF], bar, a_hi.index(s))
+            tma.async_copy_global_to_shared(b_desc, [r0, pid_n * 256], bar, b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _zero_rows_from(buf, r0, layout: gl.constexpr):
+    """Rows r0.. of a [64, 64] shared buffer set to zero (a round trip through registers)."""
+    v = buf.load(layout)
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    buf.store(gl.where((rows >= r0)[:, None], gl.zeros_like(v), v))
+
+
+@gluon.jit
+def _wgrad_consumer(a_bufs, b_bufs, ready, empty, fixed, c0_ptr, c1_ptr, stride_ce, stride_cm, expert_start_ptr,
+                    expert_count_ptr, E, M, N, WHICH: gl.constexpr, NUM_PAIRS: gl.constexpr, STAGES: gl.constexpr,
+                    GROUP_M: gl.constexpr):
+    """Consumer WHICH: rows WHICH * 64 .. + 63 of each tile (A's half WHICH), zeroing B's columns
+    WHICH * 128 .. + 127 of a partial block."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    pad_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    num_m = gl.cdiv(M, BM)
+    num_n = gl.cdiv(N, 256)
+    it = 0
+    partial = 0
+    for t in range(gl.program_id(0), E * NUM_PAIRS * num_m * num_n, gl.num_programs(0)):
+        e, pair, pid_m, pid_n = _wgrad_tile(t, num_m, num_n, NUM_PAIRS, GROUP_M)
+        cnt = gl.load(expert_count_ptr + e)
+        nk = gl.cdiv(cnt, BK)
+        acc = gl.zeros([HALF, 256], gl.float32, layout)
+        for kb in range(nk):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            left = cnt - kb * BK
+            if left < BK:  # the expert's last block runs into its padding: zero those rows in both operands
+                _zero_rows_from(a_bufs.index(s), left, pad_layout)
+                _zero_rows_from(b_bufs.index(s).slice(WHICH * 128, 64, 1), left, pad_layout)
+                _zero_rows_from(b_bufs.index(s).slice(WHICH * 128 + 64, 64, 1), left, pad_layout)
+                fence_async_shared()
+                mbarrier.arrive(fixed, count=1)
+                mbarrier.wait(fixed, partial & 1)
+                partial += 1
+            tok = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(tok, ))
+            if kb > 0:
+                mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+            it += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if nk > 0:
+            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+        c_ptr = c0_ptr
+        if pair == 1:
+            c_ptr = c1_ptr
+        rows = pid_m * BM + WHICH * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
+        cols = pid_n * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, out_layout))
+        val = gl.convert_layout(acc.to(c0_ptr.dtype.element_ty), out_layout)
+        ptrs = c_ptr + e.to(gl.int64) * stride_ce + rows[:, None].to(gl.int64) * stride_cm + cols[None, :]
+        gl.store(ptrs, val, mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@gluon.jit
+def expert_wgrad_ws_kernel(a0_desc, a1_desc, b_desc, c0_ptr, c1_ptr, stride_ce, stride_cm, expert_start_ptr,
+                           expert_count_ptr, E, M, N, NUM_PAIRS: gl.constexpr, STAGES: gl.constexpr,
+                           GROUP_M: gl.constexpr):
+    a_lo = gl.allocate_shared_memory(a0_desc.dtype, [STAGES] + a0_desc.block_type.shape, a0_desc.layout)
+    a_hi = gl.allocate_shared_memory(a0_desc.dtype, [STAGES] + a0_desc.block_type.shape, a0_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready, empty = _ring_barriers(STAGES)
+    fixed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(fixed, count=2)
+    gl.warp_specialize([
+        (_wgrad_consumer, (a_lo, b_bufs, ready, empty, fixed, c0_ptr, c1_ptr, stride_ce, stride_cm, expert_start_ptr,
+                           expert_count_ptr, E, M, N, 0, NUM_PAIRS, STAGES, GROUP_M)),
+        (_wgrad_consumer, (a_hi, b_bufs, ready, empty, fixed, c0_ptr, c1_ptr, stride_ce, stride_cm, expert_start_ptr,
+                           expert_count_ptr, E, M, N, 1, NUM_PAIRS, STAGES, GROUP_M)),
+        (_wgrad_producer, (a0_desc, a1_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, expert_start_ptr,
+                           expert_count_ptr, E, M, N, NUM_PAIRS, STAGES, GROUP_M)),
+    ], [4, 1], [232, 40])
+
+
+# --------------------------------------------------------------------------------------------
 # host
 # --------------------------------------------------------------------------------------------
 
@@ -316,3 +447,30 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
         _desc(xs, R, [HALF.value, BK.value]), _desc(w_gate, E * I, [128, BK.value]), _desc(w_up, E * I, [128, BK.value]), h, h.stride(0),
         gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, triton.cdiv(H, BK.value), STAGES=stages,
         GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=4)
+
+
+def expert_wgrad_ws(a_parts, b, expert_start, expert_count, outs, *, stages: int, grid: int | None = None,
+                    GROUP_M: int = 8):
+    """C_p[e] = A_p[s:s+c]^T @ B[s:s+c] for each part p (one: dW_down = dys^T hw; two: dW_gate and
+    dW_up from dg and du against xs) into ``outs`` [E, M, N] (bf16, unit column stride), s =
+    expert_start[e] (a multiple of 128), c = expert_count[e]; experts without rows get zeros.
+    bf16.py's ``expert_wgrad`` sums, warp-specialized (raises where ``fits`` does not hold)."""
+    if len(a_parts) not in (1, 2) or len(outs) != len(a_parts):
+        raise ValueError(f"expert_wgrad_ws: {len(a_parts)} A parts and {len(outs)} outputs (one or two pairs)")
+    _check_stages("expert_wgrad_ws", stages)
+    R, M = a_parts[0].shape
+    N = b.shape[1]
+    E = expert_count.numel()
+    for a, c in zip(a_parts, outs):
+        if tuple(a.shape) != (R, M) or tuple(c.shape) != (E, M, N) or c.stride() != outs[0].stride() or c.stride(-1) != 1:
+            raise ValueError(f"expert_wgrad_ws: A {tuple(a.shape)} must be [{R}, {M}] and C {tuple(c.shape)} [{E}, {M}, {N}]")
+    if b.shape[0] != R or not fits(*a_parts, b, sched_bm=128):
+        raise ValueError(f"expert_wgrad_ws: A {tuple(a_parts[0].shape)}, B {tuple(b.shape)} do not run on the "
+                         "warp-specialized kernel (see fits)")
+    a_descs = [_desc(a, R, [BK.value, HALF.value]) for a in a_parts]
+    tiles = E * len(a_parts) * triton.cdiv(M, BM.value) * triton.cdiv(N, 256)
+    expert_wgrad_ws_kernel[_grid(b.device, tiles, grid)](
+        a_descs[0], a_descs[-1], _desc(b, R, [BK.value, 256]), outs[0], outs[-1], outs[0].stride(0),
+        outs[0].stride(1), expert_start, expert_count, E, M, N, NUM_PAIRS=len(a_parts), STAGES=stages,
+        GROUP_M=GROUP_M, num_warps=4)
+    return outs
