@@ -60,10 +60,16 @@ def test_the_kernels_gradient_formulas_are_autograds(kind):
         assert (u.abs() > act.limit).any() and (got[1][u.detach().abs() > act.limit] == 0).all()
 
 
-def _run(prob, cfg, W):
-    """Tabby on W simulated ranks: [y, dx, d topk_weights, dW_gate, dW_up, dW_down] concatenated."""
+def _run(prob, cfg, W, device="cpu"):
+    """Tabby on W simulated ranks (or one rank on ``device``): [y, dx, d topk_weights, dW_gate,
+    dW_up, dW_down] concatenated, on the CPU in fp32."""
     x, idx, wts, ws, _, dy = prob
     T, E_local = x.shape[0] // W, ws[0].shape[0] // W
+    if device != "cpu":
+        lv = [t.to(device).clone().requires_grad_(True) for t in (x, wts, *ws)]
+        y = moe(lv[0], idx.to(device), lv[1], *lv[2:], config=cfg)
+        y.backward(dy.to(device))
+        return [y.detach().float().cpu()] + [t.grad.float().cpu() for t in lv]
 
     def rank_fn(r, group):
         rows = slice(r * T, (r + 1) * T)
@@ -88,16 +94,16 @@ def _at_kept_points(g, u, act):
     return graph + (value - graph).detach()
 
 
-def _reference(prob, act, at_kept=True, monkeypatch=None):
+def _reference(prob, act, at_kept=True, monkeypatch=None, device="cpu"):
     x, idx, wts, ws, _, dy = prob
-    lv = [t.clone().requires_grad_(True) for t in (x, wts, *ws)]
+    lv = [t.to(device).clone().requires_grad_(True) for t in (x, wts, *ws)]
     if at_kept and act.limit is not None:
         monkeypatch.setattr(tabby.reference, "apply_activation", _at_kept_points)
-    y = tabby.moe_reference(lv[0], idx, lv[1], *lv[2:], activation=act)
-    y.backward(dy)
+    y = tabby.moe_reference(lv[0], idx.to(device), lv[1], *lv[2:], activation=act)
+    y.backward(dy.to(device))
     if monkeypatch is not None:
         monkeypatch.undo()
-    return [y.detach().float()] + [t.grad.float() for t in lv]
+    return [y.detach().float().cpu()] + [t.grad.float().cpu() for t in lv]
 
 
 def _compare(got, want, tol):
