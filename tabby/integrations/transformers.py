@@ -14,8 +14,13 @@ Tabby as views, no copy) and runs ``torch.ops.tabby.moe``, so ``torch.compile(fu
 keeps the experts in the graph. Routing slots whose expert id is outside the module's experts
 (the sentinels that transformers' own expert-parallel plan writes, or -1) contribute nothing.
 Tabby computes in bf16: other dtypes are cast per call (a copy of the weights each call; load the
-model in bf16). Experts that are not SwiGLU with concatenated, untransposed weights and no bias
-(e.g. gpt-oss) run transformers' ``grouped_mm`` instead, with a warning.
+model in bf16). Each module's gate (its ``_apply_gate`` with its ``act_fn``, limits and alpha) is
+matched, once, against Tabby's activations (``tabby.Activation``: SwiGLU, SwiGLU with clamps on
+g and u (DeepSeek-V4, GLM-5-next, HY-V4) or on silu(g) and u (Step-3.7), gpt-oss's (MiniMax-M3-VL)),
+by running it on a probe (``detect_activation``); the call then runs with that activation. Experts
+whose gate is none of those (GeGLU: Gemma 4), without a gate (Nemotron-H), with biases or with
+transposed or interleaved weights (gpt-oss, OpenAI privacy filter) run transformers' ``grouped_mm``
+instead, with a warning naming why.
 
 Expert parallelism through Tabby's own dispatch (every rank its own tokens; the experts sharded
 over ``group``; no replicated tokens, no all-reduce of the outputs): ``shard_experts(model,
@@ -37,12 +42,16 @@ the token count per rank may differ only between steps, not between ranks).
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import replace
 
 import torch
 from torch import nn
 
+from ..activation import KINDS, Activation
+from ..activation import apply as apply_activation
 from ..functional import moe as layer
-from ..functional.config import MoEConfig
+from ..functional.config import MoEConfig, config_string, parse_config
 from ..nn.convert import local_experts
 from ..nn.experts import group_rank_size, skip_invalid_ids, split_gate_up
 
@@ -53,10 +62,61 @@ _config_string = ""
 _warned: set = set()
 
 
-def _supported(module: nn.Module) -> str | None:
-    """Why the module's experts are not Tabby's SwiGLU (None: they are)."""
-    from transformers.integrations.moe import _default_apply_gate  # (imported already: register)
+# Attribute names under which transformers' experts modules keep their activation's constants.
+_LIMIT_NAMES = ("limit", "swiglu_limit")
+_ALPHA_NAMES = ("alpha", "swiglu_alpha")
 
+
+def _constants(module: nn.Module, names) -> list:
+    """The finite positive numbers under ``names`` on the module and its config (candidates)."""
+    out = []
+    for owner in (module, getattr(module, "config", None)):
+        for n in names:
+            v = getattr(owner, n, None) if owner is not None else None
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+                out.append(float(v))
+    return list(dict.fromkeys(out))
+
+
+def _candidates(module: nn.Module):
+    """Tabby's activations the module's gate could be, with its constants."""
+    yield Activation()
+    for L in _constants(module, _LIMIT_NAMES):
+        yield Activation("swiglu-clamp", limit=L)
+        yield Activation("swiglu-clamp-out", limit=L)
+        for a in _constants(module, _ALPHA_NAMES):
+            yield Activation("gpt-oss", limit=L, alpha=a)
+
+
+def detect_activation(module: nn.Module) -> Activation | None:
+    """Which of Tabby's activations the module's gate (``_apply_gate``, with its ``act_fn``, limits
+    and alpha) computes, found by running it: on a probe of g, u values from -50 to 50 (past any
+    clamp in use) in float64, against each candidate (``_candidates``); None if none matches. Where
+    the gate and up columns interleave (``is_concatenated=False``) the probe is laid out so."""
+    apply_gate = getattr(module, "_apply_gate", None)
+    if apply_gate is None:
+        return None
+    n = 4001
+    g = torch.linspace(-50.0, 50.0, n, dtype=torch.float64)
+    u = torch.linspace(50.0, -50.0, n, dtype=torch.float64)[torch.randperm(n, generator=torch.Generator().manual_seed(0))]
+    if getattr(module, "is_concatenated", True):
+        probe = torch.cat([g, u]).view(1, 2 * n)
+    else:
+        probe = torch.stack([g, u], dim=-1).view(1, 2 * n)
+    try:
+        with torch.no_grad():
+            got = apply_gate(probe).view(-1)
+    except Exception:  # noqa: BLE001 -- a gate that cannot run on the probe is not one of Tabby's
+        return None
+    for act in _candidates(module):
+        want = apply_activation(g, u, act)
+        if got.shape == want.shape and torch.allclose(got.to(torch.float64), want, rtol=1e-9, atol=1e-12):
+            return act
+    return None
+
+
+def _why_not(module: nn.Module) -> str | None:
+    """Why the module's experts do not run on Tabby (None: they do)."""
     if not getattr(module, "has_gate", True):
         return "experts without a gate projection"
     if getattr(module, "has_bias", False):
@@ -65,22 +125,51 @@ def _supported(module: nn.Module) -> str | None:
         return "transposed expert weights"
     if not getattr(module, "is_concatenated", True):
         return "interleaved gate/up weights"
-    apply_gate = getattr(type(module), "_apply_gate", _default_apply_gate)
-    if apply_gate is not _default_apply_gate:
-        return "a custom gating function"
-    act = getattr(module, "act_fn", None)
-    if act is not None and not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):
-        return f"activation {type(act).__name__} (Tabby's experts are SwiGLU)"
     if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
         return "no gate_up_proj / down_proj parameters"
+    if detect_activation(module) is None:
+        act = getattr(module, "act_fn", None)
+        return (f"a gate that is none of Tabby's activations (act_fn {type(act).__name__ if act is not None else None}; "
+                f"Tabby's: {', '.join(KINDS)})")
     return None
+
+
+def _flags(module: nn.Module) -> tuple:
+    return tuple(getattr(module, n, None) for n in ("has_gate", "has_bias", "is_transposed", "is_concatenated"))
+
+
+def _supported(module: nn.Module) -> str | None:
+    """Why the module's experts are not one of Tabby's (None: they are); found once per module and
+    layout flags."""
+    cache = module.__dict__.setdefault("_tabby_why", {})
+    key = _flags(module)
+    if key not in cache:
+        cache[key] = _why_not(module)
+    return cache[key]
+
+
+@torch.compiler.assume_constant_result
+def _call_plan(module: nn.Module, config: str) -> str:
+    """The module's Tabby call as one string (constant under torch.compile): "!" and why the experts
+    fall back, or the operator's config string: ``config`` with the module's activation."""
+    key = (config, _flags(module))
+    cache = module.__dict__.setdefault("_tabby_calls", {})
+    if key not in cache:
+        why = _supported(module)
+        if why is not None:
+            cache[key] = "!" + why
+        else:
+            act = detect_activation(module)
+            cache[key] = config_string(replace(parse_config(config), activation=act))
+    return cache[key]
 
 
 def tabby_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``"tabby"`` entry of transformers' ``ExpertsInterface``: ``[T, H]`` -> ``[T, H]``."""
-    why = _supported(self)
-    if why is not None:
+    call = _call_plan(self, getattr(self, "tabby_config_string", _config_string))
+    if call.startswith("!"):
+        why = call[1:]
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         key = (type(self).__name__, why)
@@ -97,8 +186,7 @@ def tabby_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     w_gate, w_up = split_gate_up(gate_up if gate_up.dtype == bf16 else gate_up.to(bf16))
     w_down = down if down.dtype == bf16 else down.to(bf16)
     x = hidden_states if hidden_states.dtype == bf16 else hidden_states.to(bf16)
-    y = layer.moe(x, idx, weights, w_gate, w_up, w_down, group=getattr(self, "tabby_group_name", ""),
-                      config=getattr(self, "tabby_config_string", _config_string))
+    y = layer.moe(x, idx, weights, w_gate, w_up, w_down, group=getattr(self, "tabby_group_name", ""), config=call)
     return y.to(hidden_states.dtype)
 
 
@@ -115,12 +203,31 @@ def register(config: MoEConfig | None = None, name: str = NAME) -> None:
 
 
 def experts_modules(model: nn.Module):
-    """The experts modules of a transformers model (those with ``gate_up_proj`` and ``down_proj``
-    parameters that choose their forward through ``experts_implementation``)."""
+    """The experts modules of a transformers model: those with ``gate_up_proj`` and ``down_proj``
+    parameters that choose their forward through ``experts_implementation`` or that ``attach``
+    routed through Tabby."""
     for m in model.modules():
         if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and isinstance(
-                getattr(m, "down_proj", None), nn.Parameter) and hasattr(m, "has_gate"):
+                getattr(m, "down_proj", None), nn.Parameter) and (hasattr(m, "has_gate") or m.__dict__.get(
+                    "_tabby_attached", False)):
             yield m
+
+
+def attach(model: nn.Module) -> nn.Module:
+    """Route through Tabby the experts modules that ``experts_implementation`` does not reach: classes
+    without ``@use_experts_implementation`` whose forward is their own loop over the experts but
+    that keep ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]`` and a gate ``_apply_gate``
+    (Step-3.7's ``Step3p7Experts``); each one's forward becomes ``tabby_experts_forward`` (its
+    activation detected as for the others). Returns the model."""
+    import types
+
+    for m in model.modules():
+        if (isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and isinstance(getattr(m, "down_proj", None),
+                                                                                      nn.Parameter)
+                and not hasattr(m, "has_gate") and callable(getattr(m, "_apply_gate", None))):
+            m.forward = types.MethodType(tabby_experts_forward, m)
+            m._tabby_attached = True
+    return model
 
 
 def set_config(model: nn.Module, config: MoEConfig | None) -> None:

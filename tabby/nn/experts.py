@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
 
+from ..activation import SWIGLU, Activation
 from ..functional import moe as layer
 from ..functional.config import MoEConfig
 from ..functional.threads import ThreadRank
@@ -39,7 +41,7 @@ def skip_invalid_ids(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_exp
 
 
 class Experts(nn.Module):
-    """The routed SwiGLU experts of one expert-parallel rank: ``forward(x, topk_idx, topk_weights)``
+    """The routed experts of one expert-parallel rank (SwiGLU, or ``activation``): ``forward(x, topk_idx, topk_weights)``
     is ``tabby.moe`` (through the registered operator ``torch.ops.tabby.moe``, so that
     ``torch.compile(fullgraph=True)`` keeps it in one graph).
 
@@ -57,6 +59,8 @@ class Experts(nn.Module):
         skip_invalid: map expert ids outside ``[0, num_experts)`` to weight 0 (see
             ``skip_invalid_ids``); False when the router never makes them (saves two small
             elementwise launches).
+        activation: the experts' function between gate/up and down (``tabby.Activation``; None: the
+            config's, SwiGLU by default); it becomes the config's ``activation``.
         init_std: parameters initialized from N(0, init_std^2); None: ``1/sqrt(fan_in)`` scaling.
         dtype, device: of the parameters (Tabby computes in bf16; other dtypes are cast per call).
 
@@ -66,8 +70,16 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts_local: int, hidden: int, intermediate: int, *, layout: str = "fused",
                  group=None, config: MoEConfig | None = None, skip_invalid: bool = True,
-                 init_std: float | None = 0.02, dtype: torch.dtype = torch.bfloat16, device=None):
+                 activation: Activation | None = None, init_std: float | None = 0.02,
+                 dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
+        if activation is not None:
+            if not isinstance(activation, Activation):
+                raise MoEInputError(f"Experts(activation={activation!r}): must be a tabby.Activation")
+            if config is not None and config.activation not in (SWIGLU, activation):
+                raise MoEInputError(f"Experts(activation={activation}) and config.activation={config.activation} "
+                                    "differ: give one")
+            config = replace(config or MoEConfig(), activation=activation)
         if layout not in LAYOUTS:
             raise MoEInputError(f"Experts(layout={layout!r}): must be one of {LAYOUTS}")
         if num_experts_local < 1 or hidden < 1 or intermediate < 1:
@@ -108,8 +120,9 @@ class Experts(nn.Module):
                 p.normal_(0.0, std)
 
     def extra_repr(self) -> str:
+        act = self.config.activation if self.config is not None else SWIGLU
         return (f"num_experts_local={self.num_experts_local}, hidden={self.hidden}, "
-                f"intermediate={self.intermediate}, layout={self.layout!r}, rank={self.rank}, "
+                f"intermediate={self.intermediate}, layout={self.layout!r}, activation={act}, rank={self.rank}, "
                 f"world_size={self.world_size}")
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
