@@ -106,11 +106,17 @@ class Plan:
                 lines.append(_line("gate/up (recomputed)", "gate_up", g[gemm.KIND_GATE_UP]))
             lines += [_line("down dgrad + SwiGLU bwd", "down_dgrad", g[gemm.KIND_DGRAD_SWIGLU]),
                       _line("gate/up dgrad + push", "rows", g[gemm.KIND_GATE_UP_DGRAD]),
-                      _line("dW_down", "wgrad", g[gemm.KIND_WGRAD_DOWN], f", {self.wgrad_programs} programs"),
-                      _line("dW_gate | dW_up", "wgrad", g[gemm.KIND_WGRAD_GATE_UP], f", {self.wgrad_programs} programs")]
+                      _line("dW_down", "wgrad", g[gemm.KIND_WGRAD_DOWN], self._wgrad_grid(gemm.KIND_WGRAD_DOWN)),
+                      _line("dW_gate | dW_up", "wgrad", g[gemm.KIND_WGRAD_GATE_UP],
+                            self._wgrad_grid(gemm.KIND_WGRAD_GATE_UP))]
         return "\n".join(lines)
 
     __str__ = describe
+
+    def _wgrad_grid(self, kind: str) -> str:
+        """The Triton weight gradients' persistent grid (a ws kernel's line names its own)."""
+        k = self.gemm[kind]
+        return "" if isinstance(k, gemm.Bf16Gemm) and k.core == gemm.CORE_WS else f", {self.wgrad_programs} programs"
 
 
 def _tiles(c: gemm.GemmConfig) -> str:
