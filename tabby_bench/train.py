@@ -44,7 +44,7 @@ class ModelSpec:
     """An MoE model: its framework, family and config fields (transformers: the config class's
     fields; torchtitan: ``torchtitan_qwen3_config``'s arguments)."""
     name: str
-    family: str  # "qwen3_moe" or "deepseek_v3"
+    family: str  # "qwen3_moe", "deepseek_v3" or "deepseek_v4"
     fields: dict
     about: str
     framework: str = "transformers"  # or "torchtitan" (0.3.0; its experts' default is torch._grouped_mm too)
@@ -65,6 +65,21 @@ MODELS = {
         vocab_size=2048, tie_word_embeddings=False, max_position_embeddings=8192),
         "DeepSeek-V3-16B layers (H 2048, E 64, k 6, I 1408, 2 shared experts, MLA, sigmoid router with "
         "expert bias), 4 layers, vocabulary 2048"),
+    "deepseek-v4": ModelSpec("deepseek-v4", "deepseek_v4", dict(
+        hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=1, head_dim=128,
+        q_lora_rank=512, o_lora_rank=512, o_groups=4, n_routed_experts=64, num_experts_per_tok=6,
+        moe_intermediate_size=1024, n_shared_experts=1, layer_types=["compressed_sparse_attention"] * 4,
+        mlp_layer_types=["moe"] * 4, index_n_heads=16, index_head_dim=128, index_topk=512,
+        num_nextn_predict_layers=0, vocab_size=2048, tie_word_embeddings=False, max_position_embeddings=8192),
+        "DeepSeek-V4 layers (H 2048, E 64, k 6, I 1024, 1 shared expert, SwiGLU clamped at 10, compressed "
+        "sparse attention, sqrt-softplus router), 4 layers, vocabulary 2048"),
+    "tiny-deepseek-v4": ModelSpec("tiny-deepseek-v4", "deepseek_v4", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        q_lora_rank=32, o_lora_rank=32, o_groups=2, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, layer_types=["compressed_sparse_attention"] * 2,
+        mlp_layer_types=["moe"] * 2, index_n_heads=4, index_head_dim=32, index_topk=16, num_nextn_predict_layers=0,
+        qk_rope_head_dim=16, vocab_size=128, tie_word_embeddings=False, max_position_embeddings=256),
+        "a tiny DeepSeek-V4 for the CPU (H 64, E 8, k 2, I 32, 2 layers)"),
     "tiny-qwen3-moe": ModelSpec("tiny-qwen3-moe", "qwen3_moe", dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128, norm_topk_prob=True,
@@ -154,7 +169,8 @@ def build_model(spec: ModelSpec, backend: str, seed: int, device: torch.device, 
     import transformers
 
     cls = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-           "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}[spec.family]
+           "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+           "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM")}[spec.family]
     cfg = getattr(transformers, cls[0])(**spec.fields)
     torch.manual_seed(seed)
     with torch.device(device):
@@ -253,7 +269,8 @@ def moe_blocks(model) -> list:
 def flops_per_token(model, spec: ModelSpec, seq_len: int) -> float:
     """Training FLOPs per token: 6 x the parameters one token uses (the embedding lookup aside;
     routed experts counted k / E) + the causal attention's 6 x layers x heads x head dim x seq_len
-    (the score and value products, forward and backward, half the square)."""
+    (the score and value products, forward and backward, half the square; DeepSeek-V4's sparse
+    attention: its top-k keys a query)."""
     routed = sum(p.numel() for m in experts_of(model) for p in m.parameters())
     if spec.framework == "torchtitan":
         f = spec.fields
@@ -267,6 +284,8 @@ def flops_per_token(model, spec: ModelSpec, seq_len: int) -> float:
     if spec.family == "qwen3_moe":
         attn_dim = cfg.num_attention_heads * cfg.head_dim  # q.k and p.v both over head_dim
         attn = 6 * cfg.num_hidden_layers * attn_dim * seq_len
+    elif spec.family == "deepseek_v4":  # sparse: each query's index_topk keys at most (the indexer's own work aside)
+        attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * min(cfg.index_topk, seq_len)
     else:  # MLA: q.k over nope + rope dims, p.v over v_head_dim
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         attn = 3 * cfg.num_hidden_layers * cfg.num_attention_heads * (qk + cfg.v_head_dim) * seq_len
