@@ -25,7 +25,7 @@ from tabby_bench.timing import time_iterations
 
 KINDS = {"swiglu": Activation(), "swiglu-clamp": Activation("swiglu-clamp", limit=10.0),
          "swiglu-clamp-out": Activation("swiglu-clamp-out", limit=7.0),
-         "gpt-oss": Activation("gpt-oss", limit=7.0, alpha=1.702)}
+         "gpt-oss": Activation("gpt-oss", limit=7.0, alpha=1.702), "geglu": Activation("geglu")}
 
 
 def main():

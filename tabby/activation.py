@@ -7,7 +7,8 @@ kinds, each the experts of real model families (transformers 5.17's names):
     "swiglu"         silu(g) * u                                        (Qwen3-MoE, Mixtral, DeepSeek-V3, ...)
     "swiglu-clamp"   silu(min(g, L)) * clamp(u, -L, L)                  (deepseek_v4, glm5_next, hy_v4)
     "swiglu-clamp-out"  min(silu(g), L) * clamp(u, -L, L)              (step3p7)
-    "gpt-oss"        (clamp(u, -L, L) + 1) * gc * sigmoid(alpha gc), gc = min(g, L)   (gpt_oss)
+    "gpt-oss"        (clamp(u, -L, L) + 1) * gc * sigmoid(alpha gc), gc = min(g, L)   (gpt_oss, minimax_m3_vl)
+    "geglu"          gelu_tanh(g) * u, GELU's tanh form                 (gemma4, diffusion_gemma)
 
 L is ``limit``, alpha ``alpha`` (gpt-oss only). The clamps' gradients are zero where they clip
 (``torch.clamp``'s rule: the bound itself passes the gradient). Every kind is one constexpr
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from .validate import MoEInputError
 
 # A kind's index is the kernels' constexpr code of it (ops/gemm/activation.py's ACT_*).
-KINDS = ("swiglu", "swiglu-clamp", "swiglu-clamp-out", "gpt-oss")
+KINDS = ("swiglu", "swiglu-clamp", "swiglu-clamp-out", "gpt-oss", "geglu")
 _LIMITED = ("swiglu-clamp", "swiglu-clamp-out", "gpt-oss")
 
 
@@ -45,8 +46,8 @@ class Activation:
                 raise MoEInputError(f"Activation({name}={v!r}): must be a positive finite number or None")
         if self.kind in _LIMITED and self.limit is None:
             raise MoEInputError(f"Activation(kind={self.kind!r}) needs limit (the clamp bound L)")
-        if self.kind == "swiglu" and self.limit is not None:
-            raise MoEInputError("Activation(kind='swiglu') takes no limit: the clamped SwiGLU is kind "
+        if self.kind in ("swiglu", "geglu") and self.limit is not None:
+            raise MoEInputError(f"Activation(kind={self.kind!r}) takes no limit: the clamped SwiGLU is kind "
                                 "'swiglu-clamp' (clamps on g and u) or 'swiglu-clamp-out' (on silu(g) and u)")
         if (self.kind == "gpt-oss") != (self.alpha is not None):
             raise MoEInputError(f"Activation(kind={self.kind!r}, alpha={self.alpha!r}): alpha is gpt-oss's and "
@@ -80,6 +81,8 @@ def apply(g, u, act: Activation):
 
     if act.kind == "swiglu":
         return F.silu(g) * u
+    if act.kind == "geglu":
+        return F.gelu(g, approximate="tanh") * u
     L = act.limit
     uc = torch.clamp(u, -L, L)
     if act.kind == "swiglu-clamp":
@@ -98,6 +101,10 @@ def grads(g, u, dh, act: Activation):
     if act.kind == "swiglu":
         sg = torch.sigmoid(g)
         return dh * u * sg * (1 + g * (1 - sg)), dh * (g * sg)
+    if act.kind == "geglu":
+        c2, a = 1.5957691216057308, 0.044715
+        s = torch.sigmoid(c2 * (g + a * g * g * g))
+        return dh * u * (s + g * s * (1 - s) * c2 * (1 + 3 * a * g * g)), dh * (g * s)
     L = act.limit
     uc = torch.clamp(u, -L, L)
     u_in = u.abs() <= L

@@ -23,12 +23,12 @@ SMALL = dict(tile_m=16, dispatch_rows=16, dispatch_cols=64, dispatch_programs=4)
 # g, u ~ N(0, 1) in make_problem's layers: a limit of 0.6 clips a good part of both
 ACTS = {"swiglu": Activation(), "swiglu-clamp": Activation("swiglu-clamp", limit=0.6),
         "swiglu-clamp-out": Activation("swiglu-clamp-out", limit=0.25),
-        "gpt-oss": Activation("gpt-oss", limit=0.6, alpha=1.702)}
+        "gpt-oss": Activation("gpt-oss", limit=0.6, alpha=1.702), "geglu": Activation("geglu")}
 assert set(ACTS) == set(KINDS)
 
 
 def test_the_spec_checks_its_fields():
-    for bad in (dict(kind="gelu"), dict(kind="swiglu", limit=7.0), dict(kind="swiglu-clamp"),
+    for bad in (dict(kind="gelu"), dict(kind="swiglu", limit=7.0), dict(kind="geglu", limit=7.0), dict(kind="swiglu-clamp"),
                 dict(kind="swiglu-clamp", limit=-1.0), dict(kind="swiglu-clamp", limit=float("inf")),
                 dict(kind="gpt-oss", limit=7.0), dict(kind="swiglu-clamp", limit=7.0, alpha=1.0),
                 dict(kind="swiglu-clamp", limit=True)):

@@ -1,7 +1,7 @@
 """transformers' MoE families through the "tabby" experts backend: for each family whose experts
 are not plain SwiGLU (clamped SwiGLU: DeepSeek-V4, GLM-5-next, HY-V4, Step-3.7; gpt-oss's gate:
-MiniMax-M3-VL) and three plain ones (Qwen3-MoE, Mixtral, DeepSeek-V3), a tiny config of the real
-transformers class, its experts module run by transformers' own eager experts and by Tabby: output
+MiniMax-M3-VL; GeGLU: Gemma 4, DiffusionGemma) and three plain ones (Qwen3-MoE, Mixtral,
+DeepSeek-V3), a tiny config of the real transformers class, its experts module run by transformers' own eager experts and by Tabby: output
 and every gradient (hidden states, routing weights, gate_up_proj, down_proj) compared, and the
 family reported as running on Tabby with the activation its gate computes. The families Tabby
 cannot run yet fall back to transformers' grouped_mm, each with its reason.
@@ -51,6 +51,10 @@ FAMILIES = {
     "minimax_m3_vl": ("MiniMaxM3VLTextConfig", dict(intermediate_size=I, num_local_experts=E, swiglu_limit=LIMIT,
                                                     swiglu_alpha=1.702),
                       "MiniMaxM3VLExperts", {}, Activation("gpt-oss", limit=LIMIT, alpha=1.702)),
+    "gemma4": ("Gemma4TextConfig", dict(moe_intermediate_size=I, num_experts=E), "Gemma4TextExperts", {},
+               Activation("geglu")),
+    "diffusion_gemma": ("DiffusionGemmaTextConfig", dict(moe_intermediate_size=I, num_experts=E),
+                        "DiffusionGemmaTextExperts", {}, Activation("geglu")),
 }
 # family: (config class, config kwargs, experts class, why Tabby falls back)
 FALLBACKS = {
@@ -59,8 +63,6 @@ FALLBACKS = {
                               "OpenAIPrivacyFilterExperts", "biases"),
     "nemotron_h": ("NemotronHConfig", dict(moe_intermediate_size=I, n_routed_experts=E), "NemotronHExperts",
                    "without a gate"),
-    "gemma4": ("Gemma4TextConfig", dict(moe_intermediate_size=I, num_experts=E), "Gemma4TextExperts",
-               "none of Tabby's activations"),
 }
 
 

@@ -16,9 +16,9 @@ keeps the experts in the graph. Routing slots whose expert id is outside the mod
 Tabby computes in bf16: other dtypes are cast per call (a copy of the weights each call; load the
 model in bf16). Each module's gate (its ``_apply_gate`` with its ``act_fn``, limits and alpha) is
 matched, once, against Tabby's activations (``tabby.Activation``: SwiGLU, SwiGLU with clamps on
-g and u (DeepSeek-V4, GLM-5-next, HY-V4) or on silu(g) and u (Step-3.7), gpt-oss's (MiniMax-M3-VL)),
-by running it on a probe (``detect_activation``); the call then runs with that activation. Experts
-whose gate is none of those (GeGLU: Gemma 4), without a gate (Nemotron-H), with biases or with
+g and u (DeepSeek-V4, GLM-5-next, HY-V4) or on silu(g) and u (Step-3.7), gpt-oss's (MiniMax-M3-VL),
+GeGLU (Gemma 4)), by running it on a probe (``detect_activation``); the call then runs with that
+activation. Experts whose gate is none of those, without a gate (Nemotron-H), with biases or with
 transposed or interleaved weights (gpt-oss, OpenAI privacy filter) run transformers' ``grouped_mm``
 instead, with a warning naming why.
 
@@ -81,6 +81,7 @@ def _constants(module: nn.Module, names) -> list:
 def _candidates(module: nn.Module):
     """Tabby's activations the module's gate could be, with its constants."""
     yield Activation()
+    yield Activation("geglu")
     for L in _constants(module, _LIMIT_NAMES):
         yield Activation("swiglu-clamp", limit=L)
         yield Activation("swiglu-clamp-out", limit=L)

@@ -16,6 +16,9 @@ ACT_SWIGLU: tl.constexpr = tl.constexpr(0)  # silu(g) * u
 ACT_SWIGLU_CLAMP: tl.constexpr = tl.constexpr(1)  # silu(min(g, L)) * clamp(u, -L, L)
 ACT_SWIGLU_CLAMP_OUT: tl.constexpr = tl.constexpr(2)  # min(silu(g), L) * clamp(u, -L, L)
 ACT_GPT_OSS: tl.constexpr = tl.constexpr(3)  # (clamp(u, -L, L) + 1) * gc * sigmoid(alpha gc), gc = min(g, L)
+ACT_GEGLU: tl.constexpr = tl.constexpr(4)  # gelu_tanh(g) * u = g * sigmoid(2c (g + 0.044715 g^3)) * u, c = sqrt(2/pi)
+GELU_2C: tl.constexpr = tl.constexpr(1.5957691216057308)  # 2 sqrt(2/pi): 0.5 (1 + tanh(z)) = sigmoid(2z)
+GELU_A: tl.constexpr = tl.constexpr(0.044715)
 
 
 @triton.jit
@@ -33,9 +36,11 @@ def act_fwd(g, u, ACT: tl.constexpr, LIMIT, ALPHA):
         h = gc * tl.sigmoid(gc) * _clamp_sym(u, LIMIT)
     elif ACT == ACT_SWIGLU_CLAMP_OUT:
         h = tl.minimum(g * tl.sigmoid(g), LIMIT) * _clamp_sym(u, LIMIT)
-    else:
+    elif ACT == ACT_GPT_OSS:
         gc = tl.minimum(g, LIMIT)
         h = (_clamp_sym(u, LIMIT) + 1.0) * (gc * tl.sigmoid(ALPHA * gc))
+    else:
+        h = g * tl.sigmoid(GELU_2C * (g + GELU_A * g * g * g)) * u
     return h
 
 
@@ -57,9 +62,13 @@ def act_grads(g, u, dh, ACT: tl.constexpr, LIMIT, ALPHA):
         silu = g * sg
         dg = tl.where(silu <= LIMIT, dh * _clamp_sym(u, LIMIT) * sg * (1.0 + g * (1.0 - sg)), 0.0)
         du = tl.where(tl.abs(u) <= LIMIT, dh * tl.minimum(silu, LIMIT), 0.0)
-    else:
+    elif ACT == ACT_GPT_OSS:
         gc = tl.minimum(g, LIMIT)
         sa = tl.sigmoid(ALPHA * gc)
         dg = tl.where(g <= LIMIT, dh * (_clamp_sym(u, LIMIT) + 1.0) * sa * (1.0 + ALPHA * gc * (1.0 - sa)), 0.0)
         du = tl.where(tl.abs(u) <= LIMIT, dh * (gc * sa), 0.0)
+    else:
+        s = tl.sigmoid(GELU_2C * (g + GELU_A * g * g * g))
+        dg = dh * u * (s + g * s * (1.0 - s) * GELU_2C * (1.0 + 3.0 * GELU_A * g * g))
+        du = dh * (g * s)
     return dg, du
