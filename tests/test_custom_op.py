@@ -63,7 +63,8 @@ def test_config_string_carries_every_field():
     import dataclasses
 
     changed = {"megakernel": False, "save_for_backward": False, "max_wait_ms": 7.0, "max_wait_polls": 9,
-               "debug": True, "tuning": Tuning(tile_m=32), "precision": "fp8", "cache_fp8_transposes": False}
+               "debug": True, "tuning": Tuning(tile_m=32), "precision": "fp8", "cache_fp8_transposes": False,
+               "activation": tabby.Activation("gpt-oss", limit=7.0, alpha=1.702)}
     assert set(changed) == {f.name for f in dataclasses.fields(MoEConfig)}
     config = MoEConfig(**changed)
     assert parse_config(config_string(config)) == config
