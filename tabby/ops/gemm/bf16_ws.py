@@ -97,14 +97,29 @@ def _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, STAGES: gl.constexpr):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         tok = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(1, deps=(tok, ))
-        if kb > 0:
-            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+        acc = _retire_previous(tok, kb, it, empty, STAGES)
         it += 1
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    if NK > 0:
+    return _drain(acc, it, NK, empty, STAGES), it
+
+
+@gluon.jit
+def _retire_previous(tok, kb, it, empty, STAGES: gl.constexpr):
+    """Consumer, after issuing K block ``it``'s wgmma (token ``tok``): wait for the one before it (one
+    group stays in flight) and release that block's stage; returns the accumulator."""
+    acc = warpgroup_mma_wait(1, deps=(tok, ))
+    if kb > 0:
         mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
-    return acc, it
+    return acc
+
+
+@gluon.jit
+def _drain(acc, it, nk, empty, STAGES: gl.constexpr):
+    """Consumer, after a tile's last K block: wait for its wgmma and release its stage (none where
+    the tile had no K blocks); returns the accumulator."""
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    if nk > 0:
+        mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+    return acc
 
 
 @gluon.jit
@@ -341,13 +356,9 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, fixed, c0_ptr, c1_ptr, stride_
                 mbarrier.wait(fixed, partial & 1)
                 partial += 1
             tok = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(tok, ))
-            if kb > 0:
-                mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+            acc = _retire_previous(tok, kb, it, empty, STAGES)
             it += 1
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        if nk > 0:
-            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+        acc = _drain(acc, it, nk, empty, STAGES)
         c_ptr = c0_ptr
         if pair == 1:
             c_ptr = c1_ptr
