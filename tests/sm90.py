@@ -221,3 +221,40 @@ def ptxas_report(kernel) -> str:
         r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", out], capture_output=True,
                            text=True)
     return r.stdout + r.stderr
+
+
+def check_pinned(script: str, golden: str, what: str) -> None:
+    """A pin test's body: the sha256 of each kernel's normalized PTX that ``script`` prints for the
+    names in ``golden`` (JSON: triton version, kernels) must equal the pinned ones; skips on another
+    triton."""
+    import json
+
+    import triton
+
+    with open(golden) as f:
+        pinned = json.load(f)
+    if triton.__version__ != pinned["triton"]:
+        pytest.skip(f"the pinned PTX is triton {pinned['triton']}'s; this is {triton.__version__}")
+    got = dict(line.split() for line in run_compiled_check(script, *sorted(pinned["kernels"])).splitlines())
+    changed = sorted(n for n, h in pinned["kernels"].items() if got.get(n) != h)
+    assert not changed, f"the sm_90 PTX of {what} changed in: {changed}"
+
+
+def pin_main(kernels, golden: str, argv) -> None:
+    """A pin test's ``__main__``: ``--pin`` writes ``golden`` from every kernel of ``kernels()`` (name ->
+    a function compiling it); otherwise prints ``name hash`` for the names in ``argv``."""
+    import json
+
+    import triton
+
+    if list(argv) == ["--pin"]:
+        ks = kernels()
+        entry = {"triton": triton.__version__, "normalization": "tests/sm90.py normalize_ptx",
+                 "kernels": {name: ptx_hash(ks[name]().asm["ptx"]) for name in sorted(ks)}}
+        with open(golden, "w") as f:
+            json.dump(entry, f, indent=1)
+            f.write("\n")
+    else:
+        ks = kernels()
+        for name in argv:
+            print(name, ptx_hash(ks[name]().asm["ptx"]), flush=True)

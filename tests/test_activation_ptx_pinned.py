@@ -6,13 +6,10 @@ their defaults ("swiglu"). The FP8 Triton kernels and the megakernel are pinned 
 (test_fp8_ptx_pinned.py, test_megakernel_compile.py). A deliberate change re-pins with
 ``python tests/test_activation_ptx_pinned.py --pin`` (TRITON_INTERPRET=0, the tests directory and
 the repository on PYTHONPATH)."""
-import json
 import os
 import sys
 
-import pytest
-
-from sm90 import Const, compile_args, ptx_hash, run_compiled_check
+from sm90 import Const, check_pinned, compile_args, pin_main
 
 PTX_GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "activation_ptx.json")
 SHAPES = ((2048, 768), (7168, 2048))  # (H, I)
@@ -84,19 +81,11 @@ def _fp8_layouts():
 
 
 def _gate_up_fp8_ws(nk):
-    from tabby.functional import heuristics as hx
+    from test_fp8_gemm_ws_compile import gate_up_args
+
     from tabby.ops.gemm import fp8_ws as ws
 
-    a_layout, b_layout = _fp8_layouts()
-    args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
-                w_desc_g=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>",
-                w_desc_u=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", gs_ptr="*fp32", us_ptr="*fp32",
-                stride_wse="i32", stride_wsn="i32", hq_ptr="*fp8e4nv", stride_hm="i32:16", hs_ptr="*fp32",
-                stride_hsm="i32", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
-                num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk),
-                STAGES=Const(hx.fp8_gate_up(2048, 128, ws=True, programs=None).config.num_stages),
-                GROUP_M=Const(8), SCHED_BM=Const(128), SAVE_GU=Const(True))
-    return compile_args(ws.gate_up_swiglu_fp8_ws_kernel, args, num_warps=4)
+    return compile_args(ws.gate_up_swiglu_fp8_ws_kernel, gate_up_args(nk), num_warps=4)
 
 
 _SWIGLU_BWD_EPI = ("*bf16", "i32:16", "*fp32", "*bf16", "i32:16", "*bf16", "i32:16", "*fp32", "i32", "fp32",
@@ -147,39 +136,9 @@ def kernels():
     return out
 
 
-def _hashes(names):
-    ks = kernels()
-    for name in names:
-        print(name, ptx_hash(ks[name]().asm["ptx"]), flush=True)
-
-
 def test_plain_swiglu_keeps_its_sm90_ptx():
-    import triton
-
-    with open(PTX_GOLDEN) as f:
-        pinned = json.load(f)
-    if triton.__version__ != pinned["triton"]:
-        pytest.skip(f"the pinned PTX is triton {pinned['triton']}'s; this is {triton.__version__}")
-    got = dict(line.split() for line in run_compiled_check(__file__, *sorted(pinned["kernels"])).splitlines())
-    assert set(got) == set(pinned["kernels"])
-    changed = sorted(n for n, h in pinned["kernels"].items() if got[n] != h)
-    assert not changed, f"the sm_90 PTX of plain SwiGLU changed in: {changed}"
+    check_pinned(__file__, PTX_GOLDEN, "plain SwiGLU")
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--pin"]:
-        import contextlib
-        import io
-
-        import triton
-
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            _hashes(sorted(kernels()))
-        entry = {"triton": triton.__version__, "normalization": "tests/sm90.py normalize_ptx",
-                 "kernels": dict(line.split() for line in buf.getvalue().splitlines())}
-        with open(PTX_GOLDEN, "w") as f:
-            json.dump(entry, f, indent=1)
-            f.write("\n")
-    else:
-        _hashes(sys.argv[1:])
+    pin_main(kernels, PTX_GOLDEN, sys.argv[1:])

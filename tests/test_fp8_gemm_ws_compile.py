@@ -24,6 +24,26 @@ def _line(name, k, **more):
           "serialized", int("are serialized" in rep), "warp_specialized", int("setmaxnreg" in ptx))
 
 
+def gate_up_args(nk: int) -> dict:
+    """``compile_args``'s arguments of the warp-specialized FP8 gate/up at ``nk`` K blocks, the plan's
+    ring depth (test_activation_ptx_pinned.py pins this kernel too)."""
+    from triton.experimental.gluon import language as gl
+
+    from tabby.functional import heuristics as hx
+    from tabby.ops.gemm import fp8_ws as ws
+
+    a_layout = gl.NVMMASharedLayout.get_default_for([ws.HALF, 128], gl.float8e4nv)
+    b_layout = gl.NVMMASharedLayout.get_default_for([ws.BN, 128], gl.float8e4nv)
+    return dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
+                w_desc_g=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>",
+                w_desc_u=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", gs_ptr="*fp32", us_ptr="*fp32",
+                stride_wse="i32", stride_wsn="i32", hq_ptr="*fp8e4nv", stride_hm="i32:16", hs_ptr="*fp32",
+                stride_hsm="i32", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
+                num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk),
+                STAGES=Const(hx.fp8_gate_up(2048, 128, ws=True, programs=None).config.num_stages),
+                GROUP_M=Const(8), SCHED_BM=Const(128), SAVE_GU=Const(True))
+
+
 def _report():
     from triton.experimental.gluon import language as gl
 
@@ -59,15 +79,7 @@ def _report():
                         SCHED_BM=Const(128), EPILOGUE=Const(epilogue))
             _line(f"{tile}/epilogue{epilogue}/nk{nk}", compile_args(kernel, args, num_warps=4))
     for nk in (16, 56, 23):  # gate/up at H 2048, 7168 and 2880 (a partial last block)
-        args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
-                    w_desc_g=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>",
-                    w_desc_u=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", gs_ptr="*fp32", us_ptr="*fp32",
-                    stride_wse="i32", stride_wsn="i32", hq_ptr="*fp8e4nv", stride_hm="i32:16", hs_ptr="*fp32",
-                    stride_hsm="i32", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
-                    num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk),
-                    STAGES=Const(hx.fp8_gate_up(2048, 128, ws=True, programs=None).config.num_stages),
-                    GROUP_M=Const(8), SCHED_BM=Const(128), SAVE_GU=Const(True))
-        _line(f"gate_up/nk{nk}", compile_args(ws.gate_up_swiglu_fp8_ws_kernel, args, num_warps=4))
+        _line(f"gate_up/nk{nk}", compile_args(ws.gate_up_swiglu_fp8_ws_kernel, gate_up_args(nk), num_warps=4))
     b_half = gl.NVMMASharedLayout.get_default_for([ws.BN, 128], gl.float8e4nv)
     c_layout = gl.NVMMASharedLayout.get_default_for([1, 64, 64], gl.bfloat16)
     for M, N in ((7168, 2048), (2048, 7168), (2880, 2880)):  # kimi-k2's dW_down and dW_gate, gpt-oss-120b's

@@ -10,13 +10,10 @@ the measured shapes. A deliberate change of these kernels re-pins with
 ``python tests/test_fp8_ptx_pinned.py --pin`` (TRITON_INTERPRET=0, the tests directory and the
 repository on PYTHONPATH).
 """
-import json
 import os
 import sys
 
-import pytest
-
-from sm90 import Const, compile_args, ptx_hash, run_compiled_check
+from sm90 import Const, check_pinned, compile_args, pin_main
 
 PTX_GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "fp8_ptx.json")
 SHAPES = ((2048, 768), (7168, 2048))  # (H, I)
@@ -128,42 +125,9 @@ def kernels():
     return out
 
 
-def _hashes(names):
-    ks = kernels()
-    for name in names:
-        print(name, ptx_hash(ks[name]().asm["ptx"]), flush=True)
-
-
-def _pinned():
-    with open(PTX_GOLDEN) as f:
-        return json.load(f)
-
-
 def test_fp8_kernels_keep_their_sm90_ptx_at_the_benchmark_shapes():
-    import triton
-
-    pinned = _pinned()
-    if triton.__version__ != pinned["triton"]:
-        pytest.skip(f"the pinned PTX is triton {pinned['triton']}'s; this is {triton.__version__}")
-    got = dict(line.split() for line in run_compiled_check(__file__, *sorted(pinned["kernels"])).splitlines())
-    changed = sorted(n for n, h in pinned["kernels"].items() if got.get(n) != h)
-    assert not changed, f"the sm_90 PTX of these FP8 kernels changed at the benchmark's shapes: {changed}"
+    check_pinned(__file__, PTX_GOLDEN, "these FP8 kernels at the benchmark's shapes")
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--pin"]:
-        import contextlib
-        import io
-
-        import triton
-
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            _hashes(sorted(kernels()))
-        entry = {"triton": triton.__version__, "normalization": "tests/sm90.py normalize_ptx",
-                 "kernels": dict(line.split() for line in buf.getvalue().splitlines())}
-        with open(PTX_GOLDEN, "w") as f:
-            json.dump(entry, f, indent=1)
-            f.write("\n")
-    else:
-        _hashes(sys.argv[1:])
+    pin_main(kernels, PTX_GOLDEN, sys.argv[1:])
