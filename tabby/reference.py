@@ -48,15 +48,18 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
-def swiglu_mlp(x, w_gate, w_up, w_down, act: Activation = SWIGLU):
+def swiglu_mlp(x, w_gate, w_up, w_down, act: Activation = SWIGLU, biases=None):
     """down(act(gate x, up x)) for x [M, H], w_gate/w_up [I, H], w_down [H, I] (SwiGLU by default:
-    down(silu(gate x) * up x))."""
+    down(silu(gate x) * up x)); ``biases`` (b_gate, b_up [I], b_down [H]) added to g, u and the output."""
+    if biases is not None:
+        bg, bu, bd = biases
+        return apply_activation(x @ w_gate.t() + bg, x @ w_up.t() + bu, act) @ w_down.t() + bd
     if act == SWIGLU:
         return (F.silu(x @ w_gate.t()) * (x @ w_up.t())) @ w_down.t()
     return apply_activation(x @ w_gate.t(), x @ w_up.t(), act) @ w_down.t()
 
 
-def expert_segments(xs, counts, w_gate, w_up, w_down, compute_dtype, act: Activation = SWIGLU):
+def expert_segments(xs, counts, w_gate, w_up, w_down, compute_dtype, act: Activation = SWIGLU, biases=None):
     """Run each local expert on its contiguous segment of ``xs`` [sum(counts), H]; returns [rows, H]."""
     outs = []
     H = xs.shape[1]
@@ -65,8 +68,9 @@ def expert_segments(xs, counts, w_gate, w_up, w_down, compute_dtype, act: Activa
         # an EP rank that receives no rows would skip the backward's all_to_all its peers wait in.
         # A fresh allocation per segment: BLAS results must not depend on where a segment starts.
         rows = rows.to(compute_dtype).clone()
+        b = None if biases is None else tuple(t[e].to(compute_dtype) for t in biases)
         outs.append(swiglu_mlp(rows, w_gate[e].to(compute_dtype), w_up[e].to(compute_dtype),
-                               w_down[e].to(compute_dtype), act))
+                               w_down[e].to(compute_dtype), act, b))
     return torch.cat(outs) if outs else xs.new_zeros((0, H), dtype=compute_dtype)
 
 
@@ -79,7 +83,7 @@ def combine_k(y_rep, topk_weights, compute_dtype):
     return acc
 
 
-def _routed(x, topk_idx, topk_weights, w_gate, w_up, w_down, dims: MoEDims, group, compute_dtype, act):
+def _routed(x, topk_idx, topk_weights, w_gate, w_up, w_down, dims: MoEDims, group, compute_dtype, act, biases):
     T, H, k, E_local, W = dims.T, dims.H, dims.k, dims.E_local, dims.world_size
     flat_e = topk_idx.reshape(-1).long()
     # Stable sort: rows ordered by expert, then token, then k (the flat order).
@@ -91,7 +95,7 @@ def _routed(x, topk_idx, topk_weights, w_gate, w_up, w_down, dims: MoEDims, grou
     e_sorted = flat_e[perm]
     if W == 1:
         counts = torch.bincount(e_sorted, minlength=E_local).tolist()
-        ys = expert_segments(x_send, counts, w_gate, w_up, w_down, compute_dtype, act)
+        ys = expert_segments(x_send, counts, w_gate, w_up, w_down, compute_dtype, act, biases)
         y_back = ys
     else:
         import torch.distributed as dist
@@ -110,18 +114,20 @@ def _routed(x, topk_idx, topk_weights, w_gate, w_up, w_down, dims: MoEDims, grou
         inv_order = torch.empty_like(order)
         inv_order[order] = torch.arange(order.numel(), device=order.device)
         counts = torch.bincount(e_recv, minlength=E_local).tolist()
-        ys = expert_segments(x_recv[order], counts, w_gate, w_up, w_down, compute_dtype, act)
+        ys = expert_segments(x_recv[order], counts, w_gate, w_up, w_down, compute_dtype, act, biases)
         y_back = _AllToAll.apply(ys[inv_order], recv_splits, send_splits, group)
     y_rep = y_back[inv_perm].view(T, k, H)
     return combine_k(y_rep, topk_weights, compute_dtype)
 
 
 def moe_reference(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None,
-                  compute_dtype=torch.float32, activation: Activation | None = None):
+                  compute_dtype=torch.float32, activation: Activation | None = None, biases=None):
     """Reference MoE layer; see the module docstring. Returns y [T, H] in x.dtype.
 
     ``group``: a ``torch.distributed`` process group for expert parallelism (None: one process).
-    ``activation``: the routed experts' (``tabby.Activation``; None: SwiGLU).
+    ``activation``: the routed experts' (``tabby.Activation``; None: SwiGLU). ``biases``: None or the
+    routed experts' (b_gate [E_local, I], b_up [E_local, I], b_down [E_local, H]) of this rank: g + b_gate,
+    u + b_up before the activation, b_down added to each expert's output before the router weight.
     """
     act = SWIGLU if activation is None else activation
     if not isinstance(act, Activation):
@@ -131,10 +137,10 @@ def moe_reference(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, 
         import torch.distributed as dist
 
         W = dist.get_world_size(group)
-    dims = check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, world_size=W)
+    dims = check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, world_size=W, biases=biases)
     if W > 1:
         check_group_agrees(dims, x, group)
-    y = _routed(x, topk_idx, topk_weights, w_gate, w_up, w_down, dims, group, compute_dtype, act)
+    y = _routed(x, topk_idx, topk_weights, w_gate, w_up, w_down, dims, group, compute_dtype, act, biases)
     if shared is not None:
         y = y + swiglu_mlp(x.to(compute_dtype), *(w.to(compute_dtype) for w in shared))
     return y.to(x.dtype)

@@ -36,6 +36,7 @@ class MoEDims:
     I: int  # expert intermediate size
     world_size: int  # ranks in the expert-parallel group
     I_shared: int  # shared-expert intermediate size, 0 without one
+    biases: bool = False  # the routed experts have biases (b_gate, b_up [E_local, I], b_down [E_local, H])
 
     @property
     def E(self) -> int:
@@ -52,10 +53,11 @@ def _need(cond: bool, msg: str) -> None:
 
 
 def check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, world_size: int = 1,
-                 check_ids: bool = True, dtypes=_FLOATS) -> MoEDims:
+                 check_ids: bool = True, dtypes=_FLOATS, biases=None) -> MoEDims:
     """Check shapes, dtypes and devices; with ``check_ids`` also the expert-id range (a host sync).
 
     Returns the layer's dimensions. ``dtypes`` lists the activation/weight dtypes accepted.
+    ``biases``: None or the routed experts' (b_gate [E_local, I], b_up [E_local, I], b_down [E_local, H]).
     """
     tensors = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up, w_down=w_down)
     for name, t in tensors.items():
@@ -97,7 +99,16 @@ def check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, w
     devices = {name: t.device for name, t in tensors.items()}
     _need(len(set(devices.values())) == 1,
           "all tensors must be on one device, got " + ", ".join(f"{n}: {d}" for n, d in devices.items()))
-    dims = MoEDims(T=T, H=H, k=k, E_local=E_local, I=I, world_size=world_size, I_shared=I_s)
+    if biases is not None:
+        _need(isinstance(biases, (tuple, list)) and len(biases) == 3 and all(isinstance(b, torch.Tensor) for b in biases),
+              "biases must be None or a tuple (b_gate [E_local, I], b_up [E_local, I], b_down [E_local, H])")
+        for name, b, want in (("b_gate", biases[0], (E_local, I)), ("b_up", biases[1], (E_local, I)),
+                              ("b_down", biases[2], (E_local, H))):
+            _need(tuple(b.shape) == want, f"{name} must be {list(want)}, got {tuple(b.shape)}")
+            _need(b.dtype == w_gate.dtype, f"{name} must be {w_gate.dtype} (the weights' dtype), got {b.dtype}")
+            _need(b.device == x.device, f"{name} must be on {x.device}, got {b.device}")
+    dims = MoEDims(T=T, H=H, k=k, E_local=E_local, I=I, world_size=world_size, I_shared=I_s,
+                   biases=biases is not None)
     if check_ids and topk_idx.numel() > 0:
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         _need(lo >= 0 and hi < dims.E,

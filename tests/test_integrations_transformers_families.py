@@ -58,9 +58,9 @@ FAMILIES = {
 }
 # family: (config class, config kwargs, experts class, why Tabby falls back)
 FALLBACKS = {
-    "gpt_oss": ("GptOssConfig", dict(intermediate_size=I, num_local_experts=E), "GptOssExperts", "biases"),
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=I, num_local_experts=E), "GptOssExperts", "transposed"),
     "openai_privacy_filter": ("OpenAIPrivacyFilterConfig", dict(intermediate_size=I, num_local_experts=E),
-                              "OpenAIPrivacyFilterExperts", "biases"),
+                              "OpenAIPrivacyFilterExperts", "transposed"),
     "nemotron_h": ("NemotronHConfig", dict(moe_intermediate_size=I, n_routed_experts=E), "NemotronHExperts",
                    "without a gate"),
 }

@@ -42,8 +42,13 @@ def _rows_for_wgrad(ws, plan: Plan, sched, xs, x, missing, TK, k, out=None):
     return rows
 
 
-def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe | None = None, owned: bool = False):
-    """Backward pass on one rank. Returns (dx, d topk_weights [T, k] fp32, dw_gate, dw_up, dw_down).
+def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe | None = None, owned: bool = False,
+                 biases=None):
+    """Backward pass on one rank. Returns (dx, d topk_weights [T, k] fp32, dw_gate, dw_up, dw_down), and
+    with ``biases`` (b_gate, b_up, b_down) their gradients as a sixth element (a tuple, the biases'
+    dtype). A row's router-weight gradient then also takes dy . b_down[e] (its expert's output
+    includes the bias); the biases' gradients are each expert's rows of dg, du and w dy summed in a
+    fixed order (``gemm.expert_row_sums``).
 
     ``saved``: a ``KeptRows`` (xs, g/u and row weights kept; from ``moe_forward``, or
     ``moe_forward_mega`` with ``save``), or a ``MegaSaved`` from
@@ -93,7 +98,7 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
         pull_routed_rows(plan, sched, ws.ptrs["x_pub"], xs, TK, k, ws.ptrs["w_pub"], row_w)
         _, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, h=bufs.empty("h", dev),
                                     gu=bufs.empty("gu", dev), config=plan.gemm_config(gemm.KIND_GATE_UP),
-                                    act=plan.activation)
+                                    act=plan.activation, biases=biases[:2] if biases is not None else None)
         del _
         mark(probe, "bwd:recompute")
     R = sched.R_max
@@ -110,6 +115,9 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
                                                   hw=bufs.empty("hw", dev), dw_part=bufs.empty("dw_part", dev),
                                                   config=plan.gemm_config(gemm.KIND_DGRAD_SWIGLU),
                                                   act=plan.activation)
+    dbiases = None
+    if biases is not None:
+        dbiases = _bias_grads(biases, dgu, dys, row_w, sched, I)
     del gu, row_w
     mark(probe, "bwd:down_dgrad+swiglu")
     gemm.gate_up_dgrad_push(dgu, w_gate, w_up, sched.tile_expert, sched.num_tiles, sched.row_src,
@@ -117,6 +125,10 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
     mark(probe, "bwd:gate_up_dgrad+push")
     dw_rows = gemm.reduce_dw(dw_part, out=bufs.empty("dw_rows", dev))
     del dw_part
+    if biases is not None:  # + dy . b_down[e] for each row: a bmm over the row tiles (a fixed order)
+        BM = plan.tile_m
+        b_tiles = biases[2][sched.tile_expert.clamp_min(0).long()]  # [tiles, H] (padding tiles: any expert's)
+        dw_rows += torch.bmm(dys.view(-1, BM, H), b_tiles.unsqueeze(-1)).view(-1).float()
     comm.push_scalars_kernel[(64,)](dw_rows, sched.row_src, sched.num_tiles, ws.ptrs["dw_in"], TK,
                                     BR=256, TILE_ROWS=plan.tile_m)
     del dw_rows
@@ -147,4 +159,15 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
         del dgu, xs
     mark(probe, "bwd:wgrad")
     dx, dtopk = finish_backward(ws, plan, dy, T, k, probe)
+    if biases is not None:
+        return dx, dtopk, dw_gate, dw_up, dw_down, dbiases
     return dx, dtopk, dw_gate, dw_up, dw_down
+
+
+def _bias_grads(biases, dgu, dys, row_w, sched, I: int):
+    """(d b_gate, d b_up, d b_down) in the biases' dtype: each expert's rows of dg, du and w * dy summed."""
+    start, count = sched.expert_start, sched.expert_count
+    dbg = gemm.expert_row_sums(dgu[:, :I], start, count)
+    dbu = gemm.expert_row_sums(dgu[:, I:], start, count)
+    dbd = gemm.expert_row_sums(dys, start, count, scale=row_w)
+    return tuple(g.to(b.dtype) for g, b in zip((dbg, dbu, dbd), biases))

@@ -87,9 +87,13 @@ def _shared(s_gate, s_up, s_down):
     return None if s_gate is None else (s_gate, s_up, s_down)
 
 
-def _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W) -> MoEDims:
+def _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W, biases=None) -> MoEDims:
     return check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, world_size=W, check_ids=False,
-                        dtypes=(torch.bfloat16,))
+                        dtypes=(torch.bfloat16,), biases=biases)
+
+
+def _biases(b_gate, b_up, b_down):
+    return None if b_gate is None else (b_gate, b_up, b_down)
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
@@ -114,12 +118,13 @@ def _missing(plan: Plan) -> str:
     return ""
 
 
-def _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group: str, config: str, save: bool):
+def _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group: str, config: str, save: bool,
+           biases=None):
     """(workspace, plan, dims) of a real call (a new workspace or plan only after the memory check;
     ``save``: the call is differentiated)."""
     cfg = parse_config(config)
     rank, W, pg, tg = group_info(group)
-    dims = _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W)
+    dims = _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W, biases)
     if W > 1 and tg is None and x.device.type != "cuda":
         raise MoEInputError("Tabby across processes needs CUDA tensors (GPU symmetric memory); on the CPU "
                             "run one rank, or simulated ranks (tabby.functional.threads.run_ranks)")
@@ -219,11 +224,13 @@ def _zero_padding_rows(row_src, xs, gu, row_w, x_scale, rank, T, tokens):
 def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
             w_up: torch.Tensor, w_down: torch.Tensor, shared_gate: torch.Tensor | None,
             shared_up: torch.Tensor | None, shared_down: torch.Tensor | None, group: str, config: str,
-            save: bool, owned: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                      torch.Tensor, torch.Tensor]:
+            save: bool, owned: bool = False, b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None,
+            b_down: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor, torch.Tensor]:
     shared = _shared(shared_gate, shared_up, shared_down)
-    ws, plan, dims = _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config, save)
+    biases = _biases(b_gate, b_up, b_down)
+    ws, plan, dims = _setup(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config, save, biases)
     probe = _current_probe()
     if probe is not None:
         probe.plan = plan
@@ -238,7 +245,8 @@ def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     else:
         extra = shared_expert_forward(x, *shared) if shared is not None else None
         forward = moe_forward if plan.precision == "bf16" else fp8_passes(dims, plan, plan.precision, keep)[0]
-        y, saved = forward(ws, plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra, probe=probe)
+        kw = dict(biases=biases) if biases is not None else {}  # (the plan ran biases on the bf16 forward only)
+        y, saved = forward(ws, plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra, probe=probe, **kw)
     s = saved.sched
     x_scale = torch.empty(0, dtype=torch.float32, device=x.device)
     if keep:
@@ -257,10 +265,10 @@ def _moe_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
 
 @_moe_op.register_fake
 def _moe_fake(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, group, config,
-              save, owned=False):
+              save, owned=False, b_gate=None, b_up=None, b_down=None):
     shared = _shared(shared_gate, shared_up, shared_down)
     _, W, _, _ = group_info(group)
-    dims = _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W)
+    dims = _dims(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, W, _biases(b_gate, b_up, b_down))
     plan = plan_without_workspace(dims, parse_config(config), x.device, dims.I_shared)
     T, H, I, E_local = dims.T, dims.H, dims.I, dims.E_local
     R = schedule_capacity(W, T, dims.k, E_local, plan.tile_m, plan.align_tiles)
@@ -285,7 +293,7 @@ def _moe_fake(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared_gate, shar
 
 
 def _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, shared, sched_tensors, kept: list, group: str,
-                   config: str, save: bool, owned: bool, probe: Probe | None):
+                   config: str, save: bool, owned: bool, probe: Probe | None, biases=None):
     """The backward of one forward. ``kept``: the list [xs, gu, row_w, x_scale] of the forward's kept
     outputs; with ``owned`` (nothing else holds them) it is emptied, and the pass frees each buffer
     as it goes (``backward.moe_backward``'s ``owned``; the megakernel's local rows are then copied into
@@ -293,7 +301,7 @@ def _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, shared, sched_tens
     T, k = topk_weights.shape
     # topk_idx is not needed any more: the schedule holds the routing; a placeholder of its shape
     idx = torch.empty((T, k), dtype=torch.int32, device=x.device)
-    ws, plan, dims = _setup(x, idx, topk_weights, w_gate, w_up, w_down, shared, group, config, True)
+    ws, plan, dims = _setup(x, idx, topk_weights, w_gate, w_up, w_down, shared, group, config, True, biases)
     x = _aligned(x)
     row_src, tile_expert, expert_start, expert_count, num_tiles = sched_tensors
     sched = ScheduleBuffers(W=dims.world_size, T=T, k=k, E_local=dims.E_local, BM=plan.tile_m,
@@ -314,16 +322,21 @@ def _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, shared, sched_tens
     else:
         kept.clear()
         saved = MegaSaved(sched, x, topk_weights.contiguous())
-    backward = moe_backward_fp8 if plan.precision == "fp8" else moe_backward
-    dx, dtopk, dwg, dwu, dwd = backward(ws, plan, dy.contiguous(), saved, w_gate, w_up, w_down, probe=probe,
-                                        owned=owned)
+    if biases is not None:  # (the plan ran biases on the bf16 passes only)
+        dx, dtopk, dwg, dwu, dwd, dbiases = moe_backward(ws, plan, dy.contiguous(), saved, w_gate, w_up, w_down,
+                                                         probe=probe, owned=owned, biases=biases)
+    else:
+        backward = moe_backward_fp8 if plan.precision == "fp8" else moe_backward
+        dx, dtopk, dwg, dwu, dwd = backward(ws, plan, dy.contiguous(), saved, w_gate, w_up, w_down, probe=probe,
+                                            owned=owned)
+        dbiases = tuple(dy.new_empty(0) for _ in range(3))  # (outputs must not alias each other)
     del saved
     if shared is None:
         dsg, dsu, dsd = (dy.new_empty(0) for _ in range(3))  # (outputs must not alias each other)
     else:
         dxs, dsg, dsu, dsd = shared_expert_backward(dy.contiguous(), x, *(w.contiguous() for w in shared))
         dx = dx + dxs
-    return dx, dtopk.to(topk_weights.dtype), dwg, dwu, dwd, dsg, dsu, dsd
+    return (dx, dtopk.to(topk_weights.dtype), dwg, dwu, dwd, dsg, dsu, dsd, *dbiases)
 
 
 @torch.library.custom_op("tabby::moe_backward", mutates_args=())
@@ -332,17 +345,21 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tens
                      shared_up: torch.Tensor | None, shared_down: torch.Tensor | None, row_src: torch.Tensor,
                      tile_expert: torch.Tensor, expert_start: torch.Tensor, expert_count: torch.Tensor,
                      num_tiles: torch.Tensor, xs: torch.Tensor, gu: torch.Tensor, row_w: torch.Tensor,
-                     x_scale: torch.Tensor, group: str, config: str,
-                     save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                          torch.Tensor, torch.Tensor, torch.Tensor]:
+                     x_scale: torch.Tensor, group: str, config: str, save: bool,
+                     b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None,
+                     b_down: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor, torch.Tensor]:
     return _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, _shared(shared_gate, shared_up, shared_down),
                           (row_src, tile_expert, expert_start, expert_count, num_tiles), [xs, gu, row_w, x_scale],
-                          group, config, save, owned=False, probe=None)
+                          group, config, save, owned=False, probe=None, biases=_biases(b_gate, b_up, b_down))
 
 
 @_moe_backward_op.register_fake
 def _moe_backward_fake(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate, shared_up, shared_down, row_src,
-                       tile_expert, expert_start, expert_count, num_tiles, xs, gu, row_w, x_scale, group, config, save):
+                       tile_expert, expert_start, expert_count, num_tiles, xs, gu, row_w, x_scale, group, config, save,
+                       b_gate=None, b_up=None, b_down=None):
     def like(t):
         return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
@@ -350,7 +367,11 @@ def _moe_backward_fake(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate, s
         dsg, dsu, dsd = (dy.new_empty(0) for _ in range(3))
     else:
         dsg, dsu, dsd = like(shared_gate), like(shared_up), like(shared_down)
-    return like(x), like(topk_weights), like(w_gate), like(w_up), like(w_down), dsg, dsu, dsd
+    if b_gate is None:
+        dbg, dbu, dbd = (dy.new_empty(0) for _ in range(3))
+    else:
+        dbg, dbu, dbd = like(b_gate), like(b_up), like(b_down)
+    return like(x), like(topk_weights), like(w_gate), like(w_up), like(w_down), dsg, dsu, dsd, dbg, dbu, dbd
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,7 +380,7 @@ def _moe_backward_fake(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate, s
 
 
 def _setup_context(ctx, inputs, output):
-    x, _, topk_weights, w_gate, w_up, w_down, sg, su, sd, group, config, save, owned = inputs
+    x, _, topk_weights, w_gate, w_up, w_down, sg, su, sd, group, config, save, owned, bg, bu, bd = inputs
     kept = output[1:]
     ctx.mark_non_differentiable(*kept)
     # no zero gradients made for the kept outputs (xs and g | u as big as the routed rows: autograd
@@ -367,16 +388,16 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.tabby_args = (group, config, save)
     if owned:  # the eager wrapper's call: the backward takes the list and is their only holder
-        ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, sg, su, sd)
+        ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, sg, su, sd, bg, bu, bd)
         ctx.tabby_kept = list(kept)
         ctx.tabby_probe = _current_probe()
     else:
-        ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept)
+        ctx.save_for_backward(x, topk_weights, w_gate, w_up, w_down, sg, su, sd, bg, bu, bd, *kept)
         ctx.tabby_kept = None
 
 
 def _backward(ctx, dy, *_kept_grads):
-    x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept = ctx.saved_tensors
+    x, topk_weights, w_gate, w_up, w_down, sg, su, sd, bg, bu, bd, *kept = ctx.saved_tensors
     group, config, save = ctx.tabby_args
     if dy is None:  # (gradients are not materialized: y's is None only if nothing reached it)
         dy = torch.zeros((x.shape[0], w_down.shape[1]), dtype=x.dtype, device=x.device)
@@ -388,14 +409,16 @@ def _backward(ctx, dy, *_kept_grads):
         sched, rows = kept[:5], kept[5:]
         del kept
         grads = _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, _shared(sg, su, sd), sched, rows,
-                               group, config, save, owned=True, probe=ctx.tabby_probe)
+                               group, config, save, owned=True, probe=ctx.tabby_probe, biases=_biases(bg, bu, bd))
     else:
         grads = torch.ops.tabby.moe_backward(dy, x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept, group,
-                                             config, save)
-    dx, dtw, dwg, dwu, dwd, dsg, dsu, dsd = grads
+                                             config, save, bg, bu, bd)
+    dx, dtw, dwg, dwu, dwd, dsg, dsu, dsd, dbg, dbu, dbd = grads
     if sg is None:
         dsg = dsu = dsd = None
-    return dx, None, dtw, dwg, dwu, dwd, dsg, dsu, dsd, None, None, None, None
+    if bg is None:
+        dbg = dbu = dbd = None
+    return dx, None, dtw, dwg, dwu, dwd, dsg, dsu, dsd, None, None, None, None, dbg, dbu, dbd
 
 
 _moe_op.register_autograd(_backward, setup_context=_setup_context)
@@ -408,10 +431,12 @@ def _owning_call_possible() -> bool:
             and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
 
 
-def run_operator(x, topk_idx, topk_weights, w_gate, w_up, w_down, sg, su, sd, group: str, config: str, save: bool):
+def run_operator(x, topk_idx, topk_weights, w_gate, w_up, w_down, sg, su, sd, group: str, config: str, save: bool,
+                 biases=None):
     """``torch.ops.tabby.moe``'s y; differentiated and eager (``_owning_call_possible``), a call whose
     backward owns the kept rows."""
     owned = save and _owning_call_possible()
+    bg, bu, bd = biases if biases is not None else (None, None, None)
     return torch.ops.tabby.moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, sg, su, sd, group, config, save,
-                               owned)[0]
+                               owned, bg, bu, bd)[0]
 

@@ -46,8 +46,9 @@ from .steps import finish_forward, publish_and_schedule, pull_routed_rows
 
 
 def moe_forward(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_down, extra=None,
-                probe: Probe | None = None):
-    """Forward pass on one rank. Returns (y [T, H], saved) where saved feeds ``moe_backward``."""
+                probe: Probe | None = None, biases=None):
+    """Forward pass on one rank. Returns (y [T, H], saved) where saved feeds ``moe_backward``.
+    ``biases``: None or (b_gate, b_up, b_down): added in the gate/up and down epilogues."""
     T, H = x.shape
     TK = topk_idx.numel()
     sched = publish_and_schedule(ws, plan, x, topk_idx, topk_weights, w_gate.shape[0], probe=probe)
@@ -57,10 +58,10 @@ def moe_forward(ws, plan: Plan, x, topk_idx, topk_weights, w_gate, w_up, w_down,
     mark(probe, "fwd:dispatch")
     h, gu = gemm.gate_up_swiglu(xs, w_gate, w_up, sched.tile_expert, sched.num_tiles, h=bufs.empty("h", x.device),
                                 gu=bufs.empty("gu", x.device), config=plan.gemm_config(gemm.KIND_GATE_UP),
-                                act=plan.activation)
+                                act=plan.activation, biases=biases[:2] if biases is not None else None)
     mark(probe, "fwd:gate_up")
     gemm.down_push(h, w_down, sched.tile_expert, sched.num_tiles, sched.row_src, ws.ptrs["y_in"], TK,
-                   config=plan.gemm_config(gemm.KIND_DOWN))
+                   config=plan.gemm_config(gemm.KIND_DOWN), bias=biases[2] if biases is not None else None)
     mark(probe, "fwd:down+push")
     return finish_forward(ws, plan, x, topk_weights, extra, probe=probe), KeptRows(sched, xs, gu, row_w)
 

@@ -21,7 +21,8 @@ from .resolve import group_info, group_name, workspace_key
 from .workspace import TabbyDeviceError, cached_workspaces, get_workspace
 
 
-def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None, config: MoEConfig | None = None):
+def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None, config: MoEConfig | None = None,
+        biases=None):
     """Tabby's MoE layer (same arguments as ``tabby.moe_reference``; see tabby/validate.py).
 
     x [T, H] bf16; topk_idx [T, k] int; topk_weights [T, k] float; w_gate, w_up [E_local, I, H],
@@ -31,6 +32,9 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
     string, ``config_string``). Returns y [T, H] bf16. No host synchronization: expert ids are
     checked on the device and reported by ``check_errors`` (or at once with ``config.debug``).
     ``torch.compile(fullgraph=True)`` traces it without a graph break.
+    ``biases``: None or the routed experts' (b_gate [E_local, I], b_up [E_local, I], b_down [E_local, H]),
+    bf16: g + b_gate, u + b_up before the activation, b_down added to each expert's output before the
+    router weight; bf16 on the path of separate launches for now (the plan's choice with them).
     """
     if shared is not None:
         if not (isinstance(shared, (tuple, list)) and len(shared) == 3):
@@ -49,14 +53,15 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
     if not torch.compiler.is_compiling():  # (the operator checks again; here the errors name tabby.moe's arguments)
         _, W, _, _ = group_info(gname)
         check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, _shared_tuple(sg, su, sd), world_size=W,
-                     check_ids=False, dtypes=(torch.bfloat16,))
+                     check_ids=False, dtypes=(torch.bfloat16,), biases=biases)
         check_device(x.device)
+    biases = tuple(biases) if biases is not None else None
     save = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, sg, su, sd))
+        t is not None and t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *(biases or ())))
     if x.shape[0] == 0:
         return _no_tokens(x, topk_idx, topk_weights, w_gate, w_up, w_down, _shared_tuple(sg, su, sd), gname,
-                          parse_config(cstr))
-    return run_operator(x, topk_idx, topk_weights, w_gate, w_up, w_down, sg, su, sd, gname, cstr, save)
+                          parse_config(cstr), biases)
+    return run_operator(x, topk_idx, topk_weights, w_gate, w_up, w_down, sg, su, sd, gname, cstr, save, biases)
 
 
 def moe_with_probe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None,
@@ -82,8 +87,8 @@ class _EmptyMoE(torch.autograd.Function):
     the group's shape agreement requires)."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down):
-        ctx.like = (x, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down)
+    def forward(ctx, x, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, b_gate, b_up, b_down):
+        ctx.like = (x, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, b_gate, b_up, b_down)
         return x.new_empty((0, x.shape[1]))
 
     @staticmethod
@@ -93,18 +98,18 @@ class _EmptyMoE(torch.autograd.Function):
         return grads
 
 
-def _no_tokens(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group: str, config: MoEConfig):
+def _no_tokens(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group: str, config: MoEConfig, biases=None):
     """A call with T = 0: the inputs checked, the group's shape agreement taken part in (made once per
     shape: a peer with tokens is reported), an empty y."""
     rank, W, pg, tg = group_info(group)
     dims = check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, world_size=W,
-                        check_ids=False, dtypes=(torch.bfloat16,))
+                        check_ids=False, dtypes=(torch.bfloat16,), biases=biases)
     check_device(x.device)
     if W > 1:
         get_workspace(workspace_key(dims, W, x, config), rank, group=pg, thread_group=tg,
                       join_timeout_s=config.resolved_max_wait_ms() / 1e3)
     sh = tuple(shared) if shared is not None else (None, None, None)
-    return _EmptyMoE.apply(x, topk_weights, w_gate, w_up, w_down, *sh)
+    return _EmptyMoE.apply(x, topk_weights, w_gate, w_up, w_down, *sh, *(biases or (None, None, None)))
 
 
 def check_errors():

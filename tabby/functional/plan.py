@@ -200,7 +200,14 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     sm_count = sms if sms is not None else _device_sms(device)
     wait_budget = config.resolved_max_wait_polls() if INTERPRET else int(config.resolved_max_wait_ms() * 1e6)
     arch = arch if arch is not None else _device_arch(device)
-    ws = _ws_core("bf16_ws", t.bf16_ws, heuristics.bf16_ws_possible(arch, tile_m, H, I), arch, tile_m, H, I, 8)
+    if dims.biases:  # (the epilogues with a bias: bf16.py's kernels on the path of separate launches, for now)
+        if config.precision != "bf16" or config.megakernel or t.bf16_ws:
+            raise MoEInputError(f"experts with biases run in bf16 on the path of separate launches and bf16.py's "
+                                f"kernels for now: MoEConfig(precision={config.precision!r}, "
+                                f"megakernel={config.megakernel}) with Tuning(bf16_ws={t.bf16_ws}) cannot take them")
+        ws = False
+    else:
+        ws = _ws_core("bf16_ws", t.bf16_ws, heuristics.bf16_ws_possible(arch, tile_m, H, I), arch, tile_m, H, I, 8)
     gemms = {kind: heuristics.bf16_gemm(kind, N, K, tile_m, ws, sm_count)
              for kind, N, K in ((gemm.KIND_GATE_UP, I, H), (gemm.KIND_DOWN, H, I), (gemm.KIND_DGRAD_SWIGLU, I, H),
                                 (gemm.KIND_GATE_UP_DGRAD, H, 2 * I))}
@@ -211,7 +218,7 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
         raise MoEInputError(f"Tuning(dispatch_cols={dispatch_cols}): must be a power of two")
     megakernel = config.megakernel
     if megakernel is None:
-        megakernel = heuristics.use_megakernel(config.precision, W, ws)
+        megakernel = heuristics.use_megakernel(config.precision, W, ws) and not dims.biases
     mega = None
     groups = 1
     if megakernel:

@@ -120,12 +120,12 @@ def _why_not(module: nn.Module) -> str | None:
     """Why the module's experts do not run on Tabby (None: they do)."""
     if not getattr(module, "has_gate", True):
         return "experts without a gate projection"
-    if getattr(module, "has_bias", False):
-        return "experts with biases"
     if getattr(module, "is_transposed", False):
         return "transposed expert weights"
     if not getattr(module, "is_concatenated", True):
         return "interleaved gate/up weights"
+    if getattr(module, "has_bias", False):
+        return "experts with biases (tabby.moe takes them; this backend does not pass them yet)"
     if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
         return "no gate_up_proj / down_proj parameters"
     if detect_activation(module) is None:

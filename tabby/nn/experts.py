@@ -61,6 +61,10 @@ class Experts(nn.Module):
             elementwise launches).
         activation: the experts' function between gate/up and down (``tabby.Activation``; None: the
             config's, SwiGLU by default); it becomes the config's ``activation``.
+        bias: biases on both projections (gpt-oss's experts), initialized to zero: fused layout
+            ``gate_up_proj_bias [E_local, 2I]`` (gate first) and ``down_proj_bias [E_local, H]``;
+            separate: ``b_gate``, ``b_up [E_local, I]``, ``b_down [E_local, H]`` (bf16 on the path of
+            separate launches for now: ``tabby.moe``'s ``biases``).
         init_std: parameters initialized from N(0, init_std^2); None: ``1/sqrt(fan_in)`` scaling.
         dtype, device: of the parameters (Tabby computes in bf16; other dtypes are cast per call).
 
@@ -70,7 +74,7 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts_local: int, hidden: int, intermediate: int, *, layout: str = "fused",
                  group=None, config: MoEConfig | None = None, skip_invalid: bool = True,
-                 activation: Activation | None = None, init_std: float | None = 0.02,
+                 activation: Activation | None = None, bias: bool = False, init_std: float | None = 0.02,
                  dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
         if activation is not None:
@@ -102,6 +106,14 @@ class Experts(nn.Module):
             self.w_gate = nn.Parameter(torch.empty(E, I, H, **kw))
             self.w_up = nn.Parameter(torch.empty(E, I, H, **kw))
             self.w_down = nn.Parameter(torch.empty(E, H, I, **kw))
+        self.bias = bias
+        if bias and layout == "fused":
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I, **kw))
+            self.down_proj_bias = nn.Parameter(torch.empty(E, H, **kw))
+        elif bias:
+            self.b_gate = nn.Parameter(torch.empty(E, I, **kw))
+            self.b_up = nn.Parameter(torch.empty(E, I, **kw))
+            self.b_down = nn.Parameter(torch.empty(E, H, **kw))
         self.reset_parameters()
 
     @property
@@ -116,13 +128,17 @@ class Experts(nn.Module):
     def reset_parameters(self) -> None:
         with torch.no_grad():
             for p in self.parameters():
+                if p.dim() == 2:  # a bias: zeros
+                    p.zero_()
+                    continue
                 std = self.init_std if self.init_std is not None else 1.0 / math.sqrt(p.shape[-1])
                 p.normal_(0.0, std)
 
     def extra_repr(self) -> str:
         act = self.config.activation if self.config is not None else SWIGLU
         return (f"num_experts_local={self.num_experts_local}, hidden={self.hidden}, "
-                f"intermediate={self.intermediate}, layout={self.layout!r}, activation={act}, rank={self.rank}, "
+                f"intermediate={self.intermediate}, layout={self.layout!r}, activation={act}, bias={self.bias}, "
+                f"rank={self.rank}, "
                 f"world_size={self.world_size}")
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,6 +147,17 @@ class Experts(nn.Module):
         if self.layout == "separate":
             return self.w_gate, self.w_up, self.w_down
         return (*split_gate_up(self.gate_up_proj), self.down_proj)
+
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(b_gate, b_up [E_local, I], b_down [E_local, H]) or None without biases; in the fused layout
+        views of ``gate_up_proj_bias``, no copy."""
+        if not self.bias:
+            return None
+        if self.layout == "separate":
+            return self.b_gate, self.b_up, self.b_down
+        E, I2 = self.gate_up_proj_bias.shape
+        bg, bu = self.gate_up_proj_bias.unflatten(1, (2, I2 // 2)).unbind(1)
+        return bg, bu, self.down_proj_bias
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 shared=None) -> torch.Tensor:
@@ -152,8 +179,11 @@ class Experts(nn.Module):
         if shared is not None:
             shared = tuple(t if t.dtype == dt else t.to(dt) for t in shared)
         xin = x2 if x2.dtype == dt else x2.to(dt)
+        biases = self.biases()
+        if biases is not None:
+            biases = tuple(t if t.dtype == dt else t.to(dt) for t in biases)
         y = layer.moe(xin, idx, w, *ws, shared=shared, group=self._group_name,
-                      config=self._config_string)
+                      config=self._config_string, biases=biases)
         return y.to(x.dtype).reshape(shape)
 
 

@@ -358,7 +358,8 @@ def gate_up_swiglu_tile(pid_m, pid_n,
                         n_rows=0, MASK_ROWS: tl.constexpr = False,
                         USE_TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, a_row_shift=0,
                         TILE_M: tl.constexpr = 0, A_ROWS: tl.constexpr = False, a_rows=None,
-                        ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
+                        ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0,
+                        HAS_BIAS: tl.constexpr = False, bg_ptr=None, bu_ptr=None, stride_bias_e=0):
     """One (row tile, I-column tile): g = xs @ Wg[e]^T, u = xs @ Wu[e]^T, h = act(g, u) (ACT, LIMIT,
     ALPHA: ``activation.act_fwd``'s; the defaults: silu(g) * u).
 
@@ -375,6 +376,8 @@ def gate_up_swiglu_tile(pid_m, pid_n,
     A_ROWS (with USE_TMA): the tile's A rows are gathered through ``a_rows`` [BM] (a pointer per
     row, to its first element; 16-byte aligned) instead of xs_desc; the weights still come through
     wg_desc / wu_desc (``_gate_up_mainloop_rows_tma``; the megakernel's local rows read from x).
+    HAS_BIAS: g and u get the expert's biases bg[e], bu[e] ([E, I], row stride stride_bias_e) before
+    the activation (and as kept in gu).
     """
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
     if e >= 0:
@@ -395,6 +398,10 @@ def gate_up_swiglu_tile(pid_m, pid_n,
         rows = row0 + offs_m
         cols = pid_n * BN + tl.arange(0, BN)
         cmask = (cols < I)[None, :]
+        if HAS_BIAS:
+            boff = e.to(tl.int64) * stride_bias_e + cols
+            acc_g += tl.load(bg_ptr + boff, mask=cols < I, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(bu_ptr + boff, mask=cols < I, other=0.0).to(tl.float32)[None, :]
         h = act_fwd(acc_g, acc_u, ACT, LIMIT, ALPHA)
         tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=cmask)
         if SAVE_GU:
@@ -498,13 +505,15 @@ def gate_up_swiglu_kernel(xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_w
                           tile_expert_ptr, num_tiles_ptr, num_m, H: tl.constexpr, I: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                           EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
-                          ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
+                          ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0,
+                          HAS_BIAS: tl.constexpr = False, bg_ptr=None, bu_ptr=None, stride_bias_e=0):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, BN), GROUP_M)
     gate_up_swiglu_tile(pid_m=pid_m, pid_n=pid_n, xs_ptr=xs_ptr, stride_xm=stride_xm, wg_ptr=wg_ptr, wu_ptr=wu_ptr,
                         stride_we=stride_we, stride_wn=stride_wn, h_ptr=h_ptr, stride_hm=stride_hm, gu_ptr=gu_ptr,
                         stride_gum=stride_gum, tile_expert_ptr=tile_expert_ptr, num_tiles_ptr=num_tiles_ptr, H=H, I=I,
                         BM=BM, BN=BN, BK=BK, EVEN_K=EVEN_K, SAVE_GU=SAVE_GU, INTERPRET=INTERPRET,
-                        ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA)
+                        ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, HAS_BIAS=HAS_BIAS, bg_ptr=bg_ptr, bu_ptr=bu_ptr,
+                        stride_bias_e=stride_bias_e)
 
 
 def _check_rows(name, t, R, BM):
@@ -533,9 +542,10 @@ def _check_schedule(tile_expert, num_tiles, R, BM):
 def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                    tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
                    h: torch.Tensor | None = None, gu: torch.Tensor | None = None, save_gu: bool = False,
-                   config: GemmConfig | Bf16Gemm, act: Activation = SWIGLU):
+                   config: GemmConfig | Bf16Gemm, act: Activation = SWIGLU, biases=None):
     """h [R, I] = act(xs @ Wg[e]^T, xs @ Wu[e]^T) per row tile (SwiGLU: silu(g) * u); returns h, or
-    (h, gu) with save_gu.
+    (h, gu) with save_gu. ``biases``: None or (b_gate, b_up) [E, I] (unit column stride, equal
+    strides), added to g and u before the activation (this file's kernel only).
 
     xs [R, H] bf16; w_gate, w_up [E, I, H] bf16 (contiguous last dim, same strides);
     gu [R, 2I] bf16 (g then u) is written when ``save_gu`` (or when ``gu`` is given).
@@ -554,6 +564,8 @@ def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     save_gu = save_gu or gu is not None
     if save_gu and gu is None:
         gu = torch.empty(R, 2 * I, dtype=xs.dtype, device=xs.device)
+    if ws and biases is not None:
+        raise ValueError("gate_up_swiglu: biases run on this file's kernel (a GemmConfig or a Triton Bf16Gemm)")
     if ws:
         _ws_module().gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu if save_gu else None,
                                        sched_bm=bm, stages=ws.config.num_stages,
@@ -563,11 +575,15 @@ def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     num_m = R // cfg.BM
     grid = (num_m * triton.cdiv(I, cfg.BN),)
     ACT, LIMIT, ALPHA = act.constexprs()
+    bg, bu = biases if biases is not None else (None, None)
+    if biases is not None:
+        assert bg.shape == bu.shape == (E, I) and bg.stride() == bu.stride() and bg.stride(-1) == 1
     gate_up_swiglu_kernel[grid](
         xs, xs.stride(0), w_gate, w_up, w_gate.stride(0), w_gate.stride(1),
         h, h.stride(0), gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, H, I,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, EVEN_K=(H % cfg.BK == 0),
-        SAVE_GU=save_gu, INTERPRET=INTERPRET, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=cfg.num_warps,
+        SAVE_GU=save_gu, INTERPRET=INTERPRET, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, HAS_BIAS=biases is not None,
+        bg_ptr=bg, bu_ptr=bu, stride_bias_e=bg.stride(0) if biases is not None else 0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return (h, gu) if save_gu else h
 
@@ -588,8 +604,10 @@ def rows_gemm_tile(pid_m, pid_n,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    B_NK: tl.constexpr, TWO_PHASE: tl.constexpr, EVEN_K: tl.constexpr,
                    PUSH: tl.constexpr, DST_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
-                   a_row_shift=0, TILE_M: tl.constexpr = 0):
-    """One (row tile, N-column tile) of A @ op(B[e]) (see ``_rows_mainloop``).
+                   a_row_shift=0, TILE_M: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False, bias_ptr=None,
+                   stride_bias_e=0):
+    """One (row tile, N-column tile) of A @ op(B[e]) (see ``_rows_mainloop``); HAS_BIAS: + bias[e]
+    ([E, N], row stride stride_bias_e) on every row.
 
     USE_TMA (one phase only): load through the tensor descriptors a_desc / b_desc (see
     ``_rows_mainloop_tma``; A rows start at ``pid_m * BM + a_row_shift``) instead of the pointers.
@@ -612,6 +630,10 @@ def rows_gemm_tile(pid_m, pid_n,
                                  b2_ptr=b2_ptr, stride_be=stride_be, stride_be2=stride_be2, stride_bo=stride_bo, N=N,
                                  K=K, K2=K2, BM=BM, BN=BN, BK=BK, B_NK=B_NK, TWO_PHASE=TWO_PHASE, EVEN_K=EVEN_K,
                                  INTERPRET=INTERPRET)
+        if HAS_BIAS:
+            bcols = pid_n * BN + tl.arange(0, BN)
+            acc += tl.load(bias_ptr + e.to(tl.int64) * stride_bias_e + bcols, mask=bcols < N,
+                           other=0.0).to(tl.float32)[None, :]
         if PUSH:
             _push_rows(acc, blk, pid_n, row_src_ptr, dst_ptrs_ptr, TK, stride_dm, N, BM, BN, DST_DTYPE)
         else:
@@ -627,7 +649,8 @@ def rows_gemm_kernel(a_ptr, a2_ptr, stride_am,
                      N: tl.constexpr, K: tl.constexpr, K2: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      B_NK: tl.constexpr, TWO_PHASE: tl.constexpr, EVEN_K: tl.constexpr,
-                     PUSH: tl.constexpr, DST_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+                     PUSH: tl.constexpr, DST_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+                     HAS_BIAS: tl.constexpr = False, bias_ptr=None, stride_bias_e=0):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(N, BN), GROUP_M)
     rows_gemm_tile(pid_m=pid_m, pid_n=pid_n, a_desc=None, b_desc=None, a_ptr=a_ptr, a2_ptr=a2_ptr,
                    stride_am=stride_am, b_ptr=b_ptr, b2_ptr=b2_ptr, stride_be=stride_be, stride_be2=stride_be2,
@@ -635,7 +658,7 @@ def rows_gemm_kernel(a_ptr, a2_ptr, stride_am,
                    dst_ptrs_ptr=dst_ptrs_ptr, TK=TK, stride_dm=stride_dm, tile_expert_ptr=tile_expert_ptr,
                    num_tiles_ptr=num_tiles_ptr, N=N, K=K, K2=K2, BM=BM, BN=BN, BK=BK, B_NK=B_NK,
                    TWO_PHASE=TWO_PHASE, EVEN_K=EVEN_K, PUSH=PUSH, DST_DTYPE=DST_DTYPE, USE_TMA=False,
-                   INTERPRET=INTERPRET)
+                   INTERPRET=INTERPRET, HAS_BIAS=HAS_BIAS, bias_ptr=bias_ptr, stride_bias_e=stride_bias_e)
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -646,7 +669,7 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
               row_src: torch.Tensor | None = None, dst_ptrs: torch.Tensor | None = None,
               TK: int | None = None, dst_stride: int | None = None, dst_dtype: torch.dtype = torch.bfloat16,
-              config: GemmConfig | Bf16Gemm):
+              config: GemmConfig | Bf16Gemm, bias: torch.Tensor | None = None):
     """Routed-row GEMM: for each used row tile m (expert e = tile_expert[m]),
     ``rows = A[m-tile] @ op(B[e])`` (+ ``A2[m-tile] @ op(B2[e])`` when a2/b2 are given).
 
@@ -656,7 +679,8 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
     Epilogue: with ``dst_ptrs`` (int64 [W] base addresses) and ``row_src`` (int32 [R]) each row
     r with row_src[r] >= 0 is pushed, as ``dst_dtype``, to row ``row_src[r] % TK`` (row stride
     ``dst_stride``, default N) of buffer ``row_src[r] // TK``; returns None. Otherwise stores into
-    ``out`` [R, N] (allocated as ``out_dtype``, default a's dtype) and returns it.
+    ``out`` [R, N] (allocated as ``out_dtype``, default a's dtype) and returns it. ``bias`` [E, N]
+    (unit column stride): added to every row of expert e (this file's kernel only).
     """
     R, K = a.shape
     E = b.shape[0]
@@ -696,6 +720,10 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
         row_src = tile_expert  # unused
         dst_ptrs = tile_expert  # unused
         TK, stride_d = 1, 0
+    if ws and bias is not None:
+        raise ValueError("rows_gemm: a bias runs on this file's kernel (a GemmConfig or a Triton Bf16Gemm)")
+    if bias is not None:
+        assert bias.shape == (E, N) and bias.stride(-1) == 1
     if ws:
         if two or b_layout != "nk":
             raise ValueError("rows_gemm: the warp-specialized kernel runs one K phase of K-major B (the down "
@@ -715,18 +743,18 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
         tile_expert, num_tiles, num_m, N, K, K2,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
         B_NK=(b_layout == "nk"), TWO_PHASE=two, EVEN_K=even_k, PUSH=push,
-        DST_DTYPE=_TL_DTYPES[dst_dtype], INTERPRET=INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DST_DTYPE=_TL_DTYPES[dst_dtype], INTERPRET=INTERPRET, HAS_BIAS=bias is not None, bias_ptr=bias,
+        stride_bias_e=bias.stride(0) if bias is not None else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return None if push else out
 
 
 def down_push(h: torch.Tensor, w_down: torch.Tensor, tile_expert: torch.Tensor, num_tiles: torch.Tensor,
               row_src: torch.Tensor, dst_ptrs: torch.Tensor, TK: int, *, dst_stride: int | None = None,
-              config: GemmConfig | Bf16Gemm):
-    """Down projection with push epilogue: row r of h[m-tile] @ Wd[e]^T ([R, I] x [E, H, I]) goes,
-    bf16, to ``dst_ptrs[row_src[r] // TK]`` row ``row_src[r] % TK`` (each destination [TK, H])."""
+              config: GemmConfig | Bf16Gemm, bias: torch.Tensor | None = None):
+    """Down projection with push epilogue: row r of h[m-tile] @ Wd[e]^T (+ bias[e]) ([R, I] x [E, H, I])
+    goes, bf16, to ``dst_ptrs[row_src[r] // TK]`` row ``row_src[r] % TK`` (each destination [TK, H])."""
     rows_gemm(h, w_down, tile_expert, num_tiles, b_layout="nk", row_src=row_src, dst_ptrs=dst_ptrs,
-              TK=TK, dst_stride=dst_stride, config=config)
+              TK=TK, dst_stride=dst_stride, config=config, bias=bias)
 
 
 def down_local(h: torch.Tensor, w_down: torch.Tensor, tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
@@ -887,6 +915,46 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
         EPI_SPLIT=(cfg.BN >= 32), INTERPRET=INTERPRET, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return dgu, hw, dw_part
+
+
+@triton.jit
+def expert_row_sums_kernel(v_ptr, stride_vm, s_ptr, out_ptr, stride_oe, expert_start_ptr, expert_count_ptr, N,
+                           BR: tl.constexpr, BN: tl.constexpr, SCALED: tl.constexpr):
+    """out[e, cols] = sum over expert e's rows r (its segment [start, start + count)) of v[r, cols]
+    (times s[r] where SCALED), in fp32, rows in blocks of BR in order: one program a (expert, column
+    block), so the sum's order is fixed (deterministic)."""
+    e = tl.program_id(0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cmask = cols < N
+    start = tl.load(expert_start_ptr + e).to(tl.int64)
+    count = tl.load(expert_count_ptr + e)
+    acc = tl.zeros((BR, BN), dtype=tl.float32)
+    for r0 in range(0, count, BR):
+        offs = r0 + tl.arange(0, BR)
+        rmask = offs < count
+        rows = start + offs
+        v = tl.load(v_ptr + rows[:, None] * stride_vm + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float32)
+        if SCALED:
+            v = v * tl.load(s_ptr + rows, mask=rmask, other=0.0)[:, None]
+        acc += v
+    tl.store(out_ptr + e.to(tl.int64) * stride_oe + cols, tl.sum(acc, axis=0), mask=cmask)
+
+
+def expert_row_sums(v: torch.Tensor, expert_start: torch.Tensor, expert_count: torch.Tensor,
+                    scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[E, N] fp32: each expert's rows of v [R, N] summed (times ``scale`` [R] fp32 where given), in a
+    fixed order: the gradients of the experts' biases."""
+    E, N = expert_count.numel(), v.shape[1]
+    out = torch.empty(E, N, dtype=torch.float32, device=v.device)
+    if E == 0:
+        return out
+    assert v.stride(-1) == 1 and (scale is None or (scale.dtype == torch.float32 and scale.stride(0) == 1))
+    BN = 128
+    expert_row_sums_kernel[(E, triton.cdiv(N, BN))](v, v.stride(0), scale if scale is not None else v, out,
+                                                    out.stride(0), expert_start, expert_count, N, BR=16, BN=BN,
+                                                    SCALED=scale is not None, num_warps=4)
+    return out
 
 
 @triton.jit
