@@ -12,18 +12,11 @@ from tabby.functional.config import MoEConfig
 CUDA = torch.cuda.is_available()
 
 
-def _run_gpu(prob, cfg):
+def _on_gpu(fn, prob, **kw):
+    """fn (tabby.moe or the reference) on the GPU: y and every gradient, on the CPU."""
     x, idx, wts, ws, bs, dy = prob
     lv = [t.cuda().clone().requires_grad_(True) for t in (x, wts, *ws, *bs)]
-    y = tabby.moe(lv[0], idx.cuda(), lv[1], *lv[2:5], config=cfg, biases=tuple(lv[5:]))
-    y.backward(dy.cuda())
-    return [y.detach().float().cpu()] + [t.grad.float().cpu() for t in lv]
-
-
-def _reference_gpu(prob, act):
-    x, idx, wts, ws, bs, dy = prob
-    lv = [t.cuda().clone().requires_grad_(True) for t in (x, wts, *ws, *bs)]
-    y = tabby.moe_reference(lv[0], idx.cuda(), lv[1], *lv[2:5], activation=act, biases=tuple(lv[5:]))
+    y = fn(lv[0], idx.cuda(), lv[1], *lv[2:5], biases=tuple(lv[5:]), **kw)
     y.backward(dy.cuda())
     return [y.detach().float().cpu()] + [t.grad.float().cpu() for t in lv]
 
@@ -34,10 +27,10 @@ def _reference_gpu(prob, act):
 def test_biases_gpu(act, H, I, E, k, T):
     prob = _problem(1, T, H, I, E, k, seed=H + T)
     cfg = MoEConfig() if act is None else MoEConfig(activation=act)
-    got = _run_gpu(prob, cfg)
-    errs = _compare(got, _reference_gpu(prob, act))
+    got = _on_gpu(tabby.moe, prob, config=cfg)
+    errs = _compare(got, _on_gpu(tabby.moe_reference, prob, activation=act))
     print(f"GPU biases {act} H={H} I={I} E={E} k={k} T={T}: {errs}")
     for _ in range(19):
-        again = _run_gpu(prob, cfg)
+        again = _on_gpu(tabby.moe, prob, config=cfg)
         assert all(torch.equal(a, b) for a, b in zip(got, again)), [n for n, a, b in zip(NAMES, got, again)
                                                                     if not torch.equal(a, b)]
