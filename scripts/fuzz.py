@@ -4,7 +4,9 @@ Each case is drawn from its seed alone (``draw_case``): the EP size, T (0 and 1 
 E_local, k, a shared expert or not, the routing (uniform, Zipf-skewed, every token to one expert,
 the experts of one rank left empty, repeated ids in a row), the magnitude of the expert and router
 weights, the path (the megakernel or separate launches, keeping the routed rows or recomputing
-them) and, on the CPU, the ring size and tile height. A case passes when y and the gradients of x,
+them), on the CPU the ring size and tile height, and the experts' activation (SwiGLU or GeGLU: the
+smooth ones; the clamped kinds' gradients jump at their bounds, tests/test_activation.py) and
+biases (on the path of separate launches, which runs them). A case passes when y and the gradients of x,
 the router weights, the expert weights and the shared expert are within ``TOL`` (relative
 Frobenius error) of the reference computed in fp64, with the shapes of the reference's.
 
@@ -58,6 +60,8 @@ class Case:
     save_for_backward: bool
     tile_m: int | None  # None: the heuristic (GPU)
     ring_rows: int | None
+    activation: str = "swiglu"  # tabby.Activation kind (smooth ones only)
+    biases: bool = False  # the routed experts' biases (the path of separate launches)
 
 
 def draw_case(seed: int, worlds=(1, 2), small: bool = True) -> Case:
@@ -93,9 +97,13 @@ def draw_case(seed: int, worlds=(1, 2), small: bool = True) -> Case:
         ring_rows = tile_m * rng.choice([2, 4, 16])
     else:
         ring_rows = rng.choice([None, None, 256, 1024])
-    return Case(seed=seed, W=W, T=T, H=H, I=I, E_local=E_local, k=k, shared=rng.random() < 0.4, route=route,
-                expert_scale=rng.choice([1.0, 1.0, 1e-3, 30.0]), router_scale=rng.choice([1.0, 1.0, 1e-3, 10.0, -1.0]),
-                megakernel=megakernel, save_for_backward=rng.random() < 0.7, tile_m=tile_m, ring_rows=ring_rows)
+    fields = dict(seed=seed, W=W, T=T, H=H, I=I, E_local=E_local, k=k, shared=rng.random() < 0.4, route=route,
+                  expert_scale=rng.choice([1.0, 1.0, 1e-3, 30.0]),
+                  router_scale=rng.choice([1.0, 1.0, 1e-3, 10.0, -1.0]), megakernel=megakernel,
+                  save_for_backward=rng.random() < 0.7, tile_m=tile_m, ring_rows=ring_rows)
+    # drawn last, so that every earlier field of a seed stays what it was
+    fields.update(activation=rng.choice(["swiglu", "swiglu", "geglu"]), biases=not megakernel and rng.random() < 0.4)
+    return Case(**fields)
 
 
 def _routing(c: Case, g: torch.Generator):
@@ -146,19 +154,24 @@ def make_inputs(c: Case):
     I_s = 8 * (1 + c.seed % 3) if c.tile_m is not None else 128  # (GPU: one width, one compile)
     shared = (w(I_s, c.H), w(I_s, c.H), w(c.H, I_s)) if c.shared else None
     dy = torch.randn(c.W * c.T, c.H, generator=g).bfloat16()
-    return x, idx, wts, experts, shared, dy
+    biases = None
+    if c.biases:  # (drawn after the rest: a case without biases keeps its inputs)
+        biases = tuple((torch.randn(E, n, generator=g) * c.expert_scale).bfloat16() for n in (c.I, c.I, c.H))
+    return x, idx, wts, experts, shared, dy, biases
 
 
 def config_of(c: Case):
     from tabby import MoEConfig, Tuning
 
+    from tabby.activation import Activation
+
     small = {} if c.tile_m is None else dict(tile_m=c.tile_m, dispatch_rows=16, dispatch_cols=64, dispatch_programs=4)
     ring = {} if c.ring_rows is None else dict(ring_rows=c.ring_rows)
     return MoEConfig(megakernel=c.megakernel, save_for_backward=c.save_for_backward, debug=True,
-                     tuning=Tuning(**small, **ring))
+                     tuning=Tuning(**small, **ring), activation=Activation(c.activation))
 
 
-GRADS = ("dx", "dtopk", "dw_gate", "dw_up", "dw_down", "ds_gate", "ds_up", "ds_down")
+GRADS = ("dx", "dtopk", "dw_gate", "dw_up", "dw_down", "ds_gate", "ds_up", "ds_down", "db_gate", "db_up", "db_down")
 
 
 def reference_results(c: Case, inputs, device="cpu") -> dict:
@@ -166,16 +179,21 @@ def reference_results(c: Case, inputs, device="cpu") -> dict:
     ``device``; returned on the CPU."""
     import tabby
 
-    x, idx, wts, experts, shared, dy = inputs
-    leaves = [t.detach().to(device, torch.float64, copy=True).requires_grad_(True)
-              for t in (x, wts, *experts, *(shared or ()))]
+    from tabby.activation import Activation
+
+    x, idx, wts, experts, shared, dy, biases = inputs
+    leaf = lambda t: t.detach().to(device, torch.float64, copy=True).requires_grad_(True)  # noqa: E731
+    leaves = [leaf(t) for t in (x, wts, *experts, *(shared or ()))]
+    bl = [leaf(t) for t in biases] if biases is not None else None
     y = tabby.moe_reference(leaves[0], idx.to(device), leaves[1], *leaves[2:5], shared=tuple(leaves[5:]) or None,
-                            compute_dtype=torch.float64)
+                            compute_dtype=torch.float64, activation=Activation(c.activation), biases=bl)
     y.backward(dy.to(device, torch.float64))
     out = dict(y=y.detach(), dx=leaves[0].grad, dtopk=leaves[1].grad, dw_gate=leaves[2].grad,
                dw_up=leaves[3].grad, dw_down=leaves[4].grad)
     if shared is not None:
         out.update(ds_gate=leaves[5].grad, ds_up=leaves[6].grad, ds_down=leaves[7].grad)
+    if bl is not None:
+        out.update(db_gate=bl[0].grad, db_up=bl[1].grad, db_down=bl[2].grad)
     return {n: t.cpu() for n, t in out.items()}
 
 
@@ -186,7 +204,7 @@ def rank_results(c: Case, inputs, rank: int, group, device, config=None, layer=N
 
     layer = layer or tabby.moe
 
-    x, idx, wts, experts, shared, dy = inputs
+    x, idx, wts, experts, shared, dy, biases = inputs
     rows = slice(rank * c.T, (rank + 1) * c.T)
     ex = slice(rank * c.E_local, (rank + 1) * c.E_local)
 
@@ -196,11 +214,15 @@ def rank_results(c: Case, inputs, rank: int, group, device, config=None, layer=N
     xr, wr = leaf(x[rows]), leaf(wts[rows])
     wl = [leaf(w[ex]) for w in experts]
     sl = [leaf(w) for w in shared] if shared is not None else None
-    y = layer(xr, idx[rows].to(device), wr, *wl, shared=sl, group=group, config=config or config_of(c))
+    bl = [leaf(b[ex]) for b in biases] if biases is not None else None
+    kw = dict(biases=tuple(bl)) if bl is not None else {}
+    y = layer(xr, idx[rows].to(device), wr, *wl, shared=sl, group=group, config=config or config_of(c), **kw)
     y.backward(dy[rows].to(device))
     out = dict(y=y.detach(), dx=xr.grad, dtopk=wr.grad, dw_gate=wl[0].grad, dw_up=wl[1].grad, dw_down=wl[2].grad)
     if sl is not None:
         out.update(ds_gate=sl[0].grad, ds_up=sl[1].grad, ds_down=sl[2].grad)
+    if bl is not None:
+        out.update(db_gate=bl[0].grad, db_up=bl[1].grad, db_down=bl[2].grad)
     return {n: (t.cpu() if t is not None else None) for n, t in out.items()}
 
 
@@ -299,7 +321,7 @@ def run_case_distributed(c: Case, device, layer=None) -> dict:
         want = reference_results(c, inputs, device)
         rows = slice(rank * c.T, (rank + 1) * c.T)
         ex = slice(rank * c.E_local, (rank + 1) * c.E_local)
-        mine = {n: (v[rows] if n in ("y", "dx", "dtopk") else v[ex] if n.startswith("dw_") else v)
+        mine = {n: (v[rows] if n in ("y", "dx", "dtopk") else v[ex] if n.startswith(("dw_", "db_")) else v)
                 for n, v in want.items()}
         errs = compare(got, mine)
     except Exception as e:  # noqa: BLE001
@@ -310,7 +332,7 @@ def run_case_distributed(c: Case, device, layer=None) -> dict:
 
 def kernel_kind(c: Case) -> tuple:
     """What decides which kernels a GPU case compiles (their compile-time constants)."""
-    return (c.H, c.I, c.megakernel, c.save_for_backward, c.shared, c.ring_rows, c.T == 0)
+    return (c.H, c.I, c.megakernel, c.save_for_backward, c.shared, c.ring_rows, c.T == 0, c.activation, c.biases)
 
 
 def precompile(seeds, worlds, budget_s: float, say) -> None:
@@ -444,7 +466,8 @@ def main(argv=None) -> int:
         tag = "ok  " if ok else "FAIL"
         say(f"{tag} seed={seed} W={c.W} T={c.T} H={c.H} I={c.I} E_local={c.E_local} k={c.k} shared={c.shared} "
             f"route={c.route} scales={c.expert_scale}/{c.router_scale} megakernel={c.megakernel} "
-            f"save={c.save_for_backward} tile_m={c.tile_m} ring_rows={c.ring_rows} {wall:.1f}s")
+            f"save={c.save_for_backward} tile_m={c.tile_m} ring_rows={c.ring_rows} activation={c.activation} "
+            f"biases={c.biases} {wall:.1f}s")
         if not ok:
             launcher = "torchrun --nproc-per-node %d " % worlds[0] if distributed else "python "
             say(f"     {detail}\n     reproduce: {launcher}scripts/fuzz.py --seed {seed} --device {device.type}"

@@ -47,6 +47,7 @@ def test_ci_seeds_cover_every_kind_of_case():
     assert any(c.T == 0 and c.W == 2 for c in cases)
     assert any(c.route == "empty_rank" and c.W == 2 for c in cases)
     assert any(c.k > c.W * c.E_local for c in cases if c.route in ("duplicates", "one_expert"))
+    assert seen(lambda c: c.activation) == {"swiglu", "geglu"} and seen(lambda c: c.biases) == {True, False}
 
 
 def test_routings_are_what_they_claim():
@@ -126,11 +127,12 @@ def _distributed_worker(rank, init_file, seeds, q):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
 
-    def layer(x, idx, w, wg, wu, wd, shared=None, group=None, config=None):
-        return tabby.moe_reference(x, idx, w, wg, wu, wd, shared=shared, group=group)
+    def layer(x, idx, w, wg, wu, wd, shared=None, group=None, config=None, biases=None):
+        return tabby.moe_reference(x, idx, w, wg, wu, wd, shared=shared, group=group, activation=config.activation,
+                                   biases=biases)
 
-    def spoiled(x, idx, w, wg, wu, wd, shared=None, group=None, config=None):
-        y = layer(x, idx, w, wg, wu, wd, shared=shared, group=group)
+    def spoiled(x, idx, w, wg, wu, wd, shared=None, group=None, config=None, biases=None):
+        y = layer(x, idx, w, wg, wu, wd, shared=shared, group=group, config=config, biases=biases)
         return y * 1.5 if dist.get_rank() == 1 else y
 
     out = []
