@@ -99,7 +99,8 @@ def detect_activation(module: nn.Module) -> Activation | None:
         return None
     n = 4001
     g = torch.linspace(-50.0, 50.0, n, dtype=torch.float64)
-    u = torch.linspace(50.0, -50.0, n, dtype=torch.float64)[torch.randperm(n, generator=torch.Generator().manual_seed(0))]
+    u = torch.linspace(50.0, -50.0, n, dtype=torch.float64)
+    u = u[torch.randperm(n, generator=torch.Generator().manual_seed(0))]  # (g and u not in step)
     if getattr(module, "is_concatenated", True):
         probe = torch.cat([g, u]).view(1, 2 * n)
     else:
@@ -116,37 +117,42 @@ def detect_activation(module: nn.Module) -> Activation | None:
     return None
 
 
-def _why_not(module: nn.Module) -> str | None:
-    """Why the module's experts do not run on Tabby (None: they do)."""
+def _gate_of(module: nn.Module) -> tuple[Activation | None, str | None]:
+    """(the module's activation, None) where its experts run on Tabby, else (None, why not)."""
     if not getattr(module, "has_gate", True):
-        return "experts without a gate projection"
+        return None, "experts without a gate projection"
     if getattr(module, "is_transposed", False):
-        return "transposed expert weights"
+        return None, "transposed expert weights"
     if not getattr(module, "is_concatenated", True):
-        return "interleaved gate/up weights"
+        return None, "interleaved gate/up weights"
     if getattr(module, "has_bias", False):
-        return "experts with biases (tabby.moe takes them; this backend does not pass them yet)"
+        return None, "experts with biases (tabby.moe takes them; this backend does not pass them yet)"
     if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
-        return "no gate_up_proj / down_proj parameters"
-    if detect_activation(module) is None:
-        act = getattr(module, "act_fn", None)
-        return (f"a gate that is none of Tabby's activations (act_fn {type(act).__name__ if act is not None else None}; "
-                f"Tabby's: {', '.join(KINDS)})")
-    return None
+        return None, "no gate_up_proj / down_proj parameters"
+    act = detect_activation(module)
+    if act is None:
+        fn = getattr(module, "act_fn", None)
+        return None, (f"a gate that is none of Tabby's activations (act_fn "
+                      f"{type(fn).__name__ if fn is not None else None}; Tabby's: {', '.join(KINDS)})")
+    return act, None
 
 
 def _flags(module: nn.Module) -> tuple:
     return tuple(getattr(module, n, None) for n in ("has_gate", "has_bias", "is_transposed", "is_concatenated"))
 
 
-def _supported(module: nn.Module) -> str | None:
-    """Why the module's experts are not one of Tabby's (None: they are); found once per module and
-    layout flags."""
-    cache = module.__dict__.setdefault("_tabby_why", {})
+def _gate(module: nn.Module) -> tuple[Activation | None, str | None]:
+    """``_gate_of``, found once per module and layout flags (the probe runs once)."""
+    cache = module.__dict__.setdefault("_tabby_gate", {})
     key = _flags(module)
     if key not in cache:
-        cache[key] = _why_not(module)
+        cache[key] = _gate_of(module)
     return cache[key]
+
+
+def _supported(module: nn.Module) -> str | None:
+    """Why the module's experts are not one of Tabby's (None: they are)."""
+    return _gate(module)[1]
 
 
 @torch.compiler.assume_constant_result
@@ -156,12 +162,8 @@ def _call_plan(module: nn.Module, config: str) -> str:
     key = (config, _flags(module))
     cache = module.__dict__.setdefault("_tabby_calls", {})
     if key not in cache:
-        why = _supported(module)
-        if why is not None:
-            cache[key] = "!" + why
-        else:
-            act = detect_activation(module)
-            cache[key] = config_string(replace(parse_config(config), activation=act))
+        act, why = _gate(module)
+        cache[key] = "!" + why if why is not None else config_string(replace(parse_config(config), activation=act))
     return cache[key]
 
 
@@ -208,10 +210,13 @@ def experts_modules(model: nn.Module):
     parameters that choose their forward through ``experts_implementation`` or that ``attach``
     routed through Tabby."""
     for m in model.modules():
-        if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and isinstance(
-                getattr(m, "down_proj", None), nn.Parameter) and (hasattr(m, "has_gate") or m.__dict__.get(
-                    "_tabby_attached", False)):
+        if _has_expert_weights(m) and (hasattr(m, "has_gate") or m.__dict__.get("_tabby_attached", False)):
             yield m
+
+
+def _has_expert_weights(m: nn.Module) -> bool:
+    return isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and isinstance(getattr(m, "down_proj", None),
+                                                                                     nn.Parameter)
 
 
 def attach(model: nn.Module) -> nn.Module:
@@ -223,9 +228,7 @@ def attach(model: nn.Module) -> nn.Module:
     import types
 
     for m in model.modules():
-        if (isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and isinstance(getattr(m, "down_proj", None),
-                                                                                      nn.Parameter)
-                and not hasattr(m, "has_gate") and callable(getattr(m, "_apply_gate", None))):
+        if _has_expert_weights(m) and not hasattr(m, "has_gate") and callable(getattr(m, "_apply_gate", None)):
             m.forward = types.MethodType(tabby_experts_forward, m)
             m._tabby_attached = True
     return model
