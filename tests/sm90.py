@@ -258,3 +258,16 @@ def pin_main(kernels, golden: str, argv) -> None:
         ks = kernels()
         for name in argv:
             print(name, ptx_hash(ks[name]().asm["ptx"]), flush=True)
+
+
+def plan_at(H: int, I: int, biases: bool = False, **config):
+    """The plan an sm_90 GPU makes for a layer of width H, expert width I (T 4096, k 8, 8 local
+    experts, EP1) with ``MoEConfig(**config)``: the pinned and compile-checked kernels' tiles."""
+    import torch
+
+    from tabby.functional.config import MoEConfig
+    from tabby.functional.plan import make_plan
+    from tabby.validate import MoEDims
+
+    dims = MoEDims(T=4096, H=H, k=8, E_local=8, I=I, world_size=1, I_shared=0, biases=biases)
+    return make_plan(dims, MoEConfig(**config), torch.device("cpu"), arch=90)

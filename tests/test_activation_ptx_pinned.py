@@ -9,7 +9,7 @@ the repository on PYTHONPATH)."""
 import os
 import sys
 
-from sm90 import Const, check_pinned, compile_args, pin_main
+from sm90 import Const, check_pinned, compile_args, pin_main, plan_at
 
 PTX_GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "activation_ptx.json")
 SHAPES = ((2048, 768), (7168, 2048))  # (H, I)
@@ -21,14 +21,9 @@ def _i32(v):
 
 def _bf16_plan(H, I):
     """An sm_90 plan's bf16 kernels (Triton cores: ``bf16_ws=False``) at (H, I)."""
-    import torch
+    from tabby.functional.config import Tuning
 
-    from tabby.functional.config import MoEConfig, Tuning
-    from tabby.functional.plan import make_plan
-    from tabby.validate import MoEDims
-
-    dims = MoEDims(T=4096, H=H, k=8, E_local=8, I=I, world_size=1, I_shared=0)
-    return make_plan(dims, MoEConfig(megakernel=False, tuning=Tuning(bf16_ws=False)), torch.device("cpu"), arch=90)
+    return plan_at(H, I, megakernel=False, tuning=Tuning(bf16_ws=False))
 
 
 def _gate_up(H, I):

@@ -3,7 +3,7 @@ without a GPU, at the plan's tiles for kimi-k2's and gpt-oss-120b's widths, with
 test_biases.py (CPU), test_biases_gpu.py."""
 import re
 
-from sm90 import Const, compile_args, ptxas_report, run_compiled_check
+from sm90 import Const, compile_args, plan_at, ptxas_report, run_compiled_check
 
 SHAPES = ((7168, 2048), (2880, 2880))  # (H, I)
 
@@ -13,16 +13,10 @@ def _i32(v):
 
 
 def _report():
-    import torch
-
-    from tabby.functional.config import MoEConfig
-    from tabby.functional.plan import make_plan
     from tabby.ops.gemm import bf16 as gemm
-    from tabby.validate import MoEDims
 
     for H, I in SHAPES:
-        dims = MoEDims(T=4096, H=H, k=8, E_local=8, I=I, world_size=1, I_shared=0, biases=True)
-        plan = make_plan(dims, MoEConfig(), torch.device("cpu"), arch=90)
+        plan = plan_at(H, I, biases=True)
         gu, dn = plan.gemm[gemm.KIND_GATE_UP], plan.gemm[gemm.KIND_DOWN]
         assert gu.core == dn.core == gemm.CORE_TRITON and not plan.megakernel
         c = gu.config

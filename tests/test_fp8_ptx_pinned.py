@@ -13,7 +13,7 @@ repository on PYTHONPATH).
 import os
 import sys
 
-from sm90 import Const, check_pinned, compile_args, pin_main
+from sm90 import Const, check_pinned, compile_args, pin_main, plan_at
 
 PTX_GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "fp8_ptx.json")
 SHAPES = ((2048, 768), (7168, 2048))  # (H, I)
@@ -25,14 +25,9 @@ def _i32(v):
 
 def _plan(H, I):
     """The FP8 plan's Triton kernels at (H, I): an sm_90 plan with the warp-specialized core off."""
-    import torch
+    from tabby.functional.config import Tuning
 
-    from tabby.functional.config import MoEConfig, Tuning
-    from tabby.functional.plan import make_plan
-    from tabby.validate import MoEDims
-
-    dims = MoEDims(T=4096, H=H, k=8, E_local=8, I=I, world_size=1, I_shared=0)
-    return make_plan(dims, MoEConfig(precision="fp8", tuning=Tuning(fp8_ws=False)), torch.device("cpu"), arch=90).fp8
+    return plan_at(H, I, precision="fp8", tuning=Tuning(fp8_ws=False)).fp8
 
 
 def _quantize_rows(K):
