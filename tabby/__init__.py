@@ -17,5 +17,6 @@ from .reference_fp8 import moe_reference_fp8  # noqa: E402
 from .validate import MoEDims, MoEInputError, TabbyMemoryError, check_inputs  # noqa: E402
 from . import nn  # noqa: E402
 
-__all__ = ["moe", "moe_reference", "moe_reference_fp8", "MoEConfig", "Tuning", "Activation", "check_errors", "free_workspaces",
-           "MoEInputError", "TabbyDeviceError", "TabbyMemoryError", "MoEDims", "check_inputs", "nn", "__version__"]
+__all__ = ["moe", "moe_reference", "moe_reference_fp8", "MoEConfig", "Tuning", "Activation", "check_errors",
+           "free_workspaces", "MoEInputError", "TabbyDeviceError", "TabbyMemoryError", "MoEDims", "check_inputs", "nn",
+           "__version__"]

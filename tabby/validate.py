@@ -100,7 +100,8 @@ def check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, w
     _need(len(set(devices.values())) == 1,
           "all tensors must be on one device, got " + ", ".join(f"{n}: {d}" for n, d in devices.items()))
     if biases is not None:
-        _need(isinstance(biases, (tuple, list)) and len(biases) == 3 and all(isinstance(b, torch.Tensor) for b in biases),
+        _need(isinstance(biases, (tuple, list)) and len(biases) == 3
+              and all(isinstance(b, torch.Tensor) for b in biases),
               "biases must be None or a tuple (b_gate [E_local, I], b_up [E_local, I], b_down [E_local, H])")
         for name, b, want in (("b_gate", biases[0], (E_local, I)), ("b_up", biases[1], (E_local, I)),
                               ("b_down", biases[2], (E_local, H))):

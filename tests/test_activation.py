@@ -28,7 +28,8 @@ assert set(ACTS) == set(KINDS)
 
 
 def test_the_spec_checks_its_fields():
-    for bad in (dict(kind="gelu"), dict(kind="swiglu", limit=7.0), dict(kind="geglu", limit=7.0), dict(kind="swiglu-clamp"),
+    for bad in (dict(kind="gelu"), dict(kind="swiglu", limit=7.0), dict(kind="geglu", limit=7.0),
+                dict(kind="swiglu-clamp"),
                 dict(kind="swiglu-clamp", limit=-1.0), dict(kind="swiglu-clamp", limit=float("inf")),
                 dict(kind="gpt-oss", limit=7.0), dict(kind="swiglu-clamp", limit=7.0, alpha=1.0),
                 dict(kind="swiglu-clamp", limit=True)):

@@ -1,9 +1,10 @@
 """transformers' MoE families through the "tabby" experts backend: for each family whose experts
 are not plain SwiGLU (clamped SwiGLU: DeepSeek-V4, GLM-5-next, HY-V4, Step-3.7; gpt-oss's gate:
 MiniMax-M3-VL; GeGLU: Gemma 4, DiffusionGemma) and three plain ones (Qwen3-MoE, Mixtral,
-DeepSeek-V3), a tiny config of the real transformers class, its experts module run by transformers' own eager experts and by Tabby: output
-and every gradient (hidden states, routing weights, gate_up_proj, down_proj) compared, and the
-family reported as running on Tabby with the activation its gate computes. The families Tabby
+DeepSeek-V3), a tiny config of the real transformers class, its experts module run by transformers'
+own eager experts and by Tabby: output and every gradient (hidden states, routing weights,
+gate_up_proj, down_proj) compared, and the family reported as running on Tabby with the activation
+its gate computes. The families Tabby
 cannot run yet fall back to transformers' grouped_mm, each with its reason.
 
 The inputs put every g and u on a grid of 1/8 (x in {-1, 0, 1}, gate_up_proj in {-2..2} / 8: exact

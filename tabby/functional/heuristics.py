@@ -84,12 +84,14 @@ def wgrad_config(N: int) -> GemmConfig:
     return GemmConfig(BM=128, BN=BN, BK=32, num_warps=8, num_stages=4, GROUP_M=8)
 
 
-BF16_WS_WGRAD_STAGES = 4  # 48 KB a stage: 192 KB with the zeroing's and the store's scratch (UNMEASURED)
+# 48 KB a stage (performance.md, "Warp-specialized bf16 GEMMs": 3 stages faster at kimi-k2, slower at gpt-oss-120b)
+BF16_WS_WGRAD_STAGES = 4
 
 
 def wgrad_gemm(N: int, ws: bool, programs: int | None) -> gemm.Bf16Gemm:
     """The bf16 weight gradients' kernel: the warp-specialized one (128 x 256 tiles of C, K blocks
-    of 64 rows) where it runs, else the Triton tiles of ``wgrad_config`` (UNMEASURED: issue 47)."""
+    of 64 rows) where it runs, else the Triton tiles of ``wgrad_config`` (the ws kernel 4-16% faster at the
+    @ep8 shares measured: performance.md, "Warp-specialized bf16 GEMMs")."""
     if not ws:
         return gemm.Bf16Gemm(gemm.CORE_TRITON, wgrad_config(N))
     return gemm.Bf16Gemm(gemm.CORE_WS, GemmConfig(BM=128, BN=256, BK=64, num_warps=4, num_stages=BF16_WS_WGRAD_STAGES,

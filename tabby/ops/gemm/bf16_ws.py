@@ -242,14 +242,14 @@ def _gate_up_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, 
     it = 0
     _walk_row_tiles(_gate_up_consumer_tile, (a_bufs, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr,
                                              stride_gum, I, NK, HALF_ROW, STAGES, SAVE_GU, ACT, LIMIT, ALPHA), it,
-                    tile_expert_ptr,
-                    num_tiles_ptr, num_m, gl.cdiv(I, 128), GROUP_M, SCHED_BM)
+                    tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(I, 128), GROUP_M, SCHED_BM)
 
 
 @gluon.jit
 def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr,
                              num_tiles_ptr, num_m, I, NK, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                             SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr, ACT: gl.constexpr = 0, LIMIT: gl.constexpr = 0.0, ALPHA: gl.constexpr = 0.0):
+                             SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr, ACT: gl.constexpr = 0,
+                             LIMIT: gl.constexpr = 0.0, ALPHA: gl.constexpr = 0.0):
     a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _ring_gate_up(a_desc, wg_desc, STAGES)
     gl.warp_specialize([
         (_gate_up_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr, stride_gum,
@@ -455,7 +455,8 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
     num_m = R // BM.value
     ACT, LIMIT, ALPHA = act.constexprs()
     gate_up_swiglu_ws_kernel[_grid(xs.device, num_m * triton.cdiv(I, 128), grid)](
-        _desc(xs, R, [HALF.value, BK.value]), _desc(w_gate, E * I, [128, BK.value]), _desc(w_up, E * I, [128, BK.value]), h, h.stride(0),
+        _desc(xs, R, [HALF.value, BK.value]), _desc(w_gate, E * I, [128, BK.value]),
+        _desc(w_up, E * I, [128, BK.value]), h, h.stride(0),
         gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, triton.cdiv(H, BK.value), STAGES=stages,
         GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=4)
 
@@ -473,8 +474,10 @@ def expert_wgrad_ws(a_parts, b, expert_start, expert_count, outs, *, stages: int
     N = b.shape[1]
     E = expert_count.numel()
     for a, c in zip(a_parts, outs):
-        if tuple(a.shape) != (R, M) or tuple(c.shape) != (E, M, N) or c.stride() != outs[0].stride() or c.stride(-1) != 1:
-            raise ValueError(f"expert_wgrad_ws: A {tuple(a.shape)} must be [{R}, {M}] and C {tuple(c.shape)} [{E}, {M}, {N}]")
+        if (tuple(a.shape) != (R, M) or tuple(c.shape) != (E, M, N) or c.stride() != outs[0].stride()
+                or c.stride(-1) != 1):
+            raise ValueError(f"expert_wgrad_ws: A {tuple(a.shape)} must be [{R}, {M}] and C {tuple(c.shape)} "
+                             f"[{E}, {M}, {N}]")
     if b.shape[0] != R or not fits(*a_parts, b, sched_bm=128):
         raise ValueError(f"expert_wgrad_ws: A {tuple(a_parts[0].shape)}, B {tuple(b.shape)} do not run on the "
                          "warp-specialized kernel (see fits)")

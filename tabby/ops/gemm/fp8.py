@@ -258,7 +258,8 @@ def gate_up_swiglu_fp8_tile(pid_m, pid_n, a_ptr, stride_am, as_ptr, stride_asm,
                             tile_expert_ptr, num_tiles_ptr,
                             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, EVEN_K: tl.constexpr,
                             SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr = False,
-                            a_desc=None, wg_desc=None, wu_desc=None, SUB_M: tl.constexpr = 1, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
+                            a_desc=None, wg_desc=None, wu_desc=None, SUB_M: tl.constexpr = 1,
+                            ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
     """One (row tile, 128 I-columns): g, u with fp32 promotion; h = act(g, u) (ACT, LIMIT, ALPHA:
     ``activation.act_fwd``'s; the defaults: silu(g) * u) quantized per
     1x128 (hq, h_scale[:, pid_n]: the last tile partial where 128 does not divide I, its columns
@@ -296,7 +297,8 @@ def gate_up_swiglu_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm,
                               tile_expert_ptr, num_tiles_ptr, num_m,
                               H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP_M: tl.constexpr,
                               EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
-                              USE_TMA: tl.constexpr, a_desc, wg_desc, wu_desc, SUB_M: tl.constexpr, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
+                              USE_TMA: tl.constexpr, a_desc, wg_desc, wu_desc, SUB_M: tl.constexpr,
+                              ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, 128), GROUP_M)
     gate_up_swiglu_fp8_tile(pid_m, pid_n, a_ptr, stride_am, as_ptr, stride_asm, wg_ptr, wu_ptr, stride_we,
                             stride_wn, gs_ptr, us_ptr, stride_wse, stride_wsn, hq_ptr, stride_hm, hs_ptr,
@@ -474,7 +476,8 @@ def down_dgrad_swiglu_fp8_kernel(a_ptr, stride_am, as_ptr, stride_asm, b_ptr, st
                                  gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
                                  dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m,
                                  H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
+                                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                                 ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
     """gemm.down_dgrad_swiglu_tile with the FP8 main loop: dh_raw = dys @ Wd[e] from dys per 1x128
     and Wd^T [E, I, H] (the weight's blocks transposed) per 128x128; the same epilogue (its
     column mask leaves the columns of a partial last I tile past I out of dw, dgu and hw)."""
@@ -512,8 +515,9 @@ def _swiglu_bwd_outputs(gu, ws, nt_n: int, outputs=None, act: Activation = SWIGL
 
 def down_dgrad_swiglu_fp8(dys_q, dys_scale, wd_t_q, wd_t_scale, gu, ws, tile_expert, num_tiles, *, kernel: Fp8Gemm,
                           tile_m: int, outputs=None, act: Activation = SWIGLU):
-    """gemm.down_dgrad_swiglu_bwd in FP8 (``act``'s backward; SwiGLU's by default): dys [R, H] E4M3 per 1x128; wd_t [E, I, H] E4M3 (W_down's
-    128x128 blocks transposed: :func:`transpose_blocks`) with its scales. Returns (dgu [R, 2I] bf16,
+    """gemm.down_dgrad_swiglu_bwd in FP8 (``act``'s backward; SwiGLU's by default): dys [R, H] E4M3
+    per 1x128; wd_t [E, I, H] E4M3 (W_down's 128x128 blocks transposed: :func:`transpose_blocks`)
+    with its scales. Returns (dgu [R, 2I] bf16,
     hw [R, I] bf16, dw_part [R, ceil(I/BN)] fp32), as the bf16 kernel (``outputs``: those three,
     given; else made here). ``kernel``: the warp-specialized kernel at 128 x 128 (``fp8_ws.launch``)
     or the Triton one (BM ``tile_m``)."""
@@ -575,8 +579,8 @@ def down_dgrad_swiglu_fp8_t(dys_q, dys_scale, wd_q, wd_scale, gu, ws, tile_exper
     cfg = kernel.config
     dgu, hw, dw_part, epi = _swiglu_bwd_outputs(gu, ws, triton.cdiv(I, fp8_ws.BN), outputs, act)
     fp8_ws.launch_bt(dys_q, dys_scale, (wd_q,), wd_scale.transpose(-2, -1).contiguous(), tile_expert, num_tiles,
-                     tile_m, fp8_ws.epi_act_bwd(act), epi, I, stages=cfg.num_stages, lag=kernel.lag, grid=kernel.programs,
-                     GROUP_M=cfg.GROUP_M)
+                     tile_m, fp8_ws.epi_act_bwd(act), epi, I, stages=cfg.num_stages, lag=kernel.lag,
+                     grid=kernel.programs, GROUP_M=cfg.GROUP_M)
     return dgu, hw, dw_part
 
 

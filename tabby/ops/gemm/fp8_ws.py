@@ -741,7 +741,8 @@ def gate_up_swiglu_fp8_ws_kernel(a_desc, as_ptr, stride_asm, w_desc_g, w_desc_u,
                                  stride_wsn, hq_ptr, stride_hm, hs_ptr, stride_hsm, gu_ptr, stride_gum,
                                  tile_expert_ptr, num_tiles_ptr, num_m, I, NK: gl.constexpr,
                                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr,
-                                 SAVE_GU: gl.constexpr, ACT: gl.constexpr = 0, LIMIT: gl.constexpr = 0.0, ALPHA: gl.constexpr = 0.0):
+                                 SAVE_GU: gl.constexpr, ACT: gl.constexpr = 0, LIMIT: gl.constexpr = 0.0,
+                                 ALPHA: gl.constexpr = 0.0):
     a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _ring_gate_up(a_desc, w_desc_g, STAGES)
     gl.warp_specialize([
         (_gate_up_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, as_ptr, stride_asm, gs_ptr, us_ptr, stride_wse,
