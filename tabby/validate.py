@@ -37,6 +37,7 @@ class MoEDims:
     world_size: int  # ranks in the expert-parallel group
     I_shared: int  # shared-expert intermediate size, 0 without one
     biases: bool = False  # the routed experts have biases (b_gate, b_up [E_local, I], b_down [E_local, H])
+    layout: str = "nk"  # how the weights lie in memory (``weights_layout``)
 
     @property
     def E(self) -> int:
@@ -50,6 +51,53 @@ _INTS = (torch.int32, torch.int64)
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise MoEInputError(msg)
+
+
+# How the routed weights (w_gate, w_up [E_local, I, H], w_down [E_local, H, I], as given) lie in
+# memory. Each is read in place; the kernels choose their loads by it.
+LAYOUT_NK = "nk"  # Tabby's (and nn.Linear's): unit stride along H for w_gate / w_up, along I for w_down
+LAYOUT_KN = "kn"  # transposed, as views of gate_up_proj [E, H, 2I] (gate columns first) and down_proj [E, I, H]
+LAYOUT_KN_PAIRED = "kn-paired"  # transposed with g and u interleaved along I (gpt-oss's gate_up_proj [E, H, 2I],
+#                                 gate at even columns): w_up starts one element after w_gate, both of stride 2
+LAYOUTS = (LAYOUT_NK, LAYOUT_KN, LAYOUT_KN_PAIRED)
+
+
+def weights_layout(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> str | None:
+    """The layout (``LAYOUTS``) of the routed weights as given (views included), or None if they are in
+    none of them. w_gate and w_up always have equal strides."""
+    layout = gate_up_layout(w_gate, w_up)
+    if layout is None or (w_down.stride(-1) == 1) != (layout == LAYOUT_NK) or (layout != LAYOUT_NK
+                                                                               and w_down.stride(1) != 1):
+        return None
+    return layout
+
+
+def gate_up_layout(w_gate: torch.Tensor, w_up: torch.Tensor) -> str | None:
+    """``weights_layout`` of w_gate and w_up alone."""
+    if w_gate.stride() != w_up.stride():
+        return None
+    if w_gate.stride(-1) == 1:
+        return LAYOUT_NK
+    if w_gate.stride(1) == 1:
+        return LAYOUT_KN
+    if w_gate.stride(1) == 2 and _next_element(w_gate, w_up):
+        return LAYOUT_KN_PAIRED
+    return None
+
+
+def _next_element(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """b starts one element after a (in a's memory). While tracing (fake or meta tensors: no data
+    pointers, and the compiler's lowering gives each input its own storage) taken as true: the real
+    call checks it."""
+    if a.device.type == "meta" or _is_fake(a):
+        return True
+    return b.data_ptr() == a.data_ptr() + a.element_size()
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
 
 
 def check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, world_size: int = 1,
@@ -96,6 +144,13 @@ def check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, w
         I_s = sg.shape[0]
         _need(tuple(su.shape) == (I_s, H), f"shared w_up_s must be [I_s={I_s}, H={H}], got {tuple(su.shape)}")
         _need(tuple(sd.shape) == (H, I_s), f"shared w_down_s must be [H={H}, I_s={I_s}], got {tuple(sd.shape)}")
+    layout = weights_layout(w_gate, w_up, w_down)
+    _need(layout is not None,
+          f"the routed weights lie in memory in none of Tabby's layouts (strides w_gate {w_gate.stride()}, "
+          f"w_up {w_up.stride()}, w_down {w_down.stride()}): w_gate, w_up [E_local, I, H] and w_down [E_local, "
+          f"H, I] with unit last strides (nk); or all three transposed views, of gate_up_proj [E, H, 2I] (gate "
+          f"columns first, or g and u interleaved as gpt-oss stores them) and down_proj [E, I, H] (kn, "
+          f"kn-paired); w_gate and w_up with equal strides. Call .contiguous() on them for the first")
     devices = {name: t.device for name, t in tensors.items()}
     _need(len(set(devices.values())) == 1,
           "all tensors must be on one device, got " + ", ".join(f"{n}: {d}" for n, d in devices.items()))
@@ -106,10 +161,15 @@ def check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, w
         for name, b, want in (("b_gate", biases[0], (E_local, I)), ("b_up", biases[1], (E_local, I)),
                               ("b_down", biases[2], (E_local, H))):
             _need(tuple(b.shape) == want, f"{name} must be {list(want)}, got {tuple(b.shape)}")
+            _need(b.stride(-1) == 1 or (name != "b_down" and b.stride(-1) == 2),
+                  f"{name} must have a unit last stride (b_gate and b_up: or 2, g and u interleaved), "
+                  f"got strides {b.stride()}")
             _need(b.dtype == w_gate.dtype, f"{name} must be {w_gate.dtype} (the weights' dtype), got {b.dtype}")
             _need(b.device == x.device, f"{name} must be on {x.device}, got {b.device}")
+        _need(biases[0].stride() == biases[1].stride(), f"b_gate and b_up must have equal strides, got "
+                                                        f"{biases[0].stride()} and {biases[1].stride()}")
     dims = MoEDims(T=T, H=H, k=k, E_local=E_local, I=I, world_size=world_size, I_shared=I_s,
-                   biases=biases is not None)
+                   biases=biases is not None, layout=layout)
     if check_ids and topk_idx.numel() > 0:
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         _need(lo >= 0 and hi < dims.E,

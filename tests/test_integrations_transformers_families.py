@@ -3,9 +3,11 @@ are not plain SwiGLU (clamped SwiGLU: DeepSeek-V4, GLM-5-next, HY-V4, Step-3.7; 
 MiniMax-M3-VL; GeGLU: Gemma 4, DiffusionGemma) and three plain ones (Qwen3-MoE, Mixtral,
 DeepSeek-V3), a tiny config of the real transformers class, its experts module run by transformers'
 own eager experts and by Tabby: output and every gradient (hidden states, routing weights,
-gate_up_proj, down_proj) compared, and the family reported as running on Tabby with the activation
-its gate computes. The families Tabby
-cannot run yet fall back to transformers' grouped_mm, each with its reason.
+gate_up_proj, down_proj, and the biases where there are some) compared, and the family reported as
+running on Tabby with the activation its gate computes. gpt-oss and the OpenAI privacy filter
+(transposed weights, biases; gpt-oss's gate and up interleaved) run on Tabby too, their weights read
+in place. The family Tabby cannot run yet (Nemotron-H: no gate) falls back to transformers'
+grouped_mm, with its reason.
 
 The inputs put every g and u on a grid of 1/8 (x in {-1, 0, 1}, gate_up_proj in {-2..2} / 8: exact
 in bf16) and the clamp limits at 17/16, off the grid: a clamp's gradient jumps at its limit, and no
@@ -56,12 +58,16 @@ FAMILIES = {
                Activation("geglu")),
     "diffusion_gemma": ("DiffusionGemmaTextConfig", dict(moe_intermediate_size=I, num_experts=E),
                         "DiffusionGemmaTextExperts", {}, Activation("geglu")),
+    # transposed weights (gate_up_proj [E, H, 2I], down_proj [E, I, H]) with biases; gpt-oss's gate and
+    # up columns interleaved, the privacy filter's concatenated. Their limit is an attribute (7 in
+    # transformers), set to LIMIT here (``_experts``).
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=I, num_local_experts=E), "GptOssExperts", {},
+                Activation("gpt-oss", limit=LIMIT, alpha=1.702)),
+    "openai_privacy_filter": ("OpenAIPrivacyFilterConfig", dict(intermediate_size=I, num_local_experts=E),
+                              "OpenAIPrivacyFilterExperts", {}, Activation("gpt-oss", limit=LIMIT, alpha=1.702)),
 }
 # family: (config class, config kwargs, experts class, why Tabby falls back)
 FALLBACKS = {
-    "gpt_oss": ("GptOssConfig", dict(intermediate_size=I, num_local_experts=E), "GptOssExperts", "transposed"),
-    "openai_privacy_filter": ("OpenAIPrivacyFilterConfig", dict(intermediate_size=I, num_local_experts=E),
-                              "OpenAIPrivacyFilterExperts", "transposed"),
     "nemotron_h": ("NemotronHConfig", dict(moe_intermediate_size=I, n_routed_experts=E), "NemotronHExperts",
                    "without a gate"),
 }
@@ -79,10 +85,12 @@ def _experts(family, config_name, kw, cls_name, ctor, implementation):
     cfg = getattr(cfg_mod, config_name)(hidden_size=H, **kw)
     cfg._experts_implementation = implementation
     ex = getattr(mod, cls_name)(cfg, **ctor)
+    if isinstance(getattr(ex, "limit", None), float):  # (gpt-oss's: an attribute, not from the config)
+        ex.limit = LIMIT
     g = torch.Generator().manual_seed(len(family))
     with torch.no_grad():
         for name, p in ex.named_parameters():
-            if name == "gate_up_proj":  # g, u on the grid of 1/8 (module docstring)
+            if name.startswith("gate_up_proj"):  # g, u on the grid of 1/8 (module docstring), biases too
                 p.copy_(torch.randint(-2, 3, p.shape, generator=g) / 8)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
@@ -103,7 +111,9 @@ def _run(ex, x, idx, w, dy):
     xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     y = ex(xs, idx, ws)
     y.backward(dy)
-    return [y.detach(), xs.grad, ws.grad, ex.gate_up_proj.grad, ex.down_proj.grad]
+    biases = [p.grad for p in (getattr(ex, "gate_up_proj_bias", None), getattr(ex, "down_proj_bias", None))
+              if p is not None]
+    return [y.detach(), xs.grad, ws.grad, ex.gate_up_proj.grad, ex.down_proj.grad, *biases]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -121,11 +131,14 @@ def test_family_runs_on_tabby_like_transformers_eager(family):
     x, idx, w, dy = _inputs()
     want = _run(eager, x, idx, w, dy)
     got = _run(ours, x, idx, w, dy)
-    names = ["y", "d hidden", "d routing weights", "d gate_up_proj", "d down_proj"]
+    names = ["y", "d hidden", "d routing weights", "d gate_up_proj", "d down_proj", "d gate_up_proj_bias",
+             "d down_proj_bias"]
+    assert len(got) == len(want) == (7 if getattr(ours, "has_bias", False) else 5)
     errs = {n: rel(a, b) for n, a, b in zip(names, got, want)}
     assert all(e < TOL for e in errs.values()), errs
     if act.limit is not None:  # the clamps clipped some entries here
-        g = (x.float() @ eager.gate_up_proj[0].float().t())
+        w_gate = tabby_hf.expert_weights(eager)[0]
+        g = (x.float() @ w_gate[0].float().t())
         assert (g.abs() > LIMIT).any()
 
 
@@ -142,19 +155,36 @@ def test_family_falls_back_with_its_reason(family, caplog):
     assert torch.equal(y, ref)
 
 
-def test_gpt_oss_gate_is_recognized():
-    """gpt-oss's gate (interleaved gate/up columns) is Tabby's "gpt-oss" activation; what keeps the
-    family on grouped_mm is its layout and biases (FALLBACKS)."""
-    config_name, kw, cls_name, _ = FALLBACKS["gpt_oss"]
+def test_gpt_oss_gate_is_recognized_with_transformers_limit():
+    """gpt-oss's gate (interleaved gate/up columns) with the limit transformers gives it (7)."""
+    config_name, kw, cls_name, _, _ = FAMILIES["gpt_oss"]
     ex = _experts("gpt_oss", config_name, kw, cls_name, {}, "tabby")
+    ex.limit = 7.0
     assert tabby_hf.detect_activation(ex) == Activation("gpt-oss", limit=7.0, alpha=1.702)
 
 
-def test_compiled_fullgraph_is_eager_bitwise():
-    """A clamped family under torch.compile(fullgraph=True), compiled before any eager call (the gate
-    is detected at trace time, a constant of the graph): the same bits as the eager Tabby call."""
-    config_name, kw, cls_name, ctor, _ = FAMILIES["deepseek_v4"]
-    ex = _experts("deepseek_v4", config_name, kw, cls_name, ctor, "tabby")
+@pytest.mark.parametrize("family", ["gpt_oss", "openai_privacy_filter"])
+def test_transposed_families_read_their_weights_in_place(family):
+    """The weights Tabby gets are views of the module's parameters (no copy per call), in the layout
+    the kernels read: gpt-oss's interleaved "kn-paired", the privacy filter's "kn"."""
+    from tabby.validate import weights_layout
+
+    config_name, kw, cls_name, ctor, _ = FAMILIES[family]
+    ex = _experts(family, config_name, kw, cls_name, ctor, "tabby")
+    w_gate, w_up, w_down, biases = tabby_hf.expert_weights(ex)
+    assert weights_layout(w_gate, w_up, w_down) == ("kn-paired" if family == "gpt_oss" else "kn")
+    for view, param in ((w_gate, ex.gate_up_proj), (w_up, ex.gate_up_proj), (w_down, ex.down_proj),
+                        (biases[0], ex.gate_up_proj_bias), (biases[2], ex.down_proj_bias)):
+        assert view.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "gpt_oss"])
+def test_compiled_fullgraph_is_eager_bitwise(family):
+    """A clamped family (and gpt-oss: its weights' views and their layout traced) under
+    torch.compile(fullgraph=True), compiled before any eager call (the gate is detected at trace time,
+    a constant of the graph): the same bits as the eager Tabby call."""
+    config_name, kw, cls_name, ctor, _ = FAMILIES[family]
+    ex = _experts(family, config_name, kw, cls_name, ctor, "tabby")
     x, idx, w, _ = _inputs(1)
     with torch.no_grad():
         compiled = torch.compile(ex, fullgraph=True)(x, idx, w)

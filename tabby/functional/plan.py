@@ -22,7 +22,7 @@ from ..ops.gemm.fp8 import Fp8Gemm
 from ..ops.megakernel import kernel as mega_kernel
 from ..ops.megakernel.plan import MegaPlan
 from ..ops.quantize import BLOCK
-from ..validate import MoEDims, MoEInputError
+from ..validate import LAYOUT_NK, MoEDims, MoEInputError
 from . import heuristics
 from .config import MoEConfig
 
@@ -200,11 +200,13 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     sm_count = sms if sms is not None else _device_sms(device)
     wait_budget = config.resolved_max_wait_polls() if INTERPRET else int(config.resolved_max_wait_ms() * 1e6)
     arch = arch if arch is not None else _device_arch(device)
-    if dims.biases:  # (the epilogues with a bias: bf16.py's kernels on the path of separate launches, for now)
+    pointer_loads = dims.biases or dims.layout != LAYOUT_NK
+    if pointer_loads:  # (bias epilogues, transposed weights: bf16.py's kernels on the path of separate launches)
+        what = "experts with biases" if dims.biases else f"weights in the {dims.layout!r} layout"
         if config.precision != "bf16" or config.megakernel or t.bf16_ws:
-            raise MoEInputError(f"experts with biases run in bf16 on the path of separate launches and bf16.py's "
-                                f"kernels for now: MoEConfig(precision={config.precision!r}, "
-                                f"megakernel={config.megakernel}) with Tuning(bf16_ws={t.bf16_ws}) cannot take them")
+            raise MoEInputError(f"{what} run in bf16 on the path of separate launches and bf16.py's kernels for "
+                                f"now: MoEConfig(precision={config.precision!r}, megakernel={config.megakernel}) "
+                                f"with Tuning(bf16_ws={t.bf16_ws}) cannot take them")
         ws = False
     else:
         ws = _ws_core("bf16_ws", t.bf16_ws, heuristics.bf16_ws_possible(arch, tile_m, H, I), arch, tile_m, H, I, 8)
@@ -218,7 +220,7 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
         raise MoEInputError(f"Tuning(dispatch_cols={dispatch_cols}): must be a power of two")
     megakernel = config.megakernel
     if megakernel is None:
-        megakernel = heuristics.use_megakernel(config.precision, W, ws) and not dims.biases
+        megakernel = heuristics.use_megakernel(config.precision, W, ws) and not pointer_loads
     mega = None
     groups = 1
     if megakernel:

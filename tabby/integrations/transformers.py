@@ -53,7 +53,7 @@ from ..activation import apply as apply_activation
 from ..functional import moe as layer
 from ..functional.config import MoEConfig, config_string, parse_config
 from ..nn.convert import local_experts
-from ..nn.experts import group_rank_size, skip_invalid_ids, split_gate_up
+from ..nn.experts import group_rank_size, skip_invalid_ids
 
 log = logging.getLogger("tabby")
 
@@ -121,14 +121,11 @@ def _gate_of(module: nn.Module) -> tuple[Activation | None, str | None]:
     """(the module's activation, None) where its experts run on Tabby, else (None, why not)."""
     if not getattr(module, "has_gate", True):
         return None, "experts without a gate projection"
-    if getattr(module, "is_transposed", False):
-        return None, "transposed expert weights"
-    if not getattr(module, "is_concatenated", True):
-        return None, "interleaved gate/up weights"
-    if getattr(module, "has_bias", False):
-        return None, "experts with biases (tabby.moe takes them; this backend does not pass them yet)"
     if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
         return None, "no gate_up_proj / down_proj parameters"
+    if getattr(module, "has_bias", False) and not (hasattr(module, "gate_up_proj_bias")
+                                                   and hasattr(module, "down_proj_bias")):
+        return None, "biases other than gate_up_proj_bias / down_proj_bias"
     act = detect_activation(module)
     if act is None:
         fn = getattr(module, "act_fn", None)
@@ -181,16 +178,50 @@ def tabby_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
             log.warning("tabby experts backend: %s has %s; using transformers' grouped_mm for it",
                         type(self).__name__, why)
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    gate_up, down = self.gate_up_proj, self.down_proj
     rank, world = getattr(self, "tabby_rank_size", (0, 1))
-    E_local = gate_up.shape[0]
+    E_local = self.gate_up_proj.shape[0]
     idx, weights = skip_invalid_ids(top_k_index, top_k_weights, E_local * world, rank * E_local, E_local)
-    bf16 = torch.bfloat16
-    w_gate, w_up = split_gate_up(gate_up if gate_up.dtype == bf16 else gate_up.to(bf16))
-    w_down = down if down.dtype == bf16 else down.to(bf16)
-    x = hidden_states if hidden_states.dtype == bf16 else hidden_states.to(bf16)
-    y = layer.moe(x, idx, weights, w_gate, w_up, w_down, group=getattr(self, "tabby_group_name", ""), config=call)
+    w_gate, w_up, w_down, biases = expert_weights(self)
+    x = hidden_states if hidden_states.dtype == torch.bfloat16 else hidden_states.to(torch.bfloat16)
+    y = layer.moe(x, idx, weights, w_gate, w_up, w_down, group=getattr(self, "tabby_group_name", ""), config=call,
+                  biases=biases)
     return y.to(hidden_states.dtype)
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16)
+
+
+def _halves(t: torch.Tensor, dim: int, concatenated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of ``t`` along ``dim`` (of size 2I): the first and second I entries, or
+    (interleaved) the even and odd ones; views through ``unbind``, so that autograd assembles the
+    fused gradient with one ``stack``."""
+    n = t.shape[dim] // 2
+    if concatenated:
+        return t.unflatten(dim, (2, n)).unbind(dim)
+    return t.unflatten(dim, (n, 2)).unbind(dim + 1)
+
+
+def expert_weights(module: nn.Module):
+    """(w_gate, w_up [E, I, H], w_down [E, H, I], biases or None) of a transformers experts module for
+    ``tabby.moe``: views of its parameters as they lie (no copy; bf16 casts excepted), whatever its
+    layout flags: ``gate_up_proj`` [E, 2I, H] or transposed [E, H, 2I] (``is_transposed``, and then
+    ``down_proj`` [E, I, H]), gate and up halves concatenated or interleaved (``is_concatenated``);
+    ``has_bias``: (gate_up_proj_bias [E, 2I] halved the same way, down_proj_bias [E, H])."""
+    transposed = getattr(module, "is_transposed", False)
+    concatenated = getattr(module, "is_concatenated", True)
+    gate_up, down = _bf16(module.gate_up_proj), _bf16(module.down_proj)
+    if transposed:
+        w_gate, w_up = (w.transpose(1, 2) for w in _halves(gate_up, 2, concatenated))
+        w_down = down.transpose(1, 2)
+    else:
+        w_gate, w_up = _halves(gate_up, 1, concatenated)
+        w_down = down
+    biases = None
+    if getattr(module, "has_bias", False):
+        b_gate, b_up = _halves(_bf16(module.gate_up_proj_bias), 1, concatenated)
+        biases = (b_gate, b_up, _bf16(module.down_proj_bias))
+    return w_gate, w_up, w_down, biases
 
 
 def register(config: MoEConfig | None = None, name: str = NAME) -> None:
@@ -251,8 +282,10 @@ def shard_experts(model: nn.Module, group) -> nn.Module:
     name = layer.group_name(group)
     for m in experts_modules(model):
         with torch.no_grad():
-            for pname in ("gate_up_proj", "down_proj"):
-                p = getattr(m, pname)
+            for pname in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+                p = getattr(m, pname, None)
+                if not isinstance(p, nn.Parameter):
+                    continue
                 setattr(m, pname, nn.Parameter(local_experts(p.detach(), rank, world).clone(),
                                                requires_grad=p.requires_grad))
         m.tabby_group, m.tabby_group_name, m.tabby_rank_size = group, name, (rank, world)

@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from ...activation import SWIGLU, Activation
+from ...validate import LAYOUT_KN, LAYOUT_KN_PAIRED, LAYOUT_NK, LAYOUTS, gate_up_layout
 from .. import INTERPRET
 from .activation import act_fwd, act_grads
 
@@ -122,6 +123,13 @@ def _ws_module():
 
 
 # The layer's standalone GEMMs, the keys of ``Plan.gemm`` (functional/plan.py).
+# How the routed weights lie in memory (``validate.weights_layout``), as the kernels' W_LAYOUT.
+W_NK = tl.constexpr(0)  # Tabby's: unit stride along H (w_gate, w_up) / I (w_down)
+W_KN = tl.constexpr(1)  # transposed: unit stride along I (w_gate, w_up) / H (w_down)
+W_KN_PAIRED = tl.constexpr(2)  # transposed, g and u interleaved along I (w_up one element after w_gate)
+_W_LAYOUTS = {LAYOUT_NK: 0, LAYOUT_KN: 1, LAYOUT_KN_PAIRED: 2}
+
+
 KIND_GATE_UP = "gate_up"  # two accumulators (g and u) per tile: BN=128 means 256 columns of MMA
 KIND_DOWN = "down"  # rows_gemm, B[e] [N, K] (A @ B^T), local store or push
 KIND_DGRAD_SWIGLU = "dgrad_swiglu"  # heavy epilogue
@@ -235,6 +243,40 @@ def _rows_mainloop(pid_m, pid_n, e,
             acc = _dot(a, tl.trans(b), acc, INTERPRET)
         else:
             acc = _dot(a, b, acc, INTERPRET)
+    return acc
+
+
+@triton.jit
+def _rows_mainloop_paired(pid_m, pid_n, e, a_ptr, a2_ptr, stride_am, b_ptr, stride_be, stride_bo,
+                          N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 [BM, BN] = A @ B[e]^T + A2 @ B2[e]^T where B[e] and B2[e] [N, K] interleave along K in
+    one [N, 2K] matrix (row stride ``stride_bo``, unit stride; B's columns even, B2's odd: gpt-oss's
+    gate_up_proj [H, 2I] for the gate/up dgrad). Each K step loads [BN, 2BK] contiguous and splits
+    it; A and A2 [R, K] share ``stride_am``. Columns past N read modulo N (masked at the store)."""
+    row0 = pid_m.to(tl.int64) * BM
+    offs_m = tl.arange(0, BM)
+    offs_n = (pid_n * BN + tl.arange(0, BN)) % N
+    offs_k = tl.arange(0, BK)
+    offs_c = tl.arange(0, 2 * BK)
+    a_off = row0 * stride_am + (offs_m[:, None] * stride_am + offs_k[None, :])
+    b_ptrs = b_ptr + e.to(tl.int64) * stride_be + (offs_n[:, None] * stride_bo + offs_c[None, :])  # [BN, 2BK]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    NK: tl.constexpr = (K + BK - 1) // BK
+    for kt in range(0, NK):
+        k0 = kt * BK
+        if EVEN_K:
+            a = tl.load(a_ptr + a_off + k0)
+            a2 = tl.load(a2_ptr + a_off + k0)
+            b = tl.load(b_ptrs + 2 * k0)
+        else:
+            kmask = offs_k < K - k0
+            a = tl.load(a_ptr + a_off + k0, mask=kmask[None, :], other=0.0)
+            a2 = tl.load(a2_ptr + a_off + k0, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs + 2 * k0, mask=(offs_c < 2 * (K - k0))[None, :], other=0.0)
+        b1, b2 = tl.split(tl.reshape(b, (BN, BK, 2)))
+        acc = _dot(a, tl.trans(b1), acc, INTERPRET)
+        acc = _dot(a2, tl.trans(b2), acc, INTERPRET)
     return acc
 
 
@@ -359,7 +401,8 @@ def gate_up_swiglu_tile(pid_m, pid_n,
                         USE_TMA: tl.constexpr = False, xs_desc=None, wg_desc=None, wu_desc=None, a_row_shift=0,
                         TILE_M: tl.constexpr = 0, A_ROWS: tl.constexpr = False, a_rows=None,
                         ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0,
-                        HAS_BIAS: tl.constexpr = False, bg_ptr=None, bu_ptr=None, stride_bias_e=0):
+                        HAS_BIAS: tl.constexpr = False, bg_ptr=None, bu_ptr=None, stride_bias_e=0,
+                        W_LAYOUT: tl.constexpr = 0, BIAS_STRIDE_N: tl.constexpr = 1):
     """One (row tile, I-column tile): g = xs @ Wg[e]^T, u = xs @ Wu[e]^T, h = act(g, u) (ACT, LIMIT,
     ALPHA: ``activation.act_fwd``'s; the defaults: silu(g) * u).
 
@@ -376,8 +419,11 @@ def gate_up_swiglu_tile(pid_m, pid_n,
     A_ROWS (with USE_TMA): the tile's A rows are gathered through ``a_rows`` [BM] (a pointer per
     row, to its first element; 16-byte aligned) instead of xs_desc; the weights still come through
     wg_desc / wu_desc (``_gate_up_mainloop_rows_tma``; the megakernel's local rows read from x).
-    HAS_BIAS: g and u get the expert's biases bg[e], bu[e] ([E, I], row stride stride_bias_e) before
-    the activation (and as kept in gu).
+    HAS_BIAS: g and u get the expert's biases bg[e], bu[e] ([E, I], row stride stride_bias_e, column
+    stride BIAS_STRIDE_N) before the activation (and as kept in gu).
+    W_LAYOUT (the pointer loads only): how Wg, Wu lie in memory, ``W_NK`` above, or transposed
+    (``W_KN``: unit stride along I, ``stride_wn`` between rows of H; ``W_KN_PAIRED``: also g and u
+    interleaved, Wg[e][i, h] at 2i + h * stride_wn and Wu one element after; see ``_gate_up_mainloop``).
     """
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
     if e >= 0:
@@ -393,13 +439,13 @@ def gate_up_swiglu_tile(pid_m, pid_n,
                                                  H, BM, BN, BK, INTERPRET)
         else:
             acc_g, acc_u = _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_wn,
-                                             H, I, BM, BN, BK, EVEN_K, INTERPRET, n_rows, MASK_ROWS)
+                                             H, I, BM, BN, BK, EVEN_K, INTERPRET, n_rows, MASK_ROWS, W_LAYOUT)
         offs_m = tl.arange(0, BM)
         rows = row0 + offs_m
         cols = pid_n * BN + tl.arange(0, BN)
         cmask = (cols < I)[None, :]
         if HAS_BIAS:
-            boff = e.to(tl.int64) * stride_bias_e + cols
+            boff = e.to(tl.int64) * stride_bias_e + cols * BIAS_STRIDE_N
             acc_g += tl.load(bg_ptr + boff, mask=cols < I, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(bu_ptr + boff, mask=cols < I, other=0.0).to(tl.float32)[None, :]
         h = act_fwd(acc_g, acc_u, ACT, LIMIT, ALPHA)
@@ -463,14 +509,25 @@ def _gate_up_mainloop_rows_tma(a_rows, n0, e, wg_desc, wu_desc, H: tl.constexpr,
 @triton.jit
 def _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_wn,
                       H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, n_rows, MASK_ROWS: tl.constexpr):
-    """The pointer-load K loop of ``gate_up_swiglu_tile``: fp32 (acc_g, acc_u) [BM, BN] each."""
+                      EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, n_rows, MASK_ROWS: tl.constexpr,
+                      W_LAYOUT: tl.constexpr = 0):
+    """The pointer-load K loop of ``gate_up_swiglu_tile``: fp32 (acc_g, acc_u) [BM, BN] each.
+    W_LAYOUT ``W_NK``: Wg[e], Wu[e] [I, H] with unit H stride (rows stride_wn apart); ``W_KN``: unit I
+    stride (rows of H stride_wn apart); ``W_KN_PAIRED``: ``_gate_up_mainloop_paired``."""
+    if W_LAYOUT == W_KN_PAIRED:
+        return _gate_up_mainloop_paired(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, stride_we, stride_wn, H, I, BM,
+                                        BN, BK, EVEN_K, INTERPRET)
     offs_m = tl.arange(0, BM)
     offs_n = (pid_n * BN + tl.arange(0, BN)) % I
     offs_k = tl.arange(0, BK)
     a_ptrs = xs_ptr + row0 * stride_xm + (offs_m[:, None] * stride_xm + offs_k[None, :])
     w_off = e.to(tl.int64) * stride_we
-    b_off = offs_n[:, None] * stride_wn + offs_k[None, :]
+    if W_LAYOUT == W_KN:
+        b_off = offs_k[:, None] * stride_wn + offs_n[None, :]  # [BK, BN]
+        b_step = BK * stride_wn
+    else:
+        b_off = offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
+        b_step = BK
     bg_ptrs = wg_ptr + w_off + b_off
     bu_ptrs = wu_ptr + w_off + b_off
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
@@ -489,13 +546,50 @@ def _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_
                 a = tl.load(a_ptrs, mask=(row0 + offs_m < n_rows)[:, None] & kmask[None, :], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-            bg = tl.load(bg_ptrs, mask=kmask[None, :], other=0.0)
-            bu = tl.load(bu_ptrs, mask=kmask[None, :], other=0.0)
-        acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)
-        acc_u = _dot(a, tl.trans(bu), acc_u, INTERPRET)
+            if W_LAYOUT == W_KN:
+                bg = tl.load(bg_ptrs, mask=kmask[:, None], other=0.0)
+                bu = tl.load(bu_ptrs, mask=kmask[:, None], other=0.0)
+            else:
+                bg = tl.load(bg_ptrs, mask=kmask[None, :], other=0.0)
+                bu = tl.load(bu_ptrs, mask=kmask[None, :], other=0.0)
+        if W_LAYOUT == W_KN:
+            acc_g = _dot(a, bg, acc_g, INTERPRET)
+            acc_u = _dot(a, bu, acc_u, INTERPRET)
+        else:
+            acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)
+            acc_u = _dot(a, tl.trans(bu), acc_u, INTERPRET)
         a_ptrs += BK
-        bg_ptrs += BK
-        bu_ptrs += BK
+        bg_ptrs += b_step
+        bu_ptrs += b_step
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gate_up_mainloop_paired(row0, pid_n, e, xs_ptr, stride_xm, w_ptr, stride_we, stride_wk,
+                             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """``_gate_up_mainloop`` on transposed weights whose g and u columns interleave (gpt-oss's
+    gate_up_proj [E, H, 2I]: row h holds g_0 u_0 g_1 u_1 ..., rows stride_wk apart): each K step
+    loads the tile's 2 BN contiguous columns [BK, 2BN] and runs one [BM, 2BN] product; the
+    accumulator's even columns are g, its odd ones u."""
+    offs_m = tl.arange(0, BM)
+    offs_c = (pid_n * 2 * BN + tl.arange(0, 2 * BN)) % (2 * I)
+    offs_k = tl.arange(0, BK)
+    a_ptrs = xs_ptr + row0 * stride_xm + (offs_m[:, None] * stride_xm + offs_k[None, :])
+    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + (offs_k[:, None] * stride_wk + offs_c[None, :])  # [BK, 2BN]
+    acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+    for kt in range(0, (H + BK - 1) // BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = offs_k < H - kt * BK
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+        acc = _dot(a, b, acc, INTERPRET)
+        a_ptrs += BK
+        b_ptrs += BK * stride_wk
+    acc_g, acc_u = tl.split(tl.reshape(acc, (BM, BN, 2)))
     return acc_g, acc_u
 
 
@@ -506,14 +600,15 @@ def gate_up_swiglu_kernel(xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_w
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                           EVEN_K: tl.constexpr, SAVE_GU: tl.constexpr, INTERPRET: tl.constexpr,
                           ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0,
-                          HAS_BIAS: tl.constexpr = False, bg_ptr=None, bu_ptr=None, stride_bias_e=0):
+                          HAS_BIAS: tl.constexpr = False, bg_ptr=None, bu_ptr=None, stride_bias_e=0,
+                          W_LAYOUT: tl.constexpr = 0, BIAS_STRIDE_N: tl.constexpr = 1):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, BN), GROUP_M)
     gate_up_swiglu_tile(pid_m=pid_m, pid_n=pid_n, xs_ptr=xs_ptr, stride_xm=stride_xm, wg_ptr=wg_ptr, wu_ptr=wu_ptr,
                         stride_we=stride_we, stride_wn=stride_wn, h_ptr=h_ptr, stride_hm=stride_hm, gu_ptr=gu_ptr,
                         stride_gum=stride_gum, tile_expert_ptr=tile_expert_ptr, num_tiles_ptr=num_tiles_ptr, H=H, I=I,
                         BM=BM, BN=BN, BK=BK, EVEN_K=EVEN_K, SAVE_GU=SAVE_GU, INTERPRET=INTERPRET,
                         ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, HAS_BIAS=HAS_BIAS, bg_ptr=bg_ptr, bu_ptr=bu_ptr,
-                        stride_bias_e=stride_bias_e)
+                        stride_bias_e=stride_bias_e, W_LAYOUT=W_LAYOUT, BIAS_STRIDE_N=BIAS_STRIDE_N)
 
 
 def _check_rows(name, t, R, BM):
@@ -547,7 +642,8 @@ def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     (h, gu) with save_gu. ``biases``: None or (b_gate, b_up) [E, I] (unit column stride, equal
     strides), added to g and u before the activation (this file's kernel only).
 
-    xs [R, H] bf16; w_gate, w_up [E, I, H] bf16 (contiguous last dim, same strides);
+    xs [R, H] bf16; w_gate, w_up [E, I, H] bf16 (same strides) in a layout of ``validate.LAYOUTS``
+    (the transposed ones on this file's kernel only; ``validate.gate_up_layout``);
     gu [R, 2I] bf16 (g then u) is written when ``save_gu`` (or when ``gu`` is given).
     Tiles of unused row tiles are left untouched in h / gu.
     """
@@ -558,7 +654,13 @@ def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     bm = (ws.config if ws else cfg).BM
     _check_schedule(tile_expert, num_tiles, R, bm)
     _check_rows("xs", xs, R, bm)
-    assert w_gate.stride(-1) == 1
+    layout = gate_up_layout(w_gate, w_up)
+    if layout is None:
+        raise ValueError(f"w_gate, w_up in none of the layouts {LAYOUTS} (validate.gate_up_layout): strides "
+                         f"{w_gate.stride()}, {w_up.stride()}")
+    if ws and layout != LAYOUT_NK:
+        raise ValueError(f"gate_up_swiglu: weights in layout {layout!r} run on this file's kernel (a GemmConfig "
+                         f"or a Triton Bf16Gemm)")
     if h is None:
         h = torch.empty(R, I, dtype=xs.dtype, device=xs.device)
     save_gu = save_gu or gu is not None
@@ -577,15 +679,27 @@ def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     ACT, LIMIT, ALPHA = act.constexprs()
     bg, bu = biases if biases is not None else (None, None)
     if biases is not None:
-        assert bg.shape == bu.shape == (E, I) and bg.stride() == bu.stride() and bg.stride(-1) == 1
+        assert bg.shape == bu.shape == (E, I) and bg.stride() == bu.stride() and bg.stride(-1) in (1, 2)
+    row_stride = w_gate.stride(1) if layout == LAYOUT_NK else w_gate.stride(2)
     gate_up_swiglu_kernel[grid](
-        xs, xs.stride(0), w_gate, w_up, w_gate.stride(0), w_gate.stride(1),
+        xs, xs.stride(0), w_gate, w_up, w_gate.stride(0), row_stride,
         h, h.stride(0), gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, H, I,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, EVEN_K=(H % cfg.BK == 0),
         SAVE_GU=save_gu, INTERPRET=INTERPRET, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, HAS_BIAS=biases is not None,
         bg_ptr=bg, bu_ptr=bu, stride_bias_e=bg.stride(0) if biases is not None else 0, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, **_layout_args(layout, bg))
     return (h, gu) if save_gu else h
+
+
+def _layout_args(layout: str, bias) -> dict:
+    """The gate/up kernel's layout constexprs, left out (their defaults) for Tabby's layout without a
+    strided bias, so that the plain kernel's code stays what it was."""
+    kw = {}
+    if layout != LAYOUT_NK:
+        kw["W_LAYOUT"] = _W_LAYOUTS[layout]
+    if bias is not None and bias.stride(-1) != 1:
+        kw["BIAS_STRIDE_N"] = bias.stride(-1)
+    return kw
 
 
 # --------------------------------------------------------------------------------------------
@@ -605,9 +719,10 @@ def rows_gemm_tile(pid_m, pid_n,
                    B_NK: tl.constexpr, TWO_PHASE: tl.constexpr, EVEN_K: tl.constexpr,
                    PUSH: tl.constexpr, DST_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
                    a_row_shift=0, TILE_M: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False, bias_ptr=None,
-                   stride_bias_e=0):
+                   stride_bias_e=0, B_PAIRED: tl.constexpr = False):
     """One (row tile, N-column tile) of A @ op(B[e]) (see ``_rows_mainloop``); HAS_BIAS: + bias[e]
-    ([E, N], row stride stride_bias_e) on every row.
+    ([E, N], row stride stride_bias_e) on every row. B_PAIRED (with TWO_PHASE's a2, K2 = K): B and
+    B2 interleave along K in B's [N, 2K] (``_rows_mainloop_paired``).
 
     USE_TMA (one phase only): load through the tensor descriptors a_desc / b_desc (see
     ``_rows_mainloop_tma``; A rows start at ``pid_m * BM + a_row_shift``) instead of the pointers.
@@ -625,6 +740,9 @@ def rows_gemm_tile(pid_m, pid_n,
         if USE_TMA:
             acc = _rows_mainloop_tma(blk, pid_n, e, a_desc, b_desc, K=K, BM=BM, BN=BN, BK=BK, B_NK=B_NK,
                                      INTERPRET=INTERPRET, a_row_shift=a_row_shift)
+        elif B_PAIRED:
+            acc = _rows_mainloop_paired(blk, pid_n, e, a_ptr, a2_ptr, stride_am, b_ptr, stride_be, stride_bo, N, K,
+                                        BM, BN, BK, EVEN_K, INTERPRET)
         else:
             acc = _rows_mainloop(blk, pid_n, e, a_ptr=a_ptr, a2_ptr=a2_ptr, stride_am=stride_am, b_ptr=b_ptr,
                                  b2_ptr=b2_ptr, stride_be=stride_be, stride_be2=stride_be2, stride_bo=stride_bo, N=N,
@@ -650,7 +768,7 @@ def rows_gemm_kernel(a_ptr, a2_ptr, stride_am,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      B_NK: tl.constexpr, TWO_PHASE: tl.constexpr, EVEN_K: tl.constexpr,
                      PUSH: tl.constexpr, DST_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
-                     HAS_BIAS: tl.constexpr = False, bias_ptr=None, stride_bias_e=0):
+                     HAS_BIAS: tl.constexpr = False, bias_ptr=None, stride_bias_e=0, B_PAIRED: tl.constexpr = False):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(N, BN), GROUP_M)
     rows_gemm_tile(pid_m=pid_m, pid_n=pid_n, a_desc=None, b_desc=None, a_ptr=a_ptr, a2_ptr=a2_ptr,
                    stride_am=stride_am, b_ptr=b_ptr, b2_ptr=b2_ptr, stride_be=stride_be, stride_be2=stride_be2,
@@ -658,7 +776,8 @@ def rows_gemm_kernel(a_ptr, a2_ptr, stride_am,
                    dst_ptrs_ptr=dst_ptrs_ptr, TK=TK, stride_dm=stride_dm, tile_expert_ptr=tile_expert_ptr,
                    num_tiles_ptr=num_tiles_ptr, N=N, K=K, K2=K2, BM=BM, BN=BN, BK=BK, B_NK=B_NK,
                    TWO_PHASE=TWO_PHASE, EVEN_K=EVEN_K, PUSH=PUSH, DST_DTYPE=DST_DTYPE, USE_TMA=False,
-                   INTERPRET=INTERPRET, HAS_BIAS=HAS_BIAS, bias_ptr=bias_ptr, stride_bias_e=stride_bias_e)
+                   INTERPRET=INTERPRET, HAS_BIAS=HAS_BIAS, bias_ptr=bias_ptr, stride_bias_e=stride_bias_e,
+                   B_PAIRED=B_PAIRED)
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -676,6 +795,8 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
     a [R, K] (any row stride, unit column stride); b [E, N, K] for ``b_layout="nk"`` (A @ B^T,
     e.g. nn.Linear weights) or [E, K, N] for ``"kn"`` (A @ B). a2 [R, K2] / b2 (same layout,
     shape [E, N, K2] / [E, K2, N] and strides as b): a second K phase, accumulated after the first.
+    ``"nk-paired"``: b [E, N, 2K] holds B (even columns) and B2 (odd) interleaved, with a2 [R, K]
+    (no b2): A @ B[e]^T + A2 @ B2[e]^T, both in each K step (gpt-oss's gate/up weights).
     Epilogue: with ``dst_ptrs`` (int64 [W] base addresses) and ``row_src`` (int32 [R]) each row
     r with row_src[r] >= 0 is pushed, as ``dst_dtype``, to row ``row_src[r] % TK`` (row stride
     ``dst_stride``, default N) of buffer ``row_src[r] // TK``; returns None. Otherwise stores into
@@ -684,15 +805,20 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
     """
     R, K = a.shape
     E = b.shape[0]
+    paired = b_layout == "nk-paired"
     if b_layout == "nk":
         N, Kb = b.shape[1], b.shape[2]
     elif b_layout == "kn":
         Kb, N = b.shape[1], b.shape[2]
+    elif paired:
+        N, Kb = b.shape[1], b.shape[2] // 2
+        assert b.shape[2] == 2 * K and a2 is not None and b2 is None and a2.shape == a.shape
+        assert a2.stride() == a.stride(), "a2 must have a's strides"
     else:
-        raise ValueError("b_layout must be 'nk' or 'kn'")
+        raise ValueError("b_layout must be 'nk', 'kn' or 'nk-paired'")
     assert Kb == K, f"A has K={K}, B has {Kb}"
     assert b.stride(-1) == 1 and a.stride(-1) == 1
-    two = a2 is not None
+    two = a2 is not None and not paired
     if two:
         assert b2 is not None and b2.stride(1) == b.stride(1) and b2.stride(-1) == 1, "b2 must have b's row stride"
         assert a2.stride(0) == a.stride(0) and a2.stride(-1) == 1 and a2.shape[0] == R
@@ -725,7 +851,7 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
     if bias is not None:
         assert bias.shape == (E, N) and bias.stride(-1) == 1
     if ws:
-        if two or b_layout != "nk":
+        if two or b_layout != "nk" or paired:
             raise ValueError("rows_gemm: the warp-specialized kernel runs one K phase of K-major B (the down "
                              "projection); the gate/up dgrad runs on this file's kernel (a GemmConfig)")
         bws = _ws_module()
@@ -736,15 +862,17 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
     num_m = R // cfg.BM
     grid = (num_m * triton.cdiv(N, cfg.BN),)
     even_k = K % cfg.BK == 0 and K2 % cfg.BK == 0
+    kw = dict(B_PAIRED=True) if paired else {}
     rows_gemm_kernel[grid](
-        a, a2 if two else a, a.stride(0),
+        a, a2 if two or paired else a, a.stride(0),
         b, b2 if two else b, b.stride(0), (b2 if two else b).stride(0), b.stride(1),
         c, stride_c, row_src, dst_ptrs, TK, stride_d,
         tile_expert, num_tiles, num_m, N, K, K2,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
-        B_NK=(b_layout == "nk"), TWO_PHASE=two, EVEN_K=even_k, PUSH=push,
+        B_NK=(b_layout != "kn"), TWO_PHASE=two, EVEN_K=even_k, PUSH=push,
         DST_DTYPE=_TL_DTYPES[dst_dtype], INTERPRET=INTERPRET, HAS_BIAS=bias is not None, bias_ptr=bias,
-        stride_bias_e=bias.stride(0) if bias is not None else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        stride_bias_e=bias.stride(0) if bias is not None else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **kw)
     return None if push else out
 
 
@@ -752,36 +880,63 @@ def down_push(h: torch.Tensor, w_down: torch.Tensor, tile_expert: torch.Tensor, 
               row_src: torch.Tensor, dst_ptrs: torch.Tensor, TK: int, *, dst_stride: int | None = None,
               config: GemmConfig | Bf16Gemm, bias: torch.Tensor | None = None):
     """Down projection with push epilogue: row r of h[m-tile] @ Wd[e]^T (+ bias[e]) ([R, I] x [E, H, I])
-    goes, bf16, to ``dst_ptrs[row_src[r] // TK]`` row ``row_src[r] % TK`` (each destination [TK, H])."""
-    rows_gemm(h, w_down, tile_expert, num_tiles, b_layout="nk", row_src=row_src, dst_ptrs=dst_ptrs,
+    goes, bf16, to ``dst_ptrs[row_src[r] // TK]`` row ``row_src[r] % TK`` (each destination [TK, H]).
+    w_down with a unit last stride, or the transposed view of a down_proj [E, I, H] (read in place)."""
+    b, b_layout = _down_operand(w_down)
+    rows_gemm(h, b, tile_expert, num_tiles, b_layout=b_layout, row_src=row_src, dst_ptrs=dst_ptrs,
               TK=TK, dst_stride=dst_stride, config=config, bias=bias)
 
 
 def down_local(h: torch.Tensor, w_down: torch.Tensor, tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
                out: torch.Tensor | None = None, config: GemmConfig | Bf16Gemm) -> torch.Tensor:
     """Down projection into a local [R, H] buffer (rows of unused tiles untouched)."""
-    return rows_gemm(h, w_down, tile_expert, num_tiles, b_layout="nk", out=out, config=config)
+    b, b_layout = _down_operand(w_down)
+    return rows_gemm(h, b, tile_expert, num_tiles, b_layout=b_layout, out=out, config=config)
+
+
+def _down_operand(w_down: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """(B, b_layout) of the down projection h @ Wd[e]^T for w_down [E, H, I] as given: itself "nk", or
+    (unit stride along H: a transposed down_proj [E, I, H]) that [E, I, H] "kn"."""
+    if w_down.stride(-1) == 1:
+        return w_down, "nk"
+    assert w_down.stride(1) == 1, f"w_down [E, H, I] needs a unit stride along I or H, got {w_down.stride()}"
+    return w_down.transpose(1, 2), "kn"
+
+
+def _gate_up_dgrad_args(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> dict:
+    """rows_gemm's operands for dg @ Wg[e] + du @ Wu[e] with the weights as they lie
+    (``validate.gate_up_layout``): Tabby's [E, I, H] "kn" in two K phases; transposed ([E, H, I] with
+    unit I stride) "nk" in two phases; g and u interleaved (gpt-oss) one "nk-paired" [E, H, 2I]."""
+    E, I, H = w_gate.shape
+    assert dgu.shape[1] == 2 * I
+    layout = gate_up_layout(w_gate, w_up)
+    if layout == LAYOUT_NK:
+        return dict(a=dgu[:, :I], b=w_gate, b_layout="kn", a2=dgu[:, I:], b2=w_up)
+    if layout == LAYOUT_KN:
+        return dict(a=dgu[:, :I], b=w_gate.transpose(1, 2), b_layout="nk", a2=dgu[:, I:], b2=w_up.transpose(1, 2))
+    if layout == LAYOUT_KN_PAIRED:
+        paired = w_gate.as_strided((E, H, 2 * I), (w_gate.stride(0), w_gate.stride(2), 1))
+        return dict(a=dgu[:, :I], b=paired, b_layout="nk-paired", a2=dgu[:, I:])
+    raise ValueError(f"w_gate, w_up in none of the layouts {LAYOUTS}: strides {w_gate.stride()}, {w_up.stride()}")
 
 
 def gate_up_dgrad_push(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                        tile_expert: torch.Tensor, num_tiles: torch.Tensor,
                        row_src: torch.Tensor, dst_ptrs: torch.Tensor, TK: int, *,
                        dst_stride: int | None = None, config: GemmConfig | Bf16Gemm):
-    """dxs = dg @ Wg[e] + du @ Wu[e] (dgu [R, 2I]: dg = dgu[:, :I], du = dgu[:, I:]; w [E, I, H]),
-    each row pushed bf16 to its origin as in ``down_push`` (destinations [TK, H])."""
-    I = w_gate.shape[1]
-    assert dgu.shape[1] == 2 * I
-    rows_gemm(dgu[:, :I], w_gate, tile_expert, num_tiles, b_layout="kn", a2=dgu[:, I:], b2=w_up,
-              row_src=row_src, dst_ptrs=dst_ptrs, TK=TK, dst_stride=dst_stride, config=config)
+    """dxs = dg @ Wg[e] + du @ Wu[e] (dgu [R, 2I]: dg = dgu[:, :I], du = dgu[:, I:]; w [E, I, H] in a
+    layout of ``validate.LAYOUTS``), each row pushed bf16 to its origin as in ``down_push``
+    (destinations [TK, H])."""
+    rows_gemm(tile_expert=tile_expert, num_tiles=num_tiles, row_src=row_src, dst_ptrs=dst_ptrs, TK=TK,
+              dst_stride=dst_stride, config=config, **_gate_up_dgrad_args(dgu, w_gate, w_up))
 
 
 def gate_up_dgrad_local(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                         tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
                         out: torch.Tensor | None = None, config: GemmConfig | Bf16Gemm) -> torch.Tensor:
     """dxs [R, H] = dg @ Wg[e] + du @ Wu[e] into a local buffer."""
-    I = w_gate.shape[1]
-    return rows_gemm(dgu[:, :I], w_gate, tile_expert, num_tiles, b_layout="kn", a2=dgu[:, I:], b2=w_up,
-                     out=out, config=config)
+    return rows_gemm(tile_expert=tile_expert, num_tiles=num_tiles, out=out, config=config,
+                     **_gate_up_dgrad_args(dgu, w_gate, w_up))
 
 
 # --------------------------------------------------------------------------------------------
@@ -798,11 +953,13 @@ def down_dgrad_swiglu_tile(pid_m, pid_n,
                            H: tl.constexpr, I: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            EVEN_K: tl.constexpr, EPI_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-                           ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
+                           ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0,
+                           W_LAYOUT: tl.constexpr = 0):
     """One (row tile, I-column tile) of the down dgrad + SwiGLU backward (ACT, LIMIT, ALPHA: another
     activation's backward, ``activation.act_grads``; the formulas below are SwiGLU's).
 
-    dh_raw = dys[m-tile] @ Wd[e] (dys [R, H], Wd [E, H, I]: K = H, B[e] is [K, N]).
+    dh_raw = dys[m-tile] @ Wd[e] (dys [R, H], Wd [E, H, I]: K = H, B[e] is [K, N]; W_LAYOUT ``W_KN``:
+    a transposed down_proj [E, I, H] instead, B[e] [N, K], rows stride_wh apart).
     With g, u from gu [R, 2I] and the router weight ws[r] (fp32):
     dw_part[r, pid_n] = sum_cols dh_raw * h (h = silu(g) * u); dh = ws * dh_raw;
     dg = dh * u * sig(g) * (1 + g * (1 - sig(g))); du = dh * silu(g);
@@ -812,7 +969,7 @@ def down_dgrad_swiglu_tile(pid_m, pid_n,
     if e >= 0:
         acc = _rows_mainloop(pid_m, pid_n, e, a_ptr=dys_ptr, a2_ptr=dys_ptr, stride_am=stride_dym, b_ptr=wd_ptr,
                              b2_ptr=wd_ptr, stride_be=stride_we, stride_be2=stride_we, stride_bo=stride_wh, N=I, K=H,
-                             K2=0, BM=BM, BN=BN, BK=BK, B_NK=False, TWO_PHASE=False, EVEN_K=EVEN_K,
+                             K2=0, BM=BM, BN=BN, BK=BK, B_NK=W_LAYOUT != W_NK, TWO_PHASE=False, EVEN_K=EVEN_K,
                              INTERPRET=INTERPRET)
         rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
         w = tl.load(ws_ptr + rows)
@@ -868,12 +1025,13 @@ def down_dgrad_swiglu_kernel(dys_ptr, stride_dym, wd_ptr, stride_we, stride_wh,
                              tile_expert_ptr, num_tiles_ptr, num_m, H: tl.constexpr, I: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                              EVEN_K: tl.constexpr, EPI_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-                             ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
+                             ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0,
+                             W_LAYOUT: tl.constexpr = 0):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, BN), GROUP_M)
     down_dgrad_swiglu_tile(pid_m, pid_n, dys_ptr, stride_dym, wd_ptr, stride_we, stride_wh,
                            gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
                            dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, H, I,
-                           BM, BN, BK, EVEN_K, EPI_SPLIT, INTERPRET, ACT, LIMIT, ALPHA)
+                           BM, BN, BK, EVEN_K, EPI_SPLIT, INTERPRET, ACT, LIMIT, ALPHA, W_LAYOUT)
 
 
 def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Tensor, ws: torch.Tensor,
@@ -884,7 +1042,8 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     """Down dgrad fused with the activation's backward (``act``; SwiGLU's by default). Returns
     (dgu, hw, dw_part).
 
-    dys [R, H] bf16 (unscaled dy rows); w_down [E, H, I] bf16; gu [R, 2I] bf16 (saved g, u);
+    dys [R, H] bf16 (unscaled dy rows); w_down [E, H, I] bf16 (unit last stride, or the transposed view
+    of a down_proj [E, I, H]); gu [R, 2I] bf16 (saved g, u);
     ws [R] fp32 router weight of each row (0 for padding). Outputs: dgu [R, 2I] bf16 (dg, du),
     hw [R, I] bf16 (ws * h), dw_part [R, cdiv(I, BN)] fp32 partial router-weight gradients
     (reduce with ``reduce_dw``). Rows of unused tiles are left untouched.
@@ -892,7 +1051,8 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     R, H = dys.shape
     E, H2, I = w_down.shape
     assert H2 == H and gu.shape == (R, 2 * I) and ws.shape == (R,) and ws.dtype == torch.float32
-    assert w_down.stride(-1) == 1 and gu.stride(-1) == 1 and ws.stride(0) == 1
+    assert gu.stride(-1) == 1 and ws.stride(0) == 1
+    b, b_layout = _down_operand(w_down)  # (its transpose: B of dh = dy @ Wd[e])
     ws_kernel, cfg = _choice(config)
     if ws_kernel:
         raise ValueError("down_dgrad_swiglu_bwd runs on this file's kernel: config must be a GemmConfig or a "
@@ -910,13 +1070,14 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     num_m = R // cfg.BM
     grid = (num_m * nt_n,)
     ACT, LIMIT, ALPHA = act.constexprs()
+    kw = dict(W_LAYOUT=1) if b_layout == "kn" else {}  # (a transposed down_proj: B[e] [I, H] is [N, K])
     down_dgrad_swiglu_kernel[grid](
-        dys, dys.stride(0), w_down, w_down.stride(0), w_down.stride(1),
+        dys, dys.stride(0), b, b.stride(0), b.stride(1),
         gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0),
         tile_expert, num_tiles, num_m, H, I,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, EVEN_K=(H % cfg.BK == 0),
         EPI_SPLIT=(cfg.BN >= 32), INTERPRET=INTERPRET, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, **kw)
     return dgu, hw, dw_part
 
 
