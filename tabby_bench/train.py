@@ -44,10 +44,15 @@ class ModelSpec:
     """An MoE model: its framework, family and config fields (transformers: the config class's
     fields; torchtitan: ``torchtitan_qwen3_config``'s arguments)."""
     name: str
-    family: str  # "qwen3_moe", "deepseek_v3" or "deepseek_v4"
+    family: str  # "qwen3_moe", "deepseek_v3", "deepseek_v4" or "gpt_oss"
     fields: dict
     about: str
     framework: str = "transformers"  # or "torchtitan" (0.3.0; its experts' default is torch._grouped_mm too)
+    seq_len: int | None = None  # the model's sequence length (None: the run's ``TrainConfig.seq_len``)
+
+    def seq(self, cfg: "TrainConfig") -> int:
+        """Tokens per sequence of this model's batches (at most the step's tokens)."""
+        return min(self.seq_len or cfg.seq_len, cfg.tokens)
 
 
 MODELS = {
@@ -80,6 +85,22 @@ MODELS = {
         mlp_layer_types=["moe"] * 2, index_n_heads=4, index_head_dim=32, index_topk=16, num_nextn_predict_layers=0,
         qk_rope_head_dim=16, vocab_size=128, tie_word_embeddings=False, max_position_embeddings=256),
         "a tiny DeepSeek-V4 for the CPU (H 64, E 8, k 2, I 32, 2 layers)"),
+    # transformers runs gpt-oss's attention (sinks, no SDPA) eagerly: [B, heads, L, L] scores per layer,
+    # so sequences of 1024 (16 of them in 16384 tokens) keep the 4 layers' activations on one H100
+    "gpt-oss-20b": ModelSpec("gpt-oss-20b", "gpt_oss", dict(
+        hidden_size=2880, num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        num_local_experts=32, num_experts_per_tok=4, intermediate_size=2880, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 2, vocab_size=2048, tie_word_embeddings=False,
+        max_position_embeddings=8192),
+        "gpt-oss-20b layers (H 2880, E 32, k 4, I 2880, 64 heads, sliding window 128 on every other layer, "
+        "attention sinks; experts: transposed weights, interleaved gate/up, biases, its clamped gate), 4 "
+        "layers, vocabulary 2048, sequences of 1024", seq_len=1024),
+    "tiny-gpt-oss": ModelSpec("tiny-gpt-oss", "gpt_oss", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], vocab_size=128, tie_word_embeddings=False,
+        max_position_embeddings=256),
+        "a tiny gpt-oss for the CPU (H 64, E 8, k 2, I 32, 2 layers)"),
     "tiny-qwen3-moe": ModelSpec("tiny-qwen3-moe", "qwen3_moe", dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128, norm_topk_prob=True,
@@ -170,7 +191,8 @@ def build_model(spec: ModelSpec, backend: str, seed: int, device: torch.device, 
 
     cls = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
            "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
-           "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM")}[spec.family]
+           "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
+           "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}[spec.family]
     cfg = getattr(transformers, cls[0])(**spec.fields)
     torch.manual_seed(seed)
     with torch.device(device):
@@ -279,11 +301,16 @@ def flops_per_token(model, spec: ModelSpec, seq_len: int) -> float:
         return 6 * active + 6 * f["n_layers"] * f["n_heads"] * f["head_dim"] * seq_len
     cfg = model.config
     dense = sum(p.numel() for p in model.parameters()) - routed - model.get_input_embeddings().weight.numel()
-    E = cfg.num_experts if spec.family == "qwen3_moe" else cfg.n_routed_experts
-    active = dense + routed * cfg.num_experts_per_tok / E
+    E = {"qwen3_moe": "num_experts", "gpt_oss": "num_local_experts"}.get(spec.family, "n_routed_experts")
+    active = dense + routed * cfg.num_experts_per_tok / getattr(cfg, E)
     if spec.family == "qwen3_moe":
         attn_dim = cfg.num_attention_heads * cfg.head_dim  # q.k and p.v both over head_dim
         attn = 6 * cfg.num_hidden_layers * attn_dim * seq_len
+    elif spec.family == "gpt_oss":  # full layers causal (half the square); sliding ones their window of keys
+        attn_dim = cfg.num_attention_heads * cfg.head_dim
+        attn = sum(6 * attn_dim * seq_len if t == "full_attention" else 12 * attn_dim * min(cfg.sliding_window,
+                                                                                              seq_len)
+                   for t in cfg.layer_types)
     elif spec.family == "deepseek_v4":  # sparse: each query's index_topk keys at most (the indexer's own work aside)
         attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * min(cfg.index_topk, seq_len)
     else:  # MLA: q.k over nope + rope dims, p.v over v_head_dim
@@ -430,9 +457,9 @@ def _train(run: Run, spec: ModelSpec, cfg: TrainConfig, corpus, device: torch.de
         torch.cuda.reset_peak_memory_stats()
     model = build_model(spec, backend, seed, device, cfg.tabby_config)
     if not flops_tok:
-        flops_tok.append(flops_per_token(model, spec, cfg.seq_len))
-    rows = max(1, cfg.tokens // cfg.seq_len)
-    seq = min(cfg.seq_len, cfg.tokens)
+        flops_tok.append(flops_per_token(model, spec, spec.seq(cfg)))
+    seq = spec.seq(cfg)
+    rows = max(1, cfg.tokens // seq)
 
     def batch(i):
         start = (i * rows) % max(1, corpus.shape[0] - rows + 1)
@@ -672,8 +699,8 @@ def run(cfg: TrainConfig) -> dict:
     runs, entropy, flops = [], {}, {}
     for name in cfg.models:
         spec = MODELS[name]
-        seq = min(cfg.seq_len, cfg.tokens)
-        rows = max(1, cfg.tokens // cfg.seq_len)
+        seq = spec.seq(cfg)
+        rows = max(1, cfg.tokens // seq)
         corpus, entropy[name] = make_corpus(spec.fields["vocab_size"], max(cfg.steps, cfg.mode_steps) * rows * seq,
                                             seq)
         print(f"{name}: {spec.about}; corpus {corpus.numel():,} tokens, entropy {entropy[name]:.3f} nats/token",

@@ -1,0 +1,151 @@
+"""Expert weights in the transposed layouts, read in place (``validate.weights_layout``): "kn" (views of
+gate_up_proj [E, H, 2I] with the gate columns first and down_proj [E, I, H], the OpenAI privacy
+filter's) and "kn-paired" (gate and up columns interleaved, gpt-oss's). The layer against
+``tabby.moe_reference`` on the same views, values and the gradients of the fused parameters (and of
+the biases, laid out alike), on the CPU (kernels interpreted, ranks as threads): EP1 and EP2, odd
+widths, an expert without rows, every row on one expert; bitwise repeat; the views' storage is the
+parameters' (no copy); layouts that are none of these refused by name. The GPU cases:
+test_layouts_gpu.py."""
+import pytest
+import torch
+from harness import make_problem, rel_err, run_ranks
+
+import tabby
+from tabby.activation import Activation
+from tabby.functional.config import MoEConfig, Tuning
+from tabby.validate import MoEInputError, weights_layout
+
+CUDA = torch.cuda.is_available()
+cpu_only = pytest.mark.skipif(CUDA, reason="CPU harness (interpreted kernels, simulated ranks)")
+SMALL = dict(tile_m=16, dispatch_rows=16, dispatch_cols=64, dispatch_programs=4)
+GPT_OSS = Activation("gpt-oss", limit=7.0, alpha=1.702)
+
+
+def fused(ws, bs, layout):
+    """(gate_up [E, H, 2I], down [E, I, H], gate_up_bias [E, 2I], down_bias [E, H]) holding Tabby's
+    (w_gate, w_up, w_down) and (b_gate, b_up, b_down) in ``layout`` ("kn": gate columns first;
+    "kn-paired": g and u interleaved)."""
+    wg, wu, wd = ws
+    bg, bu, bd = bs
+    if layout == "kn":
+        gate_up, bias = torch.cat([wg, wu], 1), torch.cat([bg, bu], 1)
+    else:
+        gate_up, bias = torch.stack([wg, wu], 2).flatten(1, 2), torch.stack([bg, bu], 2).flatten(1, 2)
+    return gate_up.transpose(1, 2).contiguous(), wd.transpose(1, 2).contiguous(), bias.contiguous(), bd.clone()
+
+
+def views(gate_up, down, bias, down_bias, layout):
+    """Tabby's (w_gate, w_up, w_down) and biases as views of the fused tensors (no copy)."""
+    E, H, I2 = gate_up.shape
+    I = I2 // 2
+    if layout == "kn":
+        g, u = gate_up.unflatten(2, (2, I)).unbind(2)
+        b_g, b_u = bias.unflatten(1, (2, I)).unbind(1)
+    else:
+        g, u = gate_up.unflatten(2, (I, 2)).unbind(3)
+        b_g, b_u = bias.unflatten(1, (I, 2)).unbind(2)
+    return (g.transpose(1, 2), u.transpose(1, 2), down.transpose(1, 2)), (b_g, b_u, down_bias)
+
+
+def problem(W, T, H, I, E_local, k, seed, route="random", empty_expert=True):
+    x, idx, wts, ws, _, dy = make_problem(W, T, H, I, E_local, k, seed=seed, route=route)
+    if empty_expert:
+        idx = torch.where(idx == 1, 2, idx)  # expert 1: no rows
+    g = torch.Generator().manual_seed(seed + 1)
+    bs = tuple((torch.randn(W * E_local, n, generator=g) * 0.5).bfloat16() for n in (I, I, H))
+    return x, idx, wts, ws, bs, dy
+
+
+def run_layer(prob, layout, cfg, W, biases=True):
+    """Every rank's tabby.moe on views of its share of the fused tensors: [y, dx, d topk_weights,
+    d gate_up, d down, (d gate_up_bias, d down_bias)], the ranks' rows / experts concatenated."""
+    x, idx, wts, ws, bs, dy = prob
+    T, E_local = x.shape[0] // W, ws[0].shape[0] // W
+    params = fused(ws, bs, layout)
+
+    def rank_fn(r, group):
+        rows, ex = slice(r * T, (r + 1) * T), slice(r * E_local, (r + 1) * E_local)
+        lv = [t[rows].clone().requires_grad_(True) for t in (x, wts)]
+        lv += [t[ex].clone().requires_grad_(True) for t in (params if biases else params[:2])]
+        w3, b3 = views(*lv[2:4], *(lv[4:] if biases else params[2:]), layout)
+        assert weights_layout(*w3) == layout
+        y = tabby.moe(lv[0], idx[rows], lv[1], *w3, group=group, config=cfg, biases=b3 if biases else None)
+        y.backward(dy[rows])
+        return [y.detach()] + [t.grad for t in lv]
+
+    res = run_ranks(W, rank_fn)
+    return [torch.cat([r[i] for r in res]).float() for i in range(len(res[0]))]
+
+
+def run_reference(prob, layout, act=None, biases=True):
+    x, idx, wts, ws, bs, dy = prob
+    params = fused(ws, bs, layout)
+    lv = [t.float().requires_grad_(True) for t in (x, wts, *(params if biases else params[:2]))]
+    w3, b3 = views(*lv[2:4], *(lv[4:] if biases else [p.float() for p in params[2:]]), layout)
+    y = tabby.moe_reference(lv[0], idx, lv[1], *w3, activation=act, biases=b3 if biases else None)
+    y.backward(dy.float())
+    return [y.detach()] + [t.grad for t in lv]
+
+
+def compare(got, want, tol=2e-2):
+    names = ["y", "dx", "d topk_weights", "d gate_up", "d down", "d gate_up_bias", "d down_bias"]
+    assert len(got) == len(want)
+    errs = {n: rel_err(a, b) for n, a, b in zip(names, got, want)}
+    assert all(e < tol for e in errs.values()), errs
+    return errs
+
+
+@cpu_only
+@pytest.mark.parametrize("layout", ["kn", "kn-paired"])
+@pytest.mark.parametrize("W,act,biases", [(1, None, False), (1, GPT_OSS, True), (2, GPT_OSS, True),
+                                          (2, None, True)], ids=["ep1-swiglu", "ep1-gpt-oss-biases",
+                                                                 "ep2-gpt-oss-biases", "ep2-swiglu-biases"])
+def test_transposed_layouts_match_the_reference(layout, W, act, biases):
+    # odd widths: H 40 (not a multiple of the K block), I 20 (2I = 40 columns interleaved)
+    prob = problem(W, 9, 40, 20, 3 if W == 1 else 2, 2, seed=3 + W)
+    cfg = MoEConfig(tuning=Tuning(**SMALL), **({} if act is None else dict(activation=act)))
+    compare(run_layer(prob, layout, cfg, W, biases), run_reference(prob, layout, act, biases))
+
+
+@cpu_only
+@pytest.mark.parametrize("layout", ["kn", "kn-paired"])
+def test_every_row_on_one_expert(layout):
+    prob = problem(1, 16, 32, 24, 3, 2, seed=8, route="one_expert", empty_expert=False)
+    cfg = MoEConfig(tuning=Tuning(**SMALL), activation=GPT_OSS)
+    compare(run_layer(prob, layout, cfg, 1), run_reference(prob, layout, GPT_OSS))
+
+
+@cpu_only
+def test_bitwise_repeatable():
+    prob = problem(1, 9, 32, 24, 3, 2, seed=5)
+    cfg = MoEConfig(tuning=Tuning(**SMALL), activation=GPT_OSS)
+    a, b = run_layer(prob, "kn-paired", cfg, 1), run_layer(prob, "kn-paired", cfg, 1)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_layouts_are_recognized_and_others_refused():
+    E, H, I = 2, 16, 8
+    gate_up, down = torch.zeros(E, H, 2 * I, dtype=torch.bfloat16), torch.zeros(E, I, H, dtype=torch.bfloat16)
+    bias, down_bias = torch.zeros(E, 2 * I, dtype=torch.bfloat16), torch.zeros(E, H, dtype=torch.bfloat16)
+    for layout in ("kn", "kn-paired"):
+        w3, _ = views(gate_up, down, bias, down_bias, layout)
+        assert weights_layout(*w3) == layout
+        assert all(w.untyped_storage().data_ptr() in (gate_up.untyped_storage().data_ptr(),
+                                                      down.untyped_storage().data_ptr()) for w in w3)
+    w3, _ = views(gate_up, down, bias, down_bias, "kn")
+    assert weights_layout(*(w.contiguous() for w in w3)) == "nk"
+    x = torch.zeros(4, H, dtype=torch.bfloat16)
+    idx, wts = torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1)
+    with pytest.raises(MoEInputError, match="none of Tabby's layouts"):  # transposed gate/up, plain down
+        tabby.moe(x, idx, wts, w3[0], w3[1], w3[2].contiguous())
+    g, u = gate_up.unflatten(2, (I, 2)).unbind(3)
+    with pytest.raises(MoEInputError, match="none of Tabby's layouts"):  # g and u of different tensors
+        tabby.moe(x, idx, wts, g.transpose(1, 2), u.clone().transpose(1, 2), w3[2])
+
+
+@cpu_only
+def test_transposed_weights_refuse_what_reads_them_through_tma_only():
+    prob = problem(1, 9, 32, 24, 3, 2, seed=5)
+    for cfg in (MoEConfig(tuning=Tuning(**SMALL), megakernel=True), MoEConfig(tuning=Tuning(**SMALL), precision="fp8")):
+        with pytest.raises(RuntimeError, match="'kn-paired' layout run in bf16"):  # (a rank's MoEInputError)
+            run_layer(prob, "kn-paired", cfg, 1, biases=False)

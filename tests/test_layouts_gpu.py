@@ -1,0 +1,47 @@
+"""Transposed expert weights read in place on a GPU, one rank, at the widths of gpt-oss-120b and
+qwen3-30b-a3b (the plan's path for them: separate launches, bf16.py's kernels): values and the
+gradients of the fused parameters against the fp32 reference, with gpt-oss's activation and biases;
+20-run bitwise repeat; no host sync. The CPU cases and helpers: test_layouts.py."""
+import pytest
+import torch
+from test_layouts import GPT_OSS, compare, fused, problem, views
+
+import tabby
+from tabby.functional.config import MoEConfig
+
+CUDA = torch.cuda.is_available()
+
+
+def _on_gpu(prob, layout, fn, to_cpu=True, **kw):
+    x, idx, wts, ws, bs, dy = prob
+    ref = fn is tabby.moe_reference
+    lv = [(t.cuda().float() if ref else t.cuda()).requires_grad_(True) for t in (x, wts, *fused(ws, bs, layout))]
+    w3, b3 = views(*lv[2:], layout)
+    y = fn(lv[0], idx.cuda(), lv[1], *w3, biases=b3, **kw)
+    y.backward(dy.cuda().to(y.dtype))
+    out = [y.detach()] + [t.grad for t in lv]
+    return [t.float().cpu() for t in out] if to_cpu else out
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["kn", "kn-paired"])
+@pytest.mark.parametrize("H,I,E,k,T", [(2880, 2880, 8, 4, 512), (2048, 768, 16, 8, 1024)])
+def test_layouts_gpu(layout, H, I, E, k, T):
+    prob = problem(1, T, H, I, E, k, seed=H + T)
+    cfg = MoEConfig(activation=GPT_OSS, debug=False)
+    got = _on_gpu(prob, layout, tabby.moe, config=cfg)
+    errs = compare(got, _on_gpu(prob, layout, tabby.moe_reference, activation=GPT_OSS))
+    print(f"GPU layout {layout} H={H} I={I} E={E} k={k} T={T}: {errs}")
+    for _ in range(19):
+        again = _on_gpu(prob, layout, tabby.moe, config=cfg)
+        assert all(torch.equal(a, b) for a, b in zip(got, again))
+    x, idx, wts, ws, bs, dy = prob
+    args = [t.cuda() for t in (x, idx, wts, *fused(ws, bs, layout), dy)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # (the inputs on the device already: the call and its backward read nothing back)
+        lv = [t.requires_grad_(True) if t.is_floating_point() else t for t in args[:-1]]
+        w3, b3 = views(*lv[3:], layout)
+        tabby.moe(lv[0], lv[1], lv[2], *w3, biases=b3, config=cfg).backward(args[-1])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
