@@ -146,6 +146,27 @@ def test_layouts_are_recognized_and_others_refused():
 @cpu_only
 def test_transposed_weights_refuse_what_reads_them_through_tma_only():
     prob = problem(1, 9, 32, 24, 3, 2, seed=5)
-    for cfg in (MoEConfig(tuning=Tuning(**SMALL), megakernel=True), MoEConfig(tuning=Tuning(**SMALL), precision="fp8")):
-        with pytest.raises(RuntimeError, match="'kn-paired' layout run in bf16"):  # (a rank's MoEInputError)
-            run_layer(prob, "kn-paired", cfg, 1, biases=False)
+    for cfg in (MoEConfig(tuning=Tuning(**SMALL), megakernel=True), MoEConfig(tuning=Tuning(**SMALL, bf16_ws=True))):
+        with pytest.raises(RuntimeError, match="'kn-paired' layout run on the path of separate launches"):
+            run_layer(prob, "kn-paired", cfg, 1, biases=False)  # (a rank's MoEInputError)
+
+
+@cpu_only
+@pytest.mark.parametrize("layout", ["kn", "kn-paired"])
+def test_fp8_quantizes_transposed_weights_as_tabby_layout(layout):
+    """FP8 reads the weights once a version, into its E4M3 copies, from wherever they lie: the same bits
+    as the same experts in Tabby's layout, every output and gradient (the weights' laid out alike)."""
+    prob = problem(1, 9, 256, 128, 3, 2, seed=3)
+    cfg = MoEConfig(tuning=Tuning(**dict(SMALL, tile_m=128)), precision="fp8", activation=GPT_OSS)
+    got = run_layer(prob, layout, cfg, 1, biases=False)
+    x, idx, wts, ws, bs, dy = prob
+
+    def rank_fn(r, group):
+        lv = [t.clone().requires_grad_(True) for t in (x, wts, *ws)]
+        y = tabby.moe(lv[0], idx, lv[1], *lv[2:], group=group, config=cfg)
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in lv]
+
+    y, dx, dw, dwg, dwu, dwd = run_ranks(1, rank_fn)[0]
+    d_gate_up, d_down = fused((dwg, dwu, dwd), bs, layout)[:2]
+    assert all(torch.equal(a, b.float()) for a, b in zip(got, (y, dx, dw, d_gate_up, d_down)))

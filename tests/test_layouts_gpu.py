@@ -45,3 +45,22 @@ def test_layouts_gpu(layout, H, I, E, k, T):
         tabby.moe(lv[0], lv[1], lv[2], *w3, biases=b3, config=cfg).backward(args[-1])
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["kn", "kn-paired"])
+def test_fp8_layouts_gpu_equal_tabby_layout(layout):
+    """FP8 on transposed weights: the same bits as the same experts in Tabby's layout (the weights'
+    gradients laid out alike), gpt-oss-120b's widths."""
+    prob = problem(1, 512, 2880, 2880, 8, 4, seed=7)
+    x, idx, wts, ws, bs, dy = prob
+    cfg = MoEConfig(activation=GPT_OSS, precision="fp8")
+    lv = [t.cuda().requires_grad_(True) for t in (x, wts, *fused(ws, bs, layout)[:2])]
+    w3, _ = views(*lv[2:], *fused(ws, bs, layout)[2:], layout)
+    tabby.moe(lv[0], idx.cuda(), lv[1], *w3, config=cfg).backward(dy.cuda())
+    ref = [t.cuda().requires_grad_(True) for t in (x, wts, *ws)]
+    y = tabby.moe(ref[0], idx.cuda(), ref[1], *ref[2:], config=cfg)
+    y.backward(dy.cuda())
+    d_gate_up, d_down = fused(tuple(t.grad for t in ref[2:]), tuple(b.cuda() for b in bs), layout)[:2]
+    got = [t.grad for t in lv]
+    assert all(torch.equal(a, b) for a, b in zip(got, (ref[0].grad, ref[1].grad, d_gate_up, d_down)))

@@ -200,13 +200,15 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     sm_count = sms if sms is not None else _device_sms(device)
     wait_budget = config.resolved_max_wait_polls() if INTERPRET else int(config.resolved_max_wait_ms() * 1e6)
     arch = arch if arch is not None else _device_arch(device)
+    # Bias epilogues and transposed weights: bf16.py's kernels (pointer loads) on the path of separate
+    # launches; biases in bf16 only. (FP8 quantizes the weights from wherever they lie, once a version.)
     pointer_loads = dims.biases or dims.layout != LAYOUT_NK
-    if pointer_loads:  # (bias epilogues, transposed weights: bf16.py's kernels on the path of separate launches)
+    if pointer_loads:
         what = "experts with biases" if dims.biases else f"weights in the {dims.layout!r} layout"
-        if config.precision != "bf16" or config.megakernel or t.bf16_ws:
-            raise MoEInputError(f"{what} run in bf16 on the path of separate launches and bf16.py's kernels for "
-                                f"now: MoEConfig(precision={config.precision!r}, megakernel={config.megakernel}) "
-                                f"with Tuning(bf16_ws={t.bf16_ws}) cannot take them")
+        if (config.precision != "bf16" and dims.biases) or config.megakernel or t.bf16_ws:
+            raise MoEInputError(f"{what} run on the path of separate launches and bf16.py's kernels (biases: in "
+                                f"bf16) for now: MoEConfig(precision={config.precision!r}, megakernel="
+                                f"{config.megakernel}) with Tuning(bf16_ws={t.bf16_ws}) cannot take them")
         ws = False
     else:
         ws = _ws_core("bf16_ws", t.bf16_ws, heuristics.bf16_ws_possible(arch, tile_m, H, I), arch, tile_m, H, I, 8)

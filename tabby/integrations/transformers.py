@@ -10,7 +10,7 @@ ExpertsInterface`` (``experts_implementation=...`` at load, or ``model.set_exper
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16, experts_implementation="tabby")
 
 The backend reads ``gate_up_proj`` and ``down_proj`` from the module (the gate and up halves go to
-Tabby as views, no copy) and runs ``torch.ops.tabby.moe``, so ``torch.compile(fullgraph=True)``
+Tabby as views, no copy; ``expert_weights``) and runs ``torch.ops.tabby.moe``, so ``torch.compile(fullgraph=True)``
 keeps the experts in the graph. Routing slots whose expert id is outside the module's experts
 (the sentinels that transformers' own expert-parallel plan writes, or -1) contribute nothing.
 Tabby computes in bf16: other dtypes are cast per call (a copy of the weights each call; load the
@@ -18,9 +18,10 @@ model in bf16). Each module's gate (its ``_apply_gate`` with its ``act_fn``, lim
 matched, once, against Tabby's activations (``tabby.Activation``: SwiGLU, SwiGLU with clamps on
 g and u (DeepSeek-V4, GLM-5-next, HY-V4) or on silu(g) and u (Step-3.7), gpt-oss's (MiniMax-M3-VL),
 GeGLU (Gemma 4)), by running it on a probe (``detect_activation``); the call then runs with that
-activation. Experts whose gate is none of those, without a gate (Nemotron-H), with biases or with
-transposed or interleaved weights (gpt-oss, OpenAI privacy filter) run transformers' ``grouped_mm``
-instead, with a warning naming why.
+activation. Weights in any of transformers' layouts (``is_transposed``, ``is_concatenated``) and
+biases (``has_bias``: gpt-oss, the OpenAI privacy filter) go to Tabby as views, read in place
+(``expert_weights``). Experts whose gate is none of Tabby's, or without a gate (Nemotron-H), run
+transformers' ``grouped_mm`` instead, with a warning naming why.
 
 Expert parallelism through Tabby's own dispatch (every rank its own tokens; the experts sharded
 over ``group``; no replicated tokens, no all-reduce of the outputs): ``shard_experts(model,
