@@ -31,6 +31,7 @@ from tabby.functional.config import MoEConfig, Tuning
 from .anchors.floor import floor_errors, floor_forward, floor_fwdbwd, prepare_floor
 from .anchors.torch_a2a import moe_torch_a2a
 from .anchors.torch_fp8 import moe_torch_fp8, quantize_mode
+from .anchors.torchao_fp8 import moe_torchao_fp8, torchao_version
 from .anchors.torch_symm import moe_torch_symm
 from .check import layer_errors
 from .shapes import Inputs
@@ -218,6 +219,9 @@ register_tabby()
 # every timed call (LayerRun)
 register_layer("torch-fp8", moe_torch_fp8, anchor=True, supports_cpu=False, in_default=False, precision="fp8",
                note=lambda: f"quantization {quantize_mode()}")
+# torchao's FP8 MoE training GEMM (rowwise, its Triton quantization), where torchao imports
+register_layer("torchao-fp8", moe_torchao_fp8, anchor=True, supports_cpu=False, in_default=False, precision="fp8",
+               note=lambda: f"torchao {torchao_version()}")
 register_layer("tabby-fp8", tabby_fp8, device_errors=tabby.check_errors, in_default=False, precision="fp8",
                note=lambda: "weight transposes " + ("cached" if _fp8_held[-1] else
                                                     "not held: the dgrads read the forward copies transposed"))

@@ -22,7 +22,7 @@ from .check import TOLERANCE
 from .shapes import Shape, flops
 
 PASSES = ("fwd", "fwd+bwd")
-ANCHORS = ("torch-a2a", "torch-symm", "torch-fp8")  # the baselines "vs anchor" compares with (same precision)
+ANCHORS = ("torch-a2a", "torch-symm", "torch-fp8", "torchao-fp8")  # the baselines "vs anchor" compares with (same precision)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
