@@ -11,7 +11,9 @@ the compiled quantizers against eager (Triton), and no fp32 copy of a weight whi
 """
 from __future__ import annotations
 
+import re
 import shutil
+
 
 import pytest
 import torch
@@ -193,6 +195,18 @@ def test_torch_fp8_refuses_clearly_where_it_cannot_run():
         moe_torch_fp8(x, torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1), w, w, w)
 
 
+def test_torchao_fp8_refuses_clearly_where_it_cannot_run():
+    from tabby_bench.anchors import torchao_fp8
+
+    reason = torchao_fp8.unavailable_reason()
+    if reason is None:
+        pytest.skip("torchao-fp8 can run here")
+    x = torch.zeros(4, 32, dtype=torch.bfloat16)
+    w = torch.zeros(2, 32, 32, dtype=torch.bfloat16)
+    with pytest.raises(tabby.MoEInputError, match="torchao-fp8 " + re.escape(reason)):
+        torchao_fp8.moe_torchao_fp8(x, torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1), w, w, w)
+
+
 # ----------------------------------------------------------------------------------------------
 # The bench's policy: every timed call starts from a new weight version
 # ----------------------------------------------------------------------------------------------
@@ -305,10 +319,18 @@ def test_tabby_fp8_row_caches_transposes_where_they_fit(monkeypatch):
 # GPU
 # ----------------------------------------------------------------------------------------------
 
+def _torchao_missing():
+    from tabby_bench.anchors import torchao_fp8
+
+    return torchao_fp8.unavailable_reason()
+
+
 @on_gpu
-@pytest.mark.parametrize("impl", ["torch-fp8", "tabby-fp8"])
+@pytest.mark.parametrize("impl", ["torch-fp8", "tabby-fp8", "torchao-fp8"])
 @pytest.mark.parametrize("shape", [QWEN_LIKE, FEW_EXPERTS, GPT_OSS_LIKE], ids=lambda s: s.name)
 def test_fp8_rows_one_gpu(impl, shape):
+    if impl == "torchao-fp8" and _torchao_missing():
+        pytest.skip(f"torchao-fp8: {_torchao_missing()}")
     inp = make_inputs(shape, 2048, 1, 0, torch.device("cuda", 0))
     errs = IMPLS[impl].prepare(inp, None).check(with_grads=True)
     print(f"FP8 row {impl} {shape.name} T=2048 errors against fp32: {({k: round(v, 4) for k, v in errs.items()})}")
