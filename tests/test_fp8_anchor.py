@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 import shutil
 
-
 import pytest
 import torch
 
