@@ -9,8 +9,10 @@ kinds, each the experts of real model families (transformers 5.17's names):
     "swiglu-clamp-out"  min(silu(g), L) * clamp(u, -L, L)              (step3p7)
     "gpt-oss"        (clamp(u, -L, L) + 1) * gc * sigmoid(alpha gc), gc = min(g, L)   (gpt_oss, minimax_m3_vl)
     "geglu"          gelu_tanh(g) * u, GELU's tanh form                 (gemma4, diffusion_gemma)
+    "relu2"          relu(u)^2, no gate (w_gate None)                   (nemotron_h)
 
-L is ``limit``, alpha ``alpha`` (gpt-oss only). The clamps' gradients are zero where they clip
+L is ``limit``, alpha ``alpha`` (gpt-oss only). "relu2" is ungated (``Activation.gated`` false): its
+experts have no gate projection, the layer takes ``w_gate=None`` and runs no gate GEMM. The clamps' gradients are zero where they clip
 (``torch.clamp``'s rule: the bound itself passes the gradient). Every kind is one constexpr
 variant of the GEMM epilogues (``ops/gemm/activation.py``); "swiglu" compiles to the code it
 always had.
@@ -23,7 +25,8 @@ from dataclasses import dataclass
 from .validate import MoEInputError
 
 # A kind's index is the kernels' constexpr code of it (ops/gemm/activation.py's ACT_*).
-KINDS = ("swiglu", "swiglu-clamp", "swiglu-clamp-out", "gpt-oss", "geglu")
+KINDS = ("swiglu", "swiglu-clamp", "swiglu-clamp-out", "gpt-oss", "geglu", "relu2")
+_UNGATED = ("relu2",)
 _LIMITED = ("swiglu-clamp", "swiglu-clamp-out", "gpt-oss")
 
 
@@ -46,7 +49,7 @@ class Activation:
                 raise MoEInputError(f"Activation({name}={v!r}): must be a positive finite number or None")
         if self.kind in _LIMITED and self.limit is None:
             raise MoEInputError(f"Activation(kind={self.kind!r}) needs limit (the clamp bound L)")
-        if self.kind in ("swiglu", "geglu") and self.limit is not None:
+        if self.kind in ("swiglu", "geglu", "relu2") and self.limit is not None:
             raise MoEInputError(f"Activation(kind={self.kind!r}) takes no limit: the clamped SwiGLU is kind "
                                 "'swiglu-clamp' (clamps on g and u) or 'swiglu-clamp-out' (on silu(g) and u)")
         if (self.kind == "gpt-oss") != (self.alpha is not None):
@@ -57,6 +60,11 @@ class Activation:
             object.__setattr__(self, "limit", float(self.limit))
         if self.alpha is not None:
             object.__setattr__(self, "alpha", float(self.alpha))
+
+    @property
+    def gated(self) -> bool:
+        """Whether h depends on a gate projection g (every kind but "relu2")."""
+        return self.kind not in _UNGATED
 
     @property
     def code(self) -> int:
@@ -83,6 +91,8 @@ def apply(g, u, act: Activation):
         return F.silu(g) * u
     if act.kind == "geglu":
         return F.gelu(g, approximate="tanh") * u
+    if act.kind == "relu2":  # (g unused: None)
+        return torch.square(F.relu(u))
     L = act.limit
     uc = torch.clamp(u, -L, L)
     if act.kind == "swiglu-clamp":
@@ -105,6 +115,8 @@ def grads(g, u, dh, act: Activation):
         c2, a = 1.5957691216057308, 0.044715
         s = torch.sigmoid(c2 * (g + a * g * g * g))
         return dh * u * (s + g * s * (1 - s) * c2 * (1 + 3 * a * g * g)), dh * (g * s)
+    if act.kind == "relu2":  # (no gate: dg None)
+        return None, dh * (2.0 * torch.relu(u))
     L = act.limit
     uc = torch.clamp(u, -L, L)
     u_in = u.abs() <= L

@@ -50,7 +50,10 @@ class _AllToAll(torch.autograd.Function):
 
 def swiglu_mlp(x, w_gate, w_up, w_down, act: Activation = SWIGLU, biases=None):
     """down(act(gate x, up x)) for x [M, H], w_gate/w_up [I, H], w_down [H, I] (SwiGLU by default:
-    down(silu(gate x) * up x)); ``biases`` (b_gate, b_up [I], b_down [H]) added to g, u and the output."""
+    down(silu(gate x) * up x)); ``biases`` (b_gate, b_up [I], b_down [H]) added to g, u and the output.
+    An ungated activation ("relu2"): w_gate None, down(act(up x))."""
+    if w_gate is None:
+        return apply_activation(None, x @ w_up.t(), act) @ w_down.t()
     if biases is not None:
         bg, bu, bd = biases
         return apply_activation(x @ w_gate.t() + bg, x @ w_up.t() + bu, act) @ w_down.t() + bd
@@ -69,8 +72,8 @@ def expert_segments(xs, counts, w_gate, w_up, w_down, compute_dtype, act: Activa
         # A fresh allocation per segment: BLAS results must not depend on where a segment starts.
         rows = rows.to(compute_dtype).clone()
         b = None if biases is None else tuple(t[e].to(compute_dtype) for t in biases)
-        outs.append(swiglu_mlp(rows, w_gate[e].to(compute_dtype), w_up[e].to(compute_dtype),
-                               w_down[e].to(compute_dtype), act, b))
+        gate = None if w_gate is None else w_gate[e].to(compute_dtype)
+        outs.append(swiglu_mlp(rows, gate, w_up[e].to(compute_dtype), w_down[e].to(compute_dtype), act, b))
     return torch.cat(outs) if outs else xs.new_zeros((0, H), dtype=compute_dtype)
 
 
@@ -125,7 +128,8 @@ def moe_reference(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, 
     """Reference MoE layer; see the module docstring. Returns y [T, H] in x.dtype.
 
     ``group``: a ``torch.distributed`` process group for expert parallelism (None: one process).
-    ``activation``: the routed experts' (``tabby.Activation``; None: SwiGLU). ``biases``: None or the
+    ``activation``: the routed experts' (``tabby.Activation``; None: SwiGLU; an ungated one, "relu2",
+    with ``w_gate=None``). ``biases``: None or the
     routed experts' (b_gate [E_local, I], b_up [E_local, I], b_down [E_local, H]) of this rank: g + b_gate,
     u + b_up before the activation, b_down added to each expert's output before the router weight.
     """
@@ -137,7 +141,10 @@ def moe_reference(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, 
         import torch.distributed as dist
 
         W = dist.get_world_size(group)
-    dims = check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, world_size=W, biases=biases)
+    if (w_gate is None) == act.gated:
+        raise MoEInputError(f"Activation({act.kind!r}) {'needs w_gate' if act.gated else 'is ungated: w_gate must be None'}")
+    dims = check_inputs(x, topk_idx, topk_weights, w_up if w_gate is None else w_gate, w_up, w_down, shared,
+                        world_size=W, biases=biases)
     if W > 1:
         check_group_agrees(dims, x, group)
     y = _routed(x, topk_idx, topk_weights, w_gate, w_up, w_down, dims, group, compute_dtype, act, biases)

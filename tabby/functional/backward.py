@@ -120,8 +120,9 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
         dbiases = _bias_grads(biases, dgu, dys, row_w, sched, I)
     del gu, row_w
     mark(probe, "bwd:down_dgrad+swiglu")
+    gated = plan.activation.gated
     gemm.gate_up_dgrad_push(dgu, w_gate, w_up, sched.tile_expert, sched.num_tiles, sched.row_src,
-                            ws.ptrs["dx_in"], TK, config=plan.gemm_config(gemm.KIND_GATE_UP_DGRAD))
+                            ws.ptrs["dx_in"], TK, config=plan.gemm_config(gemm.KIND_GATE_UP_DGRAD), gated=gated)
     mark(probe, "bwd:gate_up_dgrad+push")
     dw_rows = gemm.reduce_dw(dw_part, out=bufs.empty("dw_rows", dev))
     del dw_part
@@ -137,9 +138,7 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
         if missing:  # the routed rows the weight gradient reads, contiguous
             xs = _rows_for_wgrad(ws, plan, sched, xs, x_kept, missing, TK, k)  # (tokens: drops them)
             mark(probe, "bwd:routed_rows")
-        dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
-                                                   out_dtype=w_gate.dtype, programs=plan.wgrad_programs,
-                                                   config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP))
+        dw_gate, dw_up = _gate_up_wgrad(plan, dgu, xs, sched, w_gate.dtype)
         del dgu, xs
         dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype,
                                     config=plan.gemm_config(gemm.KIND_WGRAD_DOWN), programs=plan.wgrad_programs)
@@ -153,15 +152,24 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
                                  out=dys if missing == "tokens" else None)
             mark(probe, "bwd:routed_rows")
         del dys
-        dw_gate, dw_up = gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count,
-                                                   out_dtype=w_gate.dtype, programs=plan.wgrad_programs,
-                                                   config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP))
+        dw_gate, dw_up = _gate_up_wgrad(plan, dgu, xs, sched, w_gate.dtype)
         del dgu, xs
     mark(probe, "bwd:wgrad")
     dx, dtopk = finish_backward(ws, plan, dy, T, k, probe)
     if biases is not None:
         return dx, dtopk, dw_gate, dw_up, dw_down, dbiases
     return dx, dtopk, dw_gate, dw_up, dw_down
+
+
+def _gate_up_wgrad(plan: Plan, dgu, xs, sched, dtype):
+    """(dW_gate, dW_up) [E, I, H]; an ungated activation's dW_gate is an empty tensor (no gate)."""
+    if not plan.activation.gated:
+        I = dgu.shape[1] // 2
+        dw_up = gemm.expert_wgrad(dgu[:, I:], xs, sched.expert_start, sched.expert_count, out_dtype=dtype,
+                                  config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP), programs=plan.wgrad_programs)
+        return dgu.new_empty(0, dtype=dtype), dw_up
+    return gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count, out_dtype=dtype,
+                                     programs=plan.wgrad_programs, config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP))
 
 
 def _bias_grads(biases, dgu, dys, row_w, sched, I: int):

@@ -371,7 +371,8 @@ def _moe_backward_fake(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate, s
         dbg, dbu, dbd = (dy.new_empty(0) for _ in range(3))
     else:
         dbg, dbu, dbd = like(b_gate), like(b_up), like(b_down)
-    return like(x), like(topk_weights), like(w_gate), like(w_up), like(w_down), dsg, dsu, dsd, dbg, dbu, dbd
+    dwg = like(w_gate) if parse_config(config).activation.gated else dy.new_empty(0)  # (ungated: no gate)
+    return like(x), like(topk_weights), dwg, like(w_up), like(w_down), dsg, dsu, dsd, dbg, dbu, dbd
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,6 +415,8 @@ def _backward(ctx, dy, *_kept_grads):
         grads = torch.ops.tabby.moe_backward(dy, x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *kept, group,
                                              config, save, bg, bu, bd)
     dx, dtw, dwg, dwu, dwd, dsg, dsu, dsd, dbg, dbu, dbd = grads
+    if not parse_config(config).activation.gated:  # (w_gate is w_up, unread: no gradient)
+        dwg = None
     if sg is None:
         dsg = dsu = dsd = None
     if bg is None:

@@ -35,7 +35,12 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
     ``biases``: None or the routed experts' (b_gate [E_local, I], b_up [E_local, I], b_down [E_local, H]),
     bf16: g + b_gate, u + b_up before the activation, b_down added to each expert's output before the
     router weight; bf16 on the path of separate launches for now (the plan's choice with them).
+    ``w_gate=None``: ungated experts, for an ungated activation (``Activation("relu2")``: down(relu(up
+    x)^2)); the operator then gets w_up in w_gate's place, unread, and gives it no gradient.
     """
+    ungated = w_gate is None
+    if ungated:
+        w_gate = w_up
     if shared is not None:
         if not (isinstance(shared, (tuple, list)) and len(shared) == 3):
             raise MoEInputError("shared must be None or a tuple (w_gate_s [I_s, H], w_up_s [I_s, H], "
@@ -55,6 +60,10 @@ def moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None
         check_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, _shared_tuple(sg, su, sd), world_size=W,
                      check_ids=False, dtypes=(torch.bfloat16,), biases=biases)
         check_device(x.device)
+        act = parse_config(cstr).activation
+        if ungated == act.gated:
+            raise MoEInputError(f"MoEConfig(activation={act}): " + ("needs w_gate" if act.gated else
+                                                                    "ungated experts: w_gate must be None"))
     biases = tuple(biases) if biases is not None else None
     save = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, sg, su, sd, *(biases or ())))

@@ -202,13 +202,18 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     arch = arch if arch is not None else _device_arch(device)
     # Bias epilogues and transposed weights: bf16.py's kernels (pointer loads) on the path of separate
     # launches; biases in bf16 only. (FP8 quantizes the weights from wherever they lie, once a version.)
-    pointer_loads = dims.biases or dims.layout != LAYOUT_NK
+    # Ungated experts ("relu2"): the same, in bf16, without biases.
+    ungated = not config.activation.gated
+    if ungated and dims.biases:
+        raise MoEInputError(f"Activation({config.activation.kind!r}) (ungated experts) takes no biases for now")
+    pointer_loads = dims.biases or dims.layout != LAYOUT_NK or ungated
     if pointer_loads:
-        what = "experts with biases" if dims.biases else f"weights in the {dims.layout!r} layout"
-        if (config.precision != "bf16" and dims.biases) or config.megakernel or t.bf16_ws:
-            raise MoEInputError(f"{what} run on the path of separate launches and bf16.py's kernels (biases: in "
-                                f"bf16) for now: MoEConfig(precision={config.precision!r}, megakernel="
-                                f"{config.megakernel}) with Tuning(bf16_ws={t.bf16_ws}) cannot take them")
+        what = ("experts with biases" if dims.biases else f"ungated experts ({config.activation.kind})" if ungated
+                else f"weights in the {dims.layout!r} layout")
+        if (config.precision != "bf16" and (dims.biases or ungated)) or config.megakernel or t.bf16_ws:
+            raise MoEInputError(f"{what} run on the path of separate launches and bf16.py's kernels (biases, "
+                                f"ungated experts: in bf16) for now: MoEConfig(precision={config.precision!r}, "
+                                f"megakernel={config.megakernel}) with Tuning(bf16_ws={t.bf16_ws}) cannot take them")
         ws = False
     else:
         ws = _ws_core("bf16_ws", t.bf16_ws, heuristics.bf16_ws_possible(arch, tile_m, H, I), arch, tile_m, H, I, 8)

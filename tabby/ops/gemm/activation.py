@@ -17,6 +17,7 @@ ACT_SWIGLU_CLAMP: tl.constexpr = tl.constexpr(1)  # silu(min(g, L)) * clamp(u, -
 ACT_SWIGLU_CLAMP_OUT: tl.constexpr = tl.constexpr(2)  # min(silu(g), L) * clamp(u, -L, L)
 ACT_GPT_OSS: tl.constexpr = tl.constexpr(3)  # (clamp(u, -L, L) + 1) * gc * sigmoid(alpha gc), gc = min(g, L)
 ACT_GEGLU: tl.constexpr = tl.constexpr(4)  # gelu_tanh(g) * u = g * sigmoid(2c (g + 0.044715 g^3)) * u, c = sqrt(2/pi)
+ACT_RELU2: tl.constexpr = tl.constexpr(5)  # relu(u)^2: no gate (g not read, dg not made)
 GELU_2C: tl.constexpr = tl.constexpr(1.5957691216057308)  # 2 sqrt(2/pi): 0.5 (1 + tanh(z)) = sigmoid(2z)
 GELU_A: tl.constexpr = tl.constexpr(0.044715)
 
@@ -39,6 +40,9 @@ def act_fwd(g, u, ACT: tl.constexpr, LIMIT, ALPHA):
     elif ACT == ACT_GPT_OSS:
         gc = tl.minimum(g, LIMIT)
         h = (_clamp_sym(u, LIMIT) + 1.0) * (gc * tl.sigmoid(ALPHA * gc))
+    elif ACT == ACT_RELU2:
+        r = tl.maximum(u, 0.0)
+        h = r * r
     else:
         h = g * tl.sigmoid(GELU_2C * (g + GELU_A * g * g * g)) * u
     return h
@@ -67,6 +71,9 @@ def act_grads(g, u, dh, ACT: tl.constexpr, LIMIT, ALPHA):
         sa = tl.sigmoid(ALPHA * gc)
         dg = tl.where(g <= LIMIT, dh * (_clamp_sym(u, LIMIT) + 1.0) * sa * (1.0 + ALPHA * gc * (1.0 - sa)), 0.0)
         du = tl.where(tl.abs(u) <= LIMIT, dh * (gc * sa), 0.0)
+    elif ACT == ACT_RELU2:  # (dg: zeros, not stored)
+        dg = dh * 0.0
+        du = dh * (2.0 * tl.maximum(u, 0.0))
     else:
         s = tl.sigmoid(GELU_2C * (g + GELU_A * g * g * g))
         dg = dh * u * (s + g * s * (1.0 - s) * GELU_2C * (1.0 + 3.0 * GELU_A * g * g))

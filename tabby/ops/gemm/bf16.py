@@ -58,7 +58,7 @@ import triton.language as tl
 from ...activation import SWIGLU, Activation
 from ...validate import LAYOUT_KN, LAYOUT_KN_PAIRED, LAYOUT_NK, LAYOUTS, gate_up_layout
 from .. import INTERPRET
-from .activation import act_fwd, act_grads
+from .activation import ACT_RELU2, act_fwd, act_grads
 
 
 # --------------------------------------------------------------------------------------------
@@ -439,7 +439,8 @@ def gate_up_swiglu_tile(pid_m, pid_n,
                                                  H, BM, BN, BK, INTERPRET)
         else:
             acc_g, acc_u = _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_wn,
-                                             H, I, BM, BN, BK, EVEN_K, INTERPRET, n_rows, MASK_ROWS, W_LAYOUT)
+                                             H, I, BM, BN, BK, EVEN_K, INTERPRET, n_rows, MASK_ROWS, W_LAYOUT,
+                                             ACT != ACT_RELU2)
         offs_m = tl.arange(0, BM)
         rows = row0 + offs_m
         cols = pid_n * BN + tl.arange(0, BN)
@@ -452,7 +453,8 @@ def gate_up_swiglu_tile(pid_m, pid_n,
         tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=cmask)
         if SAVE_GU:
             gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
-            tl.store(gptrs, acc_g.to(gu_ptr.dtype.element_ty), mask=cmask)
+            if ACT != ACT_RELU2:  # (ungated: g's columns left unwritten, never read)
+                tl.store(gptrs, acc_g.to(gu_ptr.dtype.element_ty), mask=cmask)
             tl.store(gptrs + I, acc_u.to(gu_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -510,10 +512,11 @@ def _gate_up_mainloop_rows_tma(a_rows, n0, e, wg_desc, wu_desc, H: tl.constexpr,
 def _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_we, stride_wn,
                       H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, n_rows, MASK_ROWS: tl.constexpr,
-                      W_LAYOUT: tl.constexpr = 0):
+                      W_LAYOUT: tl.constexpr = 0, GATED: tl.constexpr = True):
     """The pointer-load K loop of ``gate_up_swiglu_tile``: fp32 (acc_g, acc_u) [BM, BN] each.
     W_LAYOUT ``W_NK``: Wg[e], Wu[e] [I, H] with unit H stride (rows stride_wn apart); ``W_KN``: unit I
-    stride (rows of H stride_wn apart); ``W_KN_PAIRED``: ``_gate_up_mainloop_paired``."""
+    stride (rows of H stride_wn apart); ``W_KN_PAIRED``: ``_gate_up_mainloop_paired``. Without GATED
+    (an ungated activation) Wg is not read and acc_g stays zero."""
     if W_LAYOUT == W_KN_PAIRED:
         return _gate_up_mainloop_paired(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, stride_we, stride_wn, H, I, BM,
                                         BN, BK, EVEN_K, INTERPRET)
@@ -538,7 +541,8 @@ def _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_
                 a = tl.load(a_ptrs, mask=(row0 + offs_m < n_rows)[:, None], other=0.0)
             else:
                 a = tl.load(a_ptrs)
-            bg = tl.load(bg_ptrs)
+            if GATED:
+                bg = tl.load(bg_ptrs)
             bu = tl.load(bu_ptrs)
         else:
             kmask = offs_k < H - kt * BK
@@ -547,16 +551,20 @@ def _gate_up_mainloop(row0, pid_n, e, xs_ptr, stride_xm, wg_ptr, wu_ptr, stride_
             else:
                 a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             if W_LAYOUT == W_KN:
-                bg = tl.load(bg_ptrs, mask=kmask[:, None], other=0.0)
+                if GATED:
+                    bg = tl.load(bg_ptrs, mask=kmask[:, None], other=0.0)
                 bu = tl.load(bu_ptrs, mask=kmask[:, None], other=0.0)
             else:
-                bg = tl.load(bg_ptrs, mask=kmask[None, :], other=0.0)
+                if GATED:
+                    bg = tl.load(bg_ptrs, mask=kmask[None, :], other=0.0)
                 bu = tl.load(bu_ptrs, mask=kmask[None, :], other=0.0)
         if W_LAYOUT == W_KN:
-            acc_g = _dot(a, bg, acc_g, INTERPRET)
+            if GATED:
+                acc_g = _dot(a, bg, acc_g, INTERPRET)
             acc_u = _dot(a, bu, acc_u, INTERPRET)
         else:
-            acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)
+            if GATED:
+                acc_g = _dot(a, tl.trans(bg), acc_g, INTERPRET)
             acc_u = _dot(a, tl.trans(bu), acc_u, INTERPRET)
         a_ptrs += BK
         bg_ptrs += b_step
@@ -903,13 +911,19 @@ def _down_operand(w_down: torch.Tensor) -> tuple[torch.Tensor, str]:
     return w_down.transpose(1, 2), "kn"
 
 
-def _gate_up_dgrad_args(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> dict:
+def _gate_up_dgrad_args(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, gated: bool = True) -> dict:
     """rows_gemm's operands for dg @ Wg[e] + du @ Wu[e] with the weights as they lie
     (``validate.gate_up_layout``): Tabby's [E, I, H] "kn" in two K phases; transposed ([E, H, I] with
-    unit I stride) "nk" in two phases; g and u interleaved (gpt-oss) one "nk-paired" [E, H, 2I]."""
+    unit I stride) "nk" in two phases; g and u interleaved (gpt-oss) one "nk-paired" [E, H, 2I].
+    Not ``gated`` (an ungated activation: no dg, w_gate unread): du @ Wu[e] alone, one phase."""
     E, I, H = w_gate.shape
     assert dgu.shape[1] == 2 * I
     layout = gate_up_layout(w_gate, w_up)
+    if not gated:
+        if layout == LAYOUT_NK:
+            return dict(a=dgu[:, I:], b=w_up, b_layout="kn")
+        if layout == LAYOUT_KN:
+            return dict(a=dgu[:, I:], b=w_up.transpose(1, 2), b_layout="nk")
     if layout == LAYOUT_NK:
         return dict(a=dgu[:, :I], b=w_gate, b_layout="kn", a2=dgu[:, I:], b2=w_up)
     if layout == LAYOUT_KN:
@@ -923,12 +937,12 @@ def _gate_up_dgrad_args(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Ten
 def gate_up_dgrad_push(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                        tile_expert: torch.Tensor, num_tiles: torch.Tensor,
                        row_src: torch.Tensor, dst_ptrs: torch.Tensor, TK: int, *,
-                       dst_stride: int | None = None, config: GemmConfig | Bf16Gemm):
+                       dst_stride: int | None = None, config: GemmConfig | Bf16Gemm, gated: bool = True):
     """dxs = dg @ Wg[e] + du @ Wu[e] (dgu [R, 2I]: dg = dgu[:, :I], du = dgu[:, I:]; w [E, I, H] in a
-    layout of ``validate.LAYOUTS``), each row pushed bf16 to its origin as in ``down_push``
-    (destinations [TK, H])."""
+    layout of ``validate.LAYOUTS``; not ``gated``: du @ Wu[e] only), each row pushed bf16 to its origin
+    as in ``down_push`` (destinations [TK, H])."""
     rows_gemm(tile_expert=tile_expert, num_tiles=num_tiles, row_src=row_src, dst_ptrs=dst_ptrs, TK=TK,
-              dst_stride=dst_stride, config=config, **_gate_up_dgrad_args(dgu, w_gate, w_up))
+              dst_stride=dst_stride, config=config, **_gate_up_dgrad_args(dgu, w_gate, w_up, gated))
 
 
 def gate_up_dgrad_local(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -1004,14 +1018,19 @@ def _swiglu_bwd_epilogue(acc, rows, cols, w, gu_ptr, stride_gum, dgu_ptr, stride
     so that gemm_fp8_ws's Gluon kernel calls it too."""
     cmask = (cols < I)[None, :]
     gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
-    g = tl.load(gptrs, mask=cmask, other=0.0).to(tl.float32)
-    u = tl.load(gptrs + I, mask=cmask, other=0.0).to(tl.float32)
+    if ACT == ACT_RELU2:  # ungated: no g (its columns unwritten), no dg
+        u = tl.load(gptrs + I, mask=cmask, other=0.0).to(tl.float32)
+        g = u
+    else:
+        g = tl.load(gptrs, mask=cmask, other=0.0).to(tl.float32)
+        u = tl.load(gptrs + I, mask=cmask, other=0.0).to(tl.float32)
     h = act_fwd(g, u, ACT, LIMIT, ALPHA)
     dw = tl.sum(acc * h, axis=1)  # masked columns: g = u = 0 -> h = 0 (every kind)
     dh = acc * w[:, None]
     dg, du = act_grads(g, u, dh, ACT, LIMIT, ALPHA)
     dptrs = dgu_ptr + rows[:, None] * stride_dgum + cols[None, :]
-    tl.store(dptrs, dg.to(dgu_ptr.dtype.element_ty), mask=cmask)
+    if ACT != ACT_RELU2:
+        tl.store(dptrs, dg.to(dgu_ptr.dtype.element_ty), mask=cmask)
     tl.store(dptrs + I, du.to(dgu_ptr.dtype.element_ty), mask=cmask)
     tl.store(hw_ptr + rows[:, None] * stride_hwm + cols[None, :], (h * w[:, None]).to(hw_ptr.dtype.element_ty),
              mask=cmask)
