@@ -6,8 +6,9 @@ own eager experts and by Tabby: output and every gradient (hidden states, routin
 gate_up_proj, down_proj, and the biases where there are some) compared, and the family reported as
 running on Tabby with the activation its gate computes. gpt-oss and the OpenAI privacy filter
 (transposed weights, biases; gpt-oss's gate and up interleaved) run on Tabby too, their weights read
-in place. The family Tabby cannot run yet (Nemotron-H: no gate) falls back to transformers'
-grouped_mm, with its reason.
+in place, and Nemotron-H's ungated experts (relu(up x)^2). No family of transformers 5.17 falls back;
+experts whose activation is none of Tabby's (a Nemotron-H with SiLU) fall back to transformers'
+grouped_mm, with the reason.
 
 The inputs put every g and u on a grid of 1/8 (x in {-1, 0, 1}, gate_up_proj in {-2..2} / 8: exact
 in bf16) and the clamp limits at 17/16, off the grid: a clamp's gradient jumps at its limit, and no
@@ -65,11 +66,15 @@ FAMILIES = {
                 Activation("gpt-oss", limit=LIMIT, alpha=1.702)),
     "openai_privacy_filter": ("OpenAIPrivacyFilterConfig", dict(intermediate_size=I, num_local_experts=E),
                               "OpenAIPrivacyFilterExperts", {}, Activation("gpt-oss", limit=LIMIT, alpha=1.702)),
+    # no gate: up_proj [E, I, H], down(relu(up x)^2)
+    "nemotron_h": ("NemotronHConfig", dict(moe_intermediate_size=I, n_routed_experts=E), "NemotronHExperts", {},
+                   Activation("relu2")),
 }
 # family: (config class, config kwargs, experts class, why Tabby falls back)
+# (no family of transformers 5.17 falls back; a Nemotron-H whose act_fn is none of Tabby's does)
 FALLBACKS = {
-    "nemotron_h": ("NemotronHConfig", dict(moe_intermediate_size=I, n_routed_experts=E), "NemotronHExperts",
-                   "without a gate"),
+    "nemotron_h": ("NemotronHConfig", dict(moe_intermediate_size=I, n_routed_experts=E, mlp_hidden_act="silu"),
+                   "NemotronHExperts", "none of Tabby's ungated activations"),
 }
 
 
@@ -113,7 +118,8 @@ def _run(ex, x, idx, w, dy):
     y.backward(dy)
     biases = [p.grad for p in (getattr(ex, "gate_up_proj_bias", None), getattr(ex, "down_proj_bias", None))
               if p is not None]
-    return [y.detach(), xs.grad, ws.grad, ex.gate_up_proj.grad, ex.down_proj.grad, *biases]
+    up = ex.gate_up_proj if hasattr(ex, "gate_up_proj") else ex.up_proj
+    return [y.detach(), xs.grad, ws.grad, up.grad, ex.down_proj.grad, *biases]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -136,6 +142,8 @@ def test_family_runs_on_tabby_like_transformers_eager(family):
     assert len(got) == len(want) == (7 if getattr(ours, "has_bias", False) else 5)
     errs = {n: rel(a, b) for n, a, b in zip(names, got, want)}
     assert all(e < TOL for e in errs.values()), errs
+    if act.kind == "relu2":  # relu clipped some entries here
+        assert (x.float() @ eager.up_proj[0].float().t() < 0).any()
     if act.limit is not None:  # the clamps clipped some entries here
         w_gate = tabby_hf.expert_weights(eager)[0]
         g = (x.float() @ w_gate[0].float().t())

@@ -94,7 +94,10 @@ def detect_activation(module: nn.Module) -> Activation | None:
     """Which of Tabby's activations the module's gate (``_apply_gate``, with its ``act_fn``, limits
     and alpha) computes, found by running it: on a probe of g, u values from -50 to 50 (past any
     clamp in use) in float64, against each candidate (``_candidates``); None if none matches. Where
-    the gate and up columns interleave (``is_concatenated=False``) the probe is laid out so."""
+    the gate and up columns interleave (``is_concatenated=False``) the probe is laid out so. Experts
+    without a gate (``has_gate`` false): ``_ungated_activation``."""
+    if not getattr(module, "has_gate", True):
+        return _ungated_activation(module)
     apply_gate = getattr(module, "_apply_gate", None)
     if apply_gate is None:
         return None
@@ -118,10 +121,38 @@ def detect_activation(module: nn.Module) -> Activation | None:
     return None
 
 
+def _ungated_activation(module: nn.Module) -> Activation | None:
+    """Which of Tabby's ungated activations the module's ``act_fn`` computes on up x, found as
+    ``detect_activation`` finds a gate (a probe from -50 to 50, float64); None if none matches."""
+    fn = getattr(module, "act_fn", None)
+    if fn is None:
+        return None
+    u = torch.linspace(-50.0, 50.0, 4001, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            got = fn(u)
+    except Exception:  # noqa: BLE001 -- an act_fn that cannot run on the probe is not one of Tabby's
+        return None
+    for act in (Activation("relu2"),):
+        want = apply_activation(None, u, act)
+        if got.shape == want.shape and torch.allclose(got.to(torch.float64), want, rtol=1e-9, atol=1e-12):
+            return act
+    return None
+
+
 def _gate_of(module: nn.Module) -> tuple[Activation | None, str | None]:
     """(the module's activation, None) where its experts run on Tabby, else (None, why not)."""
     if not getattr(module, "has_gate", True):
-        return None, "experts without a gate projection"
+        if not (hasattr(module, "up_proj") and hasattr(module, "down_proj")):
+            return None, "experts without a gate projection and without up_proj / down_proj parameters"
+        if getattr(module, "has_bias", False):
+            return None, "ungated experts with biases"
+        act = detect_activation(module)
+        if act is None:
+            fn = getattr(module, "act_fn", None)
+            return None, (f"experts without a gate whose act_fn ({type(fn).__name__ if fn is not None else None}) "
+                          f"is none of Tabby's ungated activations (relu2)")
+        return act, None
     if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
         return None, "no gate_up_proj / down_proj parameters"
     if getattr(module, "has_bias", False) and not (hasattr(module, "gate_up_proj_bias")
@@ -180,7 +211,7 @@ def tabby_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
                         type(self).__name__, why)
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     rank, world = getattr(self, "tabby_rank_size", (0, 1))
-    E_local = self.gate_up_proj.shape[0]
+    E_local = self.down_proj.shape[0]
     idx, weights = skip_invalid_ids(top_k_index, top_k_weights, E_local * world, rank * E_local, E_local)
     w_gate, w_up, w_down, biases = expert_weights(self)
     x = hidden_states if hidden_states.dtype == torch.bfloat16 else hidden_states.to(torch.bfloat16)
@@ -208,9 +239,15 @@ def expert_weights(module: nn.Module):
     ``tabby.moe``: views of its parameters as they lie (no copy; bf16 casts excepted), whatever its
     layout flags: ``gate_up_proj`` [E, 2I, H] or transposed [E, H, 2I] (``is_transposed``, and then
     ``down_proj`` [E, I, H]), gate and up halves concatenated or interleaved (``is_concatenated``);
-    ``has_bias``: (gate_up_proj_bias [E, 2I] halved the same way, down_proj_bias [E, H])."""
+    ``has_bias``: (gate_up_proj_bias [E, 2I] halved the same way, down_proj_bias [E, H]). Without a gate
+    (``has_gate`` false): w_gate None and w_up from ``up_proj`` [E, I, H] (transposed: [E, H, I])."""
     transposed = getattr(module, "is_transposed", False)
     concatenated = getattr(module, "is_concatenated", True)
+    if not getattr(module, "has_gate", True):
+        up, down = _bf16(module.up_proj), _bf16(module.down_proj)
+        if transposed:
+            return None, up.transpose(1, 2), down.transpose(1, 2), None
+        return None, up, down, None
     gate_up, down = _bf16(module.gate_up_proj), _bf16(module.down_proj)
     if transposed:
         w_gate, w_up = (w.transpose(1, 2) for w in _halves(gate_up, 2, concatenated))
@@ -247,8 +284,9 @@ def experts_modules(model: nn.Module):
 
 
 def _has_expert_weights(m: nn.Module) -> bool:
-    return isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and isinstance(getattr(m, "down_proj", None),
-                                                                                     nn.Parameter)
+    first = "gate_up_proj" if getattr(m, "has_gate", True) else "up_proj"
+    return isinstance(getattr(m, first, None), nn.Parameter) and isinstance(getattr(m, "down_proj", None),
+                                                                            nn.Parameter)
 
 
 def attach(model: nn.Module) -> nn.Module:
@@ -283,7 +321,7 @@ def shard_experts(model: nn.Module, group) -> nn.Module:
     name = layer.group_name(group)
     for m in experts_modules(model):
         with torch.no_grad():
-            for pname in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            for pname in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
                 p = getattr(m, pname, None)
                 if not isinstance(p, nn.Parameter):
                     continue
