@@ -1,9 +1,11 @@
 """Transposed expert weights read in place on a GPU, one rank, at the widths of gpt-oss-120b and
 qwen3-30b-a3b (the plan's path for them: separate launches, bf16.py's kernels): values and the
 gradients of the fused parameters against the fp32 reference, with gpt-oss's activation and biases;
-20-run bitwise repeat; no host sync. The CPU cases and helpers: test_layouts.py."""
+20-run bitwise repeat; no host sync; FP8 on them bitwise as on Tabby's layout. Ungated experts
+(relu2) on the same path. The CPU cases and helpers: test_layouts.py, test_ungated.py."""
 import pytest
 import torch
+from harness import rel_err as rel
 from test_layouts import GPT_OSS, compare, fused, problem, views
 
 import tabby
@@ -64,3 +66,29 @@ def test_fp8_layouts_gpu_equal_tabby_layout(layout):
     d_gate_up, d_down = fused(tuple(t.grad for t in ref[2:]), tuple(b.cuda() for b in bs), layout)[:2]
     got = [t.grad for t in lv]
     assert all(torch.equal(a, b) for a, b in zip(got, (ref[0].grad, ref[1].grad, d_gate_up, d_down)))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("H,I,E,k,T", [(2688, 1856, 16, 6, 1024), (2048, 768, 16, 8, 1024)])
+def test_ungated_gpu(H, I, E, k, T):
+    """relu2 experts (Nemotron-H's; 2688 / 1856: Nemotron-3-Nano's widths) against the fp32 reference,
+    20-run bitwise repeat."""
+    from test_ungated import RELU2, problem as ungated_problem
+
+    x, idx, wts, w_up, w_down, dy = ungated_problem(1, T, H, I, E, k, seed=H)
+    cfg = MoEConfig(activation=RELU2)
+
+    def run(fn, **kw):
+        ref = fn is tabby.moe_reference
+        lv = [(t.cuda().float() if ref else t.cuda()).requires_grad_(True) for t in (x, wts, w_up, w_down)]
+        y = fn(lv[0], idx.cuda(), lv[1], None, lv[2], lv[3], **kw)
+        y.backward(dy.cuda().to(y.dtype))
+        return [y.detach().float().cpu()] + [t.grad.float().cpu() for t in lv]
+
+    got = run(tabby.moe, config=cfg)
+    want = run(tabby.moe_reference, activation=RELU2)
+    errs = {n: rel(a, b) for n, a, b in zip(["y", "dx", "dw", "dw_up", "dw_down"], got, want)}
+    print(f"GPU ungated H={H} I={I} E={E} k={k} T={T}: {errs}")
+    assert all(e < 2e-2 for e in errs.values()), errs
+    for _ in range(19):
+        assert all(torch.equal(a, b) for a, b in zip(got, run(tabby.moe, config=cfg)))
