@@ -791,6 +791,13 @@ def rows_gemm_kernel(a_ptr, a2_ptr, stride_am,
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+def rows_block_k(cfg: GemmConfig, paired: bool) -> int:
+    """rows_gemm's K block: the config's; paired ("nk-paired"), whose K step loads A and A2 [BM, BK]
+    and B [BN, 2BK], half of it, so that a pipeline stage takes the shared memory one phase's does
+    (the whole block overflows an sm_90 CTA's at the gate/up dgrad's tiles)."""
+    return max(16, cfg.BK // 2) if paired else cfg.BK
+
+
 def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
               b_layout: str = "nk", a2: torch.Tensor | None = None, b2: torch.Tensor | None = None,
               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
@@ -869,14 +876,15 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
         return None if push else out
     num_m = R // cfg.BM
     grid = (num_m * triton.cdiv(N, cfg.BN),)
-    even_k = K % cfg.BK == 0 and K2 % cfg.BK == 0
+    BK = rows_block_k(cfg, paired)
+    even_k = K % BK == 0 and K2 % BK == 0
     kw = dict(B_PAIRED=True) if paired else {}
     rows_gemm_kernel[grid](
         a, a2 if two or paired else a, a.stride(0),
         b, b2 if two else b, b.stride(0), (b2 if two else b).stride(0), b.stride(1),
         c, stride_c, row_src, dst_ptrs, TK, stride_d,
         tile_expert, num_tiles, num_m, N, K, K2,
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+        BM=cfg.BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M,
         B_NK=(b_layout != "kn"), TWO_PHASE=two, EVEN_K=even_k, PUSH=push,
         DST_DTYPE=_TL_DTYPES[dst_dtype], INTERPRET=INTERPRET, HAS_BIAS=bias is not None, bias_ptr=bias,
         stride_bias_e=bias.stride(0) if bias is not None else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
