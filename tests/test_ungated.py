@@ -102,3 +102,22 @@ def test_arguments_and_plan_refusals():
         with pytest.raises(MoEInputError, match="ungated experts"):
             tabby.moe(x, idx, wts, None, w_up, w_down, config=cfg)
     assert not RELU2.gated and Activation().gated
+
+
+@cpu_only
+@pytest.mark.parametrize("layout", ["separate", "fused"])
+def test_nn_experts_ungated(layout):
+    """tabby.nn.Experts with relu2: an up projection only (fused: ``up_proj``, transformers' name), the
+    same as tabby.moe on its weights."""
+    from tabby.nn import Experts
+
+    ex = Experts(3, 32, 24, layout=layout, config=CFG, dtype=torch.bfloat16)
+    names = {n for n, _ in ex.named_parameters()}
+    assert names == ({"up_proj", "down_proj"} if layout == "fused" else {"w_up", "w_down"})
+    x, idx, wts, _, _, _ = problem(1, 9, 32, 24, 3, 2, seed=2)
+    y = ex(x, idx, wts)
+    w_gate, w_up, w_down = ex.weights()
+    assert w_gate is None
+    assert torch.equal(y, tabby.moe(x, idx, wts, None, w_up, w_down, config=CFG))
+    with pytest.raises(MoEInputError, match="ungated"):
+        Experts(3, 32, 24, config=CFG, bias=True)

@@ -99,7 +99,18 @@ class Experts(nn.Module):
         self.init_std = init_std
         E, H, I = num_experts_local, hidden, intermediate
         kw = dict(dtype=dtype, device=device)
-        if layout == "fused":
+        self.gated = config is None or config.activation.gated
+        if not self.gated:  # ungated experts (relu2): an up projection only (fused: transformers' up_proj)
+            if bias:
+                raise MoEInputError(f"Experts(activation={config.activation}, bias=True): ungated experts take no "
+                                    f"biases for now")
+            if layout == "fused":
+                self.up_proj = nn.Parameter(torch.empty(E, I, H, **kw))
+                self.down_proj = nn.Parameter(torch.empty(E, H, I, **kw))
+            else:
+                self.w_up = nn.Parameter(torch.empty(E, I, H, **kw))
+                self.w_down = nn.Parameter(torch.empty(E, H, I, **kw))
+        elif layout == "fused":
             self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, **kw))
             self.down_proj = nn.Parameter(torch.empty(E, H, I, **kw))
         else:
@@ -141,9 +152,11 @@ class Experts(nn.Module):
                 f"rank={self.rank}, "
                 f"world_size={self.world_size}")
 
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def weights(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """(w_gate, w_up [E_local, I, H], w_down [E_local, H, I]); in the fused layout views of
-        ``gate_up_proj`` with equal strides (what Tabby's kernels need), no copy."""
+        ``gate_up_proj`` with equal strides (what Tabby's kernels need), no copy. Ungated: w_gate None."""
+        if not self.gated:
+            return (None, self.up_proj, self.down_proj) if self.layout == "fused" else (None, self.w_up, self.w_down)
         if self.layout == "separate":
             return self.w_gate, self.w_up, self.w_down
         return (*split_gate_up(self.gate_up_proj), self.down_proj)
@@ -175,7 +188,7 @@ class Experts(nn.Module):
                                       self.num_experts_local)
         w_gate, w_up, w_down = self.weights()
         dt = torch.bfloat16
-        ws = [t if t.dtype == dt else t.to(dt) for t in (w_gate, w_up, w_down)]
+        ws = [t if t is None or t.dtype == dt else t.to(dt) for t in (w_gate, w_up, w_down)]
         if shared is not None:
             shared = tuple(t if t.dtype == dt else t.to(dt) for t in shared)
         xin = x2 if x2.dtype == dt else x2.to(dt)
