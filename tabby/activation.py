@@ -26,7 +26,7 @@ from .validate import MoEInputError
 
 # A kind's index is the kernels' constexpr code of it (ops/gemm/activation.py's ACT_*).
 KINDS = ("swiglu", "swiglu-clamp", "swiglu-clamp-out", "gpt-oss", "geglu", "relu2")
-_UNGATED = ("relu2",)
+UNGATED_KINDS = ("relu2",)  # kinds without a gate projection
 _LIMITED = ("swiglu-clamp", "swiglu-clamp-out", "gpt-oss")
 
 
@@ -64,7 +64,7 @@ class Activation:
     @property
     def gated(self) -> bool:
         """Whether h depends on a gate projection g (every kind but "relu2")."""
-        return self.kind not in _UNGATED
+        return self.kind not in UNGATED_KINDS
 
     @property
     def code(self) -> int:

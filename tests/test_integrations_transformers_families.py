@@ -74,7 +74,7 @@ FAMILIES = {
 # (no family of transformers 5.17 falls back; a Nemotron-H whose act_fn is none of Tabby's does)
 FALLBACKS = {
     "nemotron_h": ("NemotronHConfig", dict(moe_intermediate_size=I, n_routed_experts=E, mlp_hidden_act="silu"),
-                   "NemotronHExperts", "none of Tabby's ungated activations"),
+                   "NemotronHExperts", "an ungated activation that is none of Tabby's"),
 }
 
 

@@ -91,32 +91,22 @@ def test_cli_rejects_bad_options(capsys):
     assert "unknown model" in capsys.readouterr().err
 
 
-def test_tiny_deepseek_v4_trains_like_grouped_mm(tmp_path):
-    """A tiny DeepSeek-V4 (clamped SwiGLU experts: the transformers backend finds the activation):
-    Tabby's first loss equals grouped_mm's, both runs finite."""
-    cfg = train.TrainConfig(models=["tiny-deepseek-v4"], modes=["eager"], steps=2, tokens=32, seq_len=16,
-                            warmup_steps=1, log_every=1, out=str(tmp_path), tag="v4", repeat=False,
-                            tabby_config=train.CPU_TABBY_CONFIG)
-    result = train.run(cfg)
-    runs = result["runs"]
-    assert {r["backend"] for r in runs} == {"grouped_mm", "tabby"} and not result["failed"]
-    assert all(r["error"] is None and all(math.isfinite(x) for x in r["loss"]) for r in runs)
-    assert result["comparison"]["tiny-deepseek-v4"]["first_loss"]["rel_diff"] < 1e-3
-
-
-def test_tiny_gpt_oss_trains_like_grouped_mm(tmp_path):
-    """A tiny gpt-oss (transposed weights read in place, interleaved gate/up, biases, its clamped
-    gate): the experts run on Tabby (no fallback), its first loss equals grouped_mm's."""
+@pytest.mark.parametrize("model", ["tiny-deepseek-v4", "tiny-gpt-oss"])
+def test_tiny_families_train_like_grouped_mm(model, tmp_path):
+    """A tiny DeepSeek-V4 (clamped SwiGLU experts) and a tiny gpt-oss (transposed weights read in
+    place, interleaved gate/up, biases, its clamped gate): the transformers backend finds each one's
+    activation and runs its experts on Tabby (no fallback); Tabby's first loss equals grouped_mm's,
+    both runs finite."""
     import tabby.integrations.transformers as tabby_hf
 
     tabby_hf.register()
-    model = train.build_model(train.MODELS["tiny-gpt-oss"], "tabby", 0, torch.device("cpu"))
-    assert [tabby_hf._supported(m) for m in tabby_hf.experts_modules(model)] == [None, None]
-    cfg = train.TrainConfig(models=["tiny-gpt-oss"], modes=["eager"], steps=2, tokens=32, seq_len=16,
-                            warmup_steps=1, log_every=1, out=str(tmp_path), tag="gpt-oss", repeat=False,
+    built = train.build_model(train.MODELS[model], "tabby", 0, torch.device("cpu"))
+    assert all(tabby_hf._supported(m) is None for m in tabby_hf.experts_modules(built))
+    cfg = train.TrainConfig(models=[model], modes=["eager"], steps=2, tokens=32, seq_len=16,
+                            warmup_steps=1, log_every=1, out=str(tmp_path), tag=model, repeat=False,
                             tabby_config=train.CPU_TABBY_CONFIG)
     result = train.run(cfg)
     runs = result["runs"]
     assert {r["backend"] for r in runs} == {"grouped_mm", "tabby"} and not result["failed"]
     assert all(r["error"] is None and all(math.isfinite(x) for x in r["loss"]) for r in runs)
-    assert result["comparison"]["tiny-gpt-oss"]["first_loss"]["rel_diff"] < 1e-3
+    assert result["comparison"][model]["first_loss"]["rel_diff"] < 1e-3

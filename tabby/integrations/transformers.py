@@ -49,7 +49,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..activation import KINDS, Activation
+from ..activation import KINDS, UNGATED_KINDS, Activation
 from ..activation import apply as apply_activation
 from ..functional import moe as layer
 from ..functional.config import MoEConfig, config_string, parse_config
@@ -114,8 +114,13 @@ def detect_activation(module: nn.Module) -> Activation | None:
             got = apply_gate(probe).view(-1)
     except Exception:  # noqa: BLE001 -- a gate that cannot run on the probe is not one of Tabby's
         return None
-    for act in _candidates(module):
-        want = apply_activation(g, u, act)
+    return _matching(got, ((act, apply_activation(g, u, act)) for act in _candidates(module)))
+
+
+def _matching(got: torch.Tensor, candidates) -> Activation | None:
+    """The first (activation, its values on the probe) of ``candidates`` whose values ``got`` holds
+    (float64, to rounding), or None."""
+    for act, want in candidates:
         if got.shape == want.shape and torch.allclose(got.to(torch.float64), want, rtol=1e-9, atol=1e-12):
             return act
     return None
@@ -133,36 +138,26 @@ def _ungated_activation(module: nn.Module) -> Activation | None:
             got = fn(u)
     except Exception:  # noqa: BLE001 -- an act_fn that cannot run on the probe is not one of Tabby's
         return None
-    for act in (Activation("relu2"),):
-        want = apply_activation(None, u, act)
-        if got.shape == want.shape and torch.allclose(got.to(torch.float64), want, rtol=1e-9, atol=1e-12):
-            return act
-    return None
+    return _matching(got, ((Activation(k), apply_activation(None, u, Activation(k))) for k in UNGATED_KINDS))
 
 
 def _gate_of(module: nn.Module) -> tuple[Activation | None, str | None]:
     """(the module's activation, None) where its experts run on Tabby, else (None, why not)."""
-    if not getattr(module, "has_gate", True):
-        if not (hasattr(module, "up_proj") and hasattr(module, "down_proj")):
-            return None, "experts without a gate projection and without up_proj / down_proj parameters"
-        if getattr(module, "has_bias", False):
-            return None, "ungated experts with biases"
-        act = detect_activation(module)
-        if act is None:
-            fn = getattr(module, "act_fn", None)
-            return None, (f"experts without a gate whose act_fn ({type(fn).__name__ if fn is not None else None}) "
-                          f"is none of Tabby's ungated activations (relu2)")
-        return act, None
-    if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
-        return None, "no gate_up_proj / down_proj parameters"
+    gated = getattr(module, "has_gate", True)
+    first = "gate_up_proj" if gated else "up_proj"
+    if not (hasattr(module, first) and hasattr(module, "down_proj")):
+        return None, f"no {first} / down_proj parameters"
+    if getattr(module, "has_bias", False) and not gated:
+        return None, "ungated experts with biases"
     if getattr(module, "has_bias", False) and not (hasattr(module, "gate_up_proj_bias")
                                                    and hasattr(module, "down_proj_bias")):
         return None, "biases other than gate_up_proj_bias / down_proj_bias"
     act = detect_activation(module)
     if act is None:
         fn = getattr(module, "act_fn", None)
-        return None, (f"a gate that is none of Tabby's activations (act_fn "
-                      f"{type(fn).__name__ if fn is not None else None}; Tabby's: {', '.join(KINDS)})")
+        kinds = ", ".join(k for k in KINDS if (k in UNGATED_KINDS) != gated)
+        return None, (f"{'a gate' if gated else 'an ungated activation'} that is none of Tabby's (act_fn "
+                      f"{type(fn).__name__ if fn is not None else None}; Tabby's: {kinds})")
     return act, None
 
 

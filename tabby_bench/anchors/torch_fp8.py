@@ -193,13 +193,20 @@ def grouped_swiglu_fp8(xs, offs, w_gate, w_up, w_down):
     return y.index_select(0, dest)
 
 
+def fp8_a2a_layer(name: str, reason: str | None, grouped, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                  group):
+    """torch-a2a with ``grouped`` (an FP8 ``grouped_swiglu``) for the experts, after the FP8 rows'
+    checks: ``reason`` (why ``name`` cannot run here, or None), H and I multiples of 16."""
+    if reason is not None:
+        raise MoEInputError(f"{name} {reason}")
+    dims = check_layer_inputs(name, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
+    if dims.H % 16 or dims.I % 16:
+        raise MoEInputError(f"{name} needs H and I multiples of 16, got H={dims.H}, I={dims.I}")
+    return a2a_layer(grouped, dims, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
+
+
 def moe_torch_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None):
     """torch-a2a with FP8 expert GEMMs; same contract as :func:`tabby.reference.moe_reference`
     (bf16 on an sm_90 GPU; the shared expert stays bf16)."""
-    reason = unavailable_reason()
-    if reason is not None:
-        raise MoEInputError(f"torch-fp8 {reason}")
-    dims = check_layer_inputs("torch-fp8", x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
-    if dims.H % 16 or dims.I % 16:
-        raise MoEInputError(f"torch-fp8 needs H and I multiples of 16, got H={dims.H}, I={dims.I}")
-    return a2a_layer(grouped_swiglu_fp8, dims, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
+    return fp8_a2a_layer("torch-fp8", unavailable_reason(), grouped_swiglu_fp8, x, topk_idx, topk_weights, w_gate,
+                         w_up, w_down, shared, group)

@@ -17,10 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tabby.validate import MoEInputError
-
-from .torch_a2a import a2a_layer, check_layer_inputs
-from .torch_fp8 import _padded_layout
+from .torch_fp8 import _padded_layout, fp8_a2a_layer
 from .torch_fp8 import unavailable_reason as _torch_fp8_unavailable
 
 
@@ -69,10 +66,5 @@ def grouped_swiglu_torchao(xs, offs, w_gate, w_up, w_down):
 def moe_torchao_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None, group=None):
     """torch-a2a with torchao's FP8 expert GEMMs; same contract as :func:`tabby.reference.moe_reference`
     (bf16 on an sm_90 GPU with torchao; the shared expert stays bf16)."""
-    reason = unavailable_reason()
-    if reason is not None:
-        raise MoEInputError(f"torchao-fp8 {reason}")
-    dims = check_layer_inputs("torchao-fp8", x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
-    if dims.H % 16 or dims.I % 16:
-        raise MoEInputError(f"torchao-fp8 needs H and I multiples of 16, got H={dims.H}, I={dims.I}")
-    return a2a_layer(grouped_swiglu_torchao, dims, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
+    return fp8_a2a_layer("torchao-fp8", unavailable_reason(), grouped_swiglu_torchao, x, topk_idx, topk_weights,
+                         w_gate, w_up, w_down, shared, group)
