@@ -170,3 +170,48 @@ def test_fp8_quantizes_transposed_weights_as_tabby_layout(layout):
     y, dx, dw, dwg, dwu, dwd = run_ranks(1, rank_fn)[0]
     d_gate_up, d_down = fused((dwg, dwu, dwd), bs, layout)[:2]
     assert all(torch.equal(a, b.float()) for a, b in zip(got, (y, dx, dw, d_gate_up, d_down)))
+
+
+@cpu_only
+@pytest.mark.parametrize("layout", ["kn", "kn-paired"])
+def test_compiled_training_step_is_eager_bitwise(layout):
+    """A training step on the fused parameters under torch.compile(fullgraph=True): every gradient
+    equals the eager step's bit for bit."""
+    prob = problem(1, 9, 32, 24, 3, 2, seed=6)
+    x, idx, wts, ws, bs, dy = prob
+    cfg = MoEConfig(tuning=Tuning(**SMALL), activation=GPT_OSS)
+
+    def step(x, wts, gate_up, down, bias, down_bias):
+        w3, b3 = views(gate_up, down, bias, down_bias, layout)
+        y = tabby.moe(x, idx, wts, *w3, config=cfg, biases=b3)
+        return (y.float() * dy.float()).sum()
+
+    outs = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        lv = [t.clone().requires_grad_(True) for t in (x, wts, *fused(ws, bs, layout))]
+        fn(*lv).backward()
+        outs.append([t.grad for t in lv])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+@cpu_only
+@pytest.mark.parametrize("layout", ["nk", "kn", "kn-paired"])
+def test_backward_operator_fake_has_the_real_strides(layout):
+    """The backward operator's fake (meta) gradients have the real ones' shapes and strides: the
+    weight gradients of transposed weights are transposed tensors (``backward.weight_grad_layout``,
+    what the fused parameters' gradients read in order), Tabby's layout's contiguous."""
+    from tabby.functional import custom_op
+    from tabby.functional.moe import config_string
+
+    x, idx, wts, ws, bs, dy = problem(1, 9, 32, 24, 3, 2, seed=7)
+    if layout == "nk":
+        w3, b3 = ws, bs
+    else:
+        w3, b3 = views(*fused(ws, bs, layout), layout)
+    cstr = config_string(MoEConfig(tuning=Tuning(**SMALL)))
+    out = torch.ops.tabby.moe(x, idx, wts, *w3, None, None, None, "", cstr, True, False, *b3)
+    args = (dy, x, wts, *w3, None, None, None, *out[1:], "", cstr, True, *b3)
+    real = torch.ops.tabby.moe_backward(*args)
+    fake = custom_op._moe_backward_fake(*args)
+    assert [(t.shape, t.stride()) for t in real] == [(t.shape, t.stride()) for t in fake]
+    assert real[2].is_contiguous() == (layout == "nk")

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 
+import functools
+
 import torch
 
 from ..ops import comm, sync
 from ..ops.gemm import bf16 as gemm
+from ..validate import LAYOUT_NK
 from . import memory
 from .memory import layer_buffers
 from .workspace import BWD, BWD_READY
@@ -140,12 +143,10 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
             mark(probe, "bwd:routed_rows")
         dw_gate, dw_up = _gate_up_wgrad(plan, dgu, xs, sched, w_gate.dtype)
         del dgu, xs
-        dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype,
-                                    config=plan.gemm_config(gemm.KIND_WGRAD_DOWN), programs=plan.wgrad_programs)
+        dw_down = _down_wgrad(plan, dys, hw, sched, w_down.dtype)
         del dys, hw
     else:
-        dw_down = gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, out_dtype=w_down.dtype,
-                                    config=plan.gemm_config(gemm.KIND_WGRAD_DOWN), programs=plan.wgrad_programs)
+        dw_down = _down_wgrad(plan, dys, hw, sched, w_down.dtype)
         del hw
         if missing:  # the token pull's rows gathered into dys's buffer (read by dW_down, queued before)
             xs = _rows_for_wgrad(ws, plan, sched, xs, x_kept, missing, TK, k,
@@ -162,14 +163,44 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
 
 
 def _gate_up_wgrad(plan: Plan, dgu, xs, sched, dtype):
-    """(dW_gate, dW_up) [E, I, H]; an ungated activation's dW_gate is an empty tensor (no gate)."""
+    """(dW_gate, dW_up) [E, I, H], laid out as the weights (``weight_grad_layout``); an ungated
+    activation's dW_gate is an empty tensor (no gate)."""
+    I = dgu.shape[1] // 2
+    wgrad = functools.partial(gemm.expert_wgrad, expert_start=sched.expert_start, expert_count=sched.expert_count,
+                              out_dtype=dtype, config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP),
+                              programs=plan.wgrad_programs)
+    transposed = plan.dims.layout != LAYOUT_NK  # C[e] = xs^T d(g|u) [H, I]: the transposed weights' own layout
+    halves = [dgu[:, :I], dgu[:, I:]] if plan.activation.gated else [dgu[:, I:]]
+    if transposed:
+        grads = [wgrad(xs, d).transpose(1, 2) for d in halves]
+    elif plan.activation.gated:
+        grads = list(gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count, out_dtype=dtype,
+                                               programs=plan.wgrad_programs,
+                                               config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP)))
+    else:
+        grads = [wgrad(d, xs) for d in halves]
     if not plan.activation.gated:
-        I = dgu.shape[1] // 2
-        dw_up = gemm.expert_wgrad(dgu[:, I:], xs, sched.expert_start, sched.expert_count, out_dtype=dtype,
-                                  config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP), programs=plan.wgrad_programs)
-        return dgu.new_empty(0, dtype=dtype), dw_up
-    return gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count, out_dtype=dtype,
-                                     programs=plan.wgrad_programs, config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP))
+        grads.insert(0, dgu.new_empty(0, dtype=dtype))
+    return tuple(grads)
+
+
+def _down_wgrad(plan: Plan, dys, hw, sched, dtype):
+    """dW_down [E, H, I], laid out as w_down (transposed weights: C[e] = hw^T dys [I, H], transposed)."""
+    kw = dict(out_dtype=dtype, config=plan.gemm_config(gemm.KIND_WGRAD_DOWN), programs=plan.wgrad_programs)
+    if plan.dims.layout != LAYOUT_NK:
+        return gemm.expert_wgrad(hw, dys, sched.expert_start, sched.expert_count, **kw).transpose(1, 2)
+    return gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, **kw)
+
+
+def weight_grad_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """An empty tensor shaped and strided as the backward's gradient of the routed weight ``w`` (for
+    the operator's fake implementation): contiguous in Tabby's layout; for the transposed ones the
+    transpose of a contiguous [E, w.shape[2], w.shape[1]], which the fused parameter's gradient
+    (autograd's ``stack`` / transpose) then reads in order."""
+    if layout == LAYOUT_NK:
+        return torch.empty(w.shape, dtype=w.dtype, device=w.device)
+    E, A, B = w.shape
+    return torch.empty((E, B, A), dtype=w.dtype, device=w.device).transpose(1, 2)
 
 
 def _bias_grads(biases, dgu, dys, row_w, sched, I: int):

@@ -68,8 +68,8 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.schedule import ScheduleBuffers, default_chunk, schedule_capacity
-from ..validate import MoEDims, MoEInputError, check_inputs
-from .backward import moe_backward, routed_rows_for_wgrad
+from ..validate import LAYOUT_NK, MoEDims, MoEInputError, check_inputs, weights_layout
+from .backward import moe_backward, routed_rows_for_wgrad, weight_grad_layout
 from .config import parse_config
 from .forward import KeptRows, MegaSaved, moe_forward
 from .forward_mega import moe_forward_mega
@@ -371,8 +371,11 @@ def _moe_backward_fake(dy, x, topk_weights, w_gate, w_up, w_down, shared_gate, s
         dbg, dbu, dbd = (dy.new_empty(0) for _ in range(3))
     else:
         dbg, dbu, dbd = like(b_gate), like(b_up), like(b_down)
-    dwg = like(w_gate) if parse_config(config).activation.gated else dy.new_empty(0)  # (ungated: no gate)
-    return like(x), like(topk_weights), dwg, like(w_up), like(w_down), dsg, dsu, dsd, dbg, dbu, dbd
+    cfg = parse_config(config)  # (the bf16 backward gives transposed weights transposed gradients; FP8's are contiguous)
+    layout = weights_layout(w_gate, w_up, w_down) if cfg.precision == "bf16" else LAYOUT_NK
+    dwg = weight_grad_layout(w_gate, layout) if cfg.activation.gated else dy.new_empty(0)
+    return (like(x), like(topk_weights), dwg, weight_grad_layout(w_up, layout), weight_grad_layout(w_down, layout),
+            dsg, dsu, dsd, dbg, dbu, dbd)
 
 
 # --------------------------------------------------------------------------------------------
