@@ -47,7 +47,7 @@ class ModelSpec:
     family: str  # "qwen3_moe", "deepseek_v3", "deepseek_v4" or "gpt_oss"
     fields: dict
     about: str
-    framework: str = "transformers"  # or "torchtitan" (0.3.0; its experts' default is torch._grouped_mm too)
+    framework: str = "transformers"  # or "torchtitan" (0.3.0, or 0.2.x; its experts' default is torch._grouped_mm)
     seq_len: int | None = None  # the model's sequence length (None: the run's ``TrainConfig.seq_len``)
 
     def seq(self, cfg: "TrainConfig") -> int:
@@ -227,20 +227,46 @@ def torchtitan_qwen3_config(dim, n_layers, n_heads, n_kv_heads, head_dim, moe_hi
         lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=q3._LINEAR_INIT))
 
 
+def import_torchtitan():
+    """The torchtitan package. torchtitan 0.2.x's model packages import its data loading
+    (``datasets``), which ``tabby train`` does not use (its corpus is its own): where ``datasets`` is
+    not installed an empty stand-in module takes its place, in this process only."""
+    import importlib.util
+    import sys
+    import types
+
+    if "datasets" not in sys.modules and importlib.util.find_spec("datasets") is None:
+        stub, dist = types.ModuleType("datasets"), types.ModuleType("datasets.distributed")
+        stub.Dataset = stub.IterableDataset = object
+        stub.load_dataset = dist.split_dataset_by_node = None
+        stub.distributed = dist
+        sys.modules.update({"datasets": stub, "datasets.distributed": dist})
+    import torchtitan
+
+    return torchtitan
+
+
+def torchtitan_legacy() -> bool:
+    """Whether the installed torchtitan is 0.2.x (no ``@override``; ``tabby.integrations.torchtitan02``)."""
+    return str(getattr(import_torchtitan(), "__version__", "")).startswith("0.2")
+
+
 class TorchtitanLM(torch.nn.Module):
     """A torchtitan decoder behind transformers' causal-LM call, ``model(input_ids=, labels=).loss``:
     the next-token cross-entropy in fp32 (labels shifted by one, as transformers does); flex
     attention gets its causal block mask (one document per row)."""
 
-    def __init__(self, decoder, flex: bool):
+    def __init__(self, decoder, flex: bool, legacy: bool = False):
         super().__init__()
-        self.decoder, self.flex = decoder, flex
+        self.decoder, self.flex, self.legacy = decoder, flex, legacy
 
     def forward(self, input_ids, labels):
         from types import SimpleNamespace
 
         masks = None
-        if self.flex:
+        if self.flex and self.legacy:  # 0.2.x: causal masks from the tokens (no tokenizer for "causal")
+            masks = self.decoder.get_attention_masks(input_ids, None)
+        elif self.flex:
             B, L = input_ids.shape
             masks = self.decoder.get_attention_masks(torch.arange(L, device=input_ids.device).expand(B, L))
         logits = self.decoder(input_ids, attention_masks=masks)
@@ -248,9 +274,42 @@ class TorchtitanLM(torch.nn.Module):
         return SimpleNamespace(loss=loss)
 
 
+def build_torchtitan02_model(spec: ModelSpec, backend: str, seed: int, device: torch.device, tabby_config: str):
+    """torchtitan 0.2.x's Qwen3-MoE (its 30B-A3B recipe: QK norm, softmax router with renormalised
+    top-k, scores after the experts, RoPE theta 1e6) at the spec's sizes, in bf16: its own experts
+    (``grouped_mm`` on the GPU; its for-loop on the CPU) or Tabby's (``torchtitan02.apply``)."""
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+    from torchtitan.models.qwen3.model.model import Qwen3Model
+
+    f = spec.fields
+    args = Qwen3ModelArgs(
+        dim=f["dim"], n_layers=f["n_layers"], n_heads=f["n_heads"], n_kv_heads=f["n_kv_heads"],
+        vocab_size=f["vocab_size"], head_dim=f["head_dim"], qk_norm=True, rope_theta=1000000, max_seq_len=8192,
+        attn_type=f["attention"], attn_mask_type="causal", moe_enabled=True, moe_inter_dim=f["moe_hidden_dim"],
+        moe_args=MoEArgs(num_experts=f["num_experts"], num_shared_experts=0, top_k=f["top_k"], score_func="softmax",
+                         route_norm=True, route_scale=1.0, score_before_experts=False,
+                         use_grouped_mm=device.type == "cuda"))
+    torch.manual_seed(seed)
+    with torch.device(device):
+        decoder = Qwen3Model(args)
+    with torch.no_grad():
+        decoder.init_weights(buffer_device=device)
+    if backend == "tabby":
+        import tabby.integrations.torchtitan02 as tabby_tt02
+
+        tabby_tt02.apply(decoder, tabby_config)
+    model = TorchtitanLM(decoder.to(torch.bfloat16), flex=f["attention"] == "flex", legacy=True)
+    model.train()
+    return model
+
+
 def build_torchtitan_model(spec: ModelSpec, backend: str, seed: int, device: torch.device, tabby_config: str):
     """torchtitan's Qwen3-MoE in bf16: its own experts (``grouped_mm``: ``GroupedExperts``, which
-    calls ``torch._grouped_mm``) or Tabby's through the override (``tabby``)."""
+    calls ``torch._grouped_mm``) or Tabby's through the override (``tabby``); torchtitan 0.2.x:
+    ``build_torchtitan02_model``."""
+    if torchtitan_legacy():
+        return build_torchtitan02_model(spec, backend, seed, device, tabby_config)
     cfg = torchtitan_qwen3_config(**spec.fields)
     if backend == "tabby":
         import tabby.integrations.torchtitan as tabby_tt
@@ -268,7 +327,10 @@ def build_torchtitan_model(spec: ModelSpec, backend: str, seed: int, device: tor
 def experts_of(model) -> list:
     """The routed experts' modules (their parameters are the routed weights)."""
     if isinstance(model, TorchtitanLM):
-        from torchtitan.models.common.moe import GroupedExperts
+        if model.legacy:
+            from torchtitan.models.moe.moe import GroupedExperts
+        else:
+            from torchtitan.models.common.moe import GroupedExperts
 
         return [m for m in model.modules() if isinstance(m, GroupedExperts)]
     from tabby.integrations.transformers import experts_modules
@@ -279,7 +341,10 @@ def experts_of(model) -> list:
 def moe_blocks(model) -> list:
     """The sparse MoE blocks (router, experts and shared experts)."""
     if isinstance(model, TorchtitanLM):
-        from torchtitan.models.common.moe import MoE
+        if model.legacy:
+            from torchtitan.models.moe import MoE
+        else:
+            from torchtitan.models.common.moe import MoE
 
         return [m for m in model.modules() if isinstance(m, MoE)]
     from tabby.integrations.transformers import experts_modules
