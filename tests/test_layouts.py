@@ -215,3 +215,24 @@ def test_backward_operator_fake_has_the_real_strides(layout):
     fake = custom_op._moe_backward_fake(*args)
     assert [(t.shape, t.stride()) for t in real] == [(t.shape, t.stride()) for t in fake]
     assert real[2].is_contiguous() == (layout == "nk")
+
+
+def test_the_plan_names_the_layout_and_its_path():
+    from tabby.functional.plan import make_plan
+    from tabby.validate import MoEDims
+
+    for layout, biases in (("kn", False), ("kn-paired", True)):
+        # (qwen3-30b-a3b's widths: in Tabby's layout the plan takes the ws GEMMs there)
+        dims = MoEDims(T=16384, H=2048, k=8, E_local=16, I=768, world_size=1, I_shared=0, biases=biases,
+                       layout=layout)
+        plan = make_plan(dims, MoEConfig(activation=GPT_OSS), torch.device("cpu"), sms=132, arch=90)
+        text = plan.describe()
+        assert f"weights {layout}" in text and ("biases" in text) == biases, text
+        assert plan.mega is None and "ws" not in {k.core for k in plan.gemm.values() if hasattr(k, "core")}, text
+    plan = make_plan(MoEDims(T=16384, H=2048, k=8, E_local=16, I=768, world_size=1, I_shared=0),
+                     MoEConfig(activation=Activation("relu2")), torch.device("cpu"), sms=132, arch=90)
+    assert "no gate" in plan.describe() and plan.mega is None
+    assert {k.core for k in plan.gemm.values() if hasattr(k, "core")} == {"triton"}
+    plain = make_plan(MoEDims(T=16384, H=2048, k=8, E_local=16, I=768, world_size=1, I_shared=0), MoEConfig(),
+                      torch.device("cpu"), sms=132, arch=90)
+    assert "ws" in {k.core for k in plain.gemm.values() if hasattr(k, "core")} and "weights nk" in plain.describe()

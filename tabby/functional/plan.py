@@ -80,8 +80,10 @@ class Plan:
         """Every kernel a call of this plan runs, one a line, with its tiles, warps, stages and grid."""
         d = self.dims
         path = "the forward megakernel" if self.mega is not None else "the path of separate launches"
+        weights = f"weights {d.layout}" + (", biases" if d.biases else "") + (
+            "" if self.activation.gated else ", no gate")
         lines = [f"Plan: T={d.T} H={d.H} I={d.I} k={d.k} E_local={d.E_local} EP{d.world_size} I_s={self.I_s}, "
-                 f"precision {self.precision}, activation {self.activation}, {path}",
+                 f"precision {self.precision}, activation {self.activation}, {weights}, {path}",
                  f"  routed tiles of {self.tile_m} rows, experts padded to {self.align_tiles} tile(s); dispatch "
                  f"{self.dispatch_rows} x {self.dispatch_cols} by {self.dispatch_programs} programs"]
         g = self.gemm
