@@ -5,8 +5,9 @@ E_local, k, a shared expert or not, the routing (uniform, Zipf-skewed, every tok
 the experts of one rank left empty, repeated ids in a row), the magnitude of the expert and router
 weights, the path (the megakernel or separate launches, keeping the routed rows or recomputing
 them), on the CPU the ring size and tile height, and the experts' activation (SwiGLU or GeGLU: the
-smooth ones; the clamped kinds' gradients jump at their bounds, tests/test_activation.py) and
-biases (on the path of separate launches, which runs them). A case passes when y and the gradients of x,
+smooth ones; the clamped kinds' gradients jump at their bounds, tests/test_activation.py; relu2:
+no gate), biases and the weights' layout (Tabby's, or transposed views of fused tensors, gpt-oss's
+interleaved among them; these three on the path of separate launches, which runs them). A case passes when y and the gradients of x,
 the router weights, the expert weights and the shared expert are within ``TOL`` (relative
 Frobenius error) of the reference computed in fp64, with the shapes of the reference's.
 
@@ -60,8 +61,9 @@ class Case:
     save_for_backward: bool
     tile_m: int | None  # None: the heuristic (GPU)
     ring_rows: int | None
-    activation: str = "swiglu"  # tabby.Activation kind (smooth ones only)
+    activation: str = "swiglu"  # tabby.Activation kind (smooth ones only; "relu2": no gate)
     biases: bool = False  # the routed experts' biases (the path of separate launches)
+    layout: str = "nk"  # the weights as they lie (validate.LAYOUTS; transposed: the path of separate launches)
 
 
 def draw_case(seed: int, worlds=(1, 2), small: bool = True) -> Case:
@@ -103,6 +105,11 @@ def draw_case(seed: int, worlds=(1, 2), small: bool = True) -> Case:
                   save_for_backward=rng.random() < 0.7, tile_m=tile_m, ring_rows=ring_rows)
     # drawn last, so that every earlier field of a seed stays what it was
     fields.update(activation=rng.choice(["swiglu", "swiglu", "geglu"]), biases=not megakernel and rng.random() < 0.4)
+    if not megakernel and not fields["biases"] and rng.random() < 0.3:  # ungated experts (separate launches)
+        fields["activation"] = "relu2"
+    fields["layout"] = "nk" if megakernel else rng.choice(["nk", "kn", "kn-paired"])
+    if fields["activation"] == "relu2" and fields["layout"] == "kn-paired":  # (no gate to interleave with)
+        fields["layout"] = "kn"
     return Case(**fields)
 
 
@@ -185,11 +192,15 @@ def reference_results(c: Case, inputs, device="cpu") -> dict:
     leaf = lambda t: t.detach().to(device, torch.float64, copy=True).requires_grad_(True)  # noqa: E731
     leaves = [leaf(t) for t in (x, wts, *experts, *(shared or ()))]
     bl = [leaf(t) for t in biases] if biases is not None else None
-    y = tabby.moe_reference(leaves[0], idx.to(device), leaves[1], *leaves[2:5], shared=tuple(leaves[5:]) or None,
-                            compute_dtype=torch.float64, activation=Activation(c.activation), biases=bl)
+    act = Activation(c.activation)
+    w_gate = leaves[2] if act.gated else None
+    y = tabby.moe_reference(leaves[0], idx.to(device), leaves[1], w_gate, *leaves[3:5], shared=tuple(leaves[5:]) or None,
+                            compute_dtype=torch.float64, activation=act, biases=bl)
     y.backward(dy.to(device, torch.float64))
     out = dict(y=y.detach(), dx=leaves[0].grad, dtopk=leaves[1].grad, dw_gate=leaves[2].grad,
                dw_up=leaves[3].grad, dw_down=leaves[4].grad)
+    if not act.gated:
+        del out["dw_gate"]
     if shared is not None:
         out.update(ds_gate=leaves[5].grad, ds_up=leaves[6].grad, ds_down=leaves[7].grad)
     if bl is not None:
@@ -212,18 +223,46 @@ def rank_results(c: Case, inputs, rank: int, group, device, config=None, layer=N
         return t.detach().to(device, copy=True).requires_grad_(True)
 
     xr, wr = leaf(x[rows]), leaf(wts[rows])
-    wl = [leaf(w[ex]) for w in experts]
+    params, weights, weight_grads = laid_out([w[ex] for w in experts], c.layout, leaf)
+    if c.activation == "relu2":  # ungated: no w_gate
+        weights = (None, *weights[1:])
     sl = [leaf(w) for w in shared] if shared is not None else None
     bl = [leaf(b[ex]) for b in biases] if biases is not None else None
     kw = dict(biases=tuple(bl)) if bl is not None else {}
-    y = layer(xr, idx[rows].to(device), wr, *wl, shared=sl, group=group, config=config or config_of(c), **kw)
+    y = layer(xr, idx[rows].to(device), wr, *weights, shared=sl, group=group, config=config or config_of(c), **kw)
     y.backward(dy[rows].to(device))
-    out = dict(y=y.detach(), dx=xr.grad, dtopk=wr.grad, dw_gate=wl[0].grad, dw_up=wl[1].grad, dw_down=wl[2].grad)
+    dw_gate, dw_up, dw_down = weight_grads()
+    out = dict(y=y.detach(), dx=xr.grad, dtopk=wr.grad, dw_gate=dw_gate, dw_up=dw_up, dw_down=dw_down)
+    if c.activation == "relu2":
+        del out["dw_gate"]
     if sl is not None:
         out.update(ds_gate=sl[0].grad, ds_up=sl[1].grad, ds_down=sl[2].grad)
     if bl is not None:
         out.update(db_gate=bl[0].grad, db_up=bl[1].grad, db_down=bl[2].grad)
     return {n: (t.cpu() if t is not None else None) for n, t in out.items()}
+
+
+def laid_out(experts, layout: str, leaf):
+    """(the parameters, the layer's (w_gate, w_up, w_down), a function giving their gradients in
+    Tabby's shapes) for the experts (w_gate, w_up [E, I, H], w_down [E, H, I]) stored as ``layout``:
+    Tabby's, as they are; "kn" a gate_up [E, H, 2I] (gate columns first) and down [E, I, H];
+    "kn-paired" the same with g and u interleaved (gpt-oss's), the weights views of them."""
+    if layout == "nk":
+        params = [leaf(w) for w in experts]
+        return params, tuple(params), lambda: tuple(p.grad for p in params)
+    wg, wu, wd = experts
+    I = wg.shape[1]
+    paired = layout == "kn-paired"
+    fused = torch.stack([wg, wu], 2).flatten(1, 2) if paired else torch.cat([wg, wu], 1)  # [E, 2I, H]
+    gate_up, down = leaf(fused.transpose(1, 2).contiguous()), leaf(wd.transpose(1, 2).contiguous())
+    g, u = gate_up.unflatten(2, (I, 2)).unbind(3) if paired else gate_up.unflatten(2, (2, I)).unbind(2)
+
+    def grads():
+        d = gate_up.grad.transpose(1, 2)  # [E, 2I, H]
+        dg, du = (d[:, 0::2], d[:, 1::2]) if paired else (d[:, :I], d[:, I:])
+        return dg, du, down.grad.transpose(1, 2)
+
+    return [gate_up, down], (g.transpose(1, 2), u.transpose(1, 2), down.transpose(1, 2)), grads
 
 
 def concat_ranks(c: Case, per_rank: list[dict]) -> dict:
@@ -332,7 +371,8 @@ def run_case_distributed(c: Case, device, layer=None) -> dict:
 
 def kernel_kind(c: Case) -> tuple:
     """What decides which kernels a GPU case compiles (their compile-time constants)."""
-    return (c.H, c.I, c.megakernel, c.save_for_backward, c.shared, c.ring_rows, c.T == 0, c.activation, c.biases)
+    return (c.H, c.I, c.megakernel, c.save_for_backward, c.shared, c.ring_rows, c.T == 0, c.activation, c.biases,
+            c.layout)
 
 
 def precompile(seeds, worlds, budget_s: float, say) -> None:
@@ -467,7 +507,7 @@ def main(argv=None) -> int:
         say(f"{tag} seed={seed} W={c.W} T={c.T} H={c.H} I={c.I} E_local={c.E_local} k={c.k} shared={c.shared} "
             f"route={c.route} scales={c.expert_scale}/{c.router_scale} megakernel={c.megakernel} "
             f"save={c.save_for_backward} tile_m={c.tile_m} ring_rows={c.ring_rows} activation={c.activation} "
-            f"biases={c.biases} {wall:.1f}s")
+            f"biases={c.biases} layout={c.layout} {wall:.1f}s")
         if not ok:
             launcher = "torchrun --nproc-per-node %d " % worlds[0] if distributed else "python "
             say(f"     {detail}\n     reproduce: {launcher}scripts/fuzz.py --seed {seed} --device {device.type}"

@@ -47,7 +47,8 @@ def test_ci_seeds_cover_every_kind_of_case():
     assert any(c.T == 0 and c.W == 2 for c in cases)
     assert any(c.route == "empty_rank" and c.W == 2 for c in cases)
     assert any(c.k > c.W * c.E_local for c in cases if c.route in ("duplicates", "one_expert"))
-    assert seen(lambda c: c.activation) == {"swiglu", "geglu"} and seen(lambda c: c.biases) == {True, False}
+    assert seen(lambda c: c.activation) == {"swiglu", "geglu", "relu2"} and seen(lambda c: c.biases) == {True, False}
+    assert seen(lambda c: c.layout) == {"nk", "kn", "kn-paired"}
 
 
 def test_routings_are_what_they_claim():
