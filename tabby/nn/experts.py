@@ -60,7 +60,9 @@ class Experts(nn.Module):
             ``skip_invalid_ids``); False when the router never makes them (saves two small
             elementwise launches).
         activation: the experts' function between gate/up and down (``tabby.Activation``; None: the
-            config's, SwiGLU by default); it becomes the config's ``activation``.
+            config's, SwiGLU by default); it becomes the config's ``activation``. An ungated one
+            (``"relu2"``) has an up projection only: ``up_proj [E_local, I, H]`` (fused; transformers'
+            name) or ``w_up``, beside the down projection.
         bias: biases on both projections (gpt-oss's experts), initialized to zero: fused layout
             ``gate_up_proj_bias [E_local, 2I]`` (gate first) and ``down_proj_bias [E_local, H]``;
             separate: ``b_gate``, ``b_up [E_local, I]``, ``b_down [E_local, H]`` (bf16 on the path of
