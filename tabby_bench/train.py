@@ -781,6 +781,7 @@ def run(cfg: TrainConfig) -> dict:
             release_implementation()
         flops[name] = flops_tok[0] if flops_tok else None
     result = dict(format="tabby-train/1", **info, config=asdict(cfg), flops_per_token=flops, corpus_entropy=entropy,
+                  seq_len={name: MODELS[name].seq(cfg) for name in cfg.models},  # (a model's own where it has one)
                   runs=[dict(asdict(r), label=r.label) for r in runs], comparison=compare(runs))
     text = table(runs)
     print("\n" + text, flush=True)
