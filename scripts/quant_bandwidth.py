@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""The FP8 weight pass against a device-to-device copy (issue 48: at least 80% of the copy's
+bandwidth): per optimizer step Tabby's FP8 layer reads each bf16 weight once and writes both E4M3
+orientations and their 128x128 block scales (``functional.fp8.fp8_layer_weights``, transposes
+held). One GPU, each bench shape's experts of one rank (``NAME@epN``), a new weight version per
+timed call, the copy of the same bf16 weights timed in the same run, medians.
+
+    PYTHONPATH=. python3 scripts/quant_bandwidth.py --shapes kimi-k2@ep8,gpt-oss-120b@ep8 --out DIR
+
+Bytes counted: the pass reads 2 a parameter and writes 2 (two E4M3 copies) plus the scales; the
+copy reads 2 and writes 2. Writes DIR/quant-bandwidth.json and .md (machine, commit, date, rows).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+from datetime import datetime, timezone
+
+import torch
+
+from tabby.functional import fp8
+from tabby_bench.shapes import make_inputs, shape_named
+from tabby_bench.timing import time_iterations
+
+
+def pass_bytes(weights) -> int:
+    """Bytes the weight pass moves: bf16 read, two E4M3 writes, two fp32 scale writes per 128x128 block."""
+    n = sum(w.numel() for w in weights)
+    blocks = sum(w.shape[0] * -(-w.shape[1] // 128) * -(-w.shape[2] // 128) for w in weights)
+    return 2 * n + 2 * n + 2 * 4 * blocks
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="kimi-k2@ep8,glm-5@ep8,deepseek-v4-pro@ep8,qwen3.5-397b@ep8,gpt-oss-120b@ep8")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    commit = os.environ.get("TABBY_GIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rows = []
+    for name in a.shapes.split(","):
+        inp = make_inputs(shape_named(name), 128, 1, 0, "cuda")
+        weights = tuple(w.detach() for w in (inp.w_gate, inp.w_up, inp.w_down))
+        copies = tuple(torch.empty_like(w) for w in weights)
+
+        def quantize():
+            for w in weights:  # a new version, as after an optimizer step: the pass runs again
+                torch.autograd.graph.increment_version(w)
+            fp8.fp8_layer_weights(*weights, transposed=True)
+
+        def copy():
+            for c, w in zip(copies, weights):
+                c.copy_(w)
+
+        q_ms = statistics.median(time_iterations(quantize, 2, a.iters))
+        c_ms = statistics.median(time_iterations(copy, 2, a.iters))
+        qb, cb = pass_bytes(weights), 4 * sum(w.numel() for w in weights)
+        row = dict(shape=name, params=sum(w.numel() for w in weights), pass_ms=q_ms, pass_gbs=qb / q_ms / 1e6,
+                   copy_ms=c_ms, copy_gbs=cb / c_ms / 1e6)
+        row["pass_vs_copy"] = row["pass_gbs"] / row["copy_gbs"]
+        rows.append(row)
+        print(f"{name:<22} {row['params'] / 1e9:6.2f} B params  pass {q_ms:7.3f} ms {row['pass_gbs']:7.0f} GB/s  "
+              f"copy {c_ms:7.3f} ms {row['copy_gbs']:7.0f} GB/s  {row['pass_vs_copy']:.2f}x the copy", flush=True)
+        del inp, weights, copies
+        fp8.clear_weight_cache()
+        torch.cuda.empty_cache()
+    head = dict(machine=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit,
+                date=datetime.now(timezone.utc).isoformat(timespec="seconds"), argv=vars(a))
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "quant-bandwidth.json"), "w") as f:
+        json.dump(dict(head, rows=rows), f, indent=1)
+    with open(os.path.join(a.out, "quant-bandwidth.md"), "w") as f:
+        f.write(f"# the FP8 weight pass against a copy: {head['machine']}, commit {commit}, {head['date']}\n\n"
+                "| shape | parameters | pass ms | pass GB/s | copy ms | copy GB/s | pass / copy |\n"
+                "|---|--:|--:|--:|--:|--:|--:|\n")
+        for r in rows:
+            f.write(f"| {r['shape']} | {r['params'] / 1e9:.2f} B | {r['pass_ms']:.3f} | {r['pass_gbs']:.0f} | "
+                    f"{r['copy_ms']:.3f} | {r['copy_gbs']:.0f} | {r['pass_vs_copy']:.2f} |\n")
+
+
+if __name__ == "__main__":
+    main()
