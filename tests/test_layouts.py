@@ -236,3 +236,32 @@ def test_the_plan_names_the_layout_and_its_path():
     plain = make_plan(MoEDims(T=16384, H=2048, k=8, E_local=16, I=768, world_size=1, I_shared=0), MoEConfig(),
                       torch.device("cpu"), sms=132, arch=90)
     assert "ws" in {k.core for k in plain.gemm.values() if hasattr(k, "core")} and "weights nk" in plain.describe()
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gpt-oss", "privacy-filter"])
+@pytest.mark.parametrize("W", [1, 2])
+def test_gpt_oss_converters_round_trip_and_run_alike(interleaved, W):
+    """``tabby.nn.convert.gpt_oss_to_tabby`` (Tabby's layout made once, with the biases) and back,
+    exactly, for any rank; the converted experts loaded into ``tabby.nn.Experts(bias=True)`` compute
+    what the layer computes on the fused tensors read in place."""
+    from tabby.nn import Experts, convert
+
+    layout = "kn-paired" if interleaved else "kn"
+    x, idx, wts, ws, bs, _ = problem(1, 9, 32, 24, 4, 2, seed=12)
+    gate_up, down, bias, down_bias = fused(ws, bs, layout)
+    state = dict(gate_up_proj=gate_up, down_proj=down, gate_up_proj_bias=bias, down_proj_bias=down_bias)
+    for tabby_layout in ("separate", "fused"):
+        shards = [convert.gpt_oss_to_tabby(state, r, W, tabby_layout, interleaved) for r in range(W)]
+        back = convert.gather([convert.tabby_to_gpt_oss(s, interleaved) for s in shards])
+        assert all(torch.equal(back[k], state[k]) for k in state)
+    mine = convert.gpt_oss_to_tabby(state, interleaved=interleaved)
+    assert all(torch.equal(mine[k], t) for k, t in zip(("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"),
+                                                         (*ws, *bs)))
+    if CUDA:
+        return
+    cfg = MoEConfig(tuning=Tuning(**SMALL), activation=GPT_OSS)
+    ex = Experts(4, 32, 24, layout="fused", bias=True, config=cfg, dtype=torch.bfloat16)
+    ex.load_state_dict(convert.gpt_oss_to_tabby(state, layout="fused", interleaved=interleaved))
+    w3, b3 = views(gate_up, down, bias, down_bias, layout)
+    in_place = tabby.moe(x, idx, wts, *w3, config=cfg, biases=b3)
+    assert rel_err(ex(x, idx, wts).float(), in_place.float()) < 1e-2

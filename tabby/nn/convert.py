@@ -6,6 +6,11 @@ Layouts (every weight in ``nn.Linear`` order, out x in):
   ``w_down [E, H, I]``.
 * transformers 5.x (``Experts(layout="fused")`` too): ``gate_up_proj [E, 2I, H]``, the gate's rows
   first (``gate_up_proj[:, :I]`` is the gate), and ``down_proj [E, H, I]``.
+* gpt-oss (transformers' ``GptOssExperts``; the OpenAI privacy filter's with ``interleaved=False``):
+  ``gate_up_proj [E, H, 2I]`` transposed, the gate at even columns (privacy filter: the first I),
+  ``down_proj [E, I, H]`` transposed, ``gate_up_proj_bias [E, 2I]`` (the same halves) and
+  ``down_proj_bias [E, H]``. ``tabby.moe`` reads them in place (``validate.weights_layout``); the
+  converters make Tabby's layout once (its faster GEMMs), with the biases.
 * torchtitan 0.3.0 (``torchtitan/models/common/moe.py``, ``GroupedExperts``): ``w1_EFD [E, F, D]``
   (gate), ``w3_EFD [E, F, D]`` (up), ``w2_EDF [E, D, F]`` (down), ``D = H``, ``F = I``; older
   releases name them ``w1``, ``w3``, ``w2`` (read too).
@@ -89,6 +94,51 @@ def torchtitan_to_tabby(state: dict, rank: int = 0, world_size: int = 1, layout:
     if layout == "fused":
         return {"gate_up_proj": fuse_gate_up(gate, up), "down_proj": down.contiguous()}
     return {"w_gate": gate.contiguous(), "w_up": up.contiguous(), "w_down": down.contiguous()}
+
+
+GPT_OSS_KEYS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+TABBY_BIAS_KEYS = ("b_gate", "b_up", "b_down")
+
+
+def gpt_oss_to_tabby(state: dict, rank: int = 0, world_size: int = 1, layout: str = "separate",
+                     interleaved: bool = True) -> dict:
+    """gpt-oss's experts (``GPT_OSS_KEYS``, all experts; ``interleaved``: g and u alternate along 2I, as
+    gpt-oss stores them, else the gate's I first, as the privacy filter does) -> rank ``rank``'s experts
+    in Tabby's ``layout`` with their biases: "separate" (``w_gate``, ``w_up``, ``w_down``, ``b_gate``,
+    ``b_up``, ``b_down``) or "fused" (transformers' Tabby-layout keys ``gate_up_proj [E, 2I, H]``,
+    ``down_proj [E, H, I]``, ``gate_up_proj_bias [E, 2I]`` gate first, ``down_proj_bias``), loadable
+    into ``tabby.nn.Experts(bias=True)`` of that layout."""
+    gate_up, down, b_gate_up, b_down = (local_experts(t, rank, world_size)
+                                        for t in _pick(state, GPT_OSS_KEYS, "gpt-oss experts"))
+    E, H, I2 = gate_up.shape
+    if I2 % 2 or tuple(down.shape) != (E, I2 // 2, H):
+        raise MoEInputError(f"gpt-oss experts: gate_up_proj must be [E, H, 2I] and down_proj [E, I, H], got "
+                            f"{tuple(gate_up.shape)} and {tuple(down.shape)}")
+    I = I2 // 2
+    halves = (lambda t: (t[..., 0::2], t[..., 1::2])) if interleaved else (lambda t: (t[..., :I], t[..., I:]))
+    gate, up = (h.transpose(1, 2).contiguous() for h in halves(gate_up))
+    bg, bu = (h.contiguous() for h in halves(b_gate_up))
+    w_down = down.transpose(1, 2).contiguous()
+    if layout == "fused":
+        return {"gate_up_proj": fuse_gate_up(gate, up), "down_proj": w_down,
+                "gate_up_proj_bias": torch.cat([bg, bu], dim=1), "down_proj_bias": b_down.contiguous()}
+    return {"w_gate": gate, "w_up": up, "w_down": w_down, "b_gate": bg, "b_up": bu, "b_down": b_down.contiguous()}
+
+
+def tabby_to_gpt_oss(state: dict, interleaved: bool = True) -> dict:
+    """Tabby's experts with biases (either layout of ``gpt_oss_to_tabby``) -> gpt-oss's ``GPT_OSS_KEYS``."""
+    if "gate_up_proj" in state:
+        gate, up = split_gate_up(state["gate_up_proj"])
+        bg, bu = state["gate_up_proj_bias"].chunk(2, dim=1)
+        down, b_down = state["down_proj"], state["down_proj_bias"]
+    else:
+        gate, up, down = _pick(state, TABBY_KEYS, "Tabby experts")
+        bg, bu, b_down = _pick(state, TABBY_BIAS_KEYS, "Tabby experts' biases")
+    pair = (lambda a, b: torch.stack([a, b], dim=-1).flatten(-2)) if interleaved else (
+        lambda a, b: torch.cat([a, b], dim=-1))
+    return {"gate_up_proj": pair(gate.transpose(1, 2), up.transpose(1, 2)).contiguous(),
+            "down_proj": down.transpose(1, 2).contiguous(), "gate_up_proj_bias": pair(bg, bu).contiguous(),
+            "down_proj_bias": b_down.contiguous()}
 
 
 def tabby_to_torchtitan(state: dict, old_names: bool = False) -> dict:
