@@ -14,16 +14,13 @@ Writes DIR/activation-cost.json and .md (machine, commit, date, every median).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-from datetime import datetime, timezone
 
 import torch
 
 import tabby
 from tabby.activation import Activation
+from tabby_bench.records import write_script_table
 from tabby_bench.shapes import make_inputs, shape_named
 from tabby_bench.timing import time_iterations
 
@@ -65,8 +62,6 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
-    commit = os.environ.get("TABBY_GIT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = []
     for name in a.shapes.split(","):
         shape = shape_named(name)
@@ -103,18 +98,10 @@ def main():
                 forms = experts_forms(inp)  # (their gradients dropped)
         del inp
         torch.cuda.empty_cache()
-    head = dict(machine=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit,
-                date=datetime.now(timezone.utc).isoformat(timespec="seconds"), argv=vars(a))
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "activation-cost.json"), "w") as f:
-        json.dump(dict(head, rows=rows), f, indent=1)
-    with open(os.path.join(a.out, "activation-cost.md"), "w") as f:
-        f.write(f"# the experts' activations against SwiGLU: {head['machine']}, commit {commit}, {head['date']}\n\n"
-                "| shape | T | precision | pass | activation | ms | x SwiGLU |\n|---|--:|---|---|---|--:|--:|\n")
-        for r in rows:
-            f.write(f"| {r['shape']} | {r['tokens']} | {r['precision']} | {r['pass_']} | {r['activation']} | "
-                    f"{r['ms']:.3f} | {r['vs_swiglu']:.3f} |\n")
-
+    write_script_table(a.out, "activation-cost", "the experts' activations against SwiGLU", rows, [
+        ("shape", lambda r: r["shape"]), ("T", lambda r: str(r["tokens"])), ("precision", lambda r: r["precision"]),
+        ("pass", lambda r: r["pass_"]), ("activation", lambda r: r["activation"]), ("ms", lambda r: f"{r['ms']:.3f}"),
+        ("x SwiGLU", lambda r: f"{r['vs_swiglu']:.3f}")], vars(a))
 
 if __name__ == "__main__":
     main()

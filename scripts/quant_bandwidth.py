@@ -13,15 +13,12 @@ copy reads 2 and writes 2. Writes DIR/quant-bandwidth.json and .md (machine, com
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-from datetime import datetime, timezone
 
 import torch
 
 from tabby.functional import fp8
+from tabby_bench.records import write_script_table
 from tabby_bench.shapes import make_inputs, shape_named
 from tabby_bench.timing import time_iterations
 
@@ -39,8 +36,6 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
-    commit = os.environ.get("TABBY_GIT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = []
     for name in a.shapes.split(","):
         inp = make_inputs(shape_named(name), 128, 1, 0, "cuda")
@@ -68,19 +63,11 @@ def main():
         del inp, weights, copies
         fp8.clear_weight_cache()
         torch.cuda.empty_cache()
-    head = dict(machine=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit,
-                date=datetime.now(timezone.utc).isoformat(timespec="seconds"), argv=vars(a))
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "quant-bandwidth.json"), "w") as f:
-        json.dump(dict(head, rows=rows), f, indent=1)
-    with open(os.path.join(a.out, "quant-bandwidth.md"), "w") as f:
-        f.write(f"# the FP8 weight pass against a copy: {head['machine']}, commit {commit}, {head['date']}\n\n"
-                "| shape | parameters | pass ms | pass GB/s | copy ms | copy GB/s | pass / copy |\n"
-                "|---|--:|--:|--:|--:|--:|--:|\n")
-        for r in rows:
-            f.write(f"| {r['shape']} | {r['params'] / 1e9:.2f} B | {r['pass_ms']:.3f} | {r['pass_gbs']:.0f} | "
-                    f"{r['copy_ms']:.3f} | {r['copy_gbs']:.0f} | {r['pass_vs_copy']:.2f} |\n")
-
+    write_script_table(a.out, "quant-bandwidth", "the FP8 weight pass against a copy", rows, [
+        ("shape", lambda r: r["shape"]), ("parameters", lambda r: f"{r['params'] / 1e9:.2f} B"),
+        ("pass ms", lambda r: f"{r['pass_ms']:.3f}"), ("pass GB/s", lambda r: f"{r['pass_gbs']:.0f}"),
+        ("copy ms", lambda r: f"{r['copy_ms']:.3f}"), ("copy GB/s", lambda r: f"{r['copy_gbs']:.0f}"),
+        ("pass / copy", lambda r: f"{r['pass_vs_copy']:.2f}")], vars(a))
 
 if __name__ == "__main__":
     main()

@@ -164,6 +164,25 @@ def machine_info() -> dict:
                 env={k: v for k, v in os.environ.items() if k.startswith("TABBY_")})
 
 
+def write_script_table(out: str, stem: str, title: str, rows: list, columns: list, argv: dict) -> dict:
+    """A measuring script's results: ``out/stem.json`` (machine, torch, commit, date, ``argv``, the
+    rows) and ``out/stem.md`` (``title``, then a table of ``columns``: (header, function of a row ->
+    its cell text)). Returns the JSON's header."""
+    commit, _ = git_commit()
+    head = dict(machine=torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", torch=torch.__version__,
+                commit=commit[:12] if commit != "unknown" else commit,
+                date=datetime.now(timezone.utc).isoformat(timespec="seconds"), argv=argv)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        json.dump(dict(head, rows=rows), f, indent=1)
+    with open(os.path.join(out, stem + ".md"), "w") as f:
+        f.write(f"# {title}: {head['machine']}, commit {head['commit']}, {head['date']}\n\n")
+        f.write("| " + " | ".join(h for h, _ in columns) + " |\n|" + "---|" * len(columns) + "\n")
+        for r in rows:
+            f.write("| " + " | ".join(cell(r) for _, cell in columns) + " |\n")
+    return head
+
+
 def header_line(info: dict) -> str:
     return (f"torch {info['torch']}, triton {info['triton']}, commit {info['git_commit']}"
             f"{' (dirty)' if info['git_dirty'] else ''}, {info['date']}")

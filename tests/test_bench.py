@@ -260,3 +260,19 @@ def test_tabby_fp8_one_copy_row_never_holds_the_transposes(monkeypatch):
     impls.IMPLS["tabby-fp8-one-copy"].fn(torch.empty(4, 16), None, None, w, w, w.transpose(1, 2))
     assert seen == [("fp8", False)]
     assert impls.IMPLS["tabby-fp8-one-copy"].precision == "fp8"
+
+
+def test_script_table_writes_json_and_markdown(tmp_path):
+    """records.write_script_table: the measuring scripts' (activation_cost.py, quant_bandwidth.py) one writer."""
+    import json
+
+    from tabby_bench.records import write_script_table
+
+    rows = [dict(shape="a@ep8", ms=1.5), dict(shape="b", ms=2.25)]
+    head = write_script_table(str(tmp_path), "t", "a title", rows, [("shape", lambda r: r["shape"]),
+                                                                   ("ms", lambda r: f"{r['ms']:.2f}")], {"x": 1})
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["rows"] == rows and data["argv"] == {"x": 1} and data["commit"] == head["commit"]
+    md = (tmp_path / "t.md").read_text().splitlines()
+    assert md[0].startswith("# a title: ") and md[2] == "| shape | ms |" and md[4:] == ["| a@ep8 | 1.50 |",
+                                                                                         "| b | 2.25 |"]
