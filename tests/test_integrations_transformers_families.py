@@ -197,3 +197,21 @@ def test_compiled_fullgraph_is_eager_bitwise(family):
     with torch.no_grad():
         compiled = torch.compile(ex, fullgraph=True)(x, idx, w)
         assert torch.equal(compiled, ex(x, idx, w))
+
+
+def test_gpt_oss_under_an_fp8_config_runs_bf16_with_a_warning(caplog):
+    """A model-wide FP8 (or megakernel) config reaches experts with biases: they run on the path that
+    takes them (bf16, separate launches) and the backend says so, once; the same bits as a bf16 config."""
+    config_name, kw, cls_name, ctor, _ = FAMILIES["gpt_oss"]
+    ex = _experts("gpt_oss", config_name, kw, cls_name, ctor, "tabby")
+    x, idx, w, _ = _inputs()
+    tabby_hf._warned.clear()
+    with torch.no_grad():
+        want = ex(x, idx, w)
+        for cfg in (MoEConfig(precision="fp8", tuning=CFG.tuning), MoEConfig(megakernel=True, tuning=CFG.tuning)):
+            ex.tabby_config_string = tabby_hf.layer.config_string(cfg)
+            with caplog.at_level("WARNING", logger="tabby"):
+                assert torch.equal(ex(x, idx, w), want)
+            tabby_hf._warned.clear()
+    said = [r.message for r in caplog.records]
+    assert any("precision='fp8' (bf16 instead)" in m for m in said) and any("megakernel=True" in m for m in said), said

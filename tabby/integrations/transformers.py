@@ -182,13 +182,44 @@ def _supported(module: nn.Module) -> str | None:
 @torch.compiler.assume_constant_result
 def _call_plan(module: nn.Module, config: str) -> str:
     """The module's Tabby call as one string (constant under torch.compile): "!" and why the experts
-    fall back, or the operator's config string: ``config`` with the module's activation."""
+    fall back, or the operator's config string: ``config`` with the module's activation. Experts that
+    run on the path of separate launches only (biases, no gate, transposed weights) take that path:
+    an FP8 ``config`` runs them in bf16 where FP8 cannot take them (biases, no gate), with a warning
+    (once per experts class), and an explicit ``megakernel=True`` or ``Tuning(bf16_ws=True)`` is
+    left to the plan's choice."""
     key = (config, _flags(module))
     cache = module.__dict__.setdefault("_tabby_calls", {})
     if key not in cache:
         act, why = _gate(module)
-        cache[key] = "!" + why if why is not None else config_string(replace(parse_config(config), activation=act))
+        if why is not None:
+            cache[key] = "!" + why
+        else:
+            cfg = replace(parse_config(config), activation=act)
+            cache[key] = config_string(_separate_launches(module, cfg, act))
     return cache[key]
+
+
+def _separate_launches(module: nn.Module, cfg: MoEConfig, act: Activation) -> MoEConfig:
+    """``cfg`` made one the plan takes for experts that run on the path of separate launches only
+    (each change warned once per experts class)."""
+    biases, transposed = getattr(module, "has_bias", False), getattr(module, "is_transposed", False)
+    if not (biases or transposed or not act.gated):
+        return cfg
+    why = ", ".join(w for w, on in (("biases", biases), ("transposed weights", transposed),
+                                    ("no gate", not act.gated)) if on)
+    changed = []
+    if cfg.megakernel:
+        cfg, changed = replace(cfg, megakernel=None), changed + ["megakernel=True"]
+    if cfg.tuning.bf16_ws:
+        cfg, changed = replace(cfg, tuning=replace(cfg.tuning, bf16_ws=None)), changed + ["Tuning(bf16_ws=True)"]
+    if cfg.precision != "bf16" and (biases or not act.gated):
+        cfg, changed = replace(cfg, precision="bf16"), changed + [f"precision={cfg.precision!r} (bf16 instead)"]
+    key = (type(module).__name__, "separate launches")
+    if changed and key not in _warned:
+        _warned.add(key)
+        log.warning("tabby experts backend: %s's experts (%s) run on the path of separate launches in bf16; not "
+                    "taken: %s", type(module).__name__, why, ", ".join(changed))
+    return cfg
 
 
 def tabby_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
