@@ -229,13 +229,18 @@ def torchtitan_qwen3_config(dim, n_layers, n_heads, n_kv_heads, head_dim, moe_hi
 
 def import_torchtitan():
     """The torchtitan package. torchtitan 0.2.x's model packages import its data loading
-    (``datasets``), which ``tabby train`` does not use (its corpus is its own): where ``datasets`` is
-    not installed an empty stand-in module takes its place, in this process only."""
+    (``datasets``), which ``tabby train`` does not use (its corpus is its own): for 0.2.x, where
+    ``datasets`` is not installed, an empty stand-in module takes its place, in this process only."""
+    import importlib.metadata
     import importlib.util
     import sys
     import types
 
-    if "datasets" not in sys.modules and importlib.util.find_spec("datasets") is None:
+    try:
+        legacy = importlib.metadata.version("torchtitan").startswith("0.2")
+    except importlib.metadata.PackageNotFoundError:
+        legacy = False
+    if legacy and "datasets" not in sys.modules and importlib.util.find_spec("datasets") is None:
         stub, dist = types.ModuleType("datasets"), types.ModuleType("datasets.distributed")
         stub.Dataset = stub.IterableDataset = object
         stub.load_dataset = dist.split_dataset_by_node = None
@@ -248,7 +253,10 @@ def import_torchtitan():
 
 def torchtitan_legacy() -> bool:
     """Whether the installed torchtitan is 0.2.x (no ``@override``; ``tabby.integrations.torchtitan02``)."""
-    return str(getattr(import_torchtitan(), "__version__", "")).startswith("0.2")
+    import importlib.metadata
+
+    import_torchtitan()
+    return importlib.metadata.version("torchtitan").startswith("0.2")
 
 
 class TorchtitanLM(torch.nn.Module):
