@@ -127,7 +127,7 @@ def _ws_module():
 W_NK = tl.constexpr(0)  # Tabby's: unit stride along H (w_gate, w_up) / I (w_down)
 W_KN = tl.constexpr(1)  # transposed: unit stride along I (w_gate, w_up) / H (w_down)
 W_KN_PAIRED = tl.constexpr(2)  # transposed, g and u interleaved along I (w_up one element after w_gate)
-_W_LAYOUTS = {LAYOUT_NK: 0, LAYOUT_KN: 1, LAYOUT_KN_PAIRED: 2}
+_W_LAYOUTS = {LAYOUT_NK: W_NK.value, LAYOUT_KN: W_KN.value, LAYOUT_KN_PAIRED: W_KN_PAIRED.value}
 
 
 KIND_GATE_UP = "gate_up"  # two accumulators (g and u) per tile: BN=128 means 256 columns of MMA
@@ -1097,7 +1097,7 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     num_m = R // cfg.BM
     grid = (num_m * nt_n,)
     ACT, LIMIT, ALPHA = act.constexprs()
-    kw = dict(W_LAYOUT=1) if b_layout == "kn" else {}  # (a transposed down_proj: B[e] [I, H] is [N, K])
+    kw = dict(W_LAYOUT=W_KN.value) if b_layout == "kn" else {}  # (a transposed down_proj: B[e] [I, H] is [N, K])
     down_dgrad_swiglu_kernel[grid](
         dys, dys.stride(0), b, b.stride(0), b.stride(1),
         gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0),
