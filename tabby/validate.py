@@ -6,7 +6,8 @@ Every implementation (reference, anchors, Tabby kernels) takes the same argument
     topk_idx      [T, k]            int32/int64 global expert ids in [0, E_local * world_size)
     topk_weights  [T, k]            float router weights
     w_gate, w_up  [E_local, I, H]   nn.Linear layout (out x in), same dtype as x
-    w_down        [E_local, H, I]
+    w_down        [E_local, H, I]   (the three as they lie in memory: one of ``LAYOUTS``, below;
+                                    ungated experts: ``tabby.moe`` and the reference take w_gate None)
     shared        None or (w_gate_s [I_s, H], w_up_s [I_s, H], w_down_s [H, I_s])
 
 Errors are raised as :class:`MoEInputError` with a message naming the argument and the shapes.
