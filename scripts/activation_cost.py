@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What an experts' activation costs against plain SwiGLU (issue: at most 3% of the layer's time):
+"""What an experts' activation costs against plain SwiGLU (the goal: at most 3% of the layer's time):
 the layer's forward and forward + backward at bench shapes with each ``tabby.Activation`` kind, one
 GPU, the kinds interleaved round by round (so that clock drift falls on all alike), medians. In bf16
 also the experts' forms that take the plan's other path (separate launches, bf16.py's kernels):

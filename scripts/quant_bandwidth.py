@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The FP8 weight pass against a device-to-device copy (issue 48: at least 80% of the copy's
+"""The FP8 weight pass against a device-to-device copy (the goal: at least 80% of the copy's
 bandwidth): per optimizer step Tabby's FP8 layer reads each bf16 weight once and writes both E4M3
 orientations and their 128x128 block scales (``functional.fp8.fp8_layer_weights``, transposes
 held). One GPU, each bench shape's experts of one rank (``NAME@epN``), a new weight version per

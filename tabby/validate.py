@@ -67,10 +67,10 @@ def weights_layout(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tenso
     """The layout (``LAYOUTS``) of the routed weights as given (views included), or None if they are in
     none of them. w_gate and w_up always have equal strides."""
     layout = gate_up_layout(w_gate, w_up)
-    if layout is None or (w_down.stride(-1) == 1) != (layout == LAYOUT_NK) or (layout != LAYOUT_NK
-                                                                               and w_down.stride(1) != 1):
-        return None
-    return layout
+    down_nk = w_down.stride(-1) == 1
+    if layout == LAYOUT_NK:
+        return layout if down_nk else None
+    return layout if layout is not None and not down_nk and w_down.stride(1) == 1 else None
 
 
 def gate_up_layout(w_gate: torch.Tensor, w_up: torch.Tensor) -> str | None:

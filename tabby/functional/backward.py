@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 
-import functools
-
 import torch
 
 from ..ops import comm, sync
@@ -166,30 +164,27 @@ def _gate_up_wgrad(plan: Plan, dgu, xs, sched, dtype):
     """(dW_gate, dW_up) [E, I, H], laid out as the weights (``weight_grad_layout``); an ungated
     activation's dW_gate is an empty tensor (no gate)."""
     I = dgu.shape[1] // 2
-    wgrad = functools.partial(gemm.expert_wgrad, expert_start=sched.expert_start, expert_count=sched.expert_count,
-                              out_dtype=dtype, config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP),
-                              programs=plan.wgrad_programs)
-    transposed = plan.dims.layout != LAYOUT_NK  # C[e] = xs^T d(g|u) [H, I]: the transposed weights' own layout
-    halves = [dgu[:, :I], dgu[:, I:]] if plan.activation.gated else [dgu[:, I:]]
-    if transposed:
-        grads = [wgrad(xs, d).transpose(1, 2) for d in halves]
-    elif plan.activation.gated:
-        grads = list(gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count, out_dtype=dtype,
-                                               programs=plan.wgrad_programs,
-                                               config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP)))
-    else:
-        grads = [wgrad(d, xs) for d in halves]
-    if not plan.activation.gated:
-        grads.insert(0, dgu.new_empty(0, dtype=dtype))
-    return tuple(grads)
+    kw = dict(out_dtype=dtype, config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP), programs=plan.wgrad_programs)
+    if plan.activation.gated and plan.dims.layout == LAYOUT_NK:  # both in one launch
+        return gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count, **kw)
+    dw_up = _wgrad_as_laid_out(plan, dgu[:, I:], xs, sched, kw)
+    dw_gate = _wgrad_as_laid_out(plan, dgu[:, :I], xs, sched, kw) if plan.activation.gated else dgu.new_empty(
+        0, dtype=dtype)
+    return dw_gate, dw_up
 
 
 def _down_wgrad(plan: Plan, dys, hw, sched, dtype):
-    """dW_down [E, H, I], laid out as w_down (transposed weights: C[e] = hw^T dys [I, H], transposed)."""
+    """dW_down [E, H, I], laid out as w_down (``weight_grad_layout``)."""
     kw = dict(out_dtype=dtype, config=plan.gemm_config(gemm.KIND_WGRAD_DOWN), programs=plan.wgrad_programs)
-    if plan.dims.layout != LAYOUT_NK:
-        return gemm.expert_wgrad(hw, dys, sched.expert_start, sched.expert_count, **kw).transpose(1, 2)
-    return gemm.expert_wgrad(dys, hw, sched.expert_start, sched.expert_count, **kw)
+    return _wgrad_as_laid_out(plan, dys, hw, sched, kw)
+
+
+def _wgrad_as_laid_out(plan: Plan, a, b, sched, kw):
+    """C[e] = a_e^T b_e in the weights' order: Tabby's layout as is; transposed weights as the
+    transpose of b_e^T a_e (the operands swapped), which lies in their own order."""
+    if plan.dims.layout == LAYOUT_NK:
+        return gemm.expert_wgrad(a, b, sched.expert_start, sched.expert_count, **kw)
+    return gemm.expert_wgrad(b, a, sched.expert_start, sched.expert_count, **kw).transpose(1, 2)
 
 
 def weight_grad_layout(w: torch.Tensor, layout: str) -> torch.Tensor:

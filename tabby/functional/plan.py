@@ -191,6 +191,25 @@ def _ws_core(field: str, requested: bool | None, possible: bool, arch: int | Non
     return possible if requested is None else requested
 
 
+def separate_launches_conflicts(config: MoEConfig, biases: bool, layout: str) -> dict:
+    """What of ``config`` experts with biases, weights in a transposed layout or an ungated activation
+    cannot take, as {field: the value they can}: they run on the path of separate launches and
+    bf16.py's kernels (pointer loads: the bias epilogues, the transposed loads), biases and ungated
+    experts in bf16 only (FP8 quantizes the weights from wherever they lie, once a version). Empty
+    where nothing conflicts (``make_plan`` raises otherwise; the transformers backend adapts)."""
+    ungated = not config.activation.gated
+    if not (biases or layout != LAYOUT_NK or ungated):
+        return {}
+    out = {}
+    if config.megakernel:
+        out["megakernel"] = None
+    if config.tuning.bf16_ws:
+        out["bf16_ws"] = None
+    if config.precision != "bf16" and (biases or ungated):
+        out["precision"] = "bf16"
+    return out
+
+
 def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int = 0, sms: int | None = None,
               arch: int | None = None) -> Plan:
     """The plan of a call with these sizes (``I_s``: the shared expert's width, 0 without one) on
@@ -202,9 +221,6 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     sm_count = sms if sms is not None else _device_sms(device)
     wait_budget = config.resolved_max_wait_polls() if INTERPRET else int(config.resolved_max_wait_ms() * 1e6)
     arch = arch if arch is not None else _device_arch(device)
-    # Bias epilogues and transposed weights: bf16.py's kernels (pointer loads) on the path of separate
-    # launches; biases in bf16 only. (FP8 quantizes the weights from wherever they lie, once a version.)
-    # Ungated experts ("relu2"): the same, in bf16, without biases.
     ungated = not config.activation.gated
     if ungated and dims.biases:
         raise MoEInputError(f"Activation({config.activation.kind!r}) (ungated experts) takes no biases for now")
@@ -212,7 +228,7 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     if pointer_loads:
         what = ("experts with biases" if dims.biases else f"ungated experts ({config.activation.kind})" if ungated
                 else f"weights in the {dims.layout!r} layout")
-        if (config.precision != "bf16" and (dims.biases or ungated)) or config.megakernel or t.bf16_ws:
+        if separate_launches_conflicts(config, dims.biases, dims.layout):
             raise MoEInputError(f"{what} run on the path of separate launches and bf16.py's kernels (biases, "
                                 f"ungated experts: in bf16) for now: MoEConfig(precision={config.precision!r}, "
                                 f"megakernel={config.megakernel}) with Tuning(bf16_ws={t.bf16_ws}) cannot take them")

@@ -53,8 +53,10 @@ from ..activation import KINDS, UNGATED_KINDS, Activation
 from ..activation import apply as apply_activation
 from ..functional import moe as layer
 from ..functional.config import MoEConfig, config_string, parse_config
+from ..functional.plan import separate_launches_conflicts
 from ..nn.convert import local_experts
-from ..nn.experts import group_rank_size, skip_invalid_ids
+from ..nn.experts import gate_up_halves, group_rank_size, skip_invalid_ids
+from ..validate import LAYOUT_KN, LAYOUT_NK
 
 log = logging.getLogger("tabby")
 
@@ -200,26 +202,23 @@ def _call_plan(module: nn.Module, config: str) -> str:
 
 
 def _separate_launches(module: nn.Module, cfg: MoEConfig, act: Activation) -> MoEConfig:
-    """``cfg`` made one the plan takes for experts that run on the path of separate launches only
-    (each change warned once per experts class)."""
+    """``cfg`` with what the module's experts cannot take (``plan.separate_launches_conflicts``: biases,
+    transposed weights, no gate) replaced by what they can, warned once per experts class."""
     biases, transposed = getattr(module, "has_bias", False), getattr(module, "is_transposed", False)
-    if not (biases or transposed or not act.gated):
+    conflicts = separate_launches_conflicts(cfg, biases, LAYOUT_KN if transposed else LAYOUT_NK)
+    if not conflicts:
         return cfg
-    why = ", ".join(w for w, on in (("biases", biases), ("transposed weights", transposed),
-                                    ("no gate", not act.gated)) if on)
-    changed = []
-    if cfg.megakernel:
-        cfg, changed = replace(cfg, megakernel=None), changed + ["megakernel=True"]
-    if cfg.tuning.bf16_ws:
-        cfg, changed = replace(cfg, tuning=replace(cfg.tuning, bf16_ws=None)), changed + ["Tuning(bf16_ws=True)"]
-    if cfg.precision != "bf16" and (biases or not act.gated):
-        cfg, changed = replace(cfg, precision="bf16"), changed + [f"precision={cfg.precision!r} (bf16 instead)"]
+    said = {"megakernel": "megakernel=True", "bf16_ws": "Tuning(bf16_ws=True)",
+            "precision": f"precision={cfg.precision!r} (bf16 instead)"}
     key = (type(module).__name__, "separate launches")
-    if changed and key not in _warned:
+    if key not in _warned:
         _warned.add(key)
+        why = ", ".join(w for w, on in (("biases", biases), ("transposed weights", transposed),
+                                        ("no gate", not act.gated)) if on)
         log.warning("tabby experts backend: %s's experts (%s) run on the path of separate launches in bf16; not "
-                    "taken: %s", type(module).__name__, why, ", ".join(changed))
-    return cfg
+                    "taken: %s", type(module).__name__, why, ", ".join(said[f] for f in conflicts))
+    tuning = replace(cfg.tuning, bf16_ws=conflicts["bf16_ws"]) if "bf16_ws" in conflicts else cfg.tuning
+    return replace(cfg, tuning=tuning, **{f: v for f, v in conflicts.items() if f != "bf16_ws"})
 
 
 def tabby_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -250,16 +249,6 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16)
 
 
-def _halves(t: torch.Tensor, dim: int, concatenated: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate and up halves of ``t`` along ``dim`` (of size 2I): the first and second I entries, or
-    (interleaved) the even and odd ones; views through ``unbind``, so that autograd assembles the
-    fused gradient with one ``stack``."""
-    n = t.shape[dim] // 2
-    if concatenated:
-        return t.unflatten(dim, (2, n)).unbind(dim)
-    return t.unflatten(dim, (n, 2)).unbind(dim + 1)
-
-
 def expert_weights(module: nn.Module):
     """(w_gate, w_up [E, I, H], w_down [E, H, I], biases or None) of a transformers experts module for
     ``tabby.moe``: views of its parameters as they lie (no copy; bf16 casts excepted), whatever its
@@ -276,14 +265,14 @@ def expert_weights(module: nn.Module):
         return None, up, down, None
     gate_up, down = _bf16(module.gate_up_proj), _bf16(module.down_proj)
     if transposed:
-        w_gate, w_up = (w.transpose(1, 2) for w in _halves(gate_up, 2, concatenated))
+        w_gate, w_up = (w.transpose(1, 2) for w in gate_up_halves(gate_up, 2, concatenated))
         w_down = down.transpose(1, 2)
     else:
-        w_gate, w_up = _halves(gate_up, 1, concatenated)
+        w_gate, w_up = gate_up_halves(gate_up, 1, concatenated)
         w_down = down
     biases = None
     if getattr(module, "has_bias", False):
-        b_gate, b_up = _halves(_bf16(module.gate_up_proj_bias), 1, concatenated)
+        b_gate, b_up = gate_up_halves(_bf16(module.gate_up_proj_bias), 1, concatenated)
         biases = (b_gate, b_up, _bf16(module.down_proj_bias))
     return w_gate, w_up, w_down, biases
 

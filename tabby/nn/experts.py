@@ -170,8 +170,7 @@ class Experts(nn.Module):
             return None
         if self.layout == "separate":
             return self.b_gate, self.b_up, self.b_down
-        E, I2 = self.gate_up_proj_bias.shape
-        bg, bu = self.gate_up_proj_bias.unflatten(1, (2, I2 // 2)).unbind(1)
+        bg, bu = gate_up_halves(self.gate_up_proj_bias, 1)
         return bg, bu, self.down_proj_bias
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -209,5 +208,14 @@ def split_gate_up(gate_up_proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     E, I2, H = gate_up_proj.shape
     if I2 % 2:
         raise MoEInputError(f"gate_up_proj must be [E, 2I, H], got {tuple(gate_up_proj.shape)}")
-    gate, up = gate_up_proj.unflatten(1, (2, I2 // 2)).unbind(1)
-    return gate, up
+    return gate_up_halves(gate_up_proj, 1)
+
+
+def gate_up_halves(t: torch.Tensor, dim: int, concatenated: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of ``t`` along ``dim`` (of size 2I): its first and second I entries, or
+    (not ``concatenated``: interleaved, gpt-oss's) its even and odd ones; views through ``unbind``, so
+    that autograd assembles the fused gradient with one ``stack``."""
+    n = t.shape[dim] // 2
+    if concatenated:
+        return t.unflatten(dim, (2, n)).unbind(dim)
+    return t.unflatten(dim, (n, 2)).unbind(dim + 1)
