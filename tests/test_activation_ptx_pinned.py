@@ -61,7 +61,7 @@ def _gate_up_ws(stages):
 
     args = dict(a_desc=desc([64, 64]), wg_desc=desc([128, 64]), wu_desc=desc([128, 64]), h_ptr="*bf16",
                 stride_hm="i32:16", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
-                num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK="i32", STAGES=Const(stages), GROUP_M=Const(8),
+                num_tiles_ptr="*i32", num_m="i32", I="i32:16", w_pitch="i32:16", NK="i32", STAGES=Const(stages), GROUP_M=Const(8),
                 SCHED_BM=Const(128), SAVE_GU=Const(True))
     return compile_args(ws.gate_up_swiglu_ws_kernel, args, num_warps=4)
 

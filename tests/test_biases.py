@@ -82,7 +82,7 @@ def test_biases_bitwise_repeatable_and_the_plan():
 
 def test_configurations_without_biases_refuse_them():
     x, idx, wts, ws, bs, dy = _problem(1, 9, 32, 24, 3, 2, seed=5)
-    for cfg in (MoEConfig(megakernel=True), MoEConfig(precision="fp8"), MoEConfig(tuning=Tuning(bf16_ws=True))):
+    for cfg in (MoEConfig(megakernel=True), MoEConfig(precision="fp8")):
         with pytest.raises(MoEInputError, match="biases"):
             tabby.moe(x, idx, wts, *ws, config=cfg, biases=bs)
     with pytest.raises(MoEInputError, match="b_down must be"):

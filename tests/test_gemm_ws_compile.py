@@ -1,8 +1,10 @@
 """The warp-specialized bf16 GEMMs (tabby/ops/gemm/bf16_ws.py) compile for sm_90a, on a machine
 without a GPU, to the structure they were written for: the rows GEMM (the down projection) for each
-epilogue (stored, pushed) at 128 x 256 and 128 x 128 tiles, and gate/up: warp-specialized (setmaxnreg), no serialized wgmma (ptxas's C7514 / C7515), no spills,
-one wgmma group kept in flight (wait 1; gate/up's pair: wait 2), shared memory within a CTA's, and
-the stores in 16-byte vectors. Values: test_gemm_ws_gpu.py."""
+epilogue (stored, pushed) at 128 x 256 and 128 x 128 tiles, with a bias and on a transposed B, and
+gate/up in every weight layout (Tabby's, transposed, gpt-oss's interleaved), with biases, gated or
+not: warp-specialized (setmaxnreg), no serialized wgmma (ptxas's C7514 / C7515), no spills, one
+wgmma group kept in flight (wait 1; gate/up's pair: wait 2), shared memory within a CTA's, and the
+stores in 16-byte vectors. Values: test_gemm_ws_gpu.py, test_layouts_gpu.py, test_biases_gpu.py."""
 import re
 
 from sm90 import Const, compile_args, ptxas_report, run_compiled_check
@@ -29,20 +31,39 @@ def _report():
         return f"tensordesc<bf16[{block[0]},{block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
 
     epis = {ws.EPI_STORE.value: ("*bf16", "i32:16"), ws.EPI_PUSH.value: ("*i32", "*i64", "i32", "i32:16", "*bf16")}
-    # (epilogue, tile_n, stages): the down projection stored (the local path) and pushed
-    for epilogue, tile_n, stages in ((ws.EPI_STORE.value, 256, 4), (ws.EPI_PUSH.value, 256, 4),
-                                     (ws.EPI_PUSH.value, 256, 3), (ws.EPI_STORE.value, 128, 4)):
-        args = dict(a_desc=desc([64, 64]), b_desc=desc([tile_n, 64]), epi=epis[epilogue], tile_expert_ptr="*i32",
-                    num_tiles_ptr="*i32", num_m="i32", N="i32:16", NK="i32", TILE_N=Const(tile_n),
-                    STAGES=Const(stages), GROUP_M=Const(8), SCHED_BM=Const(128), EPILOGUE=Const(epilogue))
-        _line(f"rows/epilogue{epilogue}/tile{tile_n}/stages{stages}",
+    # (epilogue, tile_n, stages, B transposed, bias): the down projection stored (the local path) and pushed
+    for epilogue, tile_n, stages, kn, bias in ((ws.EPI_STORE.value, 256, 4, False, False),
+                                               (ws.EPI_PUSH.value, 256, 4, False, False),
+                                               (ws.EPI_PUSH.value, 256, 3, False, False),
+                                               (ws.EPI_STORE.value, 128, 4, False, False),
+                                               (ws.EPI_PUSH.value, 256, 4, True, True),
+                                               (ws.EPI_PUSH.value, 256, 4, False, True)):
+        args = dict(a_desc=desc([64, 64]), b_desc=desc([64, tile_n] if kn else [tile_n, 64]), epi=epis[epilogue],
+                    tile_expert_ptr="*i32", num_tiles_ptr="*i32", num_m="i32", N="i32:16", b_pitch="i32:16", NK="i32",
+                    TILE_N=Const(tile_n), STAGES=Const(stages), GROUP_M=Const(8), SCHED_BM=Const(128),
+                    EPILOGUE=Const(epilogue), B_KN=Const(kn))
+        if bias:
+            args.update(HAS_BIAS=Const(True), bias_ptr="*bf16", stride_bias_e="i32")
+        _line(f"rows/epilogue{epilogue}/tile{tile_n}/stages{stages}/kn{int(kn)}/bias{int(bias)}",
               compile_args(ws.rows_gemm_ws_kernel, args, num_warps=4))
-    for stages in (3, 4):
-        args = dict(a_desc=desc([64, 64]), wg_desc=desc([128, 64]), wu_desc=desc([128, 64]), h_ptr="*bf16",
+    blocks = {0: [128, 64], 1: [64, 128], 2: [64, 256]}  # W_LAYOUT -> the weights' boxes
+    # (stages, W_LAYOUT, gated, biases, ACT): plain SwiGLU; gpt-oss's experts transposed and as stored
+    # (interleaved, biases of column stride 2); SwiGLU with biases; relu2 (ungated)
+    for stages, lay, gated, bias, act in ((3, 0, True, False, 0), (4, 0, True, False, 0), (4, 1, True, True, 3),
+                                          (4, 2, True, True, 3), (4, 0, True, True, 0), (4, 0, False, False, 5),
+                                          (4, 1, False, False, 5)):
+        args = dict(a_desc=desc([64, 64]), wg_desc=desc(blocks[lay]), wu_desc=desc(blocks[lay]), h_ptr="*bf16",
                     stride_hm="i32:16", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
-                    num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK="i32", STAGES=Const(stages), GROUP_M=Const(8),
-                    SCHED_BM=Const(128), SAVE_GU=Const(True))
-        _line(f"gate_up/stages{stages}", compile_args(ws.gate_up_swiglu_ws_kernel, args, num_warps=4))
+                    num_tiles_ptr="*i32", num_m="i32", I="i32:16", w_pitch="i32:16", NK="i32", STAGES=Const(stages),
+                    GROUP_M=Const(8), SCHED_BM=Const(128), SAVE_GU=Const(True), ACT=Const(act),
+                    LIMIT=Const(7.0 if act == 3 else 0.0), ALPHA=Const(1.702 if act == 3 else 0.0),
+                    W_LAYOUT=Const(lay), GATED=Const(gated))
+        if bias:
+            args.update(HAS_BIAS=Const(True), bg_ptr="*bf16", bu_ptr="*bf16", stride_bias_e="i32",
+                        BIAS_STRIDE_N=Const(2 if lay == 2 else 1))
+        pair = gated and lay != 2  # g's and u's wgmma a block
+        _line(f"gate_up{'_pair' if pair else ''}/stages{stages}/layout{lay}/gated{int(gated)}/bias{int(bias)}/act{act}",
+              compile_args(ws.gate_up_swiglu_ws_kernel, args, num_warps=4))
     for pairs, stages in ((1, 4), (2, 4), (2, 3)):
         args = dict(a0_desc=desc([64, 64]), a1_desc=desc([64, 64]), b_desc=desc([64, 256]), c0_ptr="*bf16",
                     c1_ptr="*bf16", stride_ce="i32:16", stride_cm="i32:16", expert_start_ptr="*i32",
@@ -53,13 +74,13 @@ def _report():
 
 def test_warp_specialized_bf16_gemms_compile():
     lines = run_compiled_check(__file__).splitlines()
-    assert len(lines) == 9, lines
+    assert len(lines) == 16, lines
     for line in lines:
         f = line.split()
         c = dict(zip(f[1::2], map(int, f[2::2])))
         assert c["warp_specialized"] == 1 and c["spills"] == 0 and c["serialized"] == 0, line
         assert c["shared"] <= SMEM_MAX, line
-        if f[0].startswith("gate_up"):  # g's and u's wgmma per block, the previous pair waited for
+        if f[0].startswith("gate_up_pair"):  # g's and u's wgmma per block, the previous pair waited for
             assert c["wgmma"] >= 4 and c["wait2"] >= 2 and c["v4_stores"] > 0, line
         else:  # a block's wgmma per consumer, the one before it waited for
             assert c["wgmma"] >= 2 and c["wait1"] >= 2 and c["v4_stores"] > 0, line

@@ -167,3 +167,68 @@ def test_expert_wgrad(counts, M, N, stages, grid):
     for _ in range(5):
         ws.expert_wgrad_ws([a, a2], b, s.expert_start, s.expert_count, again, stages=stages, grid=grid)
         assert all(torch.equal(x, y) for x, y in zip(again, outs))
+
+
+# (rows per expert, H, I): empty and one-row experts, I not a multiple of the 128-column tile (H and I
+# multiples of 64: the transposed weights' K blocks)
+LAYOUT_CASES = [([300, 0, 128, 5], 256, 384), ([129, 1, 700], 1024, 320), ([77, 500, 3], 2880, 2880)]
+
+
+@pytest.mark.parametrize("counts,H,I", LAYOUT_CASES)
+def test_weights_read_as_they_lie(counts, H, I):
+    """gate/up and down on the weights as transformers stores them, against the Triton kernels (same
+    sums; gate/up with biases starts its products from them, so there within rounding): Tabby's
+    layout as halves of one gate_up [E, 2I, H] bitwise as contiguous weights; transposed ("kn")
+    and interleaved ("kn-paired") [E, H, 2I] with biases (column stride 1, 2); relu2 (w_up
+    alone); the down projection on a transposed down_proj [E, I, H] with its bias."""
+    from tabby.activation import Activation
+
+    s = Sched(counts, 128, W=1, TK=sum(counts) + 1, seed=H + I)
+    x = s.rows(H, seed=1)
+    wg, wu = rand(s.E, I, H, seed=2, scale=H ** -0.5), rand(s.E, I, H, seed=3, scale=H ** -0.5)
+    bg, bu = rand(s.E, I, seed=4, scale=0.5), rand(s.E, I, seed=5, scale=0.5)
+    used = s.used_rows.cuda()
+    gpt = Activation("gpt-oss", limit=7.0, alpha=1.702)
+
+    def run(w_gate, w_up, biases=None, act=gpt, core=True):
+        h = torch.full((s.R, I), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gu = torch.full((s.R, 2 * I), float("nan"), dtype=torch.bfloat16, device="cuda")
+        if core:
+            ws.gate_up_swiglu_ws(x, w_gate, w_up, s.tile_expert, s.num_tiles, h, gu, sched_bm=128, stages=4, act=act,
+                                 layout=gemm.gate_up_layout(w_gate, w_up), biases=biases)
+        else:
+            gemm.gate_up_swiglu(x, w_gate, w_up, s.tile_expert, s.num_tiles, h=h, gu=gu, act=act, biases=biases,
+                                config=_cfg(gemm.KIND_GATE_UP, I, H))
+        return h[used], gu[used]
+
+    base = run(wg, wu)
+    fused = torch.cat([wg, wu], 1)  # [E, 2I, H]: each half's experts 2I rows apart
+    assert all(torch.equal(a, b) for a, b in zip(run(*fused.unflatten(1, (2, I)).unbind(1)), base))
+    want = run(wg, wu, (bg, bu), core=False)
+    kn = fused.transpose(1, 2).contiguous()  # [E, H, 2I]
+    paired = torch.stack([wg, wu], 2).flatten(1, 2).transpose(1, 2).contiguous()
+    b_paired = torch.stack([bg, bu], 2).flatten(1, 2).contiguous()
+    for w_gate, w_up, biases in ((wg, wu, (bg, bu)),
+                                 (*(w.transpose(1, 2) for w in kn.unflatten(2, (2, I)).unbind(2)), (bg, bu)),
+                                 (*(w.transpose(1, 2) for w in paired.unflatten(2, (I, 2)).unbind(3)),
+                                  tuple(b_paired.unflatten(1, (I, 2)).unbind(2)))):
+        got = run(w_gate, w_up, biases)
+        assert all(rel_err(a, b) < 5e-3 for a, b in zip(got, want)), gemm.gate_up_layout(w_gate, w_up)
+    relu2 = Activation("relu2")
+    h, gu = run(wu, wu, act=relu2)
+    h_t, gu_t = run(wu, wu, act=relu2, core=False)
+    assert rel_err(h, h_t) < 5e-3 and rel_err(gu[:, I:], gu_t[:, I:]) < 5e-3
+    # the down projection: a transposed down_proj [E, I, H] read in place, + b_down
+    hin = s.rows(I, seed=6)
+    down_proj = rand(s.E, I, H, seed=7, scale=I ** -0.5)
+    bd = rand(s.E, H, seed=8, scale=0.5)
+    wd = down_proj.transpose(1, 2)  # [E, H, I], unit stride along H
+    choice = heuristics.bf16_gemm(gemm.KIND_DOWN, H, I, 128, True, None)
+    for bias in (None, bd):
+        dsts, ptrs = make_dsts(s, H)
+        gemm.down_push(hin, wd, s.tile_expert, s.num_tiles, s.row_src, ptrs, s.TK, config=choice, bias=bias)
+        want_d, want_ptrs = make_dsts(s, H)
+        gemm.down_push(hin, wd, s.tile_expert, s.num_tiles, s.row_src, want_ptrs, s.TK, bias=bias,
+                       config=_cfg(gemm.KIND_DOWN, H, I))
+        for a, b in zip(dsts, want_d):
+            assert rel_err(a.nan_to_num(7.0), b.nan_to_num(7.0)) < 5e-3

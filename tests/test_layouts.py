@@ -21,12 +21,18 @@ SMALL = dict(tile_m=16, dispatch_rows=16, dispatch_cols=64, dispatch_programs=4)
 GPT_OSS = Activation("gpt-oss", limit=7.0, alpha=1.702)
 
 
+NK_FUSED = "nk-fused"  # Tabby's layout as halves of one gate_up [E, 2I, H] (transformers' plain families): "nk"
+
+
 def fused(ws, bs, layout):
     """(gate_up [E, H, 2I], down [E, I, H], gate_up_bias [E, 2I], down_bias [E, H]) holding Tabby's
     (w_gate, w_up, w_down) and (b_gate, b_up, b_down) in ``layout`` ("kn": gate columns first;
-    "kn-paired": g and u interleaved)."""
+    "kn-paired": g and u interleaved; ``NK_FUSED``: gate_up [E, 2I, H], gate rows first, and down
+    [E, H, I])."""
     wg, wu, wd = ws
     bg, bu, bd = bs
+    if layout == NK_FUSED:
+        return torch.cat([wg, wu], 1), wd.clone(), torch.cat([bg, bu], 1), bd.clone()
     if layout == "kn":
         gate_up, bias = torch.cat([wg, wu], 1), torch.cat([bg, bu], 1)
     else:
@@ -36,6 +42,10 @@ def fused(ws, bs, layout):
 
 def views(gate_up, down, bias, down_bias, layout):
     """Tabby's (w_gate, w_up, w_down) and biases as views of the fused tensors (no copy)."""
+    if layout == NK_FUSED:
+        I = gate_up.shape[1] // 2
+        return tuple(gate_up.unflatten(1, (2, I)).unbind(1)) + (down,), tuple(bias.unflatten(1, (2, I)).unbind(1)) + (
+            down_bias,)
     E, H, I2 = gate_up.shape
     I = I2 // 2
     if layout == "kn":
@@ -144,11 +154,11 @@ def test_layouts_are_recognized_and_others_refused():
 
 
 @cpu_only
-def test_transposed_weights_refuse_what_reads_them_through_tma_only():
+def test_transposed_weights_refuse_the_megakernel():
     prob = problem(1, 9, 32, 24, 3, 2, seed=5)
-    for cfg in (MoEConfig(tuning=Tuning(**SMALL), megakernel=True), MoEConfig(tuning=Tuning(**SMALL, bf16_ws=True))):
-        with pytest.raises(RuntimeError, match="'kn-paired' layout run on the path of separate launches"):
-            run_layer(prob, "kn-paired", cfg, 1, biases=False)  # (a rank's MoEInputError)
+    with pytest.raises(RuntimeError, match="'kn-paired' layout run on the path of separate launches"):
+        run_layer(prob, "kn-paired", MoEConfig(tuning=Tuning(**SMALL), megakernel=True), 1,
+                  biases=False)  # (a rank's MoEInputError)
 
 
 @cpu_only
@@ -222,17 +232,16 @@ def test_the_plan_names_the_layout_and_its_path():
     from tabby.validate import MoEDims
 
     for layout, biases in (("kn", False), ("kn-paired", True)):
-        # (qwen3-30b-a3b's widths: in Tabby's layout the plan takes the ws GEMMs there)
+        # (qwen3-30b-a3b's widths: H and I multiples of 64, the transposed weights on the ws GEMMs)
         dims = MoEDims(T=16384, H=2048, k=8, E_local=16, I=768, world_size=1, I_shared=0, biases=biases,
                        layout=layout)
         plan = make_plan(dims, MoEConfig(activation=GPT_OSS), torch.device("cpu"), sms=132, arch=90)
         text = plan.describe()
         assert f"weights {layout}" in text and ("biases" in text) == biases, text
-        assert plan.mega is None and "ws" not in {k.core for k in plan.gemm.values() if hasattr(k, "core")}, text
-    plan = make_plan(MoEDims(T=16384, H=2048, k=8, E_local=16, I=768, world_size=1, I_shared=0),
+        assert plan.mega is None and plan.gemm["gate_up"].core == "ws" and "gate_up_swiglu_ws_kernel" in text, text
+    plan = make_plan(MoEDims(T=16384, H=2048, k=8, E_local=16, I=768, world_size=2, I_shared=0),
                      MoEConfig(activation=Activation("relu2")), torch.device("cpu"), sms=132, arch=90)
-    assert "no gate" in plan.describe() and plan.mega is None
-    assert {k.core for k in plan.gemm.values() if hasattr(k, "core")} == {"triton"}
+    assert "no gate" in plan.describe() and plan.mega is None and plan.gemm["gate_up"].core == "ws"
     plain = make_plan(MoEDims(T=16384, H=2048, k=8, E_local=16, I=768, world_size=1, I_shared=0), MoEConfig(),
                       torch.device("cpu"), sms=132, arch=90)
     assert "ws" in {k.core for k in plain.gemm.values() if hasattr(k, "core")} and "weights nk" in plain.describe()

@@ -1,12 +1,14 @@
-"""Transposed expert weights read in place on a GPU, one rank, at the widths of gpt-oss-120b and
-qwen3-30b-a3b (the plan's path for them: separate launches, bf16.py's kernels): values and the
-gradients of the fused parameters against the fp32 reference, with gpt-oss's activation and biases;
-20-run bitwise repeat; no host sync; FP8 on them bitwise as on Tabby's layout. Ungated experts
-(relu2) on the same path. The CPU cases and helpers: test_layouts.py, test_ungated.py."""
+"""Expert weights read in place on a GPU, one rank, at the widths of gpt-oss-120b and qwen3-30b-a3b
+(the plan's path for them: separate launches, the warp-specialized GEMMs on sm_90): transposed
+("kn", "kn-paired") and Tabby's layout as halves of one fused gate_up [E, 2I, H] (transformers'
+plain families: each expert's gate rows 2I rows after the last's); values and the gradients of the
+fused parameters against the fp32 reference, with gpt-oss's activation and biases; 20-run bitwise
+repeat; no host sync; FP8 on them bitwise as on Tabby's layout. Ungated experts (relu2) on the same
+path. The CPU cases and helpers: test_layouts.py, test_ungated.py."""
 import pytest
 import torch
 from harness import rel_err as rel
-from test_layouts import GPT_OSS, compare, fused, problem, views
+from test_layouts import GPT_OSS, NK_FUSED, compare, fused, problem, views
 
 import tabby
 from tabby.functional.config import MoEConfig
@@ -26,8 +28,8 @@ def _on_gpu(prob, layout, fn, to_cpu=True, **kw):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("layout", ["kn", "kn-paired"])
-@pytest.mark.parametrize("H,I,E,k,T", [(2880, 2880, 8, 4, 512), (2048, 768, 16, 8, 1024)])
+@pytest.mark.parametrize("layout", ["kn", "kn-paired", NK_FUSED])
+@pytest.mark.parametrize("H,I,E,k,T", [(2880, 2880, 8, 4, 512), (2048, 768, 16, 8, 1024), (2880, 2888, 8, 4, 512)])
 def test_layouts_gpu(layout, H, I, E, k, T):
     prob = problem(1, T, H, I, E, k, seed=H + T)
     cfg = MoEConfig(activation=GPT_OSS, debug=False)

@@ -301,6 +301,30 @@ def test_bf16_plans_choose_the_core():
                      arch=90).gemm[gemm.KIND_DOWN].core == gemm.CORE_TRITON
 
 
+@pytest.mark.parametrize("W", [1, 8])
+def test_biases_layouts_and_ungated_experts_take_the_ws_core_on_separate_launches(W):
+    """Experts with biases, weights as transformers stores them ("kn", "kn-paired") and ungated ones
+    run gate/up, down and the weight gradients on the warp-specialized kernels on sm_90 (never the
+    megakernel, whose tiles have neither); transposed weights with H or I not a multiple of 64 on
+    the Triton kernels."""
+    E, H, I, k = SHAPES["gpt-oss-120b"]
+    ws_kinds = (gemm.KIND_GATE_UP, gemm.KIND_DOWN, gemm.KIND_WGRAD_DOWN, gemm.KIND_WGRAD_GATE_UP)
+    cases = [(dict(biases=True), Activation("gpt-oss", limit=7.0, alpha=1.702)),
+             (dict(layout="kn"), Activation()), (dict(layout="kn-paired", biases=True), Activation()),
+             (dict(), Activation("relu2"))]
+    for extra, act in cases:
+        dims = MoEDims(T=16384, H=H, k=k, E_local=E // 8, I=I, world_size=W, I_shared=0, **extra)
+        p = make_plan(dims, MoEConfig(activation=act), torch.device("cpu"), sms=132, arch=90)
+        assert p.mega is None and {p.gemm[kind].core for kind in ws_kinds} == {gemm.CORE_WS}, (extra, act)
+        assert "gate_up_swiglu_ws_kernel" in p.describe()
+    for H_odd, I_odd in ((H + 8, I), (H, I + 8)):
+        dims = MoEDims(T=16384, H=H_odd, k=k, E_local=E // 8, I=I_odd, world_size=W, I_shared=0, layout="kn")
+        p = make_plan(dims, MoEConfig(), torch.device("cpu"), sms=132, arch=90)
+        assert {p.gemm[kind].core for kind in ws_kinds} == {gemm.CORE_TRITON}
+        with pytest.raises(MoEInputError, match="multiples of 64"):
+            make_plan(dims, MoEConfig(tuning=Tuning(bf16_ws=True)), torch.device("cpu"), sms=132, arch=90)
+
+
 def test_bf16_plans_name_the_megakernel_and_the_backward_s_kernels():
     p = _plan("kimi-k2", 4096)
     assert p.fp8 is None and p.wgrad_programs == 132

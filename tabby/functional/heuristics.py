@@ -13,6 +13,7 @@ import triton
 from ..ops.gemm import bf16 as gemm
 from ..ops.gemm.bf16 import GemmConfig
 from ..ops.gemm.fp8 import CORE_TRITON, CORE_WS, Fp8Gemm
+from ..validate import LAYOUT_NK
 
 TILE_M = 128  # rows per routed row tile: the GEMMs' BM (docs/performance.md "GEMM tiles")
 RING_ROWS = 4096  # megakernel ring: 32 slots of 128 rows, far enough ahead to hide a pull ("Ring size")
@@ -51,10 +52,13 @@ BF16_WS_TILE_N = {gemm.KIND_GATE_UP: 128, gemm.KIND_DOWN: 256}
 BF16_WS_STAGES = {gemm.KIND_GATE_UP: 4, gemm.KIND_DOWN: 4}
 
 
-def bf16_ws_possible(arch: int | None, tile_m: int, H: int, I: int) -> bool:
+def bf16_ws_possible(arch: int | None, tile_m: int, H: int, I: int, layout: str = LAYOUT_NK) -> bool:
     """The warp-specialized bf16 kernels run on sm_90 (not under the interpreter: ``arch`` None),
-    with 128-row kernel tiles inside the schedule's and 16-byte rows for TMA (H, I multiples of 8)."""
-    return arch == BF16_WS_ARCH and tile_m % 128 == 0 and H % 8 == 0 and I % 8 == 0
+    with 128-row kernel tiles inside the schedule's and 16-byte rows for TMA (H, I multiples of 8);
+    transposed weights with H and I multiples of 64 (their K blocks, rows of the weights, must not
+    run into the next expert's)."""
+    return (arch == BF16_WS_ARCH and tile_m % 128 == 0 and H % 8 == 0 and I % 8 == 0
+            and (layout == LAYOUT_NK or (H % 64 == 0 and I % 64 == 0)))
 
 
 def bf16_gemm(kind: str, N: int, K: int, tile_m: int, ws: bool, programs: int | None) -> gemm.Bf16Gemm:

@@ -193,8 +193,8 @@ def _ws_core(field: str, requested: bool | None, possible: bool, arch: int | Non
 
 def separate_launches_conflicts(config: MoEConfig, biases: bool, layout: str) -> dict:
     """What of ``config`` experts with biases, weights in a transposed layout or an ungated activation
-    cannot take, as {field: the value they can}: they run on the path of separate launches and
-    bf16.py's kernels (pointer loads: the bias epilogues, the transposed loads), biases and ungated
+    cannot take, as {field: the value they can}: they run on the path of separate launches (the
+    megakernel's tiles have neither the bias epilogues nor the transposed loads), biases and ungated
     experts in bf16 only (FP8 quantizes the weights from wherever they lie, once a version). Empty
     where nothing conflicts (``make_plan`` raises otherwise; the transformers backend adapts)."""
     ungated = not config.activation.gated
@@ -203,8 +203,6 @@ def separate_launches_conflicts(config: MoEConfig, biases: bool, layout: str) ->
     out = {}
     if config.megakernel:
         out["megakernel"] = None
-    if config.tuning.bf16_ws:
-        out["bf16_ws"] = None
     if config.precision != "bf16" and (biases or ungated):
         out["precision"] = "bf16"
     return out
@@ -224,17 +222,16 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     ungated = not config.activation.gated
     if ungated and dims.biases:
         raise MoEInputError(f"Activation({config.activation.kind!r}) (ungated experts) takes no biases for now")
-    pointer_loads = dims.biases or dims.layout != LAYOUT_NK or ungated
-    if pointer_loads:
+    separate = dims.biases or dims.layout != LAYOUT_NK or ungated  # not on the megakernel's tiles
+    if separate and separate_launches_conflicts(config, dims.biases, dims.layout):
         what = ("experts with biases" if dims.biases else f"ungated experts ({config.activation.kind})" if ungated
                 else f"weights in the {dims.layout!r} layout")
-        if separate_launches_conflicts(config, dims.biases, dims.layout):
-            raise MoEInputError(f"{what} run on the path of separate launches and bf16.py's kernels (biases, "
-                                f"ungated experts: in bf16) for now: MoEConfig(precision={config.precision!r}, "
-                                f"megakernel={config.megakernel}) with Tuning(bf16_ws={t.bf16_ws}) cannot take them")
-        ws = False
-    else:
-        ws = _ws_core("bf16_ws", t.bf16_ws, heuristics.bf16_ws_possible(arch, tile_m, H, I), arch, tile_m, H, I, 8)
+        raise MoEInputError(f"{what} run on the path of separate launches (biases, ungated experts: in bf16) for "
+                            f"now: MoEConfig(precision={config.precision!r}, megakernel={config.megakernel}) cannot "
+                            f"take them")
+    ws_multiple = 8 if dims.layout == LAYOUT_NK else 64
+    ws = _ws_core("bf16_ws", t.bf16_ws, heuristics.bf16_ws_possible(arch, tile_m, H, I, dims.layout), arch, tile_m,
+                  H, I, ws_multiple)
     gemms = {kind: heuristics.bf16_gemm(kind, N, K, tile_m, ws, sm_count)
              for kind, N, K in ((gemm.KIND_GATE_UP, I, H), (gemm.KIND_DOWN, H, I), (gemm.KIND_DGRAD_SWIGLU, I, H),
                                 (gemm.KIND_GATE_UP_DGRAD, H, 2 * I))}
@@ -245,7 +242,7 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
         raise MoEInputError(f"Tuning(dispatch_cols={dispatch_cols}): must be a power of two")
     megakernel = config.megakernel
     if megakernel is None:
-        megakernel = heuristics.use_megakernel(config.precision, W, ws) and not pointer_loads
+        megakernel = heuristics.use_megakernel(config.precision, W, ws) and not separate
     mega = None
     groups = 1
     if megakernel:

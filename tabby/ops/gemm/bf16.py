@@ -648,10 +648,10 @@ def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                    config: GemmConfig | Bf16Gemm, act: Activation = SWIGLU, biases=None):
     """h [R, I] = act(xs @ Wg[e]^T, xs @ Wu[e]^T) per row tile (SwiGLU: silu(g) * u); returns h, or
     (h, gu) with save_gu. ``biases``: None or (b_gate, b_up) [E, I] (unit column stride, equal
-    strides), added to g and u before the activation (this file's kernel only).
+    strides), added to g and u before the activation.
 
     xs [R, H] bf16; w_gate, w_up [E, I, H] bf16 (same strides) in a layout of ``validate.LAYOUTS``
-    (the transposed ones on this file's kernel only; ``validate.gate_up_layout``);
+    (``validate.gate_up_layout``; on the ws core the transposed ones need H a multiple of 64);
     gu [R, 2I] bf16 (g then u) is written when ``save_gu`` (or when ``gu`` is given).
     Tiles of unused row tiles are left untouched in h / gu.
     """
@@ -666,20 +666,15 @@ def gate_up_swiglu(xs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     if layout is None:
         raise ValueError(f"w_gate, w_up in none of the layouts {LAYOUTS} (validate.gate_up_layout): strides "
                          f"{w_gate.stride()}, {w_up.stride()}")
-    if ws and layout != LAYOUT_NK:
-        raise ValueError(f"gate_up_swiglu: weights in layout {layout!r} run on this file's kernel (a GemmConfig "
-                         f"or a Triton Bf16Gemm)")
     if h is None:
         h = torch.empty(R, I, dtype=xs.dtype, device=xs.device)
     save_gu = save_gu or gu is not None
     if save_gu and gu is None:
         gu = torch.empty(R, 2 * I, dtype=xs.dtype, device=xs.device)
-    if ws and biases is not None:
-        raise ValueError("gate_up_swiglu: biases run on this file's kernel (a GemmConfig or a Triton Bf16Gemm)")
     if ws:
         _ws_module().gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu if save_gu else None,
-                                       sched_bm=bm, stages=ws.config.num_stages,
-                                       grid=ws.programs, GROUP_M=ws.config.GROUP_M, act=act)
+                                       sched_bm=bm, stages=ws.config.num_stages, grid=ws.programs,
+                                       GROUP_M=ws.config.GROUP_M, act=act, layout=layout, biases=biases)
         return (h, gu) if save_gu else h
     gu_arg = gu if save_gu else h
     num_m = R // cfg.BM
@@ -816,7 +811,7 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
     r with row_src[r] >= 0 is pushed, as ``dst_dtype``, to row ``row_src[r] % TK`` (row stride
     ``dst_stride``, default N) of buffer ``row_src[r] // TK``; returns None. Otherwise stores into
     ``out`` [R, N] (allocated as ``out_dtype``, default a's dtype) and returns it. ``bias`` [E, N]
-    (unit column stride): added to every row of expert e (this file's kernel only).
+    (unit column stride): added to every row of expert e.
     """
     R, K = a.shape
     E = b.shape[0]
@@ -861,18 +856,17 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
         row_src = tile_expert  # unused
         dst_ptrs = tile_expert  # unused
         TK, stride_d = 1, 0
-    if ws and bias is not None:
-        raise ValueError("rows_gemm: a bias runs on this file's kernel (a GemmConfig or a Triton Bf16Gemm)")
     if bias is not None:
         assert bias.shape == (E, N) and bias.stride(-1) == 1
     if ws:
-        if two or b_layout != "nk" or paired:
-            raise ValueError("rows_gemm: the warp-specialized kernel runs one K phase of K-major B (the down "
-                             "projection); the gate/up dgrad runs on this file's kernel (a GemmConfig)")
+        if two or paired:
+            raise ValueError("rows_gemm: the warp-specialized kernel runs one K phase (the down projection); the "
+                             "gate/up dgrad runs on this file's kernel (a GemmConfig)")
         bws = _ws_module()
         epi = (row_src, dst_ptrs, TK, stride_d, dst_ptrs.view(dst_dtype)) if push else (c, stride_c)
         bws.rows_launch(a, b, tile_expert, num_tiles, bm, bws.EPI_PUSH if push else bws.EPI_STORE, epi,
-                        tile_n=ws.config.BN, stages=ws.config.num_stages, grid=ws.programs, GROUP_M=ws.config.GROUP_M)
+                        tile_n=ws.config.BN, stages=ws.config.num_stages, grid=ws.programs, GROUP_M=ws.config.GROUP_M,
+                        b_kn=b_layout == "kn", bias=bias)
         return None if push else out
     num_m = R // cfg.BM
     grid = (num_m * triton.cdiv(N, cfg.BN),)

@@ -1,12 +1,18 @@
-"""bf16 expert GEMMs warp-specialized and persistent (Gluon, sm_90): the forward's routed GEMMs.
+"""bf16 expert GEMMs warp-specialized and persistent (Gluon, sm_90): the forward's routed GEMMs and
+the weight gradients.
 
 - ``rows_launch``: the rows GEMM ``A @ B[e]^T`` over the routed-row buffer (B [E, N, K], K-major:
-  ``nn.Linear``'s), the down projection, with fp8_ws's stored-rows or pushed-rows epilogue. Tiles
-  of 128 x ``tile_n`` (256 or 128).
-- ``gate_up_swiglu_ws``: gate/up with the SwiGLU (g and u saved where asked), 128 x 128 tiles of h.
+  ``nn.Linear``'s; or B [E, K, N] read N-major: a transposed down_proj as it lies), + a bias, the
+  down projection, with fp8_ws's stored-rows or pushed-rows epilogue. Tiles of 128 x ``tile_n``
+  (256 or 128).
+- ``gate_up_swiglu_ws``: gate/up with the activation (g and u saved where asked), 128 x 128 tiles
+  of h, the weights in any of ``validate.LAYOUTS`` (gpt-oss's interleaved g, u in one 128 x 256
+  product), with biases (the products start from them), gated or not.
+- ``expert_wgrad_ws``: the per-expert weight gradients.
 
 Same operands, layout contract and results as bf16.py's kernels (its docstring): each 128-row tile
-one expert's, fp32 sums over K in order, bf16 out. The backward's dgrads stay on bf16.py's kernels:
+one expert's, fp32 sums over K in order, bf16 out (gate/up with biases within rounding: there the
+Triton kernel adds them after the sums). The backward's dgrads stay on bf16.py's kernels:
 measured here (N-major B, two K phases, the SwiGLU backward's epilogue) they were no faster
 (docs/performance.md, "Warp-specialized bf16 GEMMs").
 
@@ -24,9 +30,12 @@ them, and the consumers only for stages the producer has filled; both walk the s
 same order, inside one CTA (no wait on another program: any number of resident programs finishes).
 
 Runs where ``fits``: sm_90, schedule tiles a multiple of 128 rows, TMA-addressable operands (16-byte
-aligned bases and row strides, K and N multiples of 8). A block past K reads TMA's zeros in A and
-B; a partial last column tile reads the next expert's first rows of B (or TMA's zeros past the
-last), whose columns are not stored.
+aligned bases and row strides, K and N multiples of 8; a weight's experts each starting on a row of
+its descriptor, ``_pitch``: halves of a fused gate_up_proj included). A block past K reads TMA's
+zeros in A (and in B where K runs along its columns); a partial last column tile reads the next
+rows of B (another expert's, or TMA's zeros past the last), whose columns are not stored. Where K
+runs along B's rows (the transposed layouts) K must be a multiple of 64, so that no block reads
+another expert's rows.
 """
 from __future__ import annotations
 
@@ -40,8 +49,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...activation import SWIGLU, Activation
+from ...validate import LAYOUT_KN, LAYOUT_KN_PAIRED, LAYOUT_NK
 from .activation import act_fwd
-from .bf16 import grouped_tile, tma_aligned
+from .bf16 import W_KN, W_KN_PAIRED, W_NK, grouped_tile, tma_aligned
 from .fp8_ws import (EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _ring_gate_up, _sm90,
                      _store_tile, _walk_row_tiles)
 
@@ -64,39 +74,55 @@ def _load_a_halves(a_desc, row0, k0, bar, a_lo, a_hi, s):
 
 
 @gluon.jit
-def _rows_producer_tile(it, pid_m, pid_n, e, a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, N, NK,
-                        TILE_N: gl.constexpr, STAGES: gl.constexpr):
-    """A tile's NK K blocks: A's two halves at columns kb * BK and B's block (expert e's rows
-    e * N + pid_n * TILE_N, columns kb * BK)."""
+def _rows_producer_tile(it, pid_m, pid_n, e, a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, b_pitch, NK,
+                        TILE_N: gl.constexpr, STAGES: gl.constexpr, B_KN: gl.constexpr):
+    """A tile's NK K blocks: A's two halves at columns kb * BK and B's block: expert e's rows
+    e * b_pitch + pid_n * TILE_N, columns kb * BK; B_KN (B [E, K, N]): rows e * b_pitch + kb * BK,
+    columns pid_n * TILE_N (b_pitch: B's rows from one expert to the next in b_desc)."""
     row0 = pid_m * BM
-    brow = e * N + pid_n * TILE_N
+    brow = e * b_pitch + pid_n * TILE_N
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     for kb in range(NK):
         s, bar = _ring_fill(ready, empty, it, nbytes, STAGES)
         k0 = kb * BK
         _load_a_halves(a_desc, row0, k0, bar, a_lo, a_hi, s)
-        tma.async_copy_global_to_shared(b_desc, [brow, k0], bar, b_bufs.index(s))
+        if B_KN:
+            tma.async_copy_global_to_shared(b_desc, [e * b_pitch + k0, pid_n * TILE_N], bar, b_bufs.index(s))
+        else:
+            tma.async_copy_global_to_shared(b_desc, [brow, k0], bar, b_bufs.index(s))
         it += 1
     return it
 
 
 @gluon.jit
-def _rows_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, N, NK,
-                   TILE_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
+def _rows_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, N,
+                   b_pitch, NK, TILE_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                   SCHED_BM: gl.constexpr, B_KN: gl.constexpr):
     it = 0
-    _walk_row_tiles(_rows_producer_tile, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, N, NK, TILE_N, STAGES),
-                    it, tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(N, TILE_N), GROUP_M, SCHED_BM)
+    _walk_row_tiles(_rows_producer_tile, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, b_pitch, NK, TILE_N, STAGES,
+                                          B_KN), it, tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(N, TILE_N),
+                    GROUP_M, SCHED_BM)
 
 
 @gluon.jit
-def _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, STAGES: gl.constexpr):
-    """A consumer's K loop: acc += A_half @ B^T over NK blocks, one wgmma in flight; each stage is
-    released once the wgmma after it is issued and it has completed (wait 1), the last at the end.
-    Returns (acc, the K-block count)."""
+def _b_operand(buf, B_KN: gl.constexpr):
+    """A stage's B block as the wgmma's [K, N] operand: a K-major block [N, K] read transposed, or
+    (B_KN) an N-major block [K, N] as it lies (wgmma reads either from shared memory)."""
+    if B_KN:
+        return buf
+    else:
+        return buf.permute((1, 0))
+
+
+@gluon.jit
+def _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, STAGES: gl.constexpr, B_KN: gl.constexpr = False):
+    """A consumer's K loop: acc += A_half @ B over NK blocks (``_b_operand``), one wgmma in flight;
+    each stage is released once the wgmma after it is issued and it has completed (wait 1), the
+    last at the end. Returns (acc, the K-block count)."""
     for kb in range(NK):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        tok = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        tok = warpgroup_mma(a_bufs.index(s), _b_operand(b_bufs.index(s), B_KN), acc, is_async=True)
         acc = _retire_previous(tok, kb, it, empty, STAGES)
         it += 1
     return _drain(acc, it, NK, empty, STAGES), it
@@ -124,13 +150,19 @@ def _drain(acc, it, nk, empty, STAGES: gl.constexpr):
 
 @gluon.jit
 def _rows_consumer_tile(it, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, epi, N, NK, HALF_ROW: gl.constexpr,
-                        TILE_N: gl.constexpr, STAGES: gl.constexpr, EPILOGUE: gl.constexpr):
-    """A consumer's 64 rows of one tile: the K loop, then the epilogue per 128 columns (fp8_ws's,
-    so a 256-wide tile's halves are 128-column tiles of their own)."""
+                        TILE_N: gl.constexpr, STAGES: gl.constexpr, EPILOGUE: gl.constexpr, B_KN: gl.constexpr,
+                        HAS_BIAS: gl.constexpr, bias_ptr, stride_bias_e):
+    """A consumer's 64 rows of one tile: the K loop, + bias[e] (HAS_BIAS: [E, N], unit column
+    stride), then the epilogue per 128 columns (fp8_ws's, so a 256-wide tile's halves are
+    128-column tiles of their own)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, TILE_N, 16])
     acc = gl.zeros([HALF, TILE_N], gl.float32, layout)
-    acc, it = _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, STAGES)
+    acc, it = _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, STAGES, B_KN)
+    if HAS_BIAS:
+        cols = pid_n * TILE_N + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, layout))
+        bias = gl.load(bias_ptr + e.to(gl.int64) * stride_bias_e + cols, mask=cols < N, other=0.0)
+        acc += bias.to(gl.float32)[None, :]
     rows = pid_m.to(gl.int64) * BM + HALF_ROW + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
     if TILE_N == 256:
         lo, hi = gl.split(gl.permute(gl.reshape(acc, (HALF, 2, 128)), (0, 2, 1)))
@@ -145,28 +177,34 @@ def _rows_consumer_tile(it, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, epi, 
 @gluon.jit
 def _rows_consumer(a_bufs, b_bufs, ready, empty, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, NK,
                    HALF_ROW: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                   SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
+                   SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr, B_KN: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   bias_ptr, stride_bias_e):
     it = 0
     _walk_row_tiles(_rows_consumer_tile, (a_bufs, b_bufs, ready, empty, epi, N, NK, HALF_ROW, TILE_N, STAGES,
-                                          EPILOGUE), it, tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(N, TILE_N),
-                    GROUP_M, SCHED_BM)
+                                          EPILOGUE, B_KN, HAS_BIAS, bias_ptr, stride_bias_e), it, tile_expert_ptr,
+                    num_tiles_ptr, num_m, gl.cdiv(N, TILE_N), GROUP_M, SCHED_BM)
 
 
 @gluon.jit
-def rows_gemm_ws_kernel(a_desc, b_desc, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, NK, TILE_N: gl.constexpr,
+def rows_gemm_ws_kernel(a_desc, b_desc, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, b_pitch, NK,
+                        TILE_N: gl.constexpr,
                         STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr,
-                        EPILOGUE: gl.constexpr):
+                        EPILOGUE: gl.constexpr, B_KN: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
+                        bias_ptr=None, stride_bias_e=None):
+    """A @ B[e]^T (B [E, N, K]), or A @ B[e] with B_KN (B [E, K, N]: a transposed down_proj read as
+    it lies), + bias[e] with HAS_BIAS, through EPILOGUE; expert e's B from row e * b_pitch of
+    b_desc."""
     a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready, empty = _ring_barriers(STAGES)
     gl.warp_specialize([
         (_rows_consumer, (a_lo, b_bufs, ready, empty, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, NK, 0, TILE_N,
-                          STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
+                          STAGES, GROUP_M, SCHED_BM, EPILOGUE, B_KN, HAS_BIAS, bias_ptr, stride_bias_e)),
         (_rows_consumer, (a_hi, b_bufs, ready, empty, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, NK, HALF, TILE_N,
-                          STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
+                          STAGES, GROUP_M, SCHED_BM, EPILOGUE, B_KN, HAS_BIAS, bias_ptr, stride_bias_e)),
         (_rows_producer, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, N,
-                          NK, TILE_N, STAGES, GROUP_M, SCHED_BM)),
+                          b_pitch, NK, TILE_N, STAGES, GROUP_M, SCHED_BM, B_KN)),
     ], [4, 1], [232, 40])
 
 
@@ -176,60 +214,127 @@ def rows_gemm_ws_kernel(a_desc, b_desc, epi, tile_expert_ptr, num_tiles_ptr, num
 #
 # A stage is A's two halves and W_gate's and W_up's 128 x 64 blocks (48 KB); each consumer holds g's
 # and u's 64 x 128 accumulators (128 registers) and issues both blocks' wgmmas before waiting for
-# the previous stage's pair (wait 2).
+# the previous stage's pair (wait 2). The weights as they lie (W_LAYOUT, bf16.py's W_NK / W_KN /
+# W_KN_PAIRED): transposed ones (K = NK * BK rows an expert) in 64 x 128 blocks read N-major;
+# gpt-oss's interleaved g, u in one 64 x 256 block (the same 48 KB a stage) into one [64, 256]
+# product split into g and u after the K loop (wait 1). Without GATED (an ungated activation)
+# only W_up's blocks are loaded and multiplied.
 
 @gluon.jit
 def _gate_up_producer_tile(it, pid_m, pid_n, e, a_desc, wg_desc, wu_desc, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty,
-                           I, NK, STAGES: gl.constexpr):
+                           w_pitch, NK, STAGES: gl.constexpr, W_LAYOUT: gl.constexpr, GATED: gl.constexpr):
+    """A tile's NK K blocks; expert e's weights from row e * w_pitch of their descriptors."""
     row0 = pid_m * BM
-    brow = e * I + pid_n * 128
-    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + 2 * wg_desc.block_type.nbytes
+    brow = e * w_pitch + pid_n * 128
+    TWO_BLOCKS: gl.constexpr = GATED and W_LAYOUT != W_KN_PAIRED
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + (2 if TWO_BLOCKS else 1) * wu_desc.block_type.nbytes
     for kb in range(NK):
         s, bar = _ring_fill(ready, empty, it, nbytes, STAGES)
         k0 = kb * BK
         _load_a_halves(a_desc, row0, k0, bar, a_lo, a_hi, s)
-        tma.async_copy_global_to_shared(wg_desc, [brow, k0], bar, bg_bufs.index(s))
-        tma.async_copy_global_to_shared(wu_desc, [brow, k0], bar, bu_bufs.index(s))
+        if W_LAYOUT == W_NK:
+            if GATED:
+                tma.async_copy_global_to_shared(wg_desc, [brow, k0], bar, bg_bufs.index(s))
+            tma.async_copy_global_to_shared(wu_desc, [brow, k0], bar, bu_bufs.index(s))
+        elif W_LAYOUT == W_KN:
+            if GATED:
+                tma.async_copy_global_to_shared(wg_desc, [e * w_pitch + k0, pid_n * 128], bar, bg_bufs.index(s))
+            tma.async_copy_global_to_shared(wu_desc, [e * w_pitch + k0, pid_n * 128], bar, bu_bufs.index(s))
+        else:  # g and u interleaved: columns 2 * pid_n * 128 .. + 255 hold both halves' 128
+            tma.async_copy_global_to_shared(wu_desc, [e * w_pitch + k0, pid_n * 256], bar, bu_bufs.index(s))
         it += 1
     return it
 
 
 @gluon.jit
 def _gate_up_producer(a_desc, wg_desc, wu_desc, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty, tile_expert_ptr,
-                      num_tiles_ptr, num_m, I, NK, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                      SCHED_BM: gl.constexpr):
+                      num_tiles_ptr, num_m, I, w_pitch, NK, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                      SCHED_BM: gl.constexpr, W_LAYOUT: gl.constexpr, GATED: gl.constexpr):
     it = 0
-    _walk_row_tiles(_gate_up_producer_tile, (a_desc, wg_desc, wu_desc, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty, I,
-                                             NK, STAGES), it, tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(I, 128),
-                    GROUP_M, SCHED_BM)
+    _walk_row_tiles(_gate_up_producer_tile, (a_desc, wg_desc, wu_desc, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty,
+                                             w_pitch, NK, STAGES, W_LAYOUT, GATED), it, tile_expert_ptr, num_tiles_ptr,
+                    num_m,
+                    gl.cdiv(I, 128), GROUP_M, SCHED_BM)
+
+
+@gluon.jit
+def _bias_row(bg_ptr, bu_ptr, stride_bias_e, e, col0, I, N: gl.constexpr, PAIRED: gl.constexpr,
+              BIAS_STRIDE_N: gl.constexpr, layout: gl.constexpr):
+    """A tile's bias row [N] fp32 for the product in ``layout``: bg[e] (or bu[e]: pass it as bg_ptr) at
+    columns col0 .. col0 + N - 1; PAIRED: g's and u's interleaved (column 2j: bg[e][col0 + j],
+    2j + 1: bu[e][col0 + j]); zeros at or past I."""
+    j = gl.arange(0, N, layout=gl.SliceLayout(0, layout))
+    if PAIRED:
+        cols = col0 + j // 2
+        off = e.to(gl.int64) * stride_bias_e + cols * BIAS_STRIDE_N
+        ptrs = gl.where(j % 2 == 0, bg_ptr + off, bu_ptr + off)
+    else:
+        cols = col0 + j
+        ptrs = bg_ptr + e.to(gl.int64) * stride_bias_e + cols * BIAS_STRIDE_N
+    return gl.load(ptrs, mask=cols < I, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _gate_up_products(it, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, I, NK, STAGES: gl.constexpr,
+                      W_LAYOUT: gl.constexpr, GATED: gl.constexpr, HAS_BIAS: gl.constexpr, bg_ptr, bu_ptr,
+                      stride_bias_e, BIAS_STRIDE_N: gl.constexpr):
+    """A consumer's (g, u) [64, 128] fp32 of one tile and the K-block count (not GATED: u twice).
+    HAS_BIAS: the products start from the biases (accumulators set to bg[e], bu[e] before the first
+    wgmma: no bias registers live through the epilogue)."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    B_KN: gl.constexpr = W_LAYOUT != W_NK
+    if W_LAYOUT == W_KN_PAIRED:
+        wide: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 256, 16])
+        gu = gl.zeros([HALF, 256], gl.float32, wide)
+        if HAS_BIAS:
+            gu += _bias_row(bg_ptr, bu_ptr, stride_bias_e, e, pid_n * 128, I, 256, True, BIAS_STRIDE_N, wide)[None, :]
+        gu, it = _mainloop(gu, a_bufs, bu_bufs, ready, empty, it, NK, STAGES, True)
+        g, u = gl.split(gl.reshape(gu, (HALF, 128, 2)))  # column 2i: g's i, 2i + 1: u's i
+    elif GATED:
+        g = gl.zeros([HALF, 128], gl.float32, layout)
+        u = gl.zeros([HALF, 128], gl.float32, layout)
+        if HAS_BIAS:
+            g += _bias_row(bg_ptr, bg_ptr, stride_bias_e, e, pid_n * 128, I, 128, False, BIAS_STRIDE_N, layout)[None, :]
+            u += _bias_row(bu_ptr, bu_ptr, stride_bias_e, e, pid_n * 128, I, 128, False, BIAS_STRIDE_N, layout)[None, :]
+        for kb in range(NK):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            tg = warpgroup_mma(a_bufs.index(s), _b_operand(bg_bufs.index(s), B_KN), g, is_async=True)
+            tu = warpgroup_mma(a_bufs.index(s), _b_operand(bu_bufs.index(s), B_KN), u, is_async=True)
+            g, u = warpgroup_mma_wait(2, deps=(tg, tu))
+            if kb > 0:
+                mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+            it += 1
+        g, u = warpgroup_mma_wait(0, deps=(g, u))
+        if NK > 0:
+            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+    else:
+        u = gl.zeros([HALF, 128], gl.float32, layout)
+        if HAS_BIAS:
+            u += _bias_row(bu_ptr, bu_ptr, stride_bias_e, e, pid_n * 128, I, 128, False, BIAS_STRIDE_N, layout)[None, :]
+        u, it = _mainloop(u, a_bufs, bu_bufs, ready, empty, it, NK, STAGES, B_KN)
+        g = u
+    return g, u, it
 
 
 @gluon.jit
 def _gate_up_consumer_tile(it, pid_m, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr,
                            stride_gum, I, NK, HALF_ROW: gl.constexpr, STAGES: gl.constexpr, SAVE_GU: gl.constexpr,
-                           ACT: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr):
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
-    g = gl.zeros([HALF, 128], gl.float32, layout)
-    u = gl.zeros([HALF, 128], gl.float32, layout)
-    for kb in range(NK):
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        tg = warpgroup_mma(a_bufs.index(s), bg_bufs.index(s).permute((1, 0)), g, is_async=True)
-        tu = warpgroup_mma(a_bufs.index(s), bu_bufs.index(s).permute((1, 0)), u, is_async=True)
-        g, u = warpgroup_mma_wait(2, deps=(tg, tu))
-        if kb > 0:
-            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
-        it += 1
-    g, u = warpgroup_mma_wait(0, deps=(g, u))
-    if NK > 0:
-        mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+                           ACT: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr, W_LAYOUT: gl.constexpr,
+                           GATED: gl.constexpr, HAS_BIAS: gl.constexpr, bg_ptr, bu_ptr, stride_bias_e,
+                           BIAS_STRIDE_N: gl.constexpr):
+    g, u, it = _gate_up_products(it, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, I, NK, STAGES, W_LAYOUT, GATED,
+                                 HAS_BIAS, bg_ptr, bu_ptr, stride_bias_e, BIAS_STRIDE_N)
+    layout: gl.constexpr = u.type.layout
     rows = pid_m.to(gl.int64) * BM + HALF_ROW + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
     h = act_fwd(g, u, ACT, LIMIT, ALPHA)  # bf16.py's gate/up epilogue, the same bits
     # 16-byte row pieces: 8 bf16 a thread, 16 a row
     bf16_rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     _store_tile(h_ptr, stride_hm, h.to(h_ptr.dtype.element_ty), rows, pid_n * 128, I, bf16_rows)
     if SAVE_GU:
-        _store_tile(gu_ptr, stride_gum, g.to(gu_ptr.dtype.element_ty), rows, pid_n * 128, I, bf16_rows)
+        if GATED:  # (ungated: g's columns left unwritten, never read)
+            _store_tile(gu_ptr, stride_gum, g.to(gu_ptr.dtype.element_ty), rows, pid_n * 128, I, bf16_rows)
         _store_tile(gu_ptr + I, stride_gum, u.to(gu_ptr.dtype.element_ty), rows, pid_n * 128, I, bf16_rows)
     return it
 
@@ -238,28 +343,41 @@ def _gate_up_consumer_tile(it, pid_m, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready,
 def _gate_up_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr,
                       num_tiles_ptr, num_m, I, NK, HALF_ROW: gl.constexpr, STAGES: gl.constexpr,
                       GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr, ACT: gl.constexpr,
-                      LIMIT: gl.constexpr, ALPHA: gl.constexpr):
+                      LIMIT: gl.constexpr, ALPHA: gl.constexpr, W_LAYOUT: gl.constexpr, GATED: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, bg_ptr, bu_ptr, stride_bias_e, BIAS_STRIDE_N: gl.constexpr):
     it = 0
     _walk_row_tiles(_gate_up_consumer_tile, (a_bufs, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr,
-                                             stride_gum, I, NK, HALF_ROW, STAGES, SAVE_GU, ACT, LIMIT, ALPHA), it,
+                                             stride_gum, I, NK, HALF_ROW, STAGES, SAVE_GU, ACT, LIMIT, ALPHA, W_LAYOUT,
+                                             GATED, HAS_BIAS, bg_ptr, bu_ptr, stride_bias_e, BIAS_STRIDE_N), it,
                     tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(I, 128), GROUP_M, SCHED_BM)
 
 
 @gluon.jit
 def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr,
-                             num_tiles_ptr, num_m, I, NK, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                             num_tiles_ptr, num_m, I, w_pitch, NK, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                              SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr, ACT: gl.constexpr = 0,
-                             LIMIT: gl.constexpr = 0.0, ALPHA: gl.constexpr = 0.0):
-    a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _ring_gate_up(a_desc, wg_desc, STAGES)
+                             LIMIT: gl.constexpr = 0.0, ALPHA: gl.constexpr = 0.0, W_LAYOUT: gl.constexpr = 0,
+                             GATED: gl.constexpr = True, HAS_BIAS: gl.constexpr = False, bg_ptr=None, bu_ptr=None,
+                             stride_bias_e=None, BIAS_STRIDE_N: gl.constexpr = 1):
+    if W_LAYOUT == W_KN_PAIRED or not GATED:  # one weight block a stage (wu_desc's)
+        a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        bu_bufs = gl.allocate_shared_memory(wu_desc.dtype, [STAGES] + wu_desc.block_type.shape, wu_desc.layout)
+        bg_bufs = bu_bufs
+        ready, empty = _ring_barriers(STAGES)
+    else:
+        a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _ring_gate_up(a_desc, wg_desc, STAGES)
     gl.warp_specialize([
         (_gate_up_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr, stride_gum,
                              tile_expert_ptr, num_tiles_ptr, num_m, I, NK, 0, STAGES, GROUP_M, SCHED_BM, SAVE_GU,
-                             ACT, LIMIT, ALPHA)),
+                             ACT, LIMIT, ALPHA, W_LAYOUT, GATED, HAS_BIAS, bg_ptr, bu_ptr, stride_bias_e,
+                             BIAS_STRIDE_N)),
         (_gate_up_consumer, (a_hi, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr, stride_gum,
                              tile_expert_ptr, num_tiles_ptr, num_m, I, NK, HALF, STAGES, GROUP_M, SCHED_BM, SAVE_GU,
-                             ACT, LIMIT, ALPHA)),
+                             ACT, LIMIT, ALPHA, W_LAYOUT, GATED, HAS_BIAS, bg_ptr, bu_ptr, stride_bias_e,
+                             BIAS_STRIDE_N)),
         (_gate_up_producer, (a_desc, wg_desc, wu_desc, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty, tile_expert_ptr,
-                             num_tiles_ptr, num_m, I, NK, STAGES, GROUP_M, SCHED_BM)),
+                             num_tiles_ptr, num_m, I, w_pitch, NK, STAGES, GROUP_M, SCHED_BM, W_LAYOUT, GATED)),
     ], [4, 1], [232, 40])
 
 
@@ -407,58 +525,124 @@ def _check_stages(name: str, stages: int):
         raise ValueError(f"{name}: stages {stages} must be at least 2")
 
 
+def _pitch(t: torch.Tensor) -> int | None:
+    """A 3-D operand [E, A, B] as the descriptors see it, rows of B elements (unit column stride, row
+    stride t.stride(1)): the rows from one expert's first to the next's (A where its experts lie one
+    after the other; 2I for a gate or up half of a fused gate_up_proj [E, 2I, H]); None where the
+    experts do not start on a row of that view."""
+    if t.stride(-1) != 1 or t.stride(0) % t.stride(1) or t.stride(0) // t.stride(1) < t.shape[1]:
+        return None
+    return t.stride(0) // t.stride(1)
+
+
+def _expert_desc(w: torch.Tensor, block: list) -> tuple[TensorDescriptor, int]:
+    """(descriptor, pitch): a 3-D operand's rows (``_pitch``) from its first expert's first to its
+    last expert's last, in ``block`` boxes."""
+    pitch = _pitch(w)
+    return _desc(w, (w.shape[0] - 1) * pitch + w.shape[1], block), pitch
+
+
 def fits(*ts: torch.Tensor, sched_bm: int) -> bool:
     """Whether the warp-specialized kernels run on these operands: a CUDA device of compute
-    capability 9 (wgmma, TMA), bf16, TMA-addressable (16-byte aligned bases and strides), the
-    schedule's tiles a multiple of 128 rows."""
-    return (sched_bm % BM.value == 0 and all(_sm90(t) and t.dtype == torch.bfloat16 and tma_aligned(t) for t in ts))
+    capability 9 (wgmma, TMA), bf16, TMA-addressable (16-byte aligned bases and strides, unit
+    column strides; a 3-D operand's experts each starting on a row: ``_pitch``), the schedule's
+    tiles a multiple of 128 rows."""
+    return (sched_bm % BM.value == 0 and all(
+        _sm90(t) and t.dtype == torch.bfloat16 and tma_aligned(t) and t.stride(-1) == 1
+        and (t.dim() == 2 or _pitch(t) is not None) for t in ts))
 
 
 def rows_launch(a, b, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi: tuple, *, tile_n: int,
-                stages: int, grid: int | None = None, GROUP_M: int = 8):
-    """One persistent launch of the rows GEMM ``a [R, K] @ b[e]^T`` (b [E, N, K]) with ``epilogue``
-    (EPI_STORE or EPI_PUSH) and its arguments ``epi``; raises where ``fits`` does not hold.
-    ``tile_n``: 256 or 128 columns a tile; ``stages``: the ring's depth; ``grid``: the persistent
-    grid (None: one program per SM)."""
+                stages: int, grid: int | None = None, GROUP_M: int = 8, b_kn: bool = False, bias=None):
+    """One persistent launch of the rows GEMM ``a [R, K] @ b[e]^T`` (b [E, N, K]; ``b_kn``: ``a @ b[e]``,
+    b [E, K, N] with K a multiple of 64, e.g. a transposed down_proj read in place) + ``bias[e]``
+    (None or [E, N], unit column stride) with ``epilogue`` (EPI_STORE or EPI_PUSH) and its arguments
+    ``epi``; raises where ``fits`` does not hold. ``tile_n``: 256 or 128 columns a tile; ``stages``:
+    the ring's depth; ``grid``: the persistent grid (None: one program per SM)."""
     if tile_n not in (128, 256):
         raise ValueError(f"rows_launch: tile_n {tile_n} must be 128 or 256")
     if epilogue not in (EPI_STORE, EPI_PUSH):
         raise ValueError(f"rows_launch: epilogue {epilogue} must be EPI_STORE or EPI_PUSH")
     _check_stages("rows_launch", stages)
     R, K = a.shape
-    E, N, Kb = b.shape
+    if b_kn:
+        E, Kb, N = b.shape
+    else:
+        E, N, Kb = b.shape
     if Kb != K:
-        raise ValueError(f"rows_launch: A {tuple(a.shape)} and B {tuple(b.shape)} must be [R, K] and [E, N, K]")
+        raise ValueError(f"rows_launch: A {tuple(a.shape)} and B {tuple(b.shape)} must be [R, K] and "
+                         f"{'[E, K, N]' if b_kn else '[E, N, K]'}")
+    if b_kn and K % BK.value:
+        raise ValueError(f"rows_launch: B [E, K, N] needs K a multiple of {BK.value} (K={K}): a block must not run "
+                         "into the next expert's rows")
     if not fits(a, b, sched_bm=sched_bm):
         raise ValueError(f"rows_launch: A {tuple(a.shape)}, B {tuple(b.shape)}, schedule tiles of {sched_bm} rows "
                          "do not run on the warp-specialized kernel (see fits)")
+    kw = {}
+    if b_kn:
+        kw["B_KN"] = True
+    if bias is not None:
+        if tuple(bias.shape) != (E, N) or bias.stride(-1) != 1:
+            raise ValueError(f"rows_launch: bias {tuple(bias.shape)} must be [{E}, {N}] with a unit column stride")
+        kw.update(HAS_BIAS=True, bias_ptr=bias, stride_bias_e=bias.stride(0))
     num_m = R // BM.value
+    b_desc, b_pitch = _expert_desc(b, [BK.value, tile_n] if b_kn else [tile_n, BK.value])
     rows_gemm_ws_kernel[_grid(a.device, num_m * triton.cdiv(N, tile_n), grid)](
-        _desc(a, R, [HALF.value, BK.value]), _desc(b, E * N, [tile_n, BK.value]), epi, tile_expert, num_tiles,
-        num_m, N, triton.cdiv(K, BK.value), TILE_N=tile_n, STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm,
-        EPILOGUE=epilogue, num_warps=4)
+        _desc(a, R, [HALF.value, BK.value]), b_desc, epi, tile_expert, num_tiles,
+        num_m, N, b_pitch, triton.cdiv(K, BK.value), TILE_N=tile_n, STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm,
+        EPILOGUE=epilogue, num_warps=4, **kw)
+
+
+_LAYOUT_CODES = {LAYOUT_NK: W_NK.value, LAYOUT_KN: W_KN.value, LAYOUT_KN_PAIRED: W_KN_PAIRED.value}
 
 
 def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_bm: int, stages: int,
-                      grid: int | None = None, GROUP_M: int = 8, act: Activation = SWIGLU):
-    """h [R, I] = act(xs @ Wg[e]^T, xs @ Wu[e]^T) per row tile, g | u into gu [R, 2I] unless gu is
-    None; xs [R, H], W [E, I, H] (raises where ``fits`` does not hold). ``stages``: the
-    ring's depth (48 KB a stage)."""
+                      grid: int | None = None, GROUP_M: int = 8, act: Activation = SWIGLU, layout: str = LAYOUT_NK,
+                      biases=None):
+    """h [R, I] = act(xs @ Wg[e]^T + bg[e], xs @ Wu[e]^T + bu[e]) per row tile, g | u into gu [R, 2I]
+    unless gu is None; xs [R, H], W [E, I, H] in ``layout`` (validate.LAYOUTS; the transposed ones
+    need H a multiple of 64), ``biases`` None or (bg, bu) [E, I] (equal strides, column stride 1 or
+    2); an ungated ``act``: Wu alone (w_gate unread). Raises where ``fits`` does not hold.
+    ``stages``: the ring's depth (48 KB a stage)."""
     R, H = xs.shape
     E, I, _ = w_gate.shape
     _check_stages("gate_up_swiglu_ws", stages)
-    if not fits(xs, w_gate, w_up, sched_bm=sched_bm):
-        raise ValueError(f"gate_up_swiglu_ws: xs {tuple(xs.shape)}, W {tuple(w_gate.shape)}, schedule tiles of "
-                         f"{sched_bm} rows do not run on the warp-specialized kernel (see fits)")
+    if layout == LAYOUT_NK:
+        ops = (w_gate, w_up)
+    elif layout == LAYOUT_KN:
+        ops = (w_gate.transpose(1, 2), w_up.transpose(1, 2))  # [E, H, I], as they lie
+    elif layout == LAYOUT_KN_PAIRED:  # [E, H, 2I]: g's column i at 2i, u's at 2i + 1
+        ops = (w_gate.as_strided((E, H, 2 * I), (w_gate.stride(0), w_gate.stride(2), 1)),)
+    else:
+        raise ValueError(f"gate_up_swiglu_ws: layout {layout!r} is none of {tuple(_LAYOUT_CODES)}")
+    if layout != LAYOUT_NK and H % BK.value:
+        raise ValueError(f"gate_up_swiglu_ws: weights in layout {layout!r} need H a multiple of {BK.value} (H={H}): "
+                         "a block must not run into the next expert's rows")
+    if not fits(xs, *ops, sched_bm=sched_bm):
+        raise ValueError(f"gate_up_swiglu_ws: xs {tuple(xs.shape)}, W {tuple(w_gate.shape)} (layout {layout!r}), "
+                         f"schedule tiles of {sched_bm} rows do not run on the warp-specialized kernel (see fits)")
     save_gu = gu is not None
     gu_arg = gu if save_gu else h
     num_m = R // BM.value
     ACT, LIMIT, ALPHA = act.constexprs()
+    block = {LAYOUT_NK: [128, BK.value], LAYOUT_KN: [BK.value, 128], LAYOUT_KN_PAIRED: [BK.value, 256]}[layout]
+    (wg_desc, w_pitch), (wu_desc, _) = _expert_desc(ops[0], block), _expert_desc(ops[-1], block)
+    kw = {}  # (left out at their defaults for the plain kernel, whose code stays what it was)
+    if layout != LAYOUT_NK:
+        kw["W_LAYOUT"] = _LAYOUT_CODES[layout]
+    if not act.gated:
+        kw["GATED"] = False
+    if biases is not None:
+        bg, bu = biases
+        if not (tuple(bg.shape) == tuple(bu.shape) == (E, I) and bg.stride() == bu.stride()
+                and bg.stride(-1) in (1, 2)):
+            raise ValueError(f"gate_up_swiglu_ws: biases {tuple(bg.shape)}, {tuple(bu.shape)} must be [{E}, {I}] "
+                             "with equal strides, column stride 1 or 2")
+        kw.update(HAS_BIAS=True, bg_ptr=bg, bu_ptr=bu, stride_bias_e=bg.stride(0), BIAS_STRIDE_N=bg.stride(-1))
     gate_up_swiglu_ws_kernel[_grid(xs.device, num_m * triton.cdiv(I, 128), grid)](
-        _desc(xs, R, [HALF.value, BK.value]), _desc(w_gate, E * I, [128, BK.value]),
-        _desc(w_up, E * I, [128, BK.value]), h, h.stride(0),
-        gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, triton.cdiv(H, BK.value), STAGES=stages,
-        GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=4)
+        _desc(xs, R, [HALF.value, BK.value]), wg_desc, wu_desc, h, h.stride(0),
+        gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, w_pitch, triton.cdiv(H, BK.value), STAGES=stages,
+        GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=4, **kw)
 
 
 def expert_wgrad_ws(a_parts, b, expert_start, expert_count, outs, *, stages: int, grid: int | None = None,
