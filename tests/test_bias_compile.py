@@ -1,6 +1,7 @@
-"""The bias epilogues (bf16.py's gate/up and rows GEMM with HAS_BIAS) compile for sm_90a on a machine
-without a GPU, at the plan's tiles for kimi-k2's and gpt-oss-120b's widths, without spills. Values:
-test_biases.py (CPU), test_biases_gpu.py."""
+"""The bias epilogues of bf16.py's Triton gate/up and rows GEMM (HAS_BIAS: where the warp-specialized
+ones do not run, e.g. Tuning(bf16_ws=False)) compile for sm_90a on a machine without a GPU, at the
+plan's tiles for kimi-k2's and gpt-oss-120b's widths, without spills. The ws kernels' bias epilogues:
+test_gemm_ws_compile.py. Values: test_biases.py (CPU), test_biases_gpu.py."""
 import re
 
 from sm90 import Const, compile_args, plan_at, ptxas_report, run_compiled_check
@@ -15,8 +16,10 @@ def _i32(v):
 def _report():
     from tabby.ops.gemm import bf16 as gemm
 
+    from tabby.functional.config import Tuning
+
     for H, I in SHAPES:
-        plan = plan_at(H, I, biases=True)
+        plan = plan_at(H, I, biases=True, tuning=Tuning(bf16_ws=False))
         gu, dn = plan.gemm[gemm.KIND_GATE_UP], plan.gemm[gemm.KIND_DOWN]
         assert gu.core == dn.core == gemm.CORE_TRITON and not plan.megakernel
         c = gu.config
