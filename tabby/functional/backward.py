@@ -6,7 +6,7 @@ import torch
 
 from ..ops import comm, sync
 from ..ops.gemm import bf16 as gemm
-from ..validate import LAYOUT_NK
+from ..validate import LAYOUT_KN_PAIRED, LAYOUT_NK
 from . import memory
 from .memory import layer_buffers
 from .workspace import BWD, BWD_READY
@@ -47,7 +47,9 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
                  biases=None):
     """Backward pass on one rank. Returns (dx, d topk_weights [T, k] fp32, dw_gate, dw_up, dw_down), and
     with ``biases`` (b_gate, b_up, b_down) their gradients as a sixth element (a tuple, the biases'
-    dtype). A row's router-weight gradient then also takes dy . b_down[e] (its expert's output
+    dtype). gpt-oss's interleaved weights (``fused_gate_up_grads``): dw_gate is gate_up_proj's whole
+    gradient [E, H, 2I] and dw_up empty, d b_gate gate_up_proj_bias's [E, 2I] and d b_up empty
+    (``split_gate_up_grads`` makes the halves' views). A row's router-weight gradient then also takes dy . b_down[e] (its expert's output
     includes the bias); the biases' gradients are each expert's rows of dg, du and w dy summed in a
     fixed order (``gemm.expert_row_sums``).
 
@@ -110,20 +112,23 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
     pull_routed_rows(plan, sched, ws.ptrs["dy_pub"], dys, TK, k)
     mark(probe, "bwd:dispatch_dy")
     # dg | du over g | u when they are ours: each tile reads its own g, u columns before it writes them
-    in_place = owned and gu.dtype == dys.dtype and gu.is_contiguous() and gu.shape == (R, 2 * I)
+    # (not interleaved: gpt-oss's order, a tile's dg, du land on other tiles' g columns)
+    paired = plan.dims.layout == LAYOUT_KN_PAIRED
+    in_place = owned and not paired and gu.dtype == dys.dtype and gu.is_contiguous() and gu.shape == (R, 2 * I)
     dgu, hw, dw_part = gemm.down_dgrad_swiglu_bwd(dys, w_down, gu, row_w, sched.tile_expert, sched.num_tiles,
                                                   dgu=gu if in_place else bufs.empty("dgu", dev),
                                                   hw=bufs.empty("hw", dev), dw_part=bufs.empty("dw_part", dev),
                                                   config=plan.gemm_config(gemm.KIND_DGRAD_SWIGLU),
-                                                  act=plan.activation)
+                                                  act=plan.activation, dgu_paired=paired)
     dbiases = None
     if biases is not None:
-        dbiases = _bias_grads(biases, dgu, dys, row_w, sched, I)
+        dbiases = _bias_grads(biases, dgu, dys, row_w, sched, I, paired)
     del gu, row_w
     mark(probe, "bwd:down_dgrad+swiglu")
     gated = plan.activation.gated
     gemm.gate_up_dgrad_push(dgu, w_gate, w_up, sched.tile_expert, sched.num_tiles, sched.row_src,
-                            ws.ptrs["dx_in"], TK, config=plan.gemm_config(gemm.KIND_GATE_UP_DGRAD), gated=gated)
+                            ws.ptrs["dx_in"], TK, config=plan.gemm_config(gemm.KIND_GATE_UP_DGRAD), gated=gated,
+                            dgu_paired=paired)
     mark(probe, "bwd:gate_up_dgrad+push")
     dw_rows = gemm.reduce_dw(dw_part, out=bufs.empty("dw_rows", dev))
     del dw_part
@@ -162,9 +167,12 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
 
 def _gate_up_wgrad(plan: Plan, dgu, xs, sched, dtype):
     """(dW_gate, dW_up) [E, I, H], laid out as the weights (``weight_grad_layout``); an ungated
-    activation's dW_gate is an empty tensor (no gate)."""
+    activation's dW_gate is an empty tensor (no gate); gpt-oss's interleaved weights: (gate_up_proj's
+    gradient [E, H, 2I] = xs^T dgu over dgu interleaved, in one launch; an empty tensor)."""
     I = dgu.shape[1] // 2
     kw = dict(out_dtype=dtype, config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP), programs=plan.wgrad_programs)
+    if plan.dims.layout == LAYOUT_KN_PAIRED:
+        return gemm.expert_wgrad(xs, dgu, sched.expert_start, sched.expert_count, **kw), dgu.new_empty(0, dtype=dtype)
     if plan.activation.gated and plan.dims.layout == LAYOUT_NK:  # both in one launch
         return gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count, **kw)
     dw_up = _wgrad_as_laid_out(plan, dgu[:, I:], xs, sched, kw)
@@ -187,6 +195,22 @@ def _wgrad_as_laid_out(plan: Plan, a, b, sched, kw):
     return gemm.expert_wgrad(b, a, sched.expert_start, sched.expert_count, **kw).transpose(1, 2)
 
 
+def fused_gate_up_grads(layout: str, precision: str) -> bool:
+    """Whether the backward returns gate/up's weight and bias gradients fused (``moe_backward``): gpt-oss's
+    interleaved weights in bf16, whose gradients then come out of one weight-gradient launch in the
+    fused parameter's own order (FP8's backward gives every layout Tabby's contiguous shapes)."""
+    return layout == LAYOUT_KN_PAIRED and precision == "bf16"
+
+
+def split_gate_up_grads(dw_fused: torch.Tensor, db_fused: torch.Tensor | None):
+    """(dW_gate, dW_up [E, I, H], d b_gate, d b_up [E, I]) as views of the fused gradients (gate_up_proj's
+    [E, H, 2I] and gate_up_proj_bias's [E, 2I], g at even columns): what autograd passes back through
+    the weights' views."""
+    dwg, dwu = (dw_fused[..., j::2].transpose(1, 2) for j in (0, 1))
+    dbg, dbu = (None, None) if db_fused is None else (db_fused[:, 0::2], db_fused[:, 1::2])
+    return dwg, dwu, dbg, dbu
+
+
 def weight_grad_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
     """An empty tensor shaped and strided as the backward's gradient of the routed weight ``w`` (for
     the operator's fake implementation): contiguous in Tabby's layout; for the transposed ones the
@@ -198,10 +222,13 @@ def weight_grad_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
     return torch.empty((E, B, A), dtype=w.dtype, device=w.device).transpose(1, 2)
 
 
-def _bias_grads(biases, dgu, dys, row_w, sched, I: int):
-    """(d b_gate, d b_up, d b_down) in the biases' dtype: each expert's rows of dg, du and w * dy summed."""
+def _bias_grads(biases, dgu, dys, row_w, sched, I: int, paired: bool = False):
+    """(d b_gate, d b_up, d b_down) in the biases' dtype: each expert's rows of dg, du and w * dy summed;
+    ``paired`` (dgu interleaved): (gate_up_proj_bias's gradient [E, 2I], an empty tensor, d b_down)."""
     start, count = sched.expert_start, sched.expert_count
+    dbd = gemm.expert_row_sums(dys, start, count, scale=row_w).to(biases[2].dtype)
+    if paired:
+        return gemm.expert_row_sums(dgu, start, count).to(biases[0].dtype), dgu.new_empty(0, dtype=biases[1].dtype), dbd
     dbg = gemm.expert_row_sums(dgu[:, :I], start, count)
     dbu = gemm.expert_row_sums(dgu[:, I:], start, count)
-    dbd = gemm.expert_row_sums(dys, start, count, scale=row_w)
-    return tuple(g.to(b.dtype) for g, b in zip((dbg, dbu, dbd), biases))
+    return dbg.to(biases[0].dtype), dbu.to(biases[1].dtype), dbd

@@ -69,7 +69,8 @@ import torch.nn.functional as F
 
 from ..ops.schedule import ScheduleBuffers, default_chunk, schedule_capacity
 from ..validate import LAYOUT_NK, MoEDims, MoEInputError, check_inputs, weights_layout
-from .backward import moe_backward, routed_rows_for_wgrad, weight_grad_layout
+from .backward import (fused_gate_up_grads, moe_backward, routed_rows_for_wgrad, split_gate_up_grads,
+                       weight_grad_layout)
 from .config import parse_config
 from .forward import KeptRows, MegaSaved, moe_forward
 from .forward_mega import moe_forward_mega
@@ -325,10 +326,22 @@ def _backward_pass(dy, x, topk_weights, w_gate, w_up, w_down, shared, sched_tens
     if biases is not None:  # (the plan ran biases on the bf16 passes only)
         dx, dtopk, dwg, dwu, dwd, dbiases = moe_backward(ws, plan, dy.contiguous(), saved, w_gate, w_up, w_down,
                                                          probe=probe, owned=owned, biases=biases)
+    elif plan.precision == "fp8":
+        dx, dtopk, dwg, dwu, dwd = moe_backward_fp8(ws, plan, dy.contiguous(), saved, w_gate, w_up, w_down,
+                                                    probe=probe, owned=owned)
+        dbiases = None
     else:
-        backward = moe_backward_fp8 if plan.precision == "fp8" else moe_backward
-        dx, dtopk, dwg, dwu, dwd = backward(ws, plan, dy.contiguous(), saved, w_gate, w_up, w_down, probe=probe,
-                                            owned=owned)
+        dx, dtopk, dwg, dwu, dwd = moe_backward(ws, plan, dy.contiguous(), saved, w_gate, w_up, w_down, probe=probe,
+                                                owned=owned)
+        dbiases = None
+    if fused_gate_up_grads(dims.layout, plan.precision):  # gate_up_proj's gradients whole: the halves' views
+        dwg, dwu, dbg, dbu = split_gate_up_grads(dwg, dbiases[0] if dbiases else None)
+        if not owned:  # the operator's outputs, which may not alias one another: copies, as its fake lays them out
+            dwg, dwu = (weight_grad_layout(w, dims.layout).copy_(g) for w, g in ((w_gate, dwg), (w_up, dwu)))
+            dbg, dbu = (None, None) if dbg is None else (dbg.clone(), dbu.clone())
+        if dbiases:
+            dbiases = (dbg, dbu, dbiases[2])
+    if dbiases is None:
         dbiases = tuple(dy.new_empty(0) for _ in range(3))  # (outputs must not alias each other)
     del saved
     if shared is None:

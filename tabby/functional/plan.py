@@ -22,7 +22,7 @@ from ..ops.gemm.fp8 import Fp8Gemm
 from ..ops.megakernel import kernel as mega_kernel
 from ..ops.megakernel.plan import MegaPlan
 from ..ops.quantize import BLOCK
-from ..validate import LAYOUT_NK, MoEDims, MoEInputError
+from ..validate import LAYOUT_KN_PAIRED, LAYOUT_NK, MoEDims, MoEInputError
 from . import heuristics
 from .config import MoEConfig
 
@@ -235,6 +235,8 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     gemms = {kind: heuristics.bf16_gemm(kind, N, K, tile_m, ws, sm_count)
              for kind, N, K in ((gemm.KIND_GATE_UP, I, H), (gemm.KIND_DOWN, H, I), (gemm.KIND_DGRAD_SWIGLU, I, H),
                                 (gemm.KIND_GATE_UP_DGRAD, H, 2 * I))}
+    if dims.layout == LAYOUT_KN_PAIRED:  # its gate/up dgrad: one K-major phase over gate_up_proj as it lies, as down's
+        gemms[gemm.KIND_GATE_UP_DGRAD] = heuristics.bf16_gemm(gemm.KIND_DOWN, H, 2 * I, tile_m, ws, sm_count)
     gemms |= {gemm.KIND_WGRAD_DOWN: heuristics.wgrad_gemm(I, ws, sm_count),
              gemm.KIND_WGRAD_GATE_UP: heuristics.wgrad_gemm(H, ws, sm_count)}
     dispatch_cols = t.dispatch_cols or heuristics.DISPATCH_COLS

@@ -247,40 +247,6 @@ def _rows_mainloop(pid_m, pid_n, e,
 
 
 @triton.jit
-def _rows_mainloop_paired(pid_m, pid_n, e, a_ptr, a2_ptr, stride_am, b_ptr, stride_be, stride_bo,
-                          N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 [BM, BN] = A @ B[e]^T + A2 @ B2[e]^T where B[e] and B2[e] [N, K] interleave along K in
-    one [N, 2K] matrix (row stride ``stride_bo``, unit stride; B's columns even, B2's odd: gpt-oss's
-    gate_up_proj [H, 2I] for the gate/up dgrad). Each K step loads [BN, 2BK] contiguous and splits
-    it; A and A2 [R, K] share ``stride_am``. Columns past N read modulo N (masked at the store)."""
-    row0 = pid_m.to(tl.int64) * BM
-    offs_m = tl.arange(0, BM)
-    offs_n = (pid_n * BN + tl.arange(0, BN)) % N
-    offs_k = tl.arange(0, BK)
-    offs_c = tl.arange(0, 2 * BK)
-    a_off = row0 * stride_am + (offs_m[:, None] * stride_am + offs_k[None, :])
-    b_ptrs = b_ptr + e.to(tl.int64) * stride_be + (offs_n[:, None] * stride_bo + offs_c[None, :])  # [BN, 2BK]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    NK: tl.constexpr = (K + BK - 1) // BK
-    for kt in range(0, NK):
-        k0 = kt * BK
-        if EVEN_K:
-            a = tl.load(a_ptr + a_off + k0)
-            a2 = tl.load(a2_ptr + a_off + k0)
-            b = tl.load(b_ptrs + 2 * k0)
-        else:
-            kmask = offs_k < K - k0
-            a = tl.load(a_ptr + a_off + k0, mask=kmask[None, :], other=0.0)
-            a2 = tl.load(a2_ptr + a_off + k0, mask=kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs + 2 * k0, mask=(offs_c < 2 * (K - k0))[None, :], other=0.0)
-        b1, b2 = tl.split(tl.reshape(b, (BN, BK, 2)))
-        acc = _dot(a, tl.trans(b1), acc, INTERPRET)
-        acc = _dot(a2, tl.trans(b2), acc, INTERPRET)
-    return acc
-
-
-@triton.jit
 def _rows_mainloop_tma(pid_m, pid_n, e, a_desc, b_desc, K: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        B_NK: tl.constexpr, INTERPRET: tl.constexpr, a_row_shift=0):
@@ -722,10 +688,9 @@ def rows_gemm_tile(pid_m, pid_n,
                    B_NK: tl.constexpr, TWO_PHASE: tl.constexpr, EVEN_K: tl.constexpr,
                    PUSH: tl.constexpr, DST_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
                    a_row_shift=0, TILE_M: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False, bias_ptr=None,
-                   stride_bias_e=0, B_PAIRED: tl.constexpr = False):
+                   stride_bias_e=0):
     """One (row tile, N-column tile) of A @ op(B[e]) (see ``_rows_mainloop``); HAS_BIAS: + bias[e]
-    ([E, N], row stride stride_bias_e) on every row. B_PAIRED (with TWO_PHASE's a2, K2 = K): B and
-    B2 interleave along K in B's [N, 2K] (``_rows_mainloop_paired``).
+    ([E, N], row stride stride_bias_e) on every row.
 
     USE_TMA (one phase only): load through the tensor descriptors a_desc / b_desc (see
     ``_rows_mainloop_tma``; A rows start at ``pid_m * BM + a_row_shift``) instead of the pointers.
@@ -743,9 +708,6 @@ def rows_gemm_tile(pid_m, pid_n,
         if USE_TMA:
             acc = _rows_mainloop_tma(blk, pid_n, e, a_desc, b_desc, K=K, BM=BM, BN=BN, BK=BK, B_NK=B_NK,
                                      INTERPRET=INTERPRET, a_row_shift=a_row_shift)
-        elif B_PAIRED:
-            acc = _rows_mainloop_paired(blk, pid_n, e, a_ptr, a2_ptr, stride_am, b_ptr, stride_be, stride_bo, N, K,
-                                        BM, BN, BK, EVEN_K, INTERPRET)
         else:
             acc = _rows_mainloop(blk, pid_n, e, a_ptr=a_ptr, a2_ptr=a2_ptr, stride_am=stride_am, b_ptr=b_ptr,
                                  b2_ptr=b2_ptr, stride_be=stride_be, stride_be2=stride_be2, stride_bo=stride_bo, N=N,
@@ -771,7 +733,7 @@ def rows_gemm_kernel(a_ptr, a2_ptr, stride_am,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      B_NK: tl.constexpr, TWO_PHASE: tl.constexpr, EVEN_K: tl.constexpr,
                      PUSH: tl.constexpr, DST_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
-                     HAS_BIAS: tl.constexpr = False, bias_ptr=None, stride_bias_e=0, B_PAIRED: tl.constexpr = False):
+                     HAS_BIAS: tl.constexpr = False, bias_ptr=None, stride_bias_e=0):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(N, BN), GROUP_M)
     rows_gemm_tile(pid_m=pid_m, pid_n=pid_n, a_desc=None, b_desc=None, a_ptr=a_ptr, a2_ptr=a2_ptr,
                    stride_am=stride_am, b_ptr=b_ptr, b2_ptr=b2_ptr, stride_be=stride_be, stride_be2=stride_be2,
@@ -779,18 +741,10 @@ def rows_gemm_kernel(a_ptr, a2_ptr, stride_am,
                    dst_ptrs_ptr=dst_ptrs_ptr, TK=TK, stride_dm=stride_dm, tile_expert_ptr=tile_expert_ptr,
                    num_tiles_ptr=num_tiles_ptr, N=N, K=K, K2=K2, BM=BM, BN=BN, BK=BK, B_NK=B_NK,
                    TWO_PHASE=TWO_PHASE, EVEN_K=EVEN_K, PUSH=PUSH, DST_DTYPE=DST_DTYPE, USE_TMA=False,
-                   INTERPRET=INTERPRET, HAS_BIAS=HAS_BIAS, bias_ptr=bias_ptr, stride_bias_e=stride_bias_e,
-                   B_PAIRED=B_PAIRED)
+                   INTERPRET=INTERPRET, HAS_BIAS=HAS_BIAS, bias_ptr=bias_ptr, stride_bias_e=stride_bias_e)
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-def rows_block_k(cfg: GemmConfig, paired: bool) -> int:
-    """rows_gemm's K block: the config's; paired ("nk-paired"), whose K step loads A and A2 [BM, BK]
-    and B [BN, 2BK], half of it, so that a pipeline stage takes the shared memory one phase's does
-    (the whole block overflows an sm_90 CTA's at the gate/up dgrad's tiles)."""
-    return max(16, cfg.BK // 2) if paired else cfg.BK
 
 
 def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
@@ -805,8 +759,6 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
     a [R, K] (any row stride, unit column stride); b [E, N, K] for ``b_layout="nk"`` (A @ B^T,
     e.g. nn.Linear weights) or [E, K, N] for ``"kn"`` (A @ B). a2 [R, K2] / b2 (same layout,
     shape [E, N, K2] / [E, K2, N] and strides as b): a second K phase, accumulated after the first.
-    ``"nk-paired"``: b [E, N, 2K] holds B (even columns) and B2 (odd) interleaved, with a2 [R, K]
-    (no b2): A @ B[e]^T + A2 @ B2[e]^T, both in each K step (gpt-oss's gate/up weights).
     Epilogue: with ``dst_ptrs`` (int64 [W] base addresses) and ``row_src`` (int32 [R]) each row
     r with row_src[r] >= 0 is pushed, as ``dst_dtype``, to row ``row_src[r] % TK`` (row stride
     ``dst_stride``, default N) of buffer ``row_src[r] // TK``; returns None. Otherwise stores into
@@ -815,20 +767,15 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
     """
     R, K = a.shape
     E = b.shape[0]
-    paired = b_layout == "nk-paired"
     if b_layout == "nk":
         N, Kb = b.shape[1], b.shape[2]
     elif b_layout == "kn":
         Kb, N = b.shape[1], b.shape[2]
-    elif paired:
-        N, Kb = b.shape[1], b.shape[2] // 2
-        assert b.shape[2] == 2 * K and a2 is not None and b2 is None and a2.shape == a.shape
-        assert a2.stride() == a.stride(), "a2 must have a's strides"
     else:
-        raise ValueError("b_layout must be 'nk', 'kn' or 'nk-paired'")
+        raise ValueError("b_layout must be 'nk' or 'kn'")
     assert Kb == K, f"A has K={K}, B has {Kb}"
     assert b.stride(-1) == 1 and a.stride(-1) == 1
-    two = a2 is not None and not paired
+    two = a2 is not None
     if two:
         assert b2 is not None and b2.stride(1) == b.stride(1) and b2.stride(-1) == 1, "b2 must have b's row stride"
         assert a2.stride(0) == a.stride(0) and a2.stride(-1) == 1 and a2.shape[0] == R
@@ -859,7 +806,7 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
     if bias is not None:
         assert bias.shape == (E, N) and bias.stride(-1) == 1
     if ws:
-        if two or paired:
+        if two:
             raise ValueError("rows_gemm: the warp-specialized kernel runs one K phase (the down projection); the "
                              "gate/up dgrad runs on this file's kernel (a GemmConfig)")
         bws = _ws_module()
@@ -870,19 +817,16 @@ def rows_gemm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, num_t
         return None if push else out
     num_m = R // cfg.BM
     grid = (num_m * triton.cdiv(N, cfg.BN),)
-    BK = rows_block_k(cfg, paired)
-    even_k = K % BK == 0 and K2 % BK == 0
-    kw = dict(B_PAIRED=True) if paired else {}
+    even_k = K % cfg.BK == 0 and K2 % cfg.BK == 0
     rows_gemm_kernel[grid](
-        a, a2 if two or paired else a, a.stride(0),
+        a, a2 if two else a, a.stride(0),
         b, b2 if two else b, b.stride(0), (b2 if two else b).stride(0), b.stride(1),
         c, stride_c, row_src, dst_ptrs, TK, stride_d,
         tile_expert, num_tiles, num_m, N, K, K2,
-        BM=cfg.BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
         B_NK=(b_layout != "kn"), TWO_PHASE=two, EVEN_K=even_k, PUSH=push,
         DST_DTYPE=_TL_DTYPES[dst_dtype], INTERPRET=INTERPRET, HAS_BIAS=bias is not None, bias_ptr=bias,
-        stride_bias_e=bias.stride(0) if bias is not None else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **kw)
+        stride_bias_e=bias.stride(0) if bias is not None else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return None if push else out
 
 
@@ -913,14 +857,23 @@ def _down_operand(w_down: torch.Tensor) -> tuple[torch.Tensor, str]:
     return w_down.transpose(1, 2), "kn"
 
 
-def _gate_up_dgrad_args(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, gated: bool = True) -> dict:
+def _gate_up_dgrad_args(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, gated: bool = True,
+                        dgu_paired: bool = False) -> dict:
     """rows_gemm's operands for dg @ Wg[e] + du @ Wu[e] with the weights as they lie
     (``validate.gate_up_layout``): Tabby's [E, I, H] "kn" in two K phases; transposed ([E, H, I] with
-    unit I stride) "nk" in two phases; g and u interleaved (gpt-oss) one "nk-paired" [E, H, 2I].
-    Not ``gated`` (an ungated activation: no dg, w_gate unread): du @ Wu[e] alone, one phase."""
+    unit I stride) "nk" in two phases; g and u interleaved (gpt-oss), with dgu interleaved alike
+    (``dgu_paired``: the down dgrad's ``dgu_paired``), one "nk" phase of K = 2I over gate_up_proj
+    [E, H, 2I] as it lies (K-major). Not ``gated`` (an ungated activation: no dg, w_gate unread):
+    du @ Wu[e] alone, one phase."""
     E, I, H = w_gate.shape
     assert dgu.shape[1] == 2 * I
     layout = gate_up_layout(w_gate, w_up)
+    if dgu_paired:
+        if layout != LAYOUT_KN_PAIRED or not gated:
+            raise ValueError(f"gate_up_dgrad: dgu interleaved goes with gated weights in {LAYOUT_KN_PAIRED!r}, "
+                             f"not {layout!r}")
+        return dict(a=dgu, b=w_gate.as_strided((E, H, 2 * I), (w_gate.stride(0), w_gate.stride(2), 1)),
+                    b_layout="nk")
     if not gated:
         if layout == LAYOUT_NK:
             return dict(a=dgu[:, I:], b=w_up, b_layout="kn")
@@ -931,20 +884,20 @@ def _gate_up_dgrad_args(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Ten
     if layout == LAYOUT_KN:
         return dict(a=dgu[:, :I], b=w_gate.transpose(1, 2), b_layout="nk", a2=dgu[:, I:], b2=w_up.transpose(1, 2))
     if layout == LAYOUT_KN_PAIRED:
-        paired = w_gate.as_strided((E, H, 2 * I), (w_gate.stride(0), w_gate.stride(2), 1))
-        return dict(a=dgu[:, :I], b=paired, b_layout="nk-paired", a2=dgu[:, I:])
+        raise ValueError(f"gate_up_dgrad: weights in {LAYOUT_KN_PAIRED!r} take dgu interleaved (dgu_paired=True)")
     raise ValueError(f"w_gate, w_up in none of the layouts {LAYOUTS}: strides {w_gate.stride()}, {w_up.stride()}")
 
 
 def gate_up_dgrad_push(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                        tile_expert: torch.Tensor, num_tiles: torch.Tensor,
                        row_src: torch.Tensor, dst_ptrs: torch.Tensor, TK: int, *,
-                       dst_stride: int | None = None, config: GemmConfig | Bf16Gemm, gated: bool = True):
-    """dxs = dg @ Wg[e] + du @ Wu[e] (dgu [R, 2I]: dg = dgu[:, :I], du = dgu[:, I:]; w [E, I, H] in a
-    layout of ``validate.LAYOUTS``; not ``gated``: du @ Wu[e] only), each row pushed bf16 to its origin
-    as in ``down_push`` (destinations [TK, H])."""
+                       dst_stride: int | None = None, config: GemmConfig | Bf16Gemm, gated: bool = True,
+                       dgu_paired: bool = False):
+    """dxs = dg @ Wg[e] + du @ Wu[e] (dgu [R, 2I]: dg = dgu[:, :I], du = dgu[:, I:], or ``dgu_paired``
+    interleaved; w [E, I, H] in a layout of ``validate.LAYOUTS``; not ``gated``: du @ Wu[e] only), each
+    row pushed bf16 to its origin as in ``down_push`` (destinations [TK, H])."""
     rows_gemm(tile_expert=tile_expert, num_tiles=num_tiles, row_src=row_src, dst_ptrs=dst_ptrs, TK=TK,
-              dst_stride=dst_stride, config=config, **_gate_up_dgrad_args(dgu, w_gate, w_up, gated))
+              dst_stride=dst_stride, config=config, **_gate_up_dgrad_args(dgu, w_gate, w_up, gated, dgu_paired))
 
 
 def gate_up_dgrad_local(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -970,7 +923,7 @@ def down_dgrad_swiglu_tile(pid_m, pid_n,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            EVEN_K: tl.constexpr, EPI_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
                            ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0,
-                           W_LAYOUT: tl.constexpr = 0):
+                           W_LAYOUT: tl.constexpr = 0, DGU_PAIRED: tl.constexpr = False):
     """One (row tile, I-column tile) of the down dgrad + SwiGLU backward (ACT, LIMIT, ALPHA: another
     activation's backward, ``activation.act_grads``; the formulas below are SwiGLU's).
 
@@ -979,7 +932,8 @@ def down_dgrad_swiglu_tile(pid_m, pid_n,
     With g, u from gu [R, 2I] and the router weight ws[r] (fp32):
     dw_part[r, pid_n] = sum_cols dh_raw * h (h = silu(g) * u); dh = ws * dh_raw;
     dg = dh * u * sig(g) * (1 + g * (1 - sig(g))); du = dh * silu(g);
-    dgu [R, 2I] bf16 (dg, du); hw [R, I] bf16 = ws * h.
+    dgu [R, 2I] bf16 (dg, du; DGU_PAIRED: interleaved, dg's column i at 2i, du's at 2i + 1);
+    hw [R, I] bf16 = ws * h.
     """
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
     if e >= 0:
@@ -991,33 +945,36 @@ def down_dgrad_swiglu_tile(pid_m, pid_n,
         w = tl.load(ws_ptr + rows)
         if EPI_SPLIT:
             dw = _swiglu_bwd_split_epilogue(acc, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
-                                            hw_ptr, stride_hwm, I, BM, BN, ACT, LIMIT, ALPHA)
+                                            hw_ptr, stride_hwm, I, BM, BN, ACT, LIMIT, ALPHA, DGU_PAIRED)
         else:
             dw = _swiglu_bwd_epilogue(acc, rows, pid_n * BN + tl.arange(0, BN), w, gu_ptr, stride_gum, dgu_ptr,
-                                      stride_dgum, hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA)
+                                      stride_dgum, hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA, DGU_PAIRED)
         tl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw)
 
 
 @triton.jit
 def _swiglu_bwd_split_epilogue(acc, rows, col0, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
                                I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                               ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
+                               ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0,
+                               DGU_PAIRED: tl.constexpr = False):
     """``_swiglu_bwd_epilogue`` on the tile's two column halves, one after the other: a whole-tile
     epilogue keeps ~6 fp32 tiles live and spills at BN=128."""
     acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
     dw_lo = _swiglu_bwd_epilogue(acc_lo, rows, col0 + tl.arange(0, BN // 2), w, gu_ptr, stride_gum, dgu_ptr,
-                                 stride_dgum, hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA)
+                                 stride_dgum, hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA, DGU_PAIRED)
     dw_hi = _swiglu_bwd_epilogue(acc_hi, rows, col0 + BN // 2 + tl.arange(0, BN // 2), w, gu_ptr, stride_gum,
-                                 dgu_ptr, stride_dgum, hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA)
+                                 dgu_ptr, stride_dgum, hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA, DGU_PAIRED)
     return dw_lo + dw_hi
 
 
 @triton.jit
 def _swiglu_bwd_epilogue(acc, rows, cols, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
-                         I: tl.constexpr, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0):
+                         I: tl.constexpr, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0,
+                         DGU_PAIRED: tl.constexpr = False):
     """The activation's backward (``activation.act_grads``; the defaults: SwiGLU) on a slice of dh_raw
     (its rows and columns given); returns sum_cols dh_raw * h. Layout-free (no arange of its own),
-    so that gemm_fp8_ws's Gluon kernel calls it too."""
+    so that gemm_fp8_ws's Gluon kernel calls it too. DGU_PAIRED: dg and du stored interleaved (dg's
+    column c at 2c, du's at 2c + 1: the order of gpt-oss's gate_up_proj), one contiguous row piece."""
     cmask = (cols < I)[None, :]
     gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
     if ACT == ACT_RELU2:  # ungated: no g (its columns unwritten), no dg
@@ -1030,10 +987,16 @@ def _swiglu_bwd_epilogue(acc, rows, cols, w, gu_ptr, stride_gum, dgu_ptr, stride
     dw = tl.sum(acc * h, axis=1)  # masked columns: g = u = 0 -> h = 0 (every kind)
     dh = acc * w[:, None]
     dg, du = act_grads(g, u, dh, ACT, LIMIT, ALPHA)
-    dptrs = dgu_ptr + rows[:, None] * stride_dgum + cols[None, :]
-    if ACT != ACT_RELU2:
-        tl.store(dptrs, dg.to(dgu_ptr.dtype.element_ty), mask=cmask)
-    tl.store(dptrs + I, du.to(dgu_ptr.dtype.element_ty), mask=cmask)
+    if DGU_PAIRED:  # (gated kinds only)
+        pcols = tl.reshape(tl.join(2 * cols, 2 * cols + 1), (2 * cols.shape[0], ))
+        pvals = tl.reshape(tl.join(dg, du), (dg.shape[0], 2 * dg.shape[1]))
+        tl.store(dgu_ptr + rows[:, None] * stride_dgum + pcols[None, :], pvals.to(dgu_ptr.dtype.element_ty),
+                 mask=(pcols < 2 * I)[None, :])
+    else:
+        dptrs = dgu_ptr + rows[:, None] * stride_dgum + cols[None, :]
+        if ACT != ACT_RELU2:
+            tl.store(dptrs, dg.to(dgu_ptr.dtype.element_ty), mask=cmask)
+        tl.store(dptrs + I, du.to(dgu_ptr.dtype.element_ty), mask=cmask)
     tl.store(hw_ptr + rows[:, None] * stride_hwm + cols[None, :], (h * w[:, None]).to(hw_ptr.dtype.element_ty),
              mask=cmask)
     return dw
@@ -1047,21 +1010,22 @@ def down_dgrad_swiglu_kernel(dys_ptr, stride_dym, wd_ptr, stride_we, stride_wh,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                              EVEN_K: tl.constexpr, EPI_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
                              ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0,
-                             W_LAYOUT: tl.constexpr = 0):
+                             W_LAYOUT: tl.constexpr = 0, DGU_PAIRED: tl.constexpr = False):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, BN), GROUP_M)
     down_dgrad_swiglu_tile(pid_m, pid_n, dys_ptr, stride_dym, wd_ptr, stride_we, stride_wh,
                            gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
                            dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, H, I,
-                           BM, BN, BK, EVEN_K, EPI_SPLIT, INTERPRET, ACT, LIMIT, ALPHA, W_LAYOUT)
+                           BM, BN, BK, EVEN_K, EPI_SPLIT, INTERPRET, ACT, LIMIT, ALPHA, W_LAYOUT, DGU_PAIRED)
 
 
 def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Tensor, ws: torch.Tensor,
                           tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
                           dgu: torch.Tensor | None = None, hw: torch.Tensor | None = None,
                           dw_part: torch.Tensor | None = None, config: GemmConfig | Bf16Gemm,
-                          act: Activation = SWIGLU):
+                          act: Activation = SWIGLU, dgu_paired: bool = False):
     """Down dgrad fused with the activation's backward (``act``; SwiGLU's by default). Returns
-    (dgu, hw, dw_part).
+    (dgu, hw, dw_part); ``dgu_paired``: dgu's dg and du interleaved (gpt-oss's gate_up_proj order,
+    a gated ``act``; dgu must not be gu then: a tile writes other tiles' g columns).
 
     dys [R, H] bf16 (unscaled dy rows); w_down [E, H, I] bf16 (unit last stride, or the transposed view
     of a down_proj [E, I, H]); gu [R, 2I] bf16 (saved g, u);
@@ -1092,6 +1056,10 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     grid = (num_m * nt_n,)
     ACT, LIMIT, ALPHA = act.constexprs()
     kw = dict(W_LAYOUT=W_KN.value) if b_layout == "kn" else {}  # (a transposed down_proj: B[e] [I, H] is [N, K])
+    if dgu_paired:
+        if not act.gated or dgu.data_ptr() == gu.data_ptr():
+            raise ValueError("down_dgrad_swiglu_bwd: dgu_paired needs a gated activation and dgu apart from gu")
+        kw["DGU_PAIRED"] = True
     down_dgrad_swiglu_kernel[grid](
         dys, dys.stride(0), b, b.stride(0), b.stride(1),
         gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0),
