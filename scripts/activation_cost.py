@@ -8,8 +8,11 @@ the weights read in place from gate_up_proj [E, H, 2I] with g and u interleaved 
 [E, I, H]).
 
     PYTHONPATH=. python3 scripts/activation_cost.py --shapes qwen3-30b-a3b@ep8,gpt-oss-120b@ep8 --out DIR
+    PYTHONPATH=. python3 scripts/activation_cost.py --shapes gpt-oss-120b@ep8 --profile gpt-oss,gpt-oss-as-stored
 
-Writes DIR/activation-cost.json and .md (machine, commit, date, every median).
+Writes DIR/activation-cost.json and .md (machine, commit, date, every median); with ``--profile`` it
+instead prints, for each named form, its forward + backward's CUDA kernels (torch.profiler, ms a
+call, the largest first), to see where one form's extra time goes.
 """
 from __future__ import annotations
 
@@ -61,7 +64,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--profile", default="", help="forms to profile (fwd+bwd, bf16) instead of timing, e.g. "
+                                                  "gpt-oss,gpt-oss-as-stored")
     a = ap.parse_args()
+    if a.profile:
+        return profile_forms(a)
     rows = []
     for name in a.shapes.split(","):
         shape = shape_named(name)
@@ -102,6 +109,34 @@ def main():
         ("shape", lambda r: r["shape"]), ("T", lambda r: str(r["tokens"])), ("precision", lambda r: r["precision"]),
         ("pass", lambda r: r["pass_"]), ("activation", lambda r: r["activation"]), ("ms", lambda r: f"{r['ms']:.3f}"),
         ("x SwiGLU", lambda r: f"{r['vs_swiglu']:.3f}")], vars(a))
+
+def profile_forms(a, calls: int = 3, top: int = 14):
+    """Each ``--profile`` form's fwd + bwd kernels at each shape: CUDA ms a call by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    variants = dict(KINDS, **{v: KINDS["swiglu" if v == "swiglu+biases" else "gpt-oss"] for v in FORMS})
+    for name in a.shapes.split(","):
+        inp = make_inputs(shape_named(name), a.tokens, 1, 0, "cuda")
+        forms = experts_forms(inp)
+        for kind in a.profile.split(","):
+            cfg = tabby.MoEConfig(activation=variants[kind])
+            weights, biases = forms[kind]() if kind in FORMS else ((inp.w_gate, inp.w_up, inp.w_down), None)
+
+            def run():
+                y = tabby.moe(inp.x, inp.topk_idx, inp.topk_weights, *weights, config=cfg, biases=biases)
+                torch.autograd.backward(y, inp.dy)
+
+            time_iterations(run, 2, 1)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    run()
+                torch.cuda.synchronize()
+            kernels = sorted(((e.key, e.device_time_total / 1e3 / calls) for e in prof.key_averages()
+                              if e.device_time_total > 0), key=lambda kv: -kv[1])
+            print(f"{name} {kind}: {sum(ms for _, ms in kernels):.3f} ms of kernels a call", flush=True)
+            for key, ms in kernels[:top]:
+                print(f"  {ms:8.3f}  {key[:110]}", flush=True)
+
 
 if __name__ == "__main__":
     main()
