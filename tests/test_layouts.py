@@ -274,3 +274,25 @@ def test_gpt_oss_converters_round_trip_and_run_alike(interleaved, W):
     w3, b3 = views(gate_up, down, bias, down_bias, layout)
     in_place = tabby.moe(x, idx, wts, *w3, config=cfg, biases=b3)
     assert rel_err(ex(x, idx, wts).float(), in_place.float()) < 1e-2
+
+
+def test_ws_descriptors_find_each_expert_where_it_lies():
+    """The warp-specialized GEMMs see a 3-D weight as rows of its descriptor, expert e's from row
+    e * pitch (bf16_ws._pitch): I for Tabby's contiguous weights, 2I for a half of a fused gate_up_proj
+    [E, 2I, H] (the rows between are the other half's), H for the transposed layouts' [E, H, I] views
+    of gate_up_proj [E, H, 2I] (either order); None where an expert does not start on a row."""
+    from tabby.nn.experts import gate_up_halves
+    from tabby.ops.gemm.bf16_ws import _pitch
+
+    E, I, H = 3, 24, 40
+    w = torch.zeros(E, I, H)
+    assert _pitch(w) == I
+    g, u = gate_up_halves(torch.zeros(E, 2 * I, H), 1)
+    assert _pitch(g) == _pitch(u) == 2 * I
+    kn = gate_up_halves(torch.zeros(E, H, 2 * I), 2)  # as the kernel reads them: [E, H, I], rows of H
+    assert _pitch(kn[0]) == _pitch(kn[1]) == H
+    g = gate_up_halves(torch.zeros(E, H, 2 * I), 2, concatenated=False)[0]  # interleaved: read whole from g's
+    assert _pitch(g.as_strided((E, H, 2 * I), (g.stride(0), g.stride(1), 1))) == H
+    assert _pitch(torch.zeros(E, H, I).transpose(1, 2)) is None  # unit stride along the rows: not rows of B
+    odd = torch.zeros(E * (I * H + 3)).as_strided((E, I, H), (I * H + 3, H, 1))
+    assert _pitch(odd) is None  # experts I * H + 3 elements apart: not on a row
