@@ -47,11 +47,11 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
                  biases=None):
     """Backward pass on one rank. Returns (dx, d topk_weights [T, k] fp32, dw_gate, dw_up, dw_down), and
     with ``biases`` (b_gate, b_up, b_down) their gradients as a sixth element (a tuple, the biases'
-    dtype). gpt-oss's interleaved weights (``fused_gate_up_grads``): dw_gate is gate_up_proj's whole
-    gradient [E, H, 2I] and dw_up empty, d b_gate gate_up_proj_bias's [E, 2I] and d b_up empty
-    (``split_gate_up_grads`` makes the halves' views). A row's router-weight gradient then also takes dy . b_down[e] (its expert's output
+    dtype). A row's router-weight gradient then also takes dy . b_down[e] (its expert's output
     includes the bias); the biases' gradients are each expert's rows of dg, du and w dy summed in a
-    fixed order (``gemm.expert_row_sums``).
+    fixed order (``gemm.expert_row_sums``). gpt-oss's interleaved weights (``fused_gate_up_grads``):
+    dw_gate is gate_up_proj's whole gradient [E, H, 2I] and dw_up empty, d b_gate gate_up_proj_bias's
+    [E, 2I] and d b_up empty (``split_gate_up_grads`` makes the halves' views).
 
     ``saved``: a ``KeptRows`` (xs, g/u and row weights kept; from ``moe_forward``, or
     ``moe_forward_mega`` with ``save``), or a ``MegaSaved`` from
@@ -228,7 +228,8 @@ def _bias_grads(biases, dgu, dys, row_w, sched, I: int, paired: bool = False):
     start, count = sched.expert_start, sched.expert_count
     dbd = gemm.expert_row_sums(dys, start, count, scale=row_w).to(biases[2].dtype)
     if paired:
-        return gemm.expert_row_sums(dgu, start, count).to(biases[0].dtype), dgu.new_empty(0, dtype=biases[1].dtype), dbd
+        dbgu = gemm.expert_row_sums(dgu, start, count).to(biases[0].dtype)
+        return dbgu, dgu.new_empty(0, dtype=biases[1].dtype), dbd
     dbg = gemm.expert_row_sums(dgu[:, :I], start, count)
     dbu = gemm.expert_row_sums(dgu[:, I:], start, count)
     return dbg.to(biases[0].dtype), dbu.to(biases[1].dtype), dbd
