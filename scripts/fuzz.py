@@ -6,8 +6,10 @@ the experts of one rank left empty, repeated ids in a row), the magnitude of the
 weights, the path (the megakernel or separate launches, keeping the routed rows or recomputing
 them), on the CPU the ring size and tile height, and the experts' activation (SwiGLU or GeGLU: the
 smooth ones; the clamped kinds' gradients jump at their bounds, tests/test_activation.py; relu2:
-no gate), biases and the weights' layout (Tabby's, or transposed views of fused tensors, gpt-oss's
-interleaved among them; these three on the path of separate launches, which runs them). A case passes when y and the gradients of x,
+no gate), biases and the weights' layout (Tabby's, as its own tensors or as the halves of one fused
+gate_up [E, 2I, H] (transformers' plain families); or transposed views of fused tensors, gpt-oss's
+interleaved among them; biases, relu2 and the transposed layouts on the path of separate launches,
+which runs them). A case passes when y and the gradients of x,
 the router weights, the expert weights and the shared expert are within ``TOL`` (relative
 Frobenius error) of the reference computed in fp64, with the shapes of the reference's.
 
@@ -63,7 +65,10 @@ class Case:
     ring_rows: int | None
     activation: str = "swiglu"  # tabby.Activation kind (smooth ones only; "relu2": no gate)
     biases: bool = False  # the routed experts' biases (the path of separate launches)
-    layout: str = "nk"  # the weights as they lie (validate.LAYOUTS; transposed: the path of separate launches)
+    layout: str = "nk"  # the weights as they lie (validate.LAYOUTS, or NK_FUSED; transposed: separate launches)
+
+
+NK_FUSED = "nk-fused"  # Tabby's layout ("nk") as the halves of one fused gate_up [E, 2I, H]
 
 
 def draw_case(seed: int, worlds=(1, 2), small: bool = True) -> Case:
@@ -110,6 +115,8 @@ def draw_case(seed: int, worlds=(1, 2), small: bool = True) -> Case:
     fields["layout"] = "nk" if megakernel else rng.choice(["nk", "kn", "kn-paired"])
     if fields["activation"] == "relu2" and fields["layout"] == "kn-paired":  # (no gate to interleave with)
         fields["layout"] = "kn"
+    if fields["layout"] == "nk" and fields["activation"] != "relu2" and rng.random() < 0.5:  # (drawn last)
+        fields["layout"] = NK_FUSED
     return Case(**fields)
 
 
@@ -245,13 +252,19 @@ def rank_results(c: Case, inputs, rank: int, group, device, config=None, layer=N
 def laid_out(experts, layout: str, leaf):
     """(the parameters, the layer's (w_gate, w_up, w_down), a function giving their gradients in
     Tabby's shapes) for the experts (w_gate, w_up [E, I, H], w_down [E, H, I]) stored as ``layout``:
-    Tabby's, as they are; "kn" a gate_up [E, H, 2I] (gate columns first) and down [E, I, H];
-    "kn-paired" the same with g and u interleaved (gpt-oss's), the weights views of them."""
+    Tabby's, as they are; ``NK_FUSED`` w_gate and w_up the halves of one gate_up [E, 2I, H]
+    (transformers' plain families: each half's experts 2I rows apart); "kn" a gate_up [E, H, 2I]
+    (gate columns first) and down [E, I, H]; "kn-paired" the same with g and u interleaved
+    (gpt-oss's), the weights views of them."""
     if layout == "nk":
         params = [leaf(w) for w in experts]
         return params, tuple(params), lambda: tuple(p.grad for p in params)
     wg, wu, wd = experts
     I = wg.shape[1]
+    if layout == NK_FUSED:
+        gate_up, down = leaf(torch.cat([wg, wu], 1)), leaf(wd)
+        return [gate_up, down], (*gate_up.unflatten(1, (2, I)).unbind(1), down), lambda: (
+            gate_up.grad[:, :I], gate_up.grad[:, I:], down.grad)
     paired = layout == "kn-paired"
     fused = torch.stack([wg, wu], 2).flatten(1, 2) if paired else torch.cat([wg, wu], 1)  # [E, 2I, H]
     gate_up, down = leaf(fused.transpose(1, 2).contiguous()), leaf(wd.transpose(1, 2).contiguous())

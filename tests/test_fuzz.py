@@ -48,7 +48,8 @@ def test_ci_seeds_cover_every_kind_of_case():
     assert any(c.route == "empty_rank" and c.W == 2 for c in cases)
     assert any(c.k > c.W * c.E_local for c in cases if c.route in ("duplicates", "one_expert"))
     assert seen(lambda c: c.activation) == {"swiglu", "geglu", "relu2"} and seen(lambda c: c.biases) == {True, False}
-    assert seen(lambda c: c.layout) == {"nk", "kn", "kn-paired"}
+    assert seen(lambda c: c.layout) == {"nk", fuzz.NK_FUSED, "kn", "kn-paired"}
+    assert any(c.layout == fuzz.NK_FUSED and c.megakernel for c in cases)
 
 
 def test_routings_are_what_they_claim():
