@@ -293,3 +293,40 @@ def test_moe_two_simulated_ranks_against_reference():
     grads = convert.gather([o[2] for o in outs])
     assert rel(grads["gate_up_proj"], torch.cat([gg, gu], dim=1)) < TOL
     assert rel(grads["down_proj"], gd) < TOL
+
+
+@pytest.mark.parametrize("dim,concatenated", [(1, True), (2, True), (2, False)],
+                         ids=["fused-rows", "transposed", "interleaved"])
+def test_gate_up_halves_backward_hands_a_whole_gradient_over_without_a_copy(dim, concatenated):
+    """gate_up_halves' backward: where the two gradients are the halves of one tensor laid out as the
+    fused weight (what the layer's eager backward writes for fused halves and gpt-oss's interleaved
+    weights), the fused weight's gradient is that very tensor (its storage); otherwise a stack, equal
+    to unbind's."""
+    from tabby.nn.experts import _halves, gate_up_halves
+
+    made = {}
+
+    class Writer(torch.autograd.Function):  # a backward writing both gradients into one tensor, as the layer's
+        @staticmethod
+        def forward(ctx, g, u):
+            return g.sum() + u.sum()
+
+        @staticmethod
+        def backward(ctx, dy):
+            whole = torch.arange(3 * 8 * 10, dtype=torch.float32).reshape(3, 8, 10).clone()  # (not a view)
+            made["ptr"] = whole.data_ptr()
+            return _halves(whole, dim, concatenated)
+
+    t = torch.randn(3, 8, 10, requires_grad=True)
+    Writer.apply(*gate_up_halves(t, dim, concatenated)).backward()
+    assert t.grad.data_ptr() == made["ptr"]
+    assert torch.equal(t.grad, torch.arange(3 * 8 * 10, dtype=torch.float32).reshape(3, 8, 10))
+    t2 = torch.randn(3, 8, 10, requires_grad=True)
+    g, u = gate_up_halves(t2, dim, concatenated)
+    a, b = torch.randn_like(g), torch.randn_like(u)
+    (g * a + u * b).sum().backward()
+    t3 = t2.detach().clone().requires_grad_(True)
+    g3, u3 = (t3.unflatten(dim, (2, t3.shape[dim] // 2)).unbind(dim) if concatenated else
+              t3.unflatten(dim, (t3.shape[dim] // 2, 2)).unbind(dim + 1))
+    (g3 * a + u3 * b).sum().backward()
+    assert torch.equal(t2.grad, t3.grad)

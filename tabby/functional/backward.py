@@ -144,7 +144,7 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
         if missing:  # the routed rows the weight gradient reads, contiguous
             xs = _rows_for_wgrad(ws, plan, sched, xs, x_kept, missing, TK, k)  # (tokens: drops them)
             mark(probe, "bwd:routed_rows")
-        dw_gate, dw_up = _gate_up_wgrad(plan, dgu, xs, sched, w_gate.dtype)
+        dw_gate, dw_up = _gate_up_wgrad(plan, dgu, xs, sched, w_gate.dtype, owned and _fused_halves(w_gate, w_up))
         del dgu, xs
         dw_down = _down_wgrad(plan, dys, hw, sched, w_down.dtype)
         del dys, hw
@@ -156,7 +156,7 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
                                  out=dys if missing == "tokens" else None)
             mark(probe, "bwd:routed_rows")
         del dys
-        dw_gate, dw_up = _gate_up_wgrad(plan, dgu, xs, sched, w_gate.dtype)
+        dw_gate, dw_up = _gate_up_wgrad(plan, dgu, xs, sched, w_gate.dtype, owned and _fused_halves(w_gate, w_up))
         del dgu, xs
     mark(probe, "bwd:wgrad")
     dx, dtopk = finish_backward(ws, plan, dy, T, k, probe)
@@ -165,15 +165,21 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
     return dx, dtopk, dw_gate, dw_up, dw_down
 
 
-def _gate_up_wgrad(plan: Plan, dgu, xs, sched, dtype):
+def _gate_up_wgrad(plan: Plan, dgu, xs, sched, dtype, halves_of_one: bool = False):
     """(dW_gate, dW_up) [E, I, H], laid out as the weights (``weight_grad_layout``); an ungated
     activation's dW_gate is an empty tensor (no gate); gpt-oss's interleaved weights: (gate_up_proj's
-    gradient [E, H, 2I] = xs^T dgu over dgu interleaved, in one launch; an empty tensor)."""
+    gradient [E, H, 2I] = xs^T dgu over dgu interleaved, in one launch; an empty tensor).
+    ``halves_of_one`` (the weights the halves of one gate_up [E, 2I, H], ``_fused_halves``; an owning
+    call: its results may alias): the two the halves of one [E, 2I, H], so that ``gate_up_halves``'s
+    backward hands it to gate_up whole, without a copy."""
     I = dgu.shape[1] // 2
     kw = dict(out_dtype=dtype, config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP), programs=plan.wgrad_programs)
     if plan.dims.layout == LAYOUT_KN_PAIRED:
         return gemm.expert_wgrad(xs, dgu, sched.expert_start, sched.expert_count, **kw), dgu.new_empty(0, dtype=dtype)
     if plan.activation.gated and plan.dims.layout == LAYOUT_NK:  # both in one launch
+        if halves_of_one:
+            whole = dgu.new_empty((sched.expert_count.numel(), 2 * I, xs.shape[1]), dtype=dtype)
+            kw.update(out_gate=whole[:, :I], out_up=whole[:, I:])
         return gemm.expert_wgrad_gate_up(dgu, xs, sched.expert_start, sched.expert_count, **kw)
     dw_up = _wgrad_as_laid_out(plan, dgu[:, I:], xs, sched, kw)
     dw_gate = _wgrad_as_laid_out(plan, dgu[:, :I], xs, sched, kw) if plan.activation.gated else dgu.new_empty(
@@ -193,6 +199,14 @@ def _wgrad_as_laid_out(plan: Plan, a, b, sched, kw):
     if plan.dims.layout == LAYOUT_NK:
         return gemm.expert_wgrad(a, b, sched.expert_start, sched.expert_count, **kw)
     return gemm.expert_wgrad(b, a, sched.expert_start, sched.expert_count, **kw).transpose(1, 2)
+
+
+def _fused_halves(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
+    """w_gate and w_up [E, I, H] are the gate and up halves of one contiguous gate_up [E, 2I, H] (gate
+    rows first): transformers' plain families, ``nn.Experts(layout="fused")``."""
+    E, I, H = w_gate.shape
+    return (w_gate.stride() == (2 * I * H, H, 1) and w_up.stride() == w_gate.stride()
+            and w_up.data_ptr() == w_gate.data_ptr() + I * H * w_gate.element_size())
 
 
 def fused_gate_up_grads(layout: str, precision: str) -> bool:

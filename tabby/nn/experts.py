@@ -213,9 +213,38 @@ def split_gate_up(gate_up_proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def gate_up_halves(t: torch.Tensor, dim: int, concatenated: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate and up halves of ``t`` along ``dim`` (of size 2I): its first and second I entries, or
-    (not ``concatenated``: interleaved, gpt-oss's) its even and odd ones; views through ``unbind``, so
-    that autograd assembles the fused gradient with one ``stack``."""
+    (not ``concatenated``: interleaved, gpt-oss's) its even and odd ones; views. Their backward
+    (``_GateUpHalves``) hands ``t`` the tensor whose halves the two gradients are, where they are
+    (the layer's gradient of gpt-oss's weights, made whole), else assembles one with a ``stack``."""
+    return _GateUpHalves.apply(t, dim, concatenated)
+
+
+def _halves(t: torch.Tensor, dim: int, concatenated: bool) -> tuple[torch.Tensor, torch.Tensor]:
     n = t.shape[dim] // 2
     if concatenated:
         return t.unflatten(dim, (2, n)).unbind(dim)
     return t.unflatten(dim, (n, 2)).unbind(dim + 1)
+
+
+class _GateUpHalves(torch.autograd.Function):
+    """``gate_up_halves`` with a backward that copies nothing where the two gradients already lie in
+    one tensor laid out as ``t`` (each the view ``_halves`` takes of it: the layer's eager backward
+    of gpt-oss's interleaved weights writes gate_up_proj's gradient whole), else one ``stack``."""
+
+    @staticmethod
+    def forward(ctx, t, dim: int, concatenated: bool):
+        ctx.shape, ctx.dim, ctx.concatenated = t.shape, dim, concatenated
+        return _halves(t, dim, concatenated)
+
+    @staticmethod
+    def backward(ctx, dg, du):
+        dim, concatenated = ctx.dim, ctx.concatenated
+        base = dg._base if dg is not None else None
+        if base is not None and du is not None and du._base is base and base.shape == ctx.shape:
+            eg, eu = _halves(base, dim, concatenated)
+            if all(a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+                   for a, b in ((eg, dg), (eu, du))):
+                return base, None, None
+        dg = torch.zeros_like(du) if dg is None else dg
+        du = torch.zeros_like(dg) if du is None else du
+        return torch.stack([dg, du], dim if concatenated else dim + 1).flatten(dim, dim + 1), None, None
