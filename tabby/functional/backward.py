@@ -6,7 +6,7 @@ import torch
 
 from ..ops import comm, sync
 from ..ops.gemm import bf16 as gemm
-from ..validate import LAYOUT_KN_PAIRED, LAYOUT_NK
+from ..validate import LAYOUT_KN, LAYOUT_KN_PAIRED, LAYOUT_NK
 from . import memory
 from .memory import layer_buffers
 from .workspace import BWD, BWD_READY
@@ -169,13 +169,17 @@ def _gate_up_wgrad(plan: Plan, dgu, xs, sched, dtype, halves_of_one: bool = Fals
     """(dW_gate, dW_up) [E, I, H], laid out as the weights (``weight_grad_layout``); an ungated
     activation's dW_gate is an empty tensor (no gate); gpt-oss's interleaved weights: (gate_up_proj's
     gradient [E, H, 2I] = xs^T dgu over dgu interleaved, in one launch; an empty tensor).
-    ``halves_of_one`` (the weights the halves of one gate_up [E, 2I, H], ``_fused_halves``; an owning
-    call: its results may alias): the two the halves of one [E, 2I, H], so that ``gate_up_halves``'s
-    backward hands it to gate_up whole, without a copy."""
+    ``halves_of_one`` (the weights the halves of one fused tensor, ``_fused_halves``; an owning call:
+    its results may alias): the two the halves of one tensor laid out as that one, so that
+    ``gate_up_halves``'s backward hands it over whole, without a copy (transposed: in one launch,
+    xs^T [dg | du])."""
     I = dgu.shape[1] // 2
     kw = dict(out_dtype=dtype, config=plan.gemm_config(gemm.KIND_WGRAD_GATE_UP), programs=plan.wgrad_programs)
     if plan.dims.layout == LAYOUT_KN_PAIRED:
         return gemm.expert_wgrad(xs, dgu, sched.expert_start, sched.expert_count, **kw), dgu.new_empty(0, dtype=dtype)
+    if halves_of_one and plan.activation.gated and plan.dims.layout == LAYOUT_KN:
+        whole = gemm.expert_wgrad(xs, dgu, sched.expert_start, sched.expert_count, **kw)  # [E, H, 2I]
+        return whole[..., :I].transpose(1, 2), whole[..., I:].transpose(1, 2)
     if plan.activation.gated and plan.dims.layout == LAYOUT_NK:  # both in one launch
         if halves_of_one:
             whole = dgu.new_empty((sched.expert_count.numel(), 2 * I, xs.shape[1]), dtype=dtype)
@@ -202,11 +206,15 @@ def _wgrad_as_laid_out(plan: Plan, a, b, sched, kw):
 
 
 def _fused_halves(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
-    """w_gate and w_up [E, I, H] are the gate and up halves of one contiguous gate_up [E, 2I, H] (gate
-    rows first): transformers' plain families, ``nn.Experts(layout="fused")``."""
+    """w_gate and w_up [E, I, H] are the gate and up halves of one contiguous fused tensor: a gate_up
+    [E, 2I, H] (gate rows first: transformers' plain families, ``nn.Experts(layout="fused")``) or,
+    transposed, a gate_up_proj [E, H, 2I] (gate columns first: the OpenAI privacy filter's)."""
     E, I, H = w_gate.shape
-    return (w_gate.stride() == (2 * I * H, H, 1) and w_up.stride() == w_gate.stride()
-            and w_up.data_ptr() == w_gate.data_ptr() + I * H * w_gate.element_size())
+    if w_up.stride() != w_gate.stride():
+        return False
+    if w_gate.stride() == (2 * I * H, H, 1):
+        return w_up.data_ptr() == w_gate.data_ptr() + I * H * w_gate.element_size()
+    return w_gate.stride() == (2 * I * H, 1, 2 * I) and w_up.data_ptr() == w_gate.data_ptr() + I * w_gate.element_size()
 
 
 def fused_gate_up_grads(layout: str, precision: str) -> bool:
