@@ -215,3 +215,17 @@ def test_gpt_oss_under_an_fp8_config_runs_bf16_with_a_warning(caplog):
             tabby_hf._warned.clear()
     said = [r.message for r in caplog.records]
     assert any("precision='fp8' (bf16 instead)" in m for m in said) and any("megakernel=True" in m for m in said), said
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "openai_privacy_filter"])
+def test_fused_weights_get_their_gradient_whole(family):
+    """The gate and up halves the backend passes are recognized as the halves of one fused
+    gate_up_proj (``backward._fused_halves``): the layer's eager backward then writes its gradient
+    whole, handed to gate_up_proj without autograd's stack copy (test_nn.py checks the hand-over)."""
+    from tabby.functional.backward import _fused_halves
+
+    config_name, kw, cls_name, ctor, _ = FAMILIES[family]
+    ex = _experts(family, config_name, kw, cls_name, ctor, "tabby")
+    w_gate, w_up, _, _ = tabby_hf.expert_weights(ex)
+    assert _fused_halves(w_gate, w_up)
+    assert not _fused_halves(w_gate, w_up.clone())
