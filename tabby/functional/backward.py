@@ -105,6 +105,7 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
         del _
         mark(probe, "bwd:recompute")
     R = sched.R_max
+    halves_of_one = owned and _fused_halves(w_gate, w_up)  # (gate/up's gradient written whole: _gate_up_wgrad)
     tokens = missing == "tokens"
     gate_up_first = owned and memory.gate_up_wgrad_first(R, H, I, w_gate.shape[0], xs.shape[0] if tokens else 0)
 
@@ -144,7 +145,7 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
         if missing:  # the routed rows the weight gradient reads, contiguous
             xs = _rows_for_wgrad(ws, plan, sched, xs, x_kept, missing, TK, k)  # (tokens: drops them)
             mark(probe, "bwd:routed_rows")
-        dw_gate, dw_up = _gate_up_wgrad(plan, dgu, xs, sched, w_gate.dtype, owned and _fused_halves(w_gate, w_up))
+        dw_gate, dw_up = _gate_up_wgrad(plan, dgu, xs, sched, w_gate.dtype, halves_of_one)
         del dgu, xs
         dw_down = _down_wgrad(plan, dys, hw, sched, w_down.dtype)
         del dys, hw
@@ -156,7 +157,7 @@ def moe_backward(ws, plan: Plan, dy, saved, w_gate, w_up, w_down, probe: Probe |
                                  out=dys if missing == "tokens" else None)
             mark(probe, "bwd:routed_rows")
         del dys
-        dw_gate, dw_up = _gate_up_wgrad(plan, dgu, xs, sched, w_gate.dtype, owned and _fused_halves(w_gate, w_up))
+        dw_gate, dw_up = _gate_up_wgrad(plan, dgu, xs, sched, w_gate.dtype, halves_of_one)
         del dgu, xs
     mark(probe, "bwd:wgrad")
     dx, dtopk = finish_backward(ws, plan, dy, T, k, probe)

@@ -237,14 +237,12 @@ class _GateUpHalves(torch.autograd.Function):
         return _halves(t, dim, concatenated)
 
     @staticmethod
-    def backward(ctx, dg, du):
+    def backward(ctx, dg, du):  # (both given: autograd materializes an unused half's gradient as zeros)
         dim, concatenated = ctx.dim, ctx.concatenated
-        base = dg._base if dg is not None else None
-        if base is not None and du is not None and du._base is base and base.shape == ctx.shape:
+        base = dg._base
+        if base is not None and du._base is base and base.shape == ctx.shape:
             eg, eu = _halves(base, dim, concatenated)
             if all(a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
                    for a, b in ((eg, dg), (eu, du))):
                 return base, None, None
-        dg = torch.zeros_like(du) if dg is None else dg
-        du = torch.zeros_like(dg) if du is None else du
         return torch.stack([dg, du], dim if concatenated else dim + 1).flatten(dim, dim + 1), None, None

@@ -127,7 +127,14 @@ def _ws_module():
 W_NK = tl.constexpr(0)  # Tabby's: unit stride along H (w_gate, w_up) / I (w_down)
 W_KN = tl.constexpr(1)  # transposed: unit stride along I (w_gate, w_up) / H (w_down)
 W_KN_PAIRED = tl.constexpr(2)  # transposed, g and u interleaved along I (w_up one element after w_gate)
-_W_LAYOUTS = {LAYOUT_NK: W_NK.value, LAYOUT_KN: W_KN.value, LAYOUT_KN_PAIRED: W_KN_PAIRED.value}
+W_LAYOUT_CODES = {LAYOUT_NK: W_NK.value, LAYOUT_KN: W_KN.value, LAYOUT_KN_PAIRED: W_KN_PAIRED.value}
+
+
+def paired_gate_up(w_gate: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gate_up_proj [E, H, 2I] (g's column i at 2i, u's at 2i + 1) as it lies, from w_gate
+    [E, I, H] of the ``LAYOUT_KN_PAIRED`` layout (w_up starts one element after it)."""
+    E, I, H = w_gate.shape
+    return w_gate.as_strided((E, H, 2 * I), (w_gate.stride(0), w_gate.stride(2), 1))
 
 
 KIND_GATE_UP = "gate_up"  # two accumulators (g and u) per tile: BN=128 means 256 columns of MMA
@@ -665,7 +672,7 @@ def _layout_args(layout: str, bias) -> dict:
     strided bias, so that the plain kernel's code stays what it was."""
     kw = {}
     if layout != LAYOUT_NK:
-        kw["W_LAYOUT"] = _W_LAYOUTS[layout]
+        kw["W_LAYOUT"] = W_LAYOUT_CODES[layout]
     if bias is not None and bias.stride(-1) != 1:
         kw["BIAS_STRIDE_N"] = bias.stride(-1)
     return kw
@@ -872,8 +879,7 @@ def _gate_up_dgrad_args(dgu: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Ten
         if layout != LAYOUT_KN_PAIRED or not gated:
             raise ValueError(f"gate_up_dgrad: dgu interleaved goes with gated weights in {LAYOUT_KN_PAIRED!r}, "
                              f"not {layout!r}")
-        return dict(a=dgu, b=w_gate.as_strided((E, H, 2 * I), (w_gate.stride(0), w_gate.stride(2), 1)),
-                    b_layout="nk")
+        return dict(a=dgu, b=paired_gate_up(w_gate), b_layout="nk")
     if not gated:
         if layout == LAYOUT_NK:
             return dict(a=dgu[:, I:], b=w_up, b_layout="kn")

@@ -51,7 +51,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...activation import SWIGLU, Activation
 from ...validate import LAYOUT_KN, LAYOUT_KN_PAIRED, LAYOUT_NK
 from .activation import act_fwd
-from .bf16 import W_KN, W_KN_PAIRED, W_NK, grouped_tile, tma_aligned
+from .bf16 import W_KN, W_KN_PAIRED, W_LAYOUT_CODES, W_NK, grouped_tile, paired_gate_up, tma_aligned
 from .fp8_ws import (EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _ring_gate_up, _sm90,
                      _store_tile, _walk_row_tiles)
 
@@ -593,9 +593,6 @@ def rows_launch(a, b, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi:
         EPILOGUE=epilogue, num_warps=4, **kw)
 
 
-_LAYOUT_CODES = {LAYOUT_NK: W_NK.value, LAYOUT_KN: W_KN.value, LAYOUT_KN_PAIRED: W_KN_PAIRED.value}
-
-
 def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_bm: int, stages: int,
                       grid: int | None = None, GROUP_M: int = 8, act: Activation = SWIGLU, layout: str = LAYOUT_NK,
                       biases=None):
@@ -612,9 +609,9 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
     elif layout == LAYOUT_KN:
         ops = (w_gate.transpose(1, 2), w_up.transpose(1, 2))  # [E, H, I], as they lie
     elif layout == LAYOUT_KN_PAIRED:  # [E, H, 2I]: g's column i at 2i, u's at 2i + 1
-        ops = (w_gate.as_strided((E, H, 2 * I), (w_gate.stride(0), w_gate.stride(2), 1)),)
+        ops = (paired_gate_up(w_gate),)
     else:
-        raise ValueError(f"gate_up_swiglu_ws: layout {layout!r} is none of {tuple(_LAYOUT_CODES)}")
+        raise ValueError(f"gate_up_swiglu_ws: layout {layout!r} is none of {tuple(W_LAYOUT_CODES)}")
     if layout != LAYOUT_NK and H % BK.value:
         raise ValueError(f"gate_up_swiglu_ws: weights in layout {layout!r} need H a multiple of {BK.value} (H={H}): "
                          "a block must not run into the next expert's rows")
@@ -629,7 +626,7 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
     (wg_desc, w_pitch), (wu_desc, _) = _expert_desc(ops[0], block), _expert_desc(ops[-1], block)
     kw = {}  # (left out at their defaults for the plain kernel, whose code stays what it was)
     if layout != LAYOUT_NK:
-        kw["W_LAYOUT"] = _LAYOUT_CODES[layout]
+        kw["W_LAYOUT"] = W_LAYOUT_CODES[layout]
     if not act.gated:
         kw["GATED"] = False
     if biases is not None:
