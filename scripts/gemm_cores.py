@@ -28,6 +28,14 @@ from tabby.ops.gemm import bf16 as gemm, bf16_ws as ws  # noqa: E402
 from tabby_bench.shapes import make_routing, shape_named  # noqa: E402
 
 WS_VARIANTS = [(256, 4), (256, 3), (128, 4)]
+# the down dgrad's Triton kernel at other tiles: (name, GemmConfig fields, launch extras)
+DGRAD_VARIANTS = [
+    ("t128-3q", dict(num_stages=3), dict(epi_quarters=True)),
+    ("t128-3q-r128", dict(num_stages=3), dict(epi_quarters=True, maxnreg=128)),
+    ("t64-4", dict(BN=64), {}),
+    ("t64-3", dict(BN=64, num_stages=3), {}),
+    ("t64-4-early-r128", dict(BN=64), dict(gu_early=True, maxnreg=128)),
+]
 
 
 def ms_of(fn, warmup=3, iters=10):
@@ -63,7 +71,7 @@ def schedule(T, E, k, BM=128):
     return counts, R, te, torch.tensor([R // BM], dtype=torch.int32, device="cuda"), row_src.cuda(), offs
 
 
-def run_shape(name, T):
+def run_shape(name, T, kinds=None):
     sh = shape_named(name)
     E, H, I, k = sh.E, sh.H, sh.I, sh.k
     counts, R, te, nt, row_src, offs = schedule(T, E, k)
@@ -90,6 +98,8 @@ def run_shape(name, T):
     rows = []
 
     def add(kind, core, fn, flop):
+        if kinds and kind not in kinds:
+            return
         try:
             t = ms_of(fn)
             rows.append(dict(shape=name, T=T, kind=kind, core=core, ms=t, tflops=flop / t / 1e9))
@@ -120,6 +130,16 @@ def run_shape(name, T):
     dwp = torch.empty(R, -(-I // 128), dtype=torch.float32, device="cuda")
     add("dgrad_swiglu", "triton", lambda: gemm.down_dgrad_swiglu_bwd(xs, wd, gu, w, te, nt, dgu=dgu, hw=hw,
                                                                     dw_part=dwp, config=cfg), f_d)
+    want = (dgu.clone(), hw.clone(), dwp.sum(1)) if not kinds or "dgrad_swiglu" in kinds else None
+    for name, tiles, extra in DGRAD_VARIANTS:
+        vcfg = cfg.with_(**tiles)
+        vdwp = torch.empty(R, -(-I // vcfg.BN), dtype=torch.float32, device="cuda")
+        add("dgrad_swiglu", name, lambda: gemm.down_dgrad_swiglu_bwd(xs, wd, gu, w, te, nt, dgu=dgu, hw=hw,
+                                                                    dw_part=vdwp, config=vcfg, **extra), f_d)
+        if want is not None and rows[-1]["ms"]:  # the same values as the plan's tiles (dw: summed in another order)
+            rows[-1]["same_dgu_hw"] = bool(torch.equal(dgu, want[0]) and torch.equal(hw, want[1]))
+            rows[-1]["dw_max_rel"] = float(((vdwp.sum(1) - want[2]).abs().max() / want[2].abs().max()).item())
+            print(f"    same dgu, hw: {rows[-1]['same_dgu_hw']}, dw rel {rows[-1]['dw_max_rel']:.2e}", flush=True)
     add("dgrad_swiglu", "floor", lambda: torch._grouped_mm(xr, wd, offs=offs), f_d)
     add("dgrad_swiglu", "dense", lambda: torch.mm(xr, wd[0]), f_d)
     # gate/up dgrad, pushed
@@ -159,10 +179,12 @@ def main():
                                         "qwen3-30b-a3b@ep8,gpt-oss-120b@ep8,qwen3-30b-a3b,gpt-oss-120b")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--kinds", default="", help="only these GEMM kinds (comma-separated: gate_up, down, "
+                    "dgrad_swiglu, gate_up_dgrad, wgrad_down, wgrad_gate_up)")
     a = ap.parse_args()
     rows = []
     for name in a.shapes.split(","):
-        rows += run_shape(name, a.tokens)
+        rows += run_shape(name, a.tokens, set(filter(None, a.kinds.split(","))))
         torch.cuda.empty_cache()
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "gemm-cores.json"), "w") as f:
