@@ -28,6 +28,8 @@ from tabby.ops.gemm import bf16 as gemm, bf16_ws as ws  # noqa: E402
 from tabby_bench.shapes import make_routing, shape_named  # noqa: E402
 
 WS_VARIANTS = [(256, 4), (256, 3), (128, 4)]
+# the down dgrad on bf16_ws's kernel with its epilogue partition: (stages, epilogue slice columns)
+DGRAD_WS_VARIANTS = [(4, 16), (5, 16), (4, 32)]
 # the down dgrad's Triton kernel at other tiles: (name, GemmConfig fields, launch extras)
 DGRAD_VARIANTS = [
     ("t128-3q", dict(num_stages=3), dict(epi_quarters=True)),
@@ -140,6 +142,16 @@ def run_shape(name, T, kinds=None):
             rows[-1]["same_dgu_hw"] = bool(torch.equal(dgu, want[0]) and torch.equal(hw, want[1]))
             rows[-1]["dw_max_rel"] = float(((vdwp.sum(1) - want[2]).abs().max() / want[2].abs().max()).item())
             print(f"    same dgu, hw: {rows[-1]['same_dgu_hw']}, dw rel {rows[-1]['dw_max_rel']:.2e}", flush=True)
+    for st, ec in DGRAD_WS_VARIANTS:
+        vdwp = torch.empty(R, -(-I // 128), dtype=torch.float32, device="cuda")
+        add("dgrad_swiglu", f"ws-{st}-e{ec}", lambda: ws.down_dgrad_ws(xs, wd, gu, w, te, nt, dgu, hw, vdwp, sched_bm=128,
+                                                                    stages=st, epi_cols=ec), f_d)
+        if want is not None and rows[-1]["ms"]:
+            rows[-1]["same_dgu_hw"] = bool(torch.equal(dgu, want[0]) and torch.equal(hw, want[1]))
+            rows[-1]["dgu_max_diff"] = float((dgu.float() - want[0].float()).abs().max().item())
+            rows[-1]["dw_max_rel"] = float(((vdwp.sum(1) - want[2]).abs().max() / want[2].abs().max()).item())
+            print(f"    same dgu, hw: {rows[-1]['same_dgu_hw']} (max diff {rows[-1]['dgu_max_diff']:.2e}), "
+                  f"dw rel {rows[-1]['dw_max_rel']:.2e}", flush=True)
     add("dgrad_swiglu", "floor", lambda: torch._grouped_mm(xr, wd, offs=offs), f_d)
     add("dgrad_swiglu", "dense", lambda: torch.mm(xr, wd[0]), f_d)
     # gate/up dgrad, pushed

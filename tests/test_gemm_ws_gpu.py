@@ -121,9 +121,6 @@ def test_entry_points_run_the_plans_kernels():
     want_y = gemm.down_local(h, wd, s.tile_expert, s.num_tiles, config=_cfg(gemm.KIND_DOWN, K, N))
     assert torch.equal(y[used], want_y[used])
     ws_dgrad = gemm.Bf16Gemm(gemm.CORE_WS, _cfg(gemm.KIND_DGRAD_SWIGLU, N, K))
-    with pytest.raises(ValueError, match="this file's kernel"):
-        gemm.down_dgrad_swiglu_bwd(y, wd, torch.cat([h, h], 1), torch.ones(s.R, device="cuda"), s.tile_expert,
-                                   s.num_tiles, config=ws_dgrad)
     with pytest.raises(ValueError, match="one K phase"):
         gemm.gate_up_dgrad_local(torch.cat([h, h], 1), w, w, s.tile_expert, s.num_tiles, config=ws_dgrad)
 
@@ -232,3 +229,50 @@ def test_weights_read_as_they_lie(counts, H, I):
                        config=_cfg(gemm.KIND_DOWN, H, I))
         for a, b in zip(dsts, want_d):
             assert rel_err(a.nan_to_num(7.0), b.nan_to_num(7.0)) < 5e-3
+
+
+DGRAD_CASES = [([300, 0, 128, 5], 256, 256), ([129, 1, 700], 1024, 384), ([40, 0, 0, 900], 7168, 200),
+               ([77, 500, 3], 2880, 2880)]  # (rows per expert, H, I): I not a multiple of 128, empty experts
+
+
+@pytest.mark.parametrize("counts,H,I", DGRAD_CASES)
+@pytest.mark.parametrize("act", ["swiglu", "gpt-oss", "relu2"])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("stages,epi_cols,grid", [(4, 16, None), (5, 32, 3), (2, 16, 1)])
+def test_down_dgrad_with_epilogue_partition(counts, H, I, act, transposed, stages, epi_cols, grid):
+    """The down dgrad + activation backward on bf16_ws's kernel (its epilogue partition) against
+    bf16.py's Triton kernel: dgu and hw within one bf16 rounding, dw summed in another order; Wd as
+    Tabby's [E, H, I] and as a transposed down_proj [E, I, H] read in place; unused rows untouched;
+    grids of one and three programs (the handoff's phases over many tiles); 3 repeats bitwise."""
+    from tabby.activation import Activation
+
+    a = {"swiglu": Activation(), "gpt-oss": Activation("gpt-oss", limit=7.0, alpha=1.702),
+         "relu2": Activation("relu2")}[act]
+    s = Sched(counts, 128, W=1, TK=sum(counts) + 1, seed=H + I)
+    dys = s.rows(H, seed=H)
+    gu = s.rows(2 * I, seed=H + 1, scale=2.0)
+    wd = rand(s.E, H, I, seed=H + 2, scale=I ** -0.5)
+    if transposed:
+        wd = wd.transpose(1, 2).contiguous().transpose(1, 2)  # a down_proj [E, I, H] seen as [E, H, I]
+    wts = torch.rand(s.R, device="cuda")
+    used = s.used_rows.cuda()
+    wts[~used] = 0
+    want = gemm.down_dgrad_swiglu_bwd(dys, wd, gu, wts, s.tile_expert, s.num_tiles, act=a,
+                                      config=_cfg(gemm.KIND_DGRAD_SWIGLU, I, H))
+    outs = []
+    for _ in range(3):
+        nan = float("nan")
+        dgu = torch.full((s.R, 2 * I), nan, dtype=torch.bfloat16, device="cuda")
+        hw = torch.full((s.R, I), nan, dtype=torch.bfloat16, device="cuda")
+        dwp = torch.full((s.R, -(-I // 128)), nan, dtype=torch.float32, device="cuda")
+        ws.down_dgrad_ws(dys, wd, gu, wts, s.tile_expert, s.num_tiles, dgu, hw, dwp, sched_bm=128, stages=stages,
+                         epi_cols=epi_cols, grid=grid, act=a)
+        outs.append((dgu, hw, dwp))
+    dgu, hw, dwp = outs[0]
+    cols = slice(I, 2 * I) if not a.gated else slice(0, 2 * I)
+    assert rel_err(dgu[used][:, cols], want[0][used][:, cols]) < 1e-2
+    assert rel_err(hw[used], want[1][used]) < 1e-2
+    assert rel_err(gemm.reduce_dw(dwp)[used], gemm.reduce_dw(want[2])[used]) < 1e-4
+    assert torch.all(dgu[~used].isnan()) and torch.all(hw[~used].isnan()), "unused tiles must not be written"
+    for o in outs[1:]:
+        assert all(torch.equal(x[used], y[used]) for x, y in zip(o, outs[0]))

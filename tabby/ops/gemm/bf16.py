@@ -1098,9 +1098,16 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     assert gu.stride(-1) == 1 and ws.stride(0) == 1
     b, b_layout = _down_operand(w_down)  # (its transpose: B of dh = dy @ Wd[e])
     ws_kernel, cfg = _choice(config)
-    if ws_kernel:
-        raise ValueError("down_dgrad_swiglu_bwd runs on this file's kernel: config must be a GemmConfig or a "
-                         "Triton Bf16Gemm")
+    if ws_kernel:  # bf16_ws's kernel: 128 columns of I a tile, 128-row kernel tiles
+        _check_schedule(tile_expert, num_tiles, R, ws_kernel.config.BM)
+        dgu = torch.empty(R, 2 * I, dtype=dys.dtype, device=dys.device) if dgu is None else dgu
+        hw = torch.empty(R, I, dtype=dys.dtype, device=dys.device) if hw is None else hw
+        if dw_part is None:
+            dw_part = torch.empty(R, triton.cdiv(I, 128), dtype=torch.float32, device=dys.device)
+        return _ws_module().down_dgrad_ws(dys, w_down, gu, ws, tile_expert, num_tiles, dgu, hw, dw_part,
+                                          sched_bm=ws_kernel.config.BM, stages=ws_kernel.config.num_stages,
+                                          grid=ws_kernel.programs, GROUP_M=ws_kernel.config.GROUP_M, act=act,
+                                          dgu_paired=dgu_paired)
     _check_schedule(tile_expert, num_tiles, R, cfg.BM)
     _check_rows("dys", dys, R, cfg.BM)
     nt_n = triton.cdiv(I, cfg.BN)

@@ -51,7 +51,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...activation import SWIGLU, Activation
 from ...validate import LAYOUT_KN, LAYOUT_KN_PAIRED, LAYOUT_NK
 from .activation import act_fwd
-from .bf16 import W_KN, W_KN_PAIRED, W_LAYOUT_CODES, W_NK, grouped_tile, paired_gate_up, tma_aligned
+from .bf16 import (W_KN, W_KN_PAIRED, W_LAYOUT_CODES, W_NK, _swiglu_bwd_epilogue, grouped_tile, paired_gate_up,
+                   tma_aligned)
 from .fp8_ws import (EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _ring_gate_up, _sm90,
                      _store_tile, _walk_row_tiles)
 
@@ -382,6 +383,118 @@ def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr,
 
 
 # --------------------------------------------------------------------------------------------
+# the down dgrad with the activation's backward, on an epilogue partition of its own
+# --------------------------------------------------------------------------------------------
+#
+# dh_raw = dys @ Wd[e] (K = H) in 128 x 128 tiles, the rows GEMM's producer and consumers (B read
+# N-major: Wd [E, H, I] as it lies; a transposed down_proj [E, I, H] K-major). The epilogue (the
+# activation's backward: g, u read, dg, du and ws * h written, the router weight's partial sums)
+# moves about 5 bytes a product element against the K loop's 2H FLOPs; run by the consumers it
+# leaves the tensor cores idle for its whole length, the Triton kernel's largest loss (the
+# down dgrad at 0.64-0.75x its floor). Here the consumers store their 64 x 128 fp32 halves into a
+# shared tile (64 KB) and go on to the next tile's K loop while a fourth partition (4 warps) runs
+# the epilogue from it in slices of EPI_COLS columns.
+#
+# The handoff: ``acc_full`` (count 2: each consumer arrives once its half is stored) and
+# ``acc_free`` (count 1: the epilogue arrives once it has read the whole tile); the n-th tile a
+# program runs is phase n of both (every partition walks the same tiles). A consumer waits on
+# ``acc_free`` of the tile before (parity (n & 1) ^ 1: a fresh barrier passes the first), the
+# epilogue on ``acc_full`` of its tile: each waits only for work another partition of the same
+# CTA has already been given, so no wait depends on another program.
+
+@gluon.jit
+def _dgrad_consumer_tile(state, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_free, NK,
+                         HALF_ROW: gl.constexpr, STAGES: gl.constexpr, B_KN: gl.constexpr):
+    """A consumer's 64 rows of one tile: the K loop, then its half of the shared fp32 tile once the
+    epilogue has read the tile before. State: (K-block count, tiles run)."""
+    it, n = state
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    acc = gl.zeros([HALF, 128], gl.float32, layout)
+    acc, it = _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, STAGES, B_KN)
+    mbarrier.wait(acc_free, (n & 1) ^ 1)
+    acc_smem.slice(HALF_ROW, HALF, dim=0).store(acc)
+    gl.thread_barrier()  # every thread's part of the half stored before the partition's one arrival
+    mbarrier.arrive(acc_full, count=1)
+    return it, n + 1
+
+
+@gluon.jit
+def _dgrad_consumer(a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_free, tile_expert_ptr, num_tiles_ptr, num_m,
+                    I, NK, HALF_ROW: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                    SCHED_BM: gl.constexpr, B_KN: gl.constexpr):
+    _walk_row_tiles(_dgrad_consumer_tile, (a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_free, NK, HALF_ROW,
+                                           STAGES, B_KN), (gl.to_tensor(0), gl.to_tensor(0)), tile_expert_ptr, num_tiles_ptr, num_m,
+                    gl.cdiv(I, 128), GROUP_M, SCHED_BM)
+
+
+@gluon.jit
+def _dgrad_epilogue_tile(n, pid_m, pid_n, e, acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr,
+                         stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm, I, EPI_COLS: gl.constexpr,
+                         ACT: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr, DGU_PAIRED: gl.constexpr):
+    """The epilogue partition's tile (its n-th): bf16.py's ``_swiglu_bwd_epilogue`` on EPI_COLS
+    columns at a time of the shared tile, released once the last slice is read; the router
+    weight's partial sum of the tile's 128 columns into dwp[:, pid_n]."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (EPI_COLS // 8), EPI_COLS // 8], [4, 1], [1, 0])
+    rows = pid_m.to(gl.int64) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    w = gl.load(ws_ptr + rows)
+    dw = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
+    mbarrier.wait(acc_full, n & 1)
+    for c in gl.static_range(0, 128, EPI_COLS):
+        acc = acc_smem.slice(c, EPI_COLS, dim=1).load(layout)
+        if c + EPI_COLS == 128:  # the whole tile read: the consumers may store the next
+            gl.thread_barrier()
+            mbarrier.arrive(acc_free, count=1)
+        cols = pid_n * 128 + c + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
+        dw += _swiglu_bwd_epilogue(acc, rows, cols, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
+                                   I, ACT, LIMIT, ALPHA, DGU_PAIRED)
+    gl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw)
+    return n + 1
+
+
+@gluon.jit
+def _dgrad_epilogue(acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
+                    dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m, I, GROUP_M: gl.constexpr,
+                    SCHED_BM: gl.constexpr, EPI_COLS: gl.constexpr, ACT: gl.constexpr, LIMIT: gl.constexpr,
+                    ALPHA: gl.constexpr, DGU_PAIRED: gl.constexpr):
+    _walk_row_tiles(_dgrad_epilogue_tile, (acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr,
+                                           stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm, I, EPI_COLS, ACT,
+                                           LIMIT, ALPHA, DGU_PAIRED), gl.to_tensor(0), tile_expert_ptr, num_tiles_ptr, num_m,
+                    gl.cdiv(I, 128), GROUP_M, SCHED_BM)
+
+
+@gluon.jit
+def down_dgrad_ws_kernel(a_desc, b_desc, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm, dwp_ptr,
+                         stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m, I, b_pitch, NK, STAGES: gl.constexpr,
+                         GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, B_KN: gl.constexpr, EPI_COLS: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr, ACT: gl.constexpr = 0, LIMIT: gl.constexpr = 0.0,
+                         ALPHA: gl.constexpr = 0.0, DGU_PAIRED: gl.constexpr = False):
+    """dh_raw = dys @ Wd[e] (B_KN: Wd [E, H, I] as it lies; else a transposed down_proj [E, I, H])
+    with the activation's backward (bf16.py's ``down_dgrad_swiglu_tile``: the same outputs)."""
+    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready, empty = _ring_barriers(STAGES)
+    # fp32 rows of 512 bytes: 8-byte pieces swizzled across rows, so that the MMA layout's stores
+    # (8 rows a warp, 2 columns a thread) fall in different banks
+    acc_smem = gl.allocate_shared_memory(gl.float32, [BM, 128], gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0]))
+    acc_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    acc_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(acc_full, count=2)
+    mbarrier.init(acc_free, count=1)
+    gl.warp_specialize([
+        (_dgrad_epilogue, (acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr,
+                           stride_hwm, dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m, I, GROUP_M,
+                           SCHED_BM, EPI_COLS, ACT, LIMIT, ALPHA, DGU_PAIRED)),
+        (_dgrad_consumer, (a_lo, b_bufs, ready, empty, acc_smem, acc_full, acc_free, tile_expert_ptr, num_tiles_ptr,
+                           num_m, I, NK, 0, STAGES, GROUP_M, SCHED_BM, B_KN)),
+        (_dgrad_consumer, (a_hi, b_bufs, ready, empty, acc_smem, acc_full, acc_free, tile_expert_ptr, num_tiles_ptr,
+                           num_m, I, NK, HALF, STAGES, GROUP_M, SCHED_BM, B_KN)),
+        (_rows_producer, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, I,
+                          b_pitch, NK, 128, STAGES, GROUP_M, SCHED_BM, B_KN)),
+    ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 40])
+
+
+# --------------------------------------------------------------------------------------------
 # per-expert weight gradients
 # --------------------------------------------------------------------------------------------
 #
@@ -640,6 +753,42 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
         _desc(xs, R, [HALF.value, BK.value]), wg_desc, wu_desc, h, h.stride(0),
         gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, w_pitch, triton.cdiv(H, BK.value), STAGES=stages,
         GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=4, **kw)
+
+
+def down_dgrad_ws(dys, w_down, gu, ws, tile_expert, num_tiles, dgu, hw, dw_part, *, sched_bm: int, stages: int,
+                  epi_cols: int = 16, consumer_regs: int = 136, grid: int | None = None, GROUP_M: int = 8,
+                  act: Activation = SWIGLU, dgu_paired: bool = False):
+    """bf16.py's ``down_dgrad_swiglu_bwd`` (its operands and outputs; dw_part [R, cdiv(I, 128)]) on the
+    warp-specialized kernel with its epilogue partition; raises where ``fits`` does not hold or
+    H is not a multiple of 64 (B's K blocks are rows of Wd [E, H, I]: none may run into the next
+    expert's). ``stages``: the ring's depth (32 KB a stage); ``epi_cols``: the epilogue's slice."""
+    from .bf16 import _down_operand
+
+    R, H = dys.shape
+    E, _, I = w_down.shape
+    _check_stages("down_dgrad_ws", stages)
+    b, b_layout = _down_operand(w_down)  # "nk": Wd [E, H, I] is B [E, K, N]; "kn": a down_proj [E, I, H] is B [E, N, K]
+    b_kn = b_layout == "nk"
+    if b_kn and H % BK.value:
+        raise ValueError(f"down_dgrad_ws: H {H} must be a multiple of {BK.value}")
+    if epi_cols not in (8, 16, 32, 64):
+        raise ValueError(f"down_dgrad_ws: epi_cols {epi_cols} must be 8, 16, 32 or 64")
+    if not fits(dys, b, gu, sched_bm=sched_bm):
+        raise ValueError(f"down_dgrad_ws: dys {tuple(dys.shape)}, Wd {tuple(w_down.shape)}, schedule tiles of "
+                         f"{sched_bm} rows do not run on the warp-specialized kernel (see fits)")
+    if tuple(dw_part.shape) != (R, triton.cdiv(I, 128)) or dw_part.dtype != torch.float32:
+        raise ValueError(f"down_dgrad_ws: dw_part {tuple(dw_part.shape)} must be [{R}, {triton.cdiv(I, 128)}] fp32")
+    if dgu_paired and (not act.gated or dgu.data_ptr() == gu.data_ptr()):
+        raise ValueError("down_dgrad_ws: dgu_paired needs a gated activation and dgu apart from gu")
+    num_m = R // BM.value
+    b_desc, b_pitch = _expert_desc(b, [BK.value, 128] if b_kn else [128, BK.value])
+    ACT, LIMIT, ALPHA = act.constexprs()
+    down_dgrad_ws_kernel[_grid(dys.device, num_m * triton.cdiv(I, 128), grid)](
+        _desc(dys, R, [HALF.value, BK.value]), b_desc, gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0),
+        dw_part, dw_part.stride(0), tile_expert, num_tiles, num_m, I, b_pitch, triton.cdiv(H, BK.value),
+        STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, B_KN=b_kn, EPI_COLS=epi_cols, CONSUMER_REGS=consumer_regs,
+        ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, DGU_PAIRED=dgu_paired, num_warps=4)
+    return dgu, hw, dw_part
 
 
 def expert_wgrad_ws(a_parts, b, expert_start, expert_count, outs, *, stages: int, grid: int | None = None,
