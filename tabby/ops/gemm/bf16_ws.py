@@ -756,12 +756,13 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
 
 
 def down_dgrad_ws(dys, w_down, gu, ws, tile_expert, num_tiles, dgu, hw, dw_part, *, sched_bm: int, stages: int,
-                  epi_cols: int = 16, consumer_regs: int = 136, grid: int | None = None, GROUP_M: int = 8,
+                  epi_cols: int | None = None, consumer_regs: int = 120, grid: int | None = None, GROUP_M: int = 8,
                   act: Activation = SWIGLU, dgu_paired: bool = False):
     """bf16.py's ``down_dgrad_swiglu_bwd`` (its operands and outputs; dw_part [R, cdiv(I, 128)]) on the
     warp-specialized kernel with its epilogue partition; raises where ``fits`` does not hold or
     H is not a multiple of 64 (B's K blocks are rows of Wd [E, H, I]: none may run into the next
-    expert's). ``stages``: the ring's depth (32 KB a stage); ``epi_cols``: the epilogue's slice."""
+    expert's). ``stages``: the ring's depth (32 KB a stage); ``epi_cols``: the epilogue's slice (None: 16, gpt-oss's 8);
+    ``consumer_regs``: the consumers' registers (the epilogue partition gets the rest)."""
     from .bf16 import _down_operand
 
     R, H = dys.shape
@@ -771,6 +772,8 @@ def down_dgrad_ws(dys, w_down, gu, ws, tile_expert, num_tiles, dgu, hw, dw_part,
     b_kn = b_layout == "nk"
     if b_kn and H % BK.value:
         raise ValueError(f"down_dgrad_ws: H {H} must be a multiple of {BK.value}")
+    if epi_cols is None:  # gpt-oss's backward keeps more temporaries live: 16 columns spill there
+        epi_cols = 8 if act.kind == "gpt-oss" else 16
     if epi_cols not in (8, 16, 32, 64):
         raise ValueError(f"down_dgrad_ws: epi_cols {epi_cols} must be 8, 16, 32 or 64")
     if not fits(dys, b, gu, sched_bm=sched_bm):
