@@ -117,6 +117,14 @@ def run_shape(name, T, kinds=None):
     for st in (3, 4):
         add("gate_up", f"ws-128-{st}", lambda: ws.gate_up_swiglu_ws(xs, wg, wu, te, nt, h, gu, sched_bm=128, stages=st),
             f_gu)
+    want_h, want_gu = h.clone(), gu.clone()
+    for st, ec in ((3, 16), (3, 32)):
+        add("gate_up", f"ws-ho-{st}-e{ec}", lambda: ws.gate_up_swiglu_ws(xs, wg, wu, te, nt, h, gu, sched_bm=128,
+                                                                       stages=st, handoff=True, epi_cols=ec), f_gu)
+        if (not kinds or "gate_up" in kinds) and rows[-1]["ms"]:  # g, u: the same bits; h: within a rounding
+            rows[-1]["same_gu"] = bool(torch.equal(gu, want_gu))
+            rows[-1]["h_max_diff"] = float((h.float() - want_h.float()).abs().max().item())
+            print(f"    same gu: {rows[-1]['same_gu']}, h max diff {rows[-1]['h_max_diff']:.2e}", flush=True)
     add("gate_up", "floor", lambda: torch._grouped_mm(xr, wgu.transpose(-2, -1), offs=offs), f_gu)
     add("gate_up", "dense", lambda: torch.mm(xr, wgu_t), f_gu)
     # down, pushed
