@@ -354,13 +354,10 @@ def _gate_up_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, 
 
 
 @gluon.jit
-def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr,
-                             num_tiles_ptr, num_m, I, w_pitch, NK, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                             SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr, ACT: gl.constexpr = 0,
-                             LIMIT: gl.constexpr = 0.0, ALPHA: gl.constexpr = 0.0, W_LAYOUT: gl.constexpr = 0,
-                             GATED: gl.constexpr = True, HAS_BIAS: gl.constexpr = False, bg_ptr=None, bu_ptr=None,
-                             stride_bias_e=None, BIAS_STRIDE_N: gl.constexpr = 1):
-    if W_LAYOUT == W_KN_PAIRED or not GATED:  # one weight block a stage (wu_desc's)
+def _gate_up_ring(a_desc, wg_desc, wu_desc, STAGES: gl.constexpr, W_LAYOUT: gl.constexpr, GATED: gl.constexpr):
+    """Gate/up's ring: A's two halves and the weights' blocks a stage, one block (wu_desc's) where
+    g and u are interleaved in it or there is no gate, two otherwise; and the barriers."""
+    if W_LAYOUT == W_KN_PAIRED or not GATED:
         a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         bu_bufs = gl.allocate_shared_memory(wu_desc.dtype, [STAGES] + wu_desc.block_type.shape, wu_desc.layout)
@@ -368,6 +365,17 @@ def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr,
         ready, empty = _ring_barriers(STAGES)
     else:
         a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _ring_gate_up(a_desc, wg_desc, STAGES)
+    return a_lo, a_hi, bg_bufs, bu_bufs, ready, empty
+
+
+@gluon.jit
+def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr,
+                             num_tiles_ptr, num_m, I, w_pitch, NK, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                             SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr, ACT: gl.constexpr = 0,
+                             LIMIT: gl.constexpr = 0.0, ALPHA: gl.constexpr = 0.0, W_LAYOUT: gl.constexpr = 0,
+                             GATED: gl.constexpr = True, HAS_BIAS: gl.constexpr = False, bg_ptr=None, bu_ptr=None,
+                             stride_bias_e=None, BIAS_STRIDE_N: gl.constexpr = 1):
+    a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _gate_up_ring(a_desc, wg_desc, wu_desc, STAGES, W_LAYOUT, GATED)
     gl.warp_specialize([
         (_gate_up_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, h_ptr, stride_hm, gu_ptr, stride_gum,
                              tile_expert_ptr, num_tiles_ptr, num_m, I, NK, 0, STAGES, GROUP_M, SCHED_BM, SAVE_GU,
@@ -470,14 +478,7 @@ def gate_up_handoff_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr
                               ALPHA: gl.constexpr = 0.0, W_LAYOUT: gl.constexpr = 0, GATED: gl.constexpr = True,
                               HAS_BIAS: gl.constexpr = False, bg_ptr=None, bu_ptr=None, stride_bias_e=None,
                               BIAS_STRIDE_N: gl.constexpr = 1):
-    if W_LAYOUT == W_KN_PAIRED or not GATED:  # one weight block a stage (wu_desc's)
-        a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        bu_bufs = gl.allocate_shared_memory(wu_desc.dtype, [STAGES] + wu_desc.block_type.shape, wu_desc.layout)
-        bg_bufs = bu_bufs
-        ready, empty = _ring_barriers(STAGES)
-    else:
-        a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _ring_gate_up(a_desc, wg_desc, STAGES)
+    a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _gate_up_ring(a_desc, wg_desc, wu_desc, STAGES, W_LAYOUT, GATED)
     hand: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0])
     u_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, 128], hand)
     if GATED:
