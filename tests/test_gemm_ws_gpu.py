@@ -279,29 +279,33 @@ def test_down_dgrad_with_epilogue_partition(counts, H, I, act, transposed, stage
 
 
 @pytest.mark.parametrize("counts,K,N", CASES)
-@pytest.mark.parametrize("form", ["swiglu", "gpt-oss-kn-bias", "relu2", "swiglu-bias"])
+@pytest.mark.parametrize("form", ["swiglu", "gpt-oss-kn-bias", "gpt-oss-paired-bias", "relu2", "swiglu-bias"])
 @pytest.mark.parametrize("stages,epi_cols,grid", [(3, 16, None), (2, 32, 3)])
 def test_gate_up_with_epilogue_partition(counts, K, N, form, stages, epi_cols, grid):
     """Gate/up on the epilogue partition's kernel (``handoff``) against the kernel without it: g, u
     bitwise, h within a rounding (the activation of the rounded g, u); unused rows untouched;
     repeats bitwise."""
     from tabby.activation import Activation
-    from tabby.validate import LAYOUT_KN, LAYOUT_NK
+    from tabby.validate import LAYOUT_KN, LAYOUT_KN_PAIRED, LAYOUT_NK
 
-    act = {"gpt-oss-kn-bias": Activation("gpt-oss", limit=7.0, alpha=1.702),
-           "relu2": Activation("relu2")}.get(form, Activation())
-    layout = LAYOUT_KN if "kn" in form else LAYOUT_NK
-    if layout == LAYOUT_KN and K % 64:
+    gpt = Activation("gpt-oss", limit=7.0, alpha=1.702)
+    act = {"gpt-oss-kn-bias": gpt, "gpt-oss-paired-bias": gpt, "relu2": Activation("relu2")}.get(form, Activation())
+    layout = LAYOUT_KN if "kn" in form else LAYOUT_KN_PAIRED if "paired" in form else LAYOUT_NK
+    if layout != LAYOUT_NK and K % 64:
         pytest.skip("transposed weights need H a multiple of 64")
     s = Sched(counts, 128, W=1, TK=sum(counts) + 1, seed=K + N)
     x = s.rows(K, seed=K)
     wg = rand(s.E, N, K, seed=K + 1, scale=K ** -0.5)
     wu = rand(s.E, N, K, seed=K + 2, scale=K ** -0.5)
-    if layout == LAYOUT_KN:
-        wg, wu = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (wg, wu))
     biases = None
     if "bias" in form:
         biases = (rand(s.E, N, seed=K + 3, scale=0.5), rand(s.E, N, seed=K + 4, scale=0.5))
+    if layout == LAYOUT_KN:
+        wg, wu = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (wg, wu))
+    elif layout == LAYOUT_KN_PAIRED:  # gpt-oss's gate_up_proj [E, H, 2I] and gate_up_proj_bias [E, 2I] as stored
+        paired = torch.stack([wg, wu], 2).flatten(1, 2).transpose(1, 2).contiguous()
+        wg, wu = (w.transpose(1, 2) for w in paired.unflatten(2, (N, 2)).unbind(3))
+        biases = tuple(torch.stack(biases, 2).flatten(1, 2).contiguous().unflatten(1, (N, 2)).unbind(2))
     used = s.used_rows.cuda()
 
     def run(handoff):

@@ -298,18 +298,7 @@ def _gate_up_products(it, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, I, N
         if HAS_BIAS:
             g += _bias_row(bg_ptr, bg_ptr, stride_bias_e, e, pid_n * 128, I, 128, False, BIAS_STRIDE_N, layout)[None, :]
             u += _bias_row(bu_ptr, bu_ptr, stride_bias_e, e, pid_n * 128, I, 128, False, BIAS_STRIDE_N, layout)[None, :]
-        for kb in range(NK):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            tg = warpgroup_mma(a_bufs.index(s), _b_operand(bg_bufs.index(s), B_KN), g, is_async=True)
-            tu = warpgroup_mma(a_bufs.index(s), _b_operand(bu_bufs.index(s), B_KN), u, is_async=True)
-            g, u = warpgroup_mma_wait(2, deps=(tg, tu))
-            if kb > 0:
-                mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
-            it += 1
-        g, u = warpgroup_mma_wait(0, deps=(g, u))
-        if NK > 0:
-            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+        g, u, it = _pair_mainloop(g, u, a_bufs, bg_bufs, bu_bufs, ready, empty, it, NK, STAGES, B_KN)
     else:
         u = gl.zeros([HALF, 128], gl.float32, layout)
         if HAS_BIAS:
@@ -317,6 +306,33 @@ def _gate_up_products(it, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, I, N
         u, it = _mainloop(u, a_bufs, bu_bufs, ready, empty, it, NK, STAGES, B_KN)
         g = u
     return g, u, it
+
+
+@gluon.jit
+def _pair_mainloop(p0, p1, a_bufs, b0_bufs, b1_bufs, ready, empty, it, NK, STAGES: gl.constexpr, B_KN: gl.constexpr,
+                   HALVES: gl.constexpr = False):
+    """A consumer's K loop of two products a block (p0 += A @ B0, p1 += A @ B1; ``_b_operand``), both
+    issued before the previous block's pair is waited for (wait 2); HALVES: B0 and B1 the two
+    128-column halves of one N-major [64, 256] block (b0_bufs'). Returns (p0, p1, K-block count)."""
+    for kb in range(NK):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        if HALVES:
+            b0 = b0_bufs.index(s).slice(0, 128, dim=1)
+            b1 = b0_bufs.index(s).slice(128, 128, dim=1)
+        else:
+            b0 = _b_operand(b0_bufs.index(s), B_KN)
+            b1 = _b_operand(b1_bufs.index(s), B_KN)
+        t0 = warpgroup_mma(a_bufs.index(s), b0, p0, is_async=True)
+        t1 = warpgroup_mma(a_bufs.index(s), b1, p1, is_async=True)
+        p0, p1 = warpgroup_mma_wait(2, deps=(t0, t1))
+        if kb > 0:
+            mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+        it += 1
+    p0, p1 = warpgroup_mma_wait(0, deps=(p0, p1))
+    if NK > 0:
+        mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+    return p0, p1, it
 
 
 @gluon.jit
@@ -406,12 +422,35 @@ def _gate_up_handoff_tile(state, pid_m, pid_n, e, a_bufs, bg_bufs, bu_bufs, read
                           GATED: gl.constexpr, HAS_BIAS: gl.constexpr, bg_ptr, bu_ptr, stride_bias_e,
                           BIAS_STRIDE_N: gl.constexpr):
     it, n = state
-    g, u, it = _gate_up_products(it, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, I, NK, STAGES, W_LAYOUT, GATED,
-                                 HAS_BIAS, bg_ptr, bu_ptr, stride_bias_e, BIAS_STRIDE_N)
-    mbarrier.wait(hand_free, (n & 1) ^ 1)
-    if GATED:
-        g_smem.slice(HALF_ROW, HALF, dim=0).store(g.to(gl.bfloat16))
-    u_smem.slice(HALF_ROW, HALF, dim=0).store(u.to(gl.bfloat16))
+    if W_LAYOUT == W_KN_PAIRED:
+        # the interleaved block's two 128-column halves into two [64, 128] products (g's and u's
+        # columns 0-63 and 64-127 of the tile, interleaved): one [64, 256] wgmma's 128 accumulator
+        # registers do not fit beside four partitions
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, 128, 16])
+        pa = gl.zeros([HALF, 128], gl.float32, layout)
+        pb = gl.zeros([HALF, 128], gl.float32, layout)
+        if HAS_BIAS:
+            pa += _bias_row(bg_ptr, bu_ptr, stride_bias_e, e, pid_n * 128, I, 128, True, BIAS_STRIDE_N, layout)[None, :]
+            pb += _bias_row(bg_ptr, bu_ptr, stride_bias_e, e, pid_n * 128 + 64, I, 128, True, BIAS_STRIDE_N,
+                            layout)[None, :]
+        pa, pb, it = _pair_mainloop(pa, pb, a_bufs, bu_bufs, bu_bufs, ready, empty, it, NK, STAGES, True, True)
+        ga, ua = gl.split(gl.reshape(pa, (HALF, 64, 2)))
+        gb, ub = gl.split(gl.reshape(pb, (HALF, 64, 2)))
+        mbarrier.wait(hand_free, (n & 1) ^ 1)
+        g_rows = g_smem.slice(HALF_ROW, HALF, dim=0)
+        u_rows = u_smem.slice(HALF_ROW, HALF, dim=0)
+        g_rows.slice(0, 64, dim=1).store(ga.to(gl.bfloat16))
+        g_rows.slice(64, 64, dim=1).store(gb.to(gl.bfloat16))
+        u_rows.slice(0, 64, dim=1).store(ua.to(gl.bfloat16))
+        u_rows.slice(64, 64, dim=1).store(ub.to(gl.bfloat16))
+    else:
+        g, u, it = _gate_up_products(it, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, I, NK, STAGES, W_LAYOUT,
+                                     GATED, HAS_BIAS, bg_ptr, bu_ptr, stride_bias_e, BIAS_STRIDE_N)
+        mbarrier.wait(hand_free, (n & 1) ^ 1)
+        if GATED:
+            g_smem.slice(HALF_ROW, HALF, dim=0).store(g.to(gl.bfloat16))
+        u_smem.slice(HALF_ROW, HALF, dim=0).store(u.to(gl.bfloat16))
     gl.thread_barrier()  # every thread's part stored before the partition's one arrival
     mbarrier.arrive(hand_full, count=1)
     return it, n + 1
@@ -872,8 +911,6 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
                              "with equal strides, column stride 1 or 2")
         kw.update(HAS_BIAS=True, bg_ptr=bg, bu_ptr=bu, stride_bias_e=bg.stride(0), BIAS_STRIDE_N=bg.stride(-1))
     if handoff:
-        if layout == LAYOUT_KN_PAIRED:  # its [64, 256] product's wgmma needs more registers than 4 partitions leave
-            raise ValueError("gate_up_swiglu_ws: handoff takes no interleaved gate_up_proj")
         kw.update(EPI_COLS=epi_cols, CONSUMER_REGS=consumer_regs)
         gate_up_handoff_ws_kernel[_grid(xs.device, num_m * triton.cdiv(I, 128), grid)](
             _desc(xs, R, [HALF.value, BK.value]), wg_desc, wu_desc, h, h.stride(0),
