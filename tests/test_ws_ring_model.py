@@ -7,7 +7,11 @@ waits and releases; one ring of two readers, or the weight gradient's two pipeli
 mbarrier's semantics, a parity wait included: it passes while the barrier's current phase has the other parity, so a
 waiter two phases early passes as if its phase had completed. The model checks that every read
 finds the block it expects in its stage and that no stage is refilled before its readers have
-released it, and that the partitions never all wait (deadlock).
+released it, and that the partitions never all wait (deadlock). The handoff of a tile from the
+consumers to an epilogue partition (bf16_ws's down dgrad and gate/up with their epilogue
+partitions: ``acc_full`` / ``hand_full`` of two arrivals, ``acc_free`` / ``hand_free`` of one)
+is modelled the same way: the epilogue reads each tile whole and once, and no consumer stores
+over a tile the epilogue has not finished reading.
 """
 import random
 
@@ -82,22 +86,28 @@ def lagged_consumer(ring, blocks_per_tile):
     tile's last block is released after its wait 0, before the epilogue."""
     it = 0
     for nb in blocks_per_tile:
-        for kb in range(nb):
-            s = it % ring.S
-            yield lambda s=s, it=it: ring.ready[s].passes((it // ring.S) & 1)
-            assert ring.block[s] == it, f"block {it} read from stage {s}, which holds block {ring.block[s]}"
-            yield lambda: True  # the wgmma in flight; the other partitions run
-            if kb > 0:  # wait 1: the block before it is done
-                p = (it - 1) % ring.S
-                assert ring.block[p] == it - 1, f"block {it - 1}'s stage {p} refilled under its wgmma"
-                ring.unreleased[p] -= 1
-                ring.empty[p].arrive()
-            it += 1
-        if nb:  # wait 0: the tile's last block
+        yield from lagged_tile(ring, it, nb)
+        it += nb
+
+
+def lagged_tile(ring, it, nb):
+    """``lagged_consumer``'s tile of ``nb`` blocks from block ``it``."""
+    for kb in range(nb):
+        s = it % ring.S
+        yield lambda s=s, it=it: ring.ready[s].passes((it // ring.S) & 1)
+        assert ring.block[s] == it, f"block {it} read from stage {s}, which holds block {ring.block[s]}"
+        yield lambda: True  # the wgmma in flight; the other partitions run
+        if kb > 0:  # wait 1: the block before it is done
             p = (it - 1) % ring.S
             assert ring.block[p] == it - 1, f"block {it - 1}'s stage {p} refilled under its wgmma"
             ring.unreleased[p] -= 1
             ring.empty[p].arrive()
+        it += 1
+    if nb:  # wait 0: the tile's last block
+        p = (it - 1) % ring.S
+        assert ring.block[p] == it - 1, f"block {it - 1}'s stage {p} refilled under its wgmma"
+        ring.unreleased[p] -= 1
+        ring.empty[p].arrive()
 
 
 def alternating_consumer(ring, blocks_per_tile, which):
@@ -198,3 +208,67 @@ def test_the_model_catches_a_one_stage_ring_with_a_late_release():
     with pytest.raises(AssertionError, match="deadlock"):
         ring = Ring(1, readers=2)
         run([producer(ring, [3]), lagged_consumer(ring, [3]), lagged_consumer(ring, [3])], random.Random(0))
+
+
+class Handoff:
+    """The shared tile between the consumers and the epilogue partition: ``full`` (one arrival per
+    consumer), ``free`` (the epilogue's one), and which tile each consumer's half holds."""
+
+    def __init__(self):
+        self.full, self.free = MBarrier(2), MBarrier(1)
+        self.half = [None, None]  # the tile number each half holds
+        self.reading = None  # the tile the epilogue reads now
+
+
+def handing_consumer(ring, blocks_per_tile, hand, which, wait_free=True):
+    """A consumer of ``_dgrad_consumer_tile`` / ``_gate_up_handoff_tile``: the K loop (released a
+    block late, as ``lagged_consumer``), then its half of the shared tile once the epilogue has
+    read the tile before (wait on free, parity (n & 1) ^ 1), then its arrival on full."""
+    it = 0
+    for n, nb in enumerate(blocks_per_tile):
+        yield from lagged_tile(ring, it, nb)
+        it += nb
+        if wait_free:
+            yield lambda n=n: hand.free.passes((n & 1) ^ 1)
+        assert hand.reading is None or hand.reading != hand.half[which], \
+            f"tile {n}'s half {which} stored over tile {hand.half[which]} while the epilogue reads it"
+        yield lambda: True  # the stores in flight
+        hand.half[which] = n
+        hand.full.arrive()
+
+
+def epilogue(blocks_per_tile, hand):
+    """``_dgrad_epilogue_tile`` / ``_gate_up_epilogue_tile``: wait on full (parity n & 1), read the
+    tile's slices, arrive on free after the last slice is read, then the slices' math and stores."""
+    for n in range(len(blocks_per_tile)):
+        yield lambda n=n: hand.full.passes(n & 1)
+        assert hand.half == [n, n], f"the epilogue's tile {n} finds halves of tiles {hand.half}"
+        hand.reading = n
+        for _ in range(3):  # slices read one by one: the consumers may run meanwhile
+            yield lambda: True
+            assert hand.half == [n, n], f"tile {n} overwritten (halves {hand.half}) while the epilogue reads it"
+        hand.reading = None
+        hand.free.arrive()
+        yield lambda: True  # the last slice's math and the stores
+
+
+def simulate_handoff(blocks_per_tile, stages, rng, wait_free=True):
+    ring, hand = Ring(stages, readers=2), Handoff()
+    run([producer(ring, blocks_per_tile), epilogue(blocks_per_tile, hand),
+         handing_consumer(ring, blocks_per_tile, hand, 0, wait_free),
+         handing_consumer(ring, blocks_per_tile, hand, 1, wait_free)], rng)
+
+
+@pytest.mark.parametrize("stages", [2, 4, 5])
+def test_epilogue_partition_handoff_under_random_interleavings(stages):
+    """Every tile reaches the epilogue whole and once, none is stored over while it is read, and the
+    four partitions never all wait; tiles of zero K blocks included (the handoff still runs)."""
+    rng = random.Random(30 + stages)
+    for trial in range(200):
+        simulate_handoff(random_tiles(rng, stages), stages, rng)
+
+
+def test_the_model_catches_consumers_that_do_not_wait_for_the_epilogue():
+    with pytest.raises(AssertionError, match="stored over|overwritten|finds halves"):
+        for seed in range(50):
+            simulate_handoff([3] * 6, 2, random.Random(seed), wait_free=False)
