@@ -85,22 +85,24 @@ def _report():
                     STAGES=Const(stages), GROUP_M=Const(8))
         _line(f"wgrad/pairs{pairs}/stages{stages}", compile_args(ws.expert_wgrad_ws_kernel, args, num_warps=4))
     # the down dgrad with its epilogue partition: (stages, B read N-major (Wd [E, H, I]), slice, ACT):
-    # SwiGLU; gpt-oss's on a transposed down_proj (8-column slices, as the launcher picks); relu2 at 5 stages and 32-column slices
-    for stages, kn, cols, act in ((4, True, 16, 0), (4, False, 8, 3), (5, True, 32, 5)):
+    # SwiGLU; gpt-oss's on a transposed down_proj (8-column slices, as the launcher picks), dg, du
+    # interleaved too; relu2 at 5 stages and 32-column slices
+    for stages, kn, cols, act, paired in ((4, True, 16, 0, False), (4, False, 8, 3, False), (5, True, 32, 5, False),
+                                          (4, False, 8, 3, True)):
         args = dict(a_desc=desc([64, 64]), b_desc=desc([64, 128] if kn else [128, 64]), gu_ptr="*bf16",
                     stride_gum="i32:16", ws_ptr="*fp32", dgu_ptr="*bf16", stride_dgum="i32:16", hw_ptr="*bf16",
                     stride_hwm="i32:16", dwp_ptr="*fp32", stride_dwpm="i32", tile_expert_ptr="*i32",
                     num_tiles_ptr="*i32", num_m="i32", I="i32:16", b_pitch="i32:16", NK="i32", STAGES=Const(stages),
                     GROUP_M=Const(8), SCHED_BM=Const(128), B_KN=Const(kn), EPI_COLS=Const(cols),
                     CONSUMER_REGS=Const(120), ACT=Const(act), LIMIT=Const(7.0 if act == 3 else 0.0),
-                    ALPHA=Const(1.702 if act == 3 else 0.0))
-        _line(f"dgrad/stages{stages}/kn{int(kn)}/cols{cols}/act{act}",
+                    ALPHA=Const(1.702 if act == 3 else 0.0), DGU_PAIRED=Const(paired))
+        _line(f"dgrad/stages{stages}/kn{int(kn)}/cols{cols}/act{act}/paired{int(paired)}",
               compile_args(ws.down_dgrad_ws_kernel, args, num_warps=4))
 
 
 def test_warp_specialized_bf16_gemms_compile():
     lines = run_compiled_check(__file__).splitlines()
-    assert len(lines) == 23, lines
+    assert len(lines) == 24, lines
     for line in lines:
         f = line.split()
         c = dict(zip(f[1::2], map(int, f[2::2])))

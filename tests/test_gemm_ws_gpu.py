@@ -236,9 +236,9 @@ DGRAD_CASES = [([300, 0, 128, 5], 256, 256), ([129, 1, 700], 1024, 384), ([40, 0
 
 
 @pytest.mark.parametrize("counts,H,I", DGRAD_CASES)
-@pytest.mark.parametrize("act", ["swiglu", "gpt-oss", "relu2"])
+@pytest.mark.parametrize("act", ["swiglu", "gpt-oss", "gpt-oss-paired", "relu2"])
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("stages,epi_cols,grid", [(4, 16, None), (5, 32, 3), (2, 16, 1)])
+@pytest.mark.parametrize("stages,epi_cols,grid", [(4, 16, None), (5, 32, 3), (2, 8, 1)])
 def test_down_dgrad_with_epilogue_partition(counts, H, I, act, transposed, stages, epi_cols, grid):
     """The down dgrad + activation backward on bf16_ws's kernel (its epilogue partition) against
     bf16.py's Triton kernel: dgu and hw within one bf16 rounding, dw summed in another order; Wd as
@@ -246,8 +246,9 @@ def test_down_dgrad_with_epilogue_partition(counts, H, I, act, transposed, stage
     grids of one and three programs (the handoff's phases over many tiles); 3 repeats bitwise."""
     from tabby.activation import Activation
 
+    paired = act.endswith("-paired")  # dg, du interleaved (gpt-oss's gate_up_proj order)
     a = {"swiglu": Activation(), "gpt-oss": Activation("gpt-oss", limit=7.0, alpha=1.702),
-         "relu2": Activation("relu2")}[act]
+         "relu2": Activation("relu2")}[act.removesuffix("-paired")]
     s = Sched(counts, 128, W=1, TK=sum(counts) + 1, seed=H + I)
     dys = s.rows(H, seed=H)
     gu = s.rows(2 * I, seed=H + 1, scale=2.0)
@@ -257,7 +258,7 @@ def test_down_dgrad_with_epilogue_partition(counts, H, I, act, transposed, stage
     wts = torch.rand(s.R, device="cuda")
     used = s.used_rows.cuda()
     wts[~used] = 0
-    want = gemm.down_dgrad_swiglu_bwd(dys, wd, gu, wts, s.tile_expert, s.num_tiles, act=a,
+    want = gemm.down_dgrad_swiglu_bwd(dys, wd, gu, wts, s.tile_expert, s.num_tiles, act=a, dgu_paired=paired,
                                       config=_cfg(gemm.KIND_DGRAD_SWIGLU, I, H))
     outs = []
     for _ in range(3):
@@ -266,7 +267,7 @@ def test_down_dgrad_with_epilogue_partition(counts, H, I, act, transposed, stage
         hw = torch.full((s.R, I), nan, dtype=torch.bfloat16, device="cuda")
         dwp = torch.full((s.R, -(-I // 128)), nan, dtype=torch.float32, device="cuda")
         ws.down_dgrad_ws(dys, wd, gu, wts, s.tile_expert, s.num_tiles, dgu, hw, dwp, sched_bm=128, stages=stages,
-                         epi_cols=epi_cols, grid=grid, act=a)
+                         epi_cols=epi_cols, grid=grid, act=a, dgu_paired=paired)
         outs.append((dgu, hw, dwp))
     dgu, hw, dwp = outs[0]
     cols = slice(I, 2 * I) if not a.gated else slice(0, 2 * I)

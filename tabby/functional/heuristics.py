@@ -68,7 +68,8 @@ def bf16_gemm(kind: str, N: int, K: int, tile_m: int, ws: bool, programs: int | 
     where it runs (faster than the Triton kernels: H100, gate/up 648-680 against 584-659 TFLOP/s,
     down 650-673 against 635-641; the down dgrad: its epilogue off the tensor cores' path), the
     gate/up dgrad on its Triton tiles (the ws core no faster there) ("Warp-specialized bf16 GEMMs")."""
-    # (the down dgrad reads Wd [E, H, I] in K blocks of its rows: K = H a multiple of 64)
+    # (the down dgrad reads Wd [E, H, I] in K blocks of its rows: K = H a multiple of 64; the
+    # transposed layouts' H already is, as the plan's ws demands)
     if not ws or kind not in BF16_WS_TILE_N or (kind == gemm.KIND_DGRAD_SWIGLU and K % 64):
         return gemm.Bf16Gemm(gemm.CORE_TRITON, gemm_config(kind, N, K, tile_m))
     return gemm.Bf16Gemm(gemm.CORE_WS, GemmConfig(BM=tile_m, BN=BF16_WS_TILE_N[kind], BK=64, num_warps=4,

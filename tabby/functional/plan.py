@@ -237,8 +237,6 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
                                 (gemm.KIND_GATE_UP_DGRAD, H, 2 * I))}
     if dims.layout == LAYOUT_KN_PAIRED:  # its gate/up dgrad: one K-major phase over gate_up_proj as it lies, as down's
         gemms[gemm.KIND_GATE_UP_DGRAD] = heuristics.bf16_gemm(gemm.KIND_DOWN, H, 2 * I, tile_m, ws, sm_count)
-        # its down dgrad writes dg, du interleaved: the Triton kernel's epilogue alone does
-        gemms[gemm.KIND_DGRAD_SWIGLU] = heuristics.bf16_gemm(gemm.KIND_DGRAD_SWIGLU, I, H, tile_m, False, sm_count)
     gemms |= {gemm.KIND_WGRAD_DOWN: heuristics.wgrad_gemm(I, ws, sm_count),
              gemm.KIND_WGRAD_GATE_UP: heuristics.wgrad_gemm(H, ws, sm_count)}
     dispatch_cols = t.dispatch_cols or heuristics.DISPATCH_COLS

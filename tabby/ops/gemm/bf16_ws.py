@@ -51,8 +51,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...activation import SWIGLU, Activation
 from ...validate import LAYOUT_KN, LAYOUT_KN_PAIRED, LAYOUT_NK
 from .activation import act_fwd
-from .bf16 import (W_KN, W_KN_PAIRED, W_LAYOUT_CODES, W_NK, _swiglu_bwd_epilogue, grouped_tile, paired_gate_up,
-                   tma_aligned)
+from .activation import act_grads
+from .bf16 import (W_KN, W_KN_PAIRED, W_LAYOUT_CODES, W_NK, _load_gu, _swiglu_bwd_epilogue, grouped_tile,
+                   paired_gate_up, tma_aligned)
 from .fp8_ws import (EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _ring_gate_up, _sm90,
                      _store_tile, _walk_row_tiles)
 
@@ -606,10 +607,38 @@ def _dgrad_epilogue_tile(n, pid_m, pid_n, e, acc_smem, acc_full, acc_free, gu_pt
             gl.thread_barrier()
             mbarrier.arrive(acc_free, count=1)
         cols = pid_n * 128 + c + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
-        dw += _swiglu_bwd_epilogue(acc, rows, cols, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
-                                   I, ACT, LIMIT, ALPHA, DGU_PAIRED)
+        if DGU_PAIRED:
+            dw += _paired_bwd_slice(acc, rows, cols, pid_n * 128 + c, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
+                                    hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA, EPI_COLS)
+        else:
+            dw += _swiglu_bwd_epilogue(acc, rows, cols, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr,
+                                       stride_hwm, I, ACT, LIMIT, ALPHA)
     gl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw)
     return n + 1
+
+
+@gluon.jit
+def _paired_bwd_slice(acc, rows, cols, col0, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr, stride_hwm, I,
+                      ACT: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr, EPI_COLS: gl.constexpr):
+    """bf16.py's ``_swiglu_bwd_epilogue`` with dg and du stored interleaved (dg's column c at 2c,
+    du's at 2c + 1: gpt-oss's gate_up_proj order) from a layout of 16-byte pieces of the
+    interleaved row (columns col0 .. col0 + EPI_COLS - 1); returns the slice's partial sums of
+    dh_raw * h."""
+    g, u = _load_gu(rows, cols, gu_ptr, stride_gum, I, ACT)
+    h = act_fwd(g, u, ACT, LIMIT, ALPHA)
+    dw = gl.sum(acc * h, axis=1)
+    dh = acc * w[:, None]
+    dg, du = act_grads(g, u, dh, ACT, LIMIT, ALPHA)
+    cmask = (cols < I)[None, :]
+    gl.store(hw_ptr + rows[:, None] * stride_hwm + cols[None, :], (h * w[:, None]).to(hw_ptr.dtype.element_ty),
+             mask=cmask)
+    wide: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (EPI_COLS // 4), EPI_COLS // 4], [4, 1], [1, 0])
+    pair = gl.convert_layout(gl.reshape(gl.join(dg, du), [dg.shape[0], 2 * EPI_COLS]), wide)
+    prow = gl.convert_layout(rows, gl.SliceLayout(1, wide))
+    pcol = 2 * col0 + gl.arange(0, 2 * EPI_COLS, layout=gl.SliceLayout(0, wide))
+    gl.store(dgu_ptr + prow[:, None] * stride_dgum + pcol[None, :], pair.to(dgu_ptr.dtype.element_ty),
+             mask=(pcol < 2 * I)[None, :])
+    return dw
 
 
 @gluon.jit
