@@ -47,11 +47,10 @@ def gemm_config(kind: str, N: int, K: int, tile_m: int) -> GemmConfig:
 BF16_WS_ARCH = 90  # the warp-specialized kernels' wgmma and TMA: sm_90 only
 # the kinds that run on the warp-specialized core, their tile width and ring depth: gate/up at
 # 128 x 128 of h (g and u: 128 accumulator registers), down at 128 x 256 (a consumer's 64 x 256
-# accumulator), both 4 stages; the down dgrad at 128 x 128 with its epilogue partition (a 64 KB
-# fp32 tile beside 4 stages of 32 KB); the gate/up dgrad stays on the Triton kernel ("Warp-specialized
-# bf16 GEMMs")
-BF16_WS_TILE_N = {gemm.KIND_GATE_UP: 128, gemm.KIND_DOWN: 256, gemm.KIND_DGRAD_SWIGLU: 128}
-BF16_WS_STAGES = {gemm.KIND_GATE_UP: 4, gemm.KIND_DOWN: 4, gemm.KIND_DGRAD_SWIGLU: 4}
+# accumulator), both 4 stages; the dgrads stay on the Triton kernels until bf16_ws's down dgrad
+# with its epilogue partition is measured ("Warp-specialized bf16 GEMMs", "Epilogue partitions")
+BF16_WS_TILE_N = {gemm.KIND_GATE_UP: 128, gemm.KIND_DOWN: 256}
+BF16_WS_STAGES = {gemm.KIND_GATE_UP: 4, gemm.KIND_DOWN: 4}
 
 
 def bf16_ws_possible(arch: int | None, tile_m: int, H: int, I: int, layout: str = LAYOUT_NK) -> bool:
@@ -64,13 +63,11 @@ def bf16_ws_possible(arch: int | None, tile_m: int, H: int, I: int, layout: str 
 
 
 def bf16_gemm(kind: str, N: int, K: int, tile_m: int, ws: bool, programs: int | None) -> gemm.Bf16Gemm:
-    """A routed bf16 GEMM's kernel: gate/up, down and the down dgrad on the warp-specialized core
-    where it runs (faster than the Triton kernels: H100, gate/up 648-680 against 584-659 TFLOP/s,
-    down 650-673 against 635-641; the down dgrad: its epilogue off the tensor cores' path), the
-    gate/up dgrad on its Triton tiles (the ws core no faster there) ("Warp-specialized bf16 GEMMs")."""
-    # (the down dgrad reads Wd [E, H, I] in K blocks of its rows: K = H a multiple of 64; the
-    # transposed layouts' H already is, as the plan's ws demands)
-    if not ws or kind not in BF16_WS_TILE_N or (kind == gemm.KIND_DGRAD_SWIGLU and K % 64):
+    """A routed bf16 GEMM's kernel: gate/up and down on the warp-specialized core where it runs
+    (faster than the Triton kernels: H100, gate/up 648-680 against 584-659 TFLOP/s, down 650-673
+    against 635-641), the dgrads on their Triton tiles (the ws core no faster there: 361-640 against
+    449-693) ("Warp-specialized bf16 GEMMs")."""
+    if not ws or kind not in BF16_WS_TILE_N:
         return gemm.Bf16Gemm(gemm.CORE_TRITON, gemm_config(kind, N, K, tile_m))
     return gemm.Bf16Gemm(gemm.CORE_WS, GemmConfig(BM=tile_m, BN=BF16_WS_TILE_N[kind], BK=64, num_warps=4,
                                                   num_stages=BF16_WS_STAGES[kind], GROUP_M=8), programs=programs)
