@@ -141,25 +141,30 @@ def run_shape(name, T, kinds=None):
     add("dgrad_swiglu", "triton", lambda: gemm.down_dgrad_swiglu_bwd(xs, wd, gu, w, te, nt, dgu=dgu, hw=hw,
                                                                     dw_part=dwp, config=cfg), f_d)
     want = (dgu.clone(), hw.clone(), dwp.sum(1)) if not kinds or "dgrad_swiglu" in kinds else None
-    for name, tiles, extra in DGRAD_VARIANTS:
+
+    def check_dgrad(vdwp):
+        """The last row's dgu, hw against the plan's tiles' (bitwise, and the largest difference) and
+        its dw (summed in another order)."""
+        r = rows[-1]
+        if want is None or not r["ms"]:
+            return
+        r["same_dgu_hw"] = bool(torch.equal(dgu, want[0]) and torch.equal(hw, want[1]))
+        r["dgu_max_diff"] = float((dgu.float() - want[0].float()).abs().max().item())
+        r["dw_max_rel"] = float(((vdwp.sum(1) - want[2]).abs().max() / want[2].abs().max()).item())
+        print(f"    same dgu, hw: {r['same_dgu_hw']} (max diff {r['dgu_max_diff']:.2e}), dw rel {r['dw_max_rel']:.2e}",
+              flush=True)
+
+    for core, tiles, extra in DGRAD_VARIANTS:
         vcfg = cfg.with_(**tiles)
         vdwp = torch.empty(R, -(-I // vcfg.BN), dtype=torch.float32, device="cuda")
-        add("dgrad_swiglu", name, lambda: gemm.down_dgrad_swiglu_bwd(xs, wd, gu, w, te, nt, dgu=dgu, hw=hw,
+        add("dgrad_swiglu", core, lambda: gemm.down_dgrad_swiglu_bwd(xs, wd, gu, w, te, nt, dgu=dgu, hw=hw,
                                                                     dw_part=vdwp, config=vcfg, **extra), f_d)
-        if want is not None and rows[-1]["ms"]:  # the same values as the plan's tiles (dw: summed in another order)
-            rows[-1]["same_dgu_hw"] = bool(torch.equal(dgu, want[0]) and torch.equal(hw, want[1]))
-            rows[-1]["dw_max_rel"] = float(((vdwp.sum(1) - want[2]).abs().max() / want[2].abs().max()).item())
-            print(f"    same dgu, hw: {rows[-1]['same_dgu_hw']}, dw rel {rows[-1]['dw_max_rel']:.2e}", flush=True)
+        check_dgrad(vdwp)
     for st, ec in DGRAD_WS_VARIANTS:
         vdwp = torch.empty(R, -(-I // 128), dtype=torch.float32, device="cuda")
-        add("dgrad_swiglu", f"ws-{st}-e{ec}", lambda: ws.down_dgrad_ws(xs, wd, gu, w, te, nt, dgu, hw, vdwp, sched_bm=128,
-                                                                    stages=st, epi_cols=ec), f_d)
-        if want is not None and rows[-1]["ms"]:
-            rows[-1]["same_dgu_hw"] = bool(torch.equal(dgu, want[0]) and torch.equal(hw, want[1]))
-            rows[-1]["dgu_max_diff"] = float((dgu.float() - want[0].float()).abs().max().item())
-            rows[-1]["dw_max_rel"] = float(((vdwp.sum(1) - want[2]).abs().max() / want[2].abs().max()).item())
-            print(f"    same dgu, hw: {rows[-1]['same_dgu_hw']} (max diff {rows[-1]['dgu_max_diff']:.2e}), "
-                  f"dw rel {rows[-1]['dw_max_rel']:.2e}", flush=True)
+        add("dgrad_swiglu", f"ws-{st}-e{ec}", lambda: ws.down_dgrad_ws(xs, wd, gu, w, te, nt, dgu, hw, vdwp,
+                                                                    sched_bm=128, stages=st, epi_cols=ec), f_d)
+        check_dgrad(vdwp)
     add("dgrad_swiglu", "floor", lambda: torch._grouped_mm(xr, wd, offs=offs), f_d)
     add("dgrad_swiglu", "dense", lambda: torch.mm(xr, wd[0]), f_d)
     # gate/up dgrad, pushed

@@ -1090,7 +1090,7 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     of a down_proj [E, I, H]); gu [R, 2I] bf16 (saved g, u);
     ws [R] fp32 router weight of each row (0 for padding). Outputs: dgu [R, 2I] bf16 (dg, du),
     hw [R, I] bf16 (ws * h), dw_part [R, cdiv(I, BN)] fp32 partial router-weight gradients
-    (reduce with ``reduce_dw``). Rows of unused tiles are left untouched.
+    (reduce with ``reduce_dw``; BN 128 on bf16_ws's kernel). Rows of unused tiles are left untouched.
     """
     R, H = dys.shape
     E, H2, I = w_down.shape
@@ -1098,25 +1098,21 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     assert gu.stride(-1) == 1 and ws.stride(0) == 1
     b, b_layout = _down_operand(w_down)  # (its transpose: B of dh = dy @ Wd[e])
     ws_kernel, cfg = _choice(config)
-    if ws_kernel:  # bf16_ws's kernel: 128 columns of I a tile, 128-row kernel tiles
-        _check_schedule(tile_expert, num_tiles, R, ws_kernel.config.BM)
-        dgu = torch.empty(R, 2 * I, dtype=dys.dtype, device=dys.device) if dgu is None else dgu
-        hw = torch.empty(R, I, dtype=dys.dtype, device=dys.device) if hw is None else hw
-        if dw_part is None:
-            dw_part = torch.empty(R, triton.cdiv(I, 128), dtype=torch.float32, device=dys.device)
-        return _ws_module().down_dgrad_ws(dys, w_down, gu, ws, tile_expert, num_tiles, dgu, hw, dw_part,
-                                          sched_bm=ws_kernel.config.BM, stages=ws_kernel.config.num_stages,
-                                          grid=ws_kernel.programs, GROUP_M=ws_kernel.config.GROUP_M, act=act,
-                                          dgu_paired=dgu_paired)
-    _check_schedule(tile_expert, num_tiles, R, cfg.BM)
-    _check_rows("dys", dys, R, cfg.BM)
-    nt_n = triton.cdiv(I, cfg.BN)
+    # (bf16_ws's kernel: 128 columns of I a tile, the schedule's rows in 128-row kernel tiles)
+    _check_schedule(tile_expert, num_tiles, R, ws_kernel.config.BM if ws_kernel else cfg.BM)
+    nt_n = triton.cdiv(I, 128 if ws_kernel else cfg.BN)
     if dgu is None:
         dgu = torch.empty(R, 2 * I, dtype=dys.dtype, device=dys.device)
     if hw is None:
         hw = torch.empty(R, I, dtype=dys.dtype, device=dys.device)
     if dw_part is None:
         dw_part = torch.empty(R, nt_n, dtype=torch.float32, device=dys.device)
+    if ws_kernel:
+        return _ws_module().down_dgrad_ws(dys, w_down, gu, ws, tile_expert, num_tiles, dgu, hw, dw_part,
+                                          sched_bm=ws_kernel.config.BM, stages=ws_kernel.config.num_stages,
+                                          grid=ws_kernel.programs, GROUP_M=ws_kernel.config.GROUP_M, act=act,
+                                          dgu_paired=dgu_paired)
+    _check_rows("dys", dys, R, cfg.BM)
     assert dw_part.shape == (R, nt_n) and dw_part.dtype == torch.float32
     num_m = R // cfg.BM
     grid = (num_m * nt_n,)

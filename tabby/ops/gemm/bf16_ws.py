@@ -50,8 +50,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...activation import SWIGLU, Activation
 from ...validate import LAYOUT_KN, LAYOUT_KN_PAIRED, LAYOUT_NK
-from .activation import act_fwd
-from .activation import act_grads
+from .activation import act_fwd, act_grads
 from .bf16 import (W_KN, W_KN_PAIRED, W_LAYOUT_CODES, W_NK, _load_gu, _swiglu_bwd_epilogue, grouped_tile,
                    paired_gate_up, tma_aligned)
 from .fp8_ws import (EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _ring_gate_up, _sm90,
@@ -585,8 +584,8 @@ def _dgrad_consumer(a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_free, 
                     I, NK, HALF_ROW: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                     SCHED_BM: gl.constexpr, B_KN: gl.constexpr):
     _walk_row_tiles(_dgrad_consumer_tile, (a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_free, NK, HALF_ROW,
-                                           STAGES, B_KN), (gl.to_tensor(0), gl.to_tensor(0)), tile_expert_ptr, num_tiles_ptr, num_m,
-                    gl.cdiv(I, 128), GROUP_M, SCHED_BM)
+                                           STAGES, B_KN), (gl.to_tensor(0), gl.to_tensor(0)), tile_expert_ptr,
+                    num_tiles_ptr, num_m, gl.cdiv(I, 128), GROUP_M, SCHED_BM)
 
 
 @gluon.jit
@@ -648,8 +647,8 @@ def _dgrad_epilogue(acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dg
                     ALPHA: gl.constexpr, DGU_PAIRED: gl.constexpr):
     _walk_row_tiles(_dgrad_epilogue_tile, (acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr,
                                            stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm, I, EPI_COLS, ACT,
-                                           LIMIT, ALPHA, DGU_PAIRED), gl.to_tensor(0), tile_expert_ptr, num_tiles_ptr, num_m,
-                    gl.cdiv(I, 128), GROUP_M, SCHED_BM)
+                                           LIMIT, ALPHA, DGU_PAIRED), gl.to_tensor(0), tile_expert_ptr,
+                    num_tiles_ptr, num_m, gl.cdiv(I, 128), GROUP_M, SCHED_BM)
 
 
 @gluon.jit
