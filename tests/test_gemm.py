@@ -278,25 +278,6 @@ def test_down_dgrad_swiglu_bwd(counts, cfg):
     assert torch.equal(gemm.reduce_dw(dwp2)[ue], dw[ue])
 
 
-@pytest.mark.parametrize("form", [dict(epi_quarters=True), dict(gu_early=True)], ids=["quarters", "gu-early"])
-def test_down_dgrad_epilogue_forms(form):
-    """The epilogue in column quarters, or with g, u loaded before the K loop: the same dgu and hw as
-    the halves' epilogue, bit for bit (the same per-element math), and dw summed in another order."""
-    H, I = 48, 40
-    s = Sched(COUNTS["mixed"], BM, W=2, TK=40)
-    dys = s.rows(H, seed=22)
-    gu = s.rows(2 * I, seed=23, scale=2.0)
-    wd = rand(s.E, H, I, seed=24, scale=I ** -0.5)
-    ws = torch.rand(s.R, generator=torch.Generator().manual_seed(25))
-    ws[~s.real] = 0
-    ws = ws.to(DEV)
-    used = s.used_rows.to(DEV)
-    want = gemm.down_dgrad_swiglu_bwd(dys, wd, gu, ws, s.tile_expert, s.num_tiles, config=CFG32)
-    got = gemm.down_dgrad_swiglu_bwd(dys, wd, gu, ws, s.tile_expert, s.num_tiles, config=CFG32, **form)
-    assert torch.equal(got[0][used], want[0][used]) and torch.equal(got[1][used], want[1][used])
-    assert rel_err(gemm.reduce_dw(got[2])[used], gemm.reduce_dw(want[2])[used]) < 1e-5
-
-
 def test_reduce_dw():
     x = torch.randn(300, 7, generator=torch.Generator().manual_seed(0)).to(DEV)
     assert torch.allclose(gemm.reduce_dw(x), x.sum(1), rtol=1e-5, atol=1e-5)

@@ -64,51 +64,40 @@ def _report():
         pair = gated and lay != 2  # g's and u's wgmma a block
         _line(f"gate_up{'_pair' if pair else ''}/stages{stages}/layout{lay}/gated{int(gated)}/bias{int(bias)}/act{act}",
               compile_args(ws.gate_up_swiglu_ws_kernel, args, num_warps=4))
-    # gate/up with its epilogue partition (3 stages beside the 64 KB handoff): SwiGLU; gpt-oss's
-    # transposed and interleaved (two 128-column products) with biases; relu2
-    for lay, gated, bias, act in ((0, True, False, 0), (1, True, True, 3), (2, True, True, 3), (0, False, False, 5)):
-        args = dict(a_desc=desc([64, 64]), wg_desc=desc(blocks[lay]), wu_desc=desc(blocks[lay]), h_ptr="*bf16",
-                    stride_hm="i32:16", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
-                    num_tiles_ptr="*i32", num_m="i32", I="i32:16", w_pitch="i32:16", NK="i32", STAGES=Const(3),
-                    GROUP_M=Const(8), SCHED_BM=Const(128), SAVE_GU=Const(True), EPI_COLS=Const(16),
-                    CONSUMER_REGS=Const(168), ACT=Const(act), LIMIT=Const(7.0 if act == 3 else 0.0),
-                    ALPHA=Const(1.702 if act == 3 else 0.0), W_LAYOUT=Const(lay), GATED=Const(gated))
-        if bias:
-            args.update(HAS_BIAS=Const(True), bg_ptr="*bf16", bu_ptr="*bf16", stride_bias_e="i32",
-                        BIAS_STRIDE_N=Const(2 if lay == 2 else 1))
-        _line(f"gate_up{'_pair' if gated else ''}_handoff/stages3/layout{lay}/gated{int(gated)}/bias{int(bias)}/act{act}",
-              compile_args(ws.gate_up_handoff_ws_kernel, args, num_warps=4))
     for pairs, stages in ((1, 4), (2, 4), (2, 3)):
         args = dict(a0_desc=desc([64, 64]), a1_desc=desc([64, 64]), b_desc=desc([64, 256]), c0_ptr="*bf16",
                     c1_ptr="*bf16", stride_ce="i32:16", stride_cm="i32:16", expert_start_ptr="*i32",
                     expert_count_ptr="*i32", E="i32", M="i32:16", N="i32:16", NUM_PAIRS=Const(pairs),
                     STAGES=Const(stages), GROUP_M=Const(8))
         _line(f"wgrad/pairs{pairs}/stages{stages}", compile_args(ws.expert_wgrad_ws_kernel, args, num_warps=4))
-    # the down dgrad with its epilogue partition: (stages, B read N-major (Wd [E, H, I]), slice, ACT):
-    # SwiGLU; gpt-oss's on a transposed down_proj (8-column slices, as the launcher picks), dg, du
-    # interleaved too; relu2 at 5 stages and 32-column slices
-    for stages, kn, cols, act, paired in ((4, True, 16, 0, False), (4, False, 8, 3, False), (5, True, 32, 5, False),
-                                          (4, False, 8, 3, True)):
-        args = dict(a_desc=desc([64, 64]), b_desc=desc([64, 128] if kn else [128, 64]), gu_ptr="*bf16",
+    # the down dgrad with its epilogue partition: (tile_n, stages, B read N-major (Wd [E, H, I]),
+    # slice, ACT, dg/du interleaved), the slices as the launcher picks them: SwiGLU; gpt-oss's on a
+    # transposed down_proj, dg, du interleaved too (at 128 columns only: at 256 its backward spills
+    # beside the consumers' 168 registers); relu2 (ungated)
+    for tile_n, stages, kn, cols, act, paired in ((128, 4, True, 32, 0, False), (128, 4, False, 8, 3, False),
+                                                  (128, 4, False, 8, 3, True), (256, 3, True, 16, 0, False),
+                                                  (256, 3, False, 16, 0, False), (256, 3, True, 16, 5, False)):
+        args = dict(a_desc=desc([64, 64]), b_desc=desc([64, tile_n] if kn else [tile_n, 64]), gu_ptr="*bf16",
                     stride_gum="i32:16", ws_ptr="*fp32", dgu_ptr="*bf16", stride_dgum="i32:16", hw_ptr="*bf16",
                     stride_hwm="i32:16", dwp_ptr="*fp32", stride_dwpm="i32", tile_expert_ptr="*i32",
                     num_tiles_ptr="*i32", num_m="i32", I="i32:16", b_pitch="i32:16", NK="i32", STAGES=Const(stages),
                     GROUP_M=Const(8), SCHED_BM=Const(128), B_KN=Const(kn), EPI_COLS=Const(cols),
-                    CONSUMER_REGS=Const(120), ACT=Const(act), LIMIT=Const(7.0 if act == 3 else 0.0),
-                    ALPHA=Const(1.702 if act == 3 else 0.0), DGU_PAIRED=Const(paired))
-        _line(f"dgrad/stages{stages}/kn{int(kn)}/cols{cols}/act{act}/paired{int(paired)}",
-              compile_args(ws.down_dgrad_ws_kernel, args, num_warps=4))
+                    CONSUMER_REGS=Const(120 if tile_n == 128 else 168), TILE_N=Const(tile_n), ACT=Const(act),
+                    LIMIT=Const(7.0 if act == 3 else 0.0), ALPHA=Const(1.702 if act == 3 else 0.0),
+                    DGU_PAIRED=Const(paired))
+        _line(f"dgrad{'_pair' if tile_n == 256 else ''}/tile{tile_n}/stages{stages}/kn{int(kn)}/cols{cols}/act{act}"
+              f"/paired{int(paired)}", compile_args(ws.down_dgrad_ws_kernel, args, num_warps=4))
 
 
 def test_warp_specialized_bf16_gemms_compile():
     lines = run_compiled_check(__file__).splitlines()
-    assert len(lines) == 24, lines
+    assert len(lines) == 22, lines
     for line in lines:
         f = line.split()
         c = dict(zip(f[1::2], map(int, f[2::2])))
         assert c["warp_specialized"] == 1 and c["spills"] == 0 and c["serialized"] == 0, line
         assert c["shared"] <= SMEM_MAX, line
-        if f[0].startswith("gate_up_pair"):  # g's and u's wgmma per block, the previous pair waited for
+        if f[0].startswith(("gate_up_pair", "dgrad_pair")):  # two wgmmas a block, the previous pair waited for
             assert c["wgmma"] >= 4 and c["wait2"] >= 2 and c["v4_stores"] > 0, line
         else:  # a block's wgmma per consumer, the one before it waited for
             assert c["wgmma"] >= 2 and c["wait1"] >= 2 and c["v4_stores"] > 0, line

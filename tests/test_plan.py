@@ -270,26 +270,33 @@ def test_fp8_plans_off_sm90_run_the_triton_kernels():
 
 
 def test_bf16_plans_choose_the_core():
-    """Gate/up and down on the warp-specialized kernels on sm_90, at the heuristics' tiles, the
-    dgrads on their Triton tiles; the Triton kernels everywhere elsewhere or with
+    """Gate/up, down and the down dgrad on the warp-specialized kernels on sm_90, at the heuristics'
+    tiles (gpt-oss's down dgrad at its own), the gate/up dgrad on its Triton tiles; the Triton
+    kernels everywhere elsewhere or with
     Tuning(bf16_ws=False); Tuning(bf16_ws=True) where they cannot run is an error naming the field;
     the plan's description names the kernels."""
     routed = (gemm.KIND_GATE_UP, gemm.KIND_DOWN, gemm.KIND_DGRAD_SWIGLU, gemm.KIND_GATE_UP_DGRAD)
     E, H, I, k = SHAPES["kimi-k2"]
     dims = MoEDims(T=16384, H=H, k=k, E_local=E // 8, I=I, world_size=1, I_shared=0)
     p = make_plan(dims, MoEConfig(megakernel=False), torch.device("cpu"), sms=132, arch=90)
-    for kind in (gemm.KIND_GATE_UP, gemm.KIND_DOWN):
+    for kind in (gemm.KIND_GATE_UP, gemm.KIND_DOWN, gemm.KIND_DGRAD_SWIGLU):
         g = p.gemm[kind]
         assert g.core == gemm.CORE_WS and g.config.BN == heuristics.BF16_WS_TILE_N[kind], kind
         assert g.config.num_stages == heuristics.BF16_WS_STAGES[kind] and g.programs == 132
-    for kind, N, K in ((gemm.KIND_DGRAD_SWIGLU, I, H), (gemm.KIND_GATE_UP_DGRAD, H, 2 * I)):
-        assert p.gemm[kind] == gemm.Bf16Gemm(gemm.CORE_TRITON, heuristics.gemm_config(kind, N, K, p.tile_m)), kind
+    kind, N, K = gemm.KIND_GATE_UP_DGRAD, H, 2 * I
+    assert p.gemm[kind] == gemm.Bf16Gemm(gemm.CORE_TRITON, heuristics.gemm_config(kind, N, K, p.tile_m)), kind
+    gpt = make_plan(dims, MoEConfig(megakernel=False, activation=Activation("gpt-oss", limit=7.0, alpha=1.702)),
+                    torch.device("cpu"), sms=132, arch=90).gemm[gemm.KIND_DGRAD_SWIGLU]
+    assert gpt.core == gemm.CORE_WS and (gpt.config.BN, gpt.config.num_stages) == heuristics.BF16_WS_DGRAD_GPT_OSS
+    odd_h = MoEDims(T=16384, H=2880 + 8, k=k, E_local=8, I=I, world_size=1, I_shared=0)  # H not a multiple of 64
+    assert make_plan(odd_h, MoEConfig(megakernel=False), torch.device("cpu"), sms=132,
+                     arch=90).gemm[gemm.KIND_DGRAD_SWIGLU].core == gemm.CORE_TRITON
     for kind in (gemm.KIND_WGRAD_DOWN, gemm.KIND_WGRAD_GATE_UP):
         assert p.gemm[kind].core == gemm.CORE_WS and p.gemm[kind].config.num_stages == heuristics.BF16_WS_WGRAD_STAGES
     assert "expert_wgrad_ws_kernel" in p.describe()
     text = p.describe()
     assert "gate_up_swiglu_ws_kernel" in text and "rows_gemm_ws_kernel" in text and "ws " in text, text
-    assert "down_dgrad_swiglu_kernel" in text, text
+    assert "down_dgrad_ws_kernel" in text, text
     for arch, tuning in ((None, Tuning()), (90, Tuning(bf16_ws=False)), (80, Tuning())):
         p = make_plan(dims, MoEConfig(megakernel=False, tuning=tuning), torch.device("cpu"), sms=132, arch=arch)
         assert {p.gemm[kind].core for kind in routed} == {gemm.CORE_TRITON}

@@ -232,7 +232,7 @@ def make_plan(dims: MoEDims, config: MoEConfig, device: torch.device, I_s: int =
     ws_multiple = 8 if dims.layout == LAYOUT_NK else 64
     ws = _ws_core("bf16_ws", t.bf16_ws, heuristics.bf16_ws_possible(arch, tile_m, H, I, dims.layout), arch, tile_m,
                   H, I, ws_multiple)
-    gemms = {kind: heuristics.bf16_gemm(kind, N, K, tile_m, ws, sm_count)
+    gemms = {kind: heuristics.bf16_gemm(kind, N, K, tile_m, ws, sm_count, config.activation.kind)
              for kind, N, K in ((gemm.KIND_GATE_UP, I, H), (gemm.KIND_DOWN, H, I), (gemm.KIND_DGRAD_SWIGLU, I, H),
                                 (gemm.KIND_GATE_UP_DGRAD, H, 2 * I))}
     if dims.layout == LAYOUT_KN_PAIRED:  # its gate/up dgrad: one K-major phase over gate_up_proj as it lies, as down's

@@ -929,8 +929,7 @@ def down_dgrad_swiglu_tile(pid_m, pid_n,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            EVEN_K: tl.constexpr, EPI_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
                            ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0,
-                           W_LAYOUT: tl.constexpr = 0, DGU_PAIRED: tl.constexpr = False,
-                           GU_EARLY: tl.constexpr = False, EPI_QUARTERS: tl.constexpr = False):
+                           W_LAYOUT: tl.constexpr = 0, DGU_PAIRED: tl.constexpr = False):
     """One (row tile, I-column tile) of the down dgrad + SwiGLU backward (ACT, LIMIT, ALPHA: another
     activation's backward, ``activation.act_grads``; the formulas below are SwiGLU's).
 
@@ -944,32 +943,13 @@ def down_dgrad_swiglu_tile(pid_m, pid_n,
     """
     e = _row_tile_expert(pid_m, tile_expert_ptr, num_tiles_ptr)
     if e >= 0:
-        if GU_EARLY:  # the epilogue's g, u loaded before the K loop: their latency hidden under it
-            g_pre, u_pre = _load_gu(pid_m.to(tl.int64) * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN),
-                                    gu_ptr, stride_gum, I, ACT, False)
         acc = _rows_mainloop(pid_m, pid_n, e, a_ptr=dys_ptr, a2_ptr=dys_ptr, stride_am=stride_dym, b_ptr=wd_ptr,
                              b2_ptr=wd_ptr, stride_be=stride_we, stride_be2=stride_we, stride_bo=stride_wh, N=I, K=H,
                              K2=0, BM=BM, BN=BN, BK=BK, B_NK=W_LAYOUT != W_NK, TWO_PHASE=False, EVEN_K=EVEN_K,
                              INTERPRET=INTERPRET)
         rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
         w = tl.load(ws_ptr + rows)
-        if GU_EARLY:
-            acc_lo, acc_hi = _split_cols(acc, BM, BN)
-            g_lo, g_hi = _split_cols(g_pre, BM, BN)
-            u_lo, u_hi = _split_cols(u_pre, BM, BN)
-            cols = pid_n * BN + tl.arange(0, BN // 2)
-            dw = _swiglu_bwd_math(acc_lo, g_lo.to(tl.float32), u_lo.to(tl.float32), rows, cols, w, dgu_ptr,
-                                  stride_dgum, hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA, DGU_PAIRED)
-            dw += _swiglu_bwd_math(acc_hi, g_hi.to(tl.float32), u_hi.to(tl.float32), rows, cols + BN // 2, w,
-                                   dgu_ptr, stride_dgum, hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA, DGU_PAIRED)
-        elif EPI_QUARTERS:
-            acc_lo, acc_hi = _split_cols(acc, BM, BN)
-            dw = _swiglu_bwd_split_epilogue(acc_lo, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
-                                            hw_ptr, stride_hwm, I, BM, BN // 2, ACT, LIMIT, ALPHA, DGU_PAIRED)
-            dw += _swiglu_bwd_split_epilogue(acc_hi, rows, pid_n * BN + BN // 2, w, gu_ptr, stride_gum, dgu_ptr,
-                                             stride_dgum, hw_ptr, stride_hwm, I, BM, BN // 2, ACT, LIMIT, ALPHA,
-                                             DGU_PAIRED)
-        elif EPI_SPLIT:
+        if EPI_SPLIT:
             dw = _swiglu_bwd_split_epilogue(acc, rows, pid_n * BN, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
                                             hw_ptr, stride_hwm, I, BM, BN, ACT, LIMIT, ALPHA, DGU_PAIRED)
         else:
@@ -1013,23 +993,16 @@ def _split_cols(x, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _load_gu(rows, cols, gu_ptr, stride_gum, I: tl.constexpr, ACT: tl.constexpr = 0, F32: tl.constexpr = True):
-    """The saved g, u of a tile's rows and columns (fp32, or bf16 where not F32; 0 past I). Ungated
-    (relu2): u for both."""
+def _load_gu(rows, cols, gu_ptr, stride_gum, I: tl.constexpr, ACT: tl.constexpr = 0):
+    """The saved g, u of a tile's rows and columns (fp32; 0 past I). Ungated (relu2): u for both."""
     cmask = (cols < I)[None, :]
     gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
     if ACT == ACT_RELU2:  # ungated: no g (its columns unwritten), no dg
-        u = tl.load(gptrs + I, mask=cmask, other=0.0)
-        if F32:
-            u = u.to(tl.float32)
+        u = tl.load(gptrs + I, mask=cmask, other=0.0).to(tl.float32)
         g = u
     else:
-        g = tl.load(gptrs, mask=cmask, other=0.0)
-        if F32:
-            g = g.to(tl.float32)
-        u = tl.load(gptrs + I, mask=cmask, other=0.0)
-        if F32:
-            u = u.to(tl.float32)
+        g = tl.load(gptrs, mask=cmask, other=0.0).to(tl.float32)
+        u = tl.load(gptrs + I, mask=cmask, other=0.0).to(tl.float32)
     return g, u
 
 
@@ -1066,22 +1039,19 @@ def down_dgrad_swiglu_kernel(dys_ptr, stride_dym, wd_ptr, stride_we, stride_wh,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                              EVEN_K: tl.constexpr, EPI_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
                              ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 0.0,
-                             W_LAYOUT: tl.constexpr = 0, DGU_PAIRED: tl.constexpr = False,
-                             GU_EARLY: tl.constexpr = False, EPI_QUARTERS: tl.constexpr = False):
+                             W_LAYOUT: tl.constexpr = 0, DGU_PAIRED: tl.constexpr = False):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(I, BN), GROUP_M)
     down_dgrad_swiglu_tile(pid_m, pid_n, dys_ptr, stride_dym, wd_ptr, stride_we, stride_wh,
                            gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
                            dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, H, I,
-                           BM, BN, BK, EVEN_K, EPI_SPLIT, INTERPRET, ACT, LIMIT, ALPHA, W_LAYOUT, DGU_PAIRED,
-                           GU_EARLY, EPI_QUARTERS)
+                           BM, BN, BK, EVEN_K, EPI_SPLIT, INTERPRET, ACT, LIMIT, ALPHA, W_LAYOUT, DGU_PAIRED)
 
 
 def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Tensor, ws: torch.Tensor,
                           tile_expert: torch.Tensor, num_tiles: torch.Tensor, *,
                           dgu: torch.Tensor | None = None, hw: torch.Tensor | None = None,
                           dw_part: torch.Tensor | None = None, config: GemmConfig | Bf16Gemm,
-                          act: Activation = SWIGLU, dgu_paired: bool = False, gu_early: bool = False,
-                          epi_quarters: bool = False, maxnreg: int | None = None):
+                          act: Activation = SWIGLU, dgu_paired: bool = False):
     """Down dgrad fused with the activation's backward (``act``; SwiGLU's by default). Returns
     (dgu, hw, dw_part); ``dgu_paired``: dgu's dg and du interleaved (gpt-oss's gate_up_proj order,
     a gated ``act``; dgu must not be gu then: a tile writes other tiles' g columns).
@@ -1090,7 +1060,7 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     of a down_proj [E, I, H]); gu [R, 2I] bf16 (saved g, u);
     ws [R] fp32 router weight of each row (0 for padding). Outputs: dgu [R, 2I] bf16 (dg, du),
     hw [R, I] bf16 (ws * h), dw_part [R, cdiv(I, BN)] fp32 partial router-weight gradients
-    (reduce with ``reduce_dw``; BN 128 on bf16_ws's kernel). Rows of unused tiles are left untouched.
+    (reduce with ``reduce_dw``). Rows of unused tiles are left untouched.
     """
     R, H = dys.shape
     E, H2, I = w_down.shape
@@ -1098,9 +1068,9 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     assert gu.stride(-1) == 1 and ws.stride(0) == 1
     b, b_layout = _down_operand(w_down)  # (its transpose: B of dh = dy @ Wd[e])
     ws_kernel, cfg = _choice(config)
-    # (bf16_ws's kernel: 128 columns of I a tile, the schedule's rows in 128-row kernel tiles)
+    # (bf16_ws's kernel: config.BN columns of I a tile, the schedule's rows in 128-row kernel tiles)
     _check_schedule(tile_expert, num_tiles, R, ws_kernel.config.BM if ws_kernel else cfg.BM)
-    nt_n = triton.cdiv(I, 128 if ws_kernel else cfg.BN)
+    nt_n = triton.cdiv(I, ws_kernel.config.BN if ws_kernel else cfg.BN)
     if dgu is None:
         dgu = torch.empty(R, 2 * I, dtype=dys.dtype, device=dys.device)
     if hw is None:
@@ -1110,8 +1080,8 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
     if ws_kernel:
         return _ws_module().down_dgrad_ws(dys, w_down, gu, ws, tile_expert, num_tiles, dgu, hw, dw_part,
                                           sched_bm=ws_kernel.config.BM, stages=ws_kernel.config.num_stages,
-                                          grid=ws_kernel.programs, GROUP_M=ws_kernel.config.GROUP_M, act=act,
-                                          dgu_paired=dgu_paired)
+                                          tile_n=ws_kernel.config.BN, grid=ws_kernel.programs,
+                                          GROUP_M=ws_kernel.config.GROUP_M, act=act, dgu_paired=dgu_paired)
     _check_rows("dys", dys, R, cfg.BM)
     assert dw_part.shape == (R, nt_n) and dw_part.dtype == torch.float32
     num_m = R // cfg.BM
@@ -1122,12 +1092,6 @@ def down_dgrad_swiglu_bwd(dys: torch.Tensor, w_down: torch.Tensor, gu: torch.Ten
         if not act.gated or dgu.data_ptr() == gu.data_ptr():
             raise ValueError("down_dgrad_swiglu_bwd: dgu_paired needs a gated activation and dgu apart from gu")
         kw["DGU_PAIRED"] = True
-    if gu_early:
-        kw["GU_EARLY"] = True
-    if epi_quarters:
-        kw["EPI_QUARTERS"] = True
-    if maxnreg:
-        kw["maxnreg"] = maxnreg
     down_dgrad_swiglu_kernel[grid](
         dys, dys.stride(0), b, b.stride(0), b.stride(1),
         gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0), dw_part, dw_part.stride(0),

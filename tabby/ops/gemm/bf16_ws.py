@@ -313,13 +313,13 @@ def _pair_mainloop(p0, p1, a_bufs, b0_bufs, b1_bufs, ready, empty, it, NK, STAGE
                    HALVES: gl.constexpr = False):
     """A consumer's K loop of two products a block (p0 += A @ B0, p1 += A @ B1; ``_b_operand``), both
     issued before the previous block's pair is waited for (wait 2); HALVES: B0 and B1 the two
-    128-column halves of one N-major [64, 256] block (b0_bufs'). Returns (p0, p1, K-block count)."""
+    128-column halves of one [64, 256] block (b0_bufs'). Returns (p0, p1, K-block count)."""
     for kb in range(NK):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        if HALVES:
-            b0 = b0_bufs.index(s).slice(0, 128, dim=1)
-            b1 = b0_bufs.index(s).slice(128, 128, dim=1)
+        if HALVES:  # (a K-major block [256, 64]: its row halves, read transposed)
+            b0 = _b_operand(b0_bufs.index(s).slice(0, 128, dim=1 if B_KN else 0), B_KN)
+            b1 = _b_operand(b0_bufs.index(s).slice(128, 128, dim=1 if B_KN else 0), B_KN)
         else:
             b0 = _b_operand(b0_bufs.index(s), B_KN)
             b1 = _b_operand(b1_bufs.index(s), B_KN)
@@ -407,154 +407,24 @@ def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr,
 
 
 # --------------------------------------------------------------------------------------------
-# gate/up with the activation on an epilogue partition of its own
-# --------------------------------------------------------------------------------------------
-#
-# As the down dgrad's below: the consumers hand g and u over in shared memory (bf16, the values
-# saved for the backward: 64 KB beside 3 stages of 48 KB) and run the next tile's K loop while a
-# fourth partition writes g, u and h = act(g, u) from there, EPI_COLS columns at a time. h is the
-# activation of the rounded g, u (those the backward reads), within a rounding of the kernel
-# above's. Handoff barriers and phases as the down dgrad's (``hand_full`` count 2, ``hand_free`` 1).
-
-@gluon.jit
-def _gate_up_handoff_tile(state, pid_m, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, g_smem, u_smem, hand_full,
-                          hand_free, I, NK, HALF_ROW: gl.constexpr, STAGES: gl.constexpr, W_LAYOUT: gl.constexpr,
-                          GATED: gl.constexpr, HAS_BIAS: gl.constexpr, bg_ptr, bu_ptr, stride_bias_e,
-                          BIAS_STRIDE_N: gl.constexpr):
-    it, n = state
-    if W_LAYOUT == W_KN_PAIRED:
-        # the interleaved block's two 128-column halves into two [64, 128] products (g's and u's
-        # columns 0-63 and 64-127 of the tile, interleaved): one [64, 256] wgmma's 128 accumulator
-        # registers do not fit beside four partitions
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, 128, 16])
-        pa = gl.zeros([HALF, 128], gl.float32, layout)
-        pb = gl.zeros([HALF, 128], gl.float32, layout)
-        if HAS_BIAS:
-            pa += _bias_row(bg_ptr, bu_ptr, stride_bias_e, e, pid_n * 128, I, 128, True, BIAS_STRIDE_N, layout)[None, :]
-            pb += _bias_row(bg_ptr, bu_ptr, stride_bias_e, e, pid_n * 128 + 64, I, 128, True, BIAS_STRIDE_N,
-                            layout)[None, :]
-        pa, pb, it = _pair_mainloop(pa, pb, a_bufs, bu_bufs, bu_bufs, ready, empty, it, NK, STAGES, True, True)
-        ga, ua = gl.split(gl.reshape(pa, (HALF, 64, 2)))
-        gb, ub = gl.split(gl.reshape(pb, (HALF, 64, 2)))
-        mbarrier.wait(hand_free, (n & 1) ^ 1)
-        g_rows = g_smem.slice(HALF_ROW, HALF, dim=0)
-        u_rows = u_smem.slice(HALF_ROW, HALF, dim=0)
-        g_rows.slice(0, 64, dim=1).store(ga.to(gl.bfloat16))
-        g_rows.slice(64, 64, dim=1).store(gb.to(gl.bfloat16))
-        u_rows.slice(0, 64, dim=1).store(ua.to(gl.bfloat16))
-        u_rows.slice(64, 64, dim=1).store(ub.to(gl.bfloat16))
-    else:
-        g, u, it = _gate_up_products(it, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, I, NK, STAGES, W_LAYOUT,
-                                     GATED, HAS_BIAS, bg_ptr, bu_ptr, stride_bias_e, BIAS_STRIDE_N)
-        mbarrier.wait(hand_free, (n & 1) ^ 1)
-        if GATED:
-            g_smem.slice(HALF_ROW, HALF, dim=0).store(g.to(gl.bfloat16))
-        u_smem.slice(HALF_ROW, HALF, dim=0).store(u.to(gl.bfloat16))
-    gl.thread_barrier()  # every thread's part stored before the partition's one arrival
-    mbarrier.arrive(hand_full, count=1)
-    return it, n + 1
-
-
-@gluon.jit
-def _gate_up_handoff_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, g_smem, u_smem, hand_full, hand_free,
-                              tile_expert_ptr, num_tiles_ptr, num_m, I, NK, HALF_ROW: gl.constexpr,
-                              STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr,
-                              W_LAYOUT: gl.constexpr, GATED: gl.constexpr, HAS_BIAS: gl.constexpr, bg_ptr, bu_ptr,
-                              stride_bias_e, BIAS_STRIDE_N: gl.constexpr):
-    _walk_row_tiles(_gate_up_handoff_tile, (a_bufs, bg_bufs, bu_bufs, ready, empty, g_smem, u_smem, hand_full,
-                                            hand_free, I, NK, HALF_ROW, STAGES, W_LAYOUT, GATED, HAS_BIAS, bg_ptr,
-                                            bu_ptr, stride_bias_e, BIAS_STRIDE_N),
-                    (gl.to_tensor(0), gl.to_tensor(0)), tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(I, 128),
-                    GROUP_M, SCHED_BM)
-
-
-@gluon.jit
-def _gate_up_epilogue_tile(n, pid_m, pid_n, e, g_smem, u_smem, hand_full, hand_free, h_ptr, stride_hm, gu_ptr,
-                           stride_gum, I, SAVE_GU: gl.constexpr, ACT: gl.constexpr, LIMIT: gl.constexpr,
-                           ALPHA: gl.constexpr, GATED: gl.constexpr, EPI_COLS: gl.constexpr):
-    """The epilogue partition's tile (its n-th): g, u (SAVE_GU) and h, EPI_COLS columns at a time,
-    the shared tile released once its last slice is read."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (EPI_COLS // 8), EPI_COLS // 8], [4, 1], [1, 0])
-    rows = pid_m.to(gl.int64) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-    mbarrier.wait(hand_full, n & 1)
-    for c in gl.static_range(0, 128, EPI_COLS):
-        u = u_smem.slice(c, EPI_COLS, dim=1).load(layout)
-        if GATED:
-            g = g_smem.slice(c, EPI_COLS, dim=1).load(layout)
-        else:
-            g = u
-        if c + EPI_COLS == 128:
-            gl.thread_barrier()
-            mbarrier.arrive(hand_free, count=1)
-        cols = pid_n * 128 + c + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
-        mask = (cols < I)[None, :]
-        h = act_fwd(g.to(gl.float32), u.to(gl.float32), ACT, LIMIT, ALPHA)
-        gl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
-        if SAVE_GU:
-            gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
-            if GATED:  # (ungated: g's columns left unwritten, never read)
-                gl.store(gptrs, g, mask=mask)
-            gl.store(gptrs + I, u, mask=mask)
-    return n + 1
-
-
-@gluon.jit
-def _gate_up_epilogue(g_smem, u_smem, hand_full, hand_free, h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr,
-                      num_tiles_ptr, num_m, I, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr,
-                      ACT: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr, GATED: gl.constexpr,
-                      EPI_COLS: gl.constexpr):
-    _walk_row_tiles(_gate_up_epilogue_tile, (g_smem, u_smem, hand_full, hand_free, h_ptr, stride_hm, gu_ptr,
-                                             stride_gum, I, SAVE_GU, ACT, LIMIT, ALPHA, GATED, EPI_COLS),
-                    gl.to_tensor(0), tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(I, 128), GROUP_M, SCHED_BM)
-
-
-@gluon.jit
-def gate_up_handoff_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr,
-                              num_tiles_ptr, num_m, I, w_pitch, NK, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                              SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr, EPI_COLS: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, ACT: gl.constexpr = 0, LIMIT: gl.constexpr = 0.0,
-                              ALPHA: gl.constexpr = 0.0, W_LAYOUT: gl.constexpr = 0, GATED: gl.constexpr = True,
-                              HAS_BIAS: gl.constexpr = False, bg_ptr=None, bu_ptr=None, stride_bias_e=None,
-                              BIAS_STRIDE_N: gl.constexpr = 1):
-    a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _gate_up_ring(a_desc, wg_desc, wu_desc, STAGES, W_LAYOUT, GATED)
-    hand: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0])
-    u_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, 128], hand)
-    if GATED:
-        g_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, 128], hand)
-    else:
-        g_smem = u_smem
-    hand_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    hand_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(hand_full, count=2)
-    mbarrier.init(hand_free, count=1)
-    gl.warp_specialize([
-        (_gate_up_epilogue, (g_smem, u_smem, hand_full, hand_free, h_ptr, stride_hm, gu_ptr, stride_gum,
-                             tile_expert_ptr, num_tiles_ptr, num_m, I, GROUP_M, SCHED_BM, SAVE_GU, ACT, LIMIT, ALPHA,
-                             GATED, EPI_COLS)),
-        (_gate_up_handoff_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, g_smem, u_smem, hand_full, hand_free,
-                                     tile_expert_ptr, num_tiles_ptr, num_m, I, NK, 0, STAGES, GROUP_M, SCHED_BM,
-                                     W_LAYOUT, GATED, HAS_BIAS, bg_ptr, bu_ptr, stride_bias_e, BIAS_STRIDE_N)),
-        (_gate_up_handoff_consumer, (a_hi, bg_bufs, bu_bufs, ready, empty, g_smem, u_smem, hand_full, hand_free,
-                                     tile_expert_ptr, num_tiles_ptr, num_m, I, NK, HALF, STAGES, GROUP_M, SCHED_BM,
-                                     W_LAYOUT, GATED, HAS_BIAS, bg_ptr, bu_ptr, stride_bias_e, BIAS_STRIDE_N)),
-        (_gate_up_producer, (a_desc, wg_desc, wu_desc, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty, tile_expert_ptr,
-                             num_tiles_ptr, num_m, I, w_pitch, NK, STAGES, GROUP_M, SCHED_BM, W_LAYOUT, GATED)),
-    ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 40])
-
-
-# --------------------------------------------------------------------------------------------
 # the down dgrad with the activation's backward, on an epilogue partition of its own
 # --------------------------------------------------------------------------------------------
 #
-# dh_raw = dys @ Wd[e] (K = H) in 128 x 128 tiles, the rows GEMM's producer and consumers (B read
-# N-major: Wd [E, H, I] as it lies; a transposed down_proj [E, I, H] K-major). The epilogue (the
-# activation's backward: g, u read, dg, du and ws * h written, the router weight's partial sums)
-# moves about 5 bytes a product element against the K loop's 2H FLOPs; run by the consumers it
-# leaves the tensor cores idle for its whole length, the Triton kernel's largest loss (the
-# down dgrad at 0.64-0.75x its floor). Here the consumers store their 64 x 128 fp32 halves into a
-# shared tile (64 KB) and go on to the next tile's K loop while a fourth partition (4 warps) runs
-# the epilogue from it in slices of EPI_COLS columns.
+# dh_raw = dys @ Wd[e] (K = H), the rows GEMM's producer and consumers (B read N-major: Wd [E, H, I]
+# as it lies; a transposed down_proj [E, I, H] K-major). The epilogue (the activation's backward:
+# g, u read, dg, du and ws * h written, the router weight's partial sums) moves about 5 bytes a
+# product element against the K loop's 2H FLOPs; run by the consumers it leaves the tensor cores
+# idle for its whole length, the Triton kernel's largest loss (the down dgrad at 0.64-0.75x its
+# floor). Here the consumers store their halves of the tile into shared memory and go on to the
+# next tile's K loop while a fourth partition (4 warps) runs the epilogue from there in slices of
+# EPI_COLS columns. Two tile widths:
+# - TILE_N 128: the 64 x 128 fp32 accumulators handed over as they are (a 64 KB tile beside 4
+#   stages of 32 KB); the same bits as bf16.py's kernel.
+# - TILE_N 256: two 64 x 128 products a consumer (one [64, 256] wgmma's accumulator does not fit
+#   beside four partitions), handed over rounded to bf16 (64 KB beside 3 stages of 48 KB): dh_raw
+#   as a separate GEMM's bf16 output would be (the reference's), within a rounding of the 128-wide
+#   tile's; half the shared-memory operand traffic a product of the 128-wide tile (the rows GEMM:
+#   ws-256 against ws-128, 1.2-1.3x).
 #
 # The handoff: ``acc_full`` (count 2: each consumer arrives once its half is stored) and
 # ``acc_free`` (count 1: the epilogue arrives once it has read the whole tile); the n-th tile a
@@ -565,15 +435,24 @@ def gate_up_handoff_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr
 
 @gluon.jit
 def _dgrad_consumer_tile(state, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_free, NK,
-                         HALF_ROW: gl.constexpr, STAGES: gl.constexpr, B_KN: gl.constexpr):
-    """A consumer's 64 rows of one tile: the K loop, then its half of the shared fp32 tile once the
+                         HALF_ROW: gl.constexpr, STAGES: gl.constexpr, B_KN: gl.constexpr, TILE_N: gl.constexpr):
+    """A consumer's 64 rows of one tile: the K loop, then its half of the shared tile once the
     epilogue has read the tile before. State: (K-block count, tiles run)."""
     it, n = state
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
-    acc = gl.zeros([HALF, 128], gl.float32, layout)
-    acc, it = _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, STAGES, B_KN)
-    mbarrier.wait(acc_free, (n & 1) ^ 1)
-    acc_smem.slice(HALF_ROW, HALF, dim=0).store(acc)
+    mine = acc_smem.slice(HALF_ROW, HALF, dim=0)
+    if TILE_N == 256:
+        p0 = gl.zeros([HALF, 128], gl.float32, layout)
+        p1 = gl.zeros([HALF, 128], gl.float32, layout)
+        p0, p1, it = _pair_mainloop(p0, p1, a_bufs, b_bufs, b_bufs, ready, empty, it, NK, STAGES, B_KN, True)
+        mbarrier.wait(acc_free, (n & 1) ^ 1)
+        mine.slice(0, 128, dim=1).store(p0.to(gl.bfloat16))
+        mine.slice(128, 128, dim=1).store(p1.to(gl.bfloat16))
+    else:
+        acc = gl.zeros([HALF, 128], gl.float32, layout)
+        acc, it = _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, STAGES, B_KN)
+        mbarrier.wait(acc_free, (n & 1) ^ 1)
+        mine.store(acc)
     gl.thread_barrier()  # every thread's part of the half stored before the partition's one arrival
     mbarrier.arrive(acc_full, count=1)
     return it, n + 1
@@ -582,32 +461,33 @@ def _dgrad_consumer_tile(state, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, a
 @gluon.jit
 def _dgrad_consumer(a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_free, tile_expert_ptr, num_tiles_ptr, num_m,
                     I, NK, HALF_ROW: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                    SCHED_BM: gl.constexpr, B_KN: gl.constexpr):
+                    SCHED_BM: gl.constexpr, B_KN: gl.constexpr, TILE_N: gl.constexpr):
     _walk_row_tiles(_dgrad_consumer_tile, (a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_free, NK, HALF_ROW,
-                                           STAGES, B_KN), (gl.to_tensor(0), gl.to_tensor(0)), tile_expert_ptr,
-                    num_tiles_ptr, num_m, gl.cdiv(I, 128), GROUP_M, SCHED_BM)
+                                           STAGES, B_KN, TILE_N), (gl.to_tensor(0), gl.to_tensor(0)), tile_expert_ptr,
+                    num_tiles_ptr, num_m, gl.cdiv(I, TILE_N), GROUP_M, SCHED_BM)
 
 
 @gluon.jit
 def _dgrad_epilogue_tile(n, pid_m, pid_n, e, acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr,
                          stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm, I, EPI_COLS: gl.constexpr,
-                         ACT: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr, DGU_PAIRED: gl.constexpr):
+                         ACT: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr, DGU_PAIRED: gl.constexpr,
+                         TILE_N: gl.constexpr):
     """The epilogue partition's tile (its n-th): bf16.py's ``_swiglu_bwd_epilogue`` on EPI_COLS
     columns at a time of the shared tile, released once the last slice is read; the router
-    weight's partial sum of the tile's 128 columns into dwp[:, pid_n]."""
+    weight's partial sum of the tile's TILE_N columns into dwp[:, pid_n]."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (EPI_COLS // 8), EPI_COLS // 8], [4, 1], [1, 0])
     rows = pid_m.to(gl.int64) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     w = gl.load(ws_ptr + rows)
     dw = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
     mbarrier.wait(acc_full, n & 1)
-    for c in gl.static_range(0, 128, EPI_COLS):
-        acc = acc_smem.slice(c, EPI_COLS, dim=1).load(layout)
-        if c + EPI_COLS == 128:  # the whole tile read: the consumers may store the next
+    for c in gl.static_range(0, TILE_N, EPI_COLS):
+        acc = acc_smem.slice(c, EPI_COLS, dim=1).load(layout).to(gl.float32)
+        if c + EPI_COLS == TILE_N:  # the whole tile read: the consumers may store the next
             gl.thread_barrier()
             mbarrier.arrive(acc_free, count=1)
-        cols = pid_n * 128 + c + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
+        cols = pid_n * TILE_N + c + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
         if DGU_PAIRED:
-            dw += _paired_bwd_slice(acc, rows, cols, pid_n * 128 + c, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
+            dw += _paired_bwd_slice(acc, rows, cols, pid_n * TILE_N + c, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
                                     hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA, EPI_COLS)
         else:
             dw += _swiglu_bwd_epilogue(acc, rows, cols, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr,
@@ -644,28 +524,29 @@ def _paired_bwd_slice(acc, rows, cols, col0, w, gu_ptr, stride_gum, dgu_ptr, str
 def _dgrad_epilogue(acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
                     dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m, I, GROUP_M: gl.constexpr,
                     SCHED_BM: gl.constexpr, EPI_COLS: gl.constexpr, ACT: gl.constexpr, LIMIT: gl.constexpr,
-                    ALPHA: gl.constexpr, DGU_PAIRED: gl.constexpr):
+                    ALPHA: gl.constexpr, DGU_PAIRED: gl.constexpr, TILE_N: gl.constexpr):
     _walk_row_tiles(_dgrad_epilogue_tile, (acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr,
                                            stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm, I, EPI_COLS, ACT,
-                                           LIMIT, ALPHA, DGU_PAIRED), gl.to_tensor(0), tile_expert_ptr,
-                    num_tiles_ptr, num_m, gl.cdiv(I, 128), GROUP_M, SCHED_BM)
+                                           LIMIT, ALPHA, DGU_PAIRED, TILE_N), gl.to_tensor(0), tile_expert_ptr,
+                    num_tiles_ptr, num_m, gl.cdiv(I, TILE_N), GROUP_M, SCHED_BM)
 
 
 @gluon.jit
 def down_dgrad_ws_kernel(a_desc, b_desc, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm, dwp_ptr,
                          stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m, I, b_pitch, NK, STAGES: gl.constexpr,
                          GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, B_KN: gl.constexpr, EPI_COLS: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, ACT: gl.constexpr = 0, LIMIT: gl.constexpr = 0.0,
-                         ALPHA: gl.constexpr = 0.0, DGU_PAIRED: gl.constexpr = False):
+                         CONSUMER_REGS: gl.constexpr, TILE_N: gl.constexpr, ACT: gl.constexpr = 0,
+                         LIMIT: gl.constexpr = 0.0, ALPHA: gl.constexpr = 0.0, DGU_PAIRED: gl.constexpr = False):
     """dh_raw = dys @ Wd[e] (B_KN: Wd [E, H, I] as it lies; else a transposed down_proj [E, I, H])
     with the activation's backward (bf16.py's ``down_dgrad_swiglu_tile``: the same outputs)."""
     a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready, empty = _ring_barriers(STAGES)
-    # fp32 rows of 512 bytes: 8-byte pieces swizzled across rows, so that the MMA layout's stores
-    # (8 rows a warp, 2 columns a thread) fall in different banks
-    acc_smem = gl.allocate_shared_memory(gl.float32, [BM, 128], gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0]))
+    # rows of 512 bytes (128 fp32 or 256 bf16): 2-element pieces swizzled across rows, so that the
+    # MMA layout's stores (8 rows a warp, 2 columns a thread) fall in different banks
+    acc_smem = gl.allocate_shared_memory(gl.float32 if TILE_N == 128 else gl.bfloat16, [BM, TILE_N],
+                                         gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0]))
     acc_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     acc_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(acc_full, count=2)
@@ -673,13 +554,13 @@ def down_dgrad_ws_kernel(a_desc, b_desc, gu_ptr, stride_gum, ws_ptr, dgu_ptr, st
     gl.warp_specialize([
         (_dgrad_epilogue, (acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr,
                            stride_hwm, dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m, I, GROUP_M,
-                           SCHED_BM, EPI_COLS, ACT, LIMIT, ALPHA, DGU_PAIRED)),
+                           SCHED_BM, EPI_COLS, ACT, LIMIT, ALPHA, DGU_PAIRED, TILE_N)),
         (_dgrad_consumer, (a_lo, b_bufs, ready, empty, acc_smem, acc_full, acc_free, tile_expert_ptr, num_tiles_ptr,
-                           num_m, I, NK, 0, STAGES, GROUP_M, SCHED_BM, B_KN)),
+                           num_m, I, NK, 0, STAGES, GROUP_M, SCHED_BM, B_KN, TILE_N)),
         (_dgrad_consumer, (a_hi, b_bufs, ready, empty, acc_smem, acc_full, acc_free, tile_expert_ptr, num_tiles_ptr,
-                           num_m, I, NK, HALF, STAGES, GROUP_M, SCHED_BM, B_KN)),
+                           num_m, I, NK, HALF, STAGES, GROUP_M, SCHED_BM, B_KN, TILE_N)),
         (_rows_producer, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, I,
-                          b_pitch, NK, 128, STAGES, GROUP_M, SCHED_BM, B_KN)),
+                          b_pitch, NK, TILE_N, STAGES, GROUP_M, SCHED_BM, B_KN)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 40])
 
 
@@ -897,7 +778,7 @@ def rows_launch(a, b, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi:
 
 def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_bm: int, stages: int,
                       grid: int | None = None, GROUP_M: int = 8, act: Activation = SWIGLU, layout: str = LAYOUT_NK,
-                      biases=None, handoff: bool = False, epi_cols: int = 16, consumer_regs: int = 168):
+                      biases=None):
     """h [R, I] = act(xs @ Wg[e]^T + bg[e], xs @ Wu[e]^T + bu[e]) per row tile, g | u into gu [R, 2I]
     unless gu is None; xs [R, H], W [E, I, H] in ``layout`` (validate.LAYOUTS; the transposed ones
     need H a multiple of 64), ``biases`` None or (bg, bu) [E, I] (equal strides, column stride 1 or
@@ -938,14 +819,6 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
             raise ValueError(f"gate_up_swiglu_ws: biases {tuple(bg.shape)}, {tuple(bu.shape)} must be [{E}, {I}] "
                              "with equal strides, column stride 1 or 2")
         kw.update(HAS_BIAS=True, bg_ptr=bg, bu_ptr=bu, stride_bias_e=bg.stride(0), BIAS_STRIDE_N=bg.stride(-1))
-    if handoff:
-        kw.update(EPI_COLS=epi_cols, CONSUMER_REGS=consumer_regs)
-        gate_up_handoff_ws_kernel[_grid(xs.device, num_m * triton.cdiv(I, 128), grid)](
-            _desc(xs, R, [HALF.value, BK.value]), wg_desc, wu_desc, h, h.stride(0),
-            gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, w_pitch, triton.cdiv(H, BK.value),
-            STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA,
-            num_warps=4, **kw)
-        return
     gate_up_swiglu_ws_kernel[_grid(xs.device, num_m * triton.cdiv(I, 128), grid)](
         _desc(xs, R, [HALF.value, BK.value]), wg_desc, wu_desc, h, h.stride(0),
         gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, w_pitch, triton.cdiv(H, BK.value), STAGES=stages,
@@ -953,13 +826,16 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
 
 
 def down_dgrad_ws(dys, w_down, gu, ws, tile_expert, num_tiles, dgu, hw, dw_part, *, sched_bm: int, stages: int,
-                  epi_cols: int | None = None, consumer_regs: int = 120, grid: int | None = None, GROUP_M: int = 8,
-                  act: Activation = SWIGLU, dgu_paired: bool = False):
-    """bf16.py's ``down_dgrad_swiglu_bwd`` (its operands and outputs; dw_part [R, cdiv(I, 128)]) on the
-    warp-specialized kernel with its epilogue partition; raises where ``fits`` does not hold or
+                  tile_n: int = 128, epi_cols: int | None = None, consumer_regs: int | None = None,
+                  grid: int | None = None, GROUP_M: int = 8, act: Activation = SWIGLU, dgu_paired: bool = False):
+    """bf16.py's ``down_dgrad_swiglu_bwd`` (its operands and outputs; dw_part [R, cdiv(I, tile_n)]) on
+    the warp-specialized kernel with its epilogue partition; raises where ``fits`` does not hold or
     H is not a multiple of 64 (B's K blocks are rows of Wd [E, H, I]: none may run into the next
-    expert's). ``stages``: the ring's depth (32 KB a stage); ``epi_cols``: the epilogue's slice (None: 16, gpt-oss's 8);
-    ``consumer_regs``: the consumers' registers (the epilogue partition gets the rest)."""
+    expert's). ``tile_n``: 128 (fp32 handoff) or 256 (bf16 handoff); ``stages``: the ring's depth
+    (32 or 48 KB a stage); ``epi_cols``: the epilogue's slice (None: 32 at 128 columns, 16 at 256,
+    gpt-oss's 8; gpt-oss's spills at 256);
+    ``consumer_regs``: the consumers' registers (None: 120 at 128 columns, 168 at 256; the
+    epilogue partition gets the rest)."""
     from .bf16 import _down_operand
 
     R, H = dys.shape
@@ -969,25 +845,29 @@ def down_dgrad_ws(dys, w_down, gu, ws, tile_expert, num_tiles, dgu, hw, dw_part,
     b_kn = b_layout == "nk"
     if b_kn and H % BK.value:
         raise ValueError(f"down_dgrad_ws: H {H} must be a multiple of {BK.value}")
-    if epi_cols is None:  # gpt-oss's backward keeps more temporaries live: 16 columns spill there
-        epi_cols = 8 if act.kind == "gpt-oss" else 16
+    if tile_n not in (128, 256):
+        raise ValueError(f"down_dgrad_ws: tile_n {tile_n} must be 128 or 256")
+    if epi_cols is None:  # (the widest without spills: gpt-oss's backward keeps more temporaries live)
+        epi_cols = 8 if act.kind == "gpt-oss" else 32 if tile_n == 128 else 16
+    if consumer_regs is None:
+        consumer_regs = 120 if tile_n == 128 else 168
     if epi_cols not in (8, 16, 32, 64):
         raise ValueError(f"down_dgrad_ws: epi_cols {epi_cols} must be 8, 16, 32 or 64")
     if not fits(dys, b, gu, sched_bm=sched_bm):
         raise ValueError(f"down_dgrad_ws: dys {tuple(dys.shape)}, Wd {tuple(w_down.shape)}, schedule tiles of "
                          f"{sched_bm} rows do not run on the warp-specialized kernel (see fits)")
-    if tuple(dw_part.shape) != (R, triton.cdiv(I, 128)) or dw_part.dtype != torch.float32:
-        raise ValueError(f"down_dgrad_ws: dw_part {tuple(dw_part.shape)} must be [{R}, {triton.cdiv(I, 128)}] fp32")
+    if tuple(dw_part.shape) != (R, triton.cdiv(I, tile_n)) or dw_part.dtype != torch.float32:
+        raise ValueError(f"down_dgrad_ws: dw_part {tuple(dw_part.shape)} must be [{R}, {triton.cdiv(I, tile_n)}] fp32")
     if dgu_paired and (not act.gated or dgu.data_ptr() == gu.data_ptr()):
         raise ValueError("down_dgrad_ws: dgu_paired needs a gated activation and dgu apart from gu")
     num_m = R // BM.value
-    b_desc, b_pitch = _expert_desc(b, [BK.value, 128] if b_kn else [128, BK.value])
+    b_desc, b_pitch = _expert_desc(b, [BK.value, tile_n] if b_kn else [tile_n, BK.value])
     ACT, LIMIT, ALPHA = act.constexprs()
-    down_dgrad_ws_kernel[_grid(dys.device, num_m * triton.cdiv(I, 128), grid)](
+    down_dgrad_ws_kernel[_grid(dys.device, num_m * triton.cdiv(I, tile_n), grid)](
         _desc(dys, R, [HALF.value, BK.value]), b_desc, gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0),
         dw_part, dw_part.stride(0), tile_expert, num_tiles, num_m, I, b_pitch, triton.cdiv(H, BK.value),
         STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, B_KN=b_kn, EPI_COLS=epi_cols, CONSUMER_REGS=consumer_regs,
-        ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, DGU_PAIRED=dgu_paired, num_warps=4)
+        TILE_N=tile_n, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, DGU_PAIRED=dgu_paired, num_warps=4)
     return dgu, hw, dw_part
 
 
