@@ -8,13 +8,15 @@ the weight gradients.
 - ``gate_up_swiglu_ws``: gate/up with the activation (g and u saved where asked), 128 x 128 tiles
   of h, the weights in any of ``validate.LAYOUTS`` (gpt-oss's interleaved g, u in one 128 x 256
   product), with biases (the products start from them), gated or not.
+- ``down_dgrad_ws``: the down dgrad with the activation's backward on an epilogue partition of its
+  own (128 x 128 or 128 x 256 tiles).
 - ``expert_wgrad_ws``: the per-expert weight gradients.
 
 Same operands, layout contract and results as bf16.py's kernels (its docstring): each 128-row tile
 one expert's, fp32 sums over K in order, bf16 out (gate/up with biases within rounding: there the
-Triton kernel adds them after the sums). The backward's dgrads stay on bf16.py's kernels:
-measured here (N-major B, two K phases, the SwiGLU backward's epilogue) they were no faster
-(docs/performance.md, "Warp-specialized bf16 GEMMs").
+Triton kernel adds them after the sums; the down dgrad at 128 x 256 within a rounding: dh_raw
+handed over in bf16). The gate/up dgrad stays on bf16.py's kernel (no faster here:
+docs/performance.md, "Warp-specialized bf16 GEMMs").
 
 Structure: a CTA is three partitions of one ``gl.warp_specialize``: a one-warp TMA producer fills
 a ring of ``stages`` stages (A's two 64-row halves and B's block of 64 K), each stage with a
@@ -60,7 +62,7 @@ BM = gl.constexpr(128)  # two consumer warpgroups of 64 rows
 HALF = gl.constexpr(64)
 BK = gl.constexpr(64)  # 128 bytes of bf16: one swizzle span, TMA's widest swizzled box row
 
-__all__ = ["EPI_PUSH", "EPI_STORE", "fits", "rows_launch", "gate_up_swiglu_ws", "expert_wgrad_ws"]
+__all__ = ["EPI_PUSH", "EPI_STORE", "fits", "rows_launch", "gate_up_swiglu_ws", "down_dgrad_ws", "expert_wgrad_ws"]
 
 
 # --------------------------------------------------------------------------------------------
