@@ -271,7 +271,8 @@ def test_fp8_plans_off_sm90_run_the_triton_kernels():
 
 def test_bf16_plans_choose_the_core():
     """Gate/up, down and the down dgrad on the warp-specialized kernels on sm_90, at the heuristics'
-    tiles (gpt-oss's down dgrad at its own), the gate/up dgrad on its Triton tiles; the Triton
+    tiles (the down dgrad narrower at short K and for gpt-oss's), the gate/up dgrad on its Triton
+    tiles; the Triton
     kernels everywhere elsewhere or with
     Tuning(bf16_ws=False); Tuning(bf16_ws=True) where they cannot run is an error naming the field;
     the plan's description names the kernels."""
@@ -287,7 +288,10 @@ def test_bf16_plans_choose_the_core():
     assert p.gemm[kind] == gemm.Bf16Gemm(gemm.CORE_TRITON, heuristics.gemm_config(kind, N, K, p.tile_m)), kind
     gpt = make_plan(dims, MoEConfig(megakernel=False, activation=Activation("gpt-oss", limit=7.0, alpha=1.702)),
                     torch.device("cpu"), sms=132, arch=90).gemm[gemm.KIND_DGRAD_SWIGLU]
-    assert gpt.core == gemm.CORE_WS and (gpt.config.BN, gpt.config.num_stages) == heuristics.BF16_WS_DGRAD_GPT_OSS
+    assert gpt.core == gemm.CORE_WS and (gpt.config.BN, gpt.config.num_stages) == heuristics.BF16_WS_DGRAD_NARROW
+    short = make_plan(MoEDims(T=16384, H=2048, k=8, E_local=16, I=768, world_size=1, I_shared=0), MoEConfig(
+        megakernel=False), torch.device("cpu"), sms=132, arch=90).gemm[gemm.KIND_DGRAD_SWIGLU]
+    assert short.core == gemm.CORE_WS and (short.config.BN, short.config.num_stages) == heuristics.BF16_WS_DGRAD_NARROW
     odd_h = MoEDims(T=16384, H=2880 + 8, k=k, E_local=8, I=I, world_size=1, I_shared=0)  # H not a multiple of 64
     assert make_plan(odd_h, MoEConfig(megakernel=False), torch.device("cpu"), sms=132,
                      arch=90).gemm[gemm.KIND_DGRAD_SWIGLU].core == gemm.CORE_TRITON

@@ -47,13 +47,16 @@ def gemm_config(kind: str, N: int, K: int, tile_m: int) -> GemmConfig:
 BF16_WS_ARCH = 90  # the warp-specialized kernels' wgmma and TMA: sm_90 only
 # the kinds that run on the warp-specialized core, their tile width and ring depth: gate/up at
 # 128 x 128 of h (g and u: 128 accumulator registers), down at 128 x 256 (a consumer's 64 x 256
-# accumulator), both 4 stages; the down dgrad at 128 x 256 with its epilogue partition (dh_raw
-# handed over in bf16: 64 KB beside 3 stages of 48 KB), gpt-oss's at 128 x 128 (its backward spills
-# beside the wider tile's consumers; the fp32 handoff beside 4 stages of 32 KB). The gate/up dgrad
-# stays on its Triton tiles ("Warp-specialized bf16 GEMMs", "Epilogue partitions")
+# accumulator), both 4 stages; the down dgrad with its epilogue partition at 128 x 256 (dh_raw
+# handed over in bf16: 64 KB beside 3 stages of 48 KB) where K = H is long enough to cover that
+# partition's 256 columns (H100: 1.18-1.22x the 128-wide tile at H 6144-7168, 0.55-0.67x at H
+# 2048-2880), else at 128 x 128 (the fp32 tile beside 4 stages of 32 KB); gpt-oss's backward
+# spills beside the wider tile's consumers: 128 x 128. The gate/up dgrad stays on its Triton tiles
+# ("Warp-specialized bf16 GEMMs", "Epilogue partitions")
 BF16_WS_TILE_N = {gemm.KIND_GATE_UP: 128, gemm.KIND_DOWN: 256, gemm.KIND_DGRAD_SWIGLU: 256}
 BF16_WS_STAGES = {gemm.KIND_GATE_UP: 4, gemm.KIND_DOWN: 4, gemm.KIND_DGRAD_SWIGLU: 3}
-BF16_WS_DGRAD_GPT_OSS = (128, 4)  # (tile width, stages)
+BF16_WS_DGRAD_NARROW = (128, 4)  # (tile width, stages)
+BF16_WS_DGRAD_WIDE_MIN_K = 4096
 
 
 def bf16_ws_possible(arch: int | None, tile_m: int, H: int, I: int, layout: str = LAYOUT_NK) -> bool:
@@ -69,16 +72,16 @@ def bf16_gemm(kind: str, N: int, K: int, tile_m: int, ws: bool, programs: int | 
               act_kind: str = "swiglu") -> gemm.Bf16Gemm:
     """A routed bf16 GEMM's kernel: gate/up, down and the down dgrad on the warp-specialized core
     where it runs (faster than the Triton kernels: H100, gate/up 648-680 against 584-659 TFLOP/s,
-    down 650-673 against 635-641; the down dgrad with its epilogue partition at 128 columns
-    1.09-1.15x the Triton kernel's), the gate/up dgrad on its Triton tiles ("Warp-specialized bf16
-    GEMMs", "Epilogue partitions")."""
+    down 650-673 against 635-641; the down dgrad with its epilogue partition 1.05-1.24x the Triton
+    kernel's), the gate/up dgrad on its Triton tiles ("Warp-specialized bf16 GEMMs", "Epilogue
+    partitions")."""
     # (the down dgrad reads Wd [E, H, I] in K blocks of its rows: K = H a multiple of 64; the
     # transposed layouts' H already is, as the plan's ws demands)
     if not ws or kind not in BF16_WS_TILE_N or (kind == gemm.KIND_DGRAD_SWIGLU and K % 64):
         return gemm.Bf16Gemm(gemm.CORE_TRITON, gemm_config(kind, N, K, tile_m))
     tile_n, stages = BF16_WS_TILE_N[kind], BF16_WS_STAGES[kind]
-    if kind == gemm.KIND_DGRAD_SWIGLU and act_kind == "gpt-oss":
-        tile_n, stages = BF16_WS_DGRAD_GPT_OSS
+    if kind == gemm.KIND_DGRAD_SWIGLU and (K < BF16_WS_DGRAD_WIDE_MIN_K or act_kind == "gpt-oss"):
+        tile_n, stages = BF16_WS_DGRAD_NARROW
     return gemm.Bf16Gemm(gemm.CORE_WS, GemmConfig(BM=tile_m, BN=tile_n, BK=64, num_warps=4, num_stages=stages,
                                                   GROUP_M=8), programs=programs)
 
