@@ -52,9 +52,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...activation import SWIGLU, Activation
 from ...validate import LAYOUT_KN, LAYOUT_KN_PAIRED, LAYOUT_NK
-from .activation import act_fwd, act_grads
-from .bf16 import (W_KN, W_KN_PAIRED, W_LAYOUT_CODES, W_NK, _load_gu, _swiglu_bwd_epilogue, grouped_tile,
-                   paired_gate_up, tma_aligned)
+from .activation import ACT_RELU2, act_fwd, act_grads
+from .bf16 import (W_KN, W_KN_PAIRED, W_LAYOUT_CODES, W_NK, _swiglu_bwd_math, grouped_tile, paired_gate_up,
+                   tma_aligned)
 from .fp8_ws import (EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _ring_gate_up, _sm90,
                      _store_tile, _walk_row_tiles)
 
@@ -470,42 +470,64 @@ def _dgrad_consumer(a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_free, 
 
 
 @gluon.jit
+def _gu_slice(rows, cols, gu_ptr, stride_gum, I, ACT: gl.constexpr):
+    """A slice's saved g, u as stored (bf16; 0 past I); ungated (relu2): u for both."""
+    mask = (cols < I)[None, :]
+    ptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
+    u = gl.load(ptrs + I, mask=mask, other=0.0)
+    if ACT == ACT_RELU2:  # (g's columns never written)
+        g = u
+    else:
+        g = gl.load(ptrs, mask=mask, other=0.0)
+    return g, u
+
+
+@gluon.jit
 def _dgrad_epilogue_tile(n, pid_m, pid_n, e, acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr,
                          stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm, I, EPI_COLS: gl.constexpr,
                          ACT: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr, DGU_PAIRED: gl.constexpr,
-                         TILE_N: gl.constexpr):
-    """The epilogue partition's tile (its n-th): bf16.py's ``_swiglu_bwd_epilogue`` on EPI_COLS
-    columns at a time of the shared tile, released once the last slice is read; the router
-    weight's partial sum of the tile's TILE_N columns into dwp[:, pid_n]."""
+                         TILE_N: gl.constexpr, PREFETCH: gl.constexpr):
+    """The epilogue partition's tile (its n-th): bf16.py's ``_swiglu_bwd_math`` on EPI_COLS columns
+    at a time of the shared tile, released once the last slice is read; the router weight's partial
+    sum of the tile's TILE_N columns into dwp[:, pid_n]. PREFETCH: each slice's g, u loaded while
+    the slice before is computed (the first's before the tile is handed over: they do not depend
+    on it), so that the partition's four warps wait for one load latency a tile, not one a slice."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (EPI_COLS // 8), EPI_COLS // 8], [4, 1], [1, 0])
     rows = pid_m.to(gl.int64) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    cols0 = pid_n * TILE_N + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
     w = gl.load(ws_ptr + rows)
     dw = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
+    if PREFETCH:
+        g_next, u_next = _gu_slice(rows, cols0, gu_ptr, stride_gum, I, ACT)
     mbarrier.wait(acc_full, n & 1)
     for c in gl.static_range(0, TILE_N, EPI_COLS):
+        cols = cols0 + c
+        if PREFETCH:
+            g, u = g_next, u_next
+            if c + EPI_COLS < TILE_N:
+                g_next, u_next = _gu_slice(rows, cols + EPI_COLS, gu_ptr, stride_gum, I, ACT)
+        else:
+            g, u = _gu_slice(rows, cols, gu_ptr, stride_gum, I, ACT)
         acc = acc_smem.slice(c, EPI_COLS, dim=1).load(layout).to(gl.float32)
         if c + EPI_COLS == TILE_N:  # the whole tile read: the consumers may store the next
             gl.thread_barrier()
             mbarrier.arrive(acc_free, count=1)
-        cols = pid_n * TILE_N + c + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
         if DGU_PAIRED:
-            dw += _paired_bwd_slice(acc, rows, cols, pid_n * TILE_N + c, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum,
-                                    hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA, EPI_COLS)
+            dw += _paired_bwd_slice(acc, g.to(gl.float32), u.to(gl.float32), rows, cols, pid_n * TILE_N + c, w,
+                                    dgu_ptr, stride_dgum, hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA, EPI_COLS)
         else:
-            dw += _swiglu_bwd_epilogue(acc, rows, cols, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr,
-                                       stride_hwm, I, ACT, LIMIT, ALPHA)
+            dw += _swiglu_bwd_math(acc, g.to(gl.float32), u.to(gl.float32), rows, cols, w, dgu_ptr, stride_dgum,
+                                   hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA)
     gl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw)
     return n + 1
 
 
 @gluon.jit
-def _paired_bwd_slice(acc, rows, cols, col0, w, gu_ptr, stride_gum, dgu_ptr, stride_dgum, hw_ptr, stride_hwm, I,
+def _paired_bwd_slice(acc, g, u, rows, cols, col0, w, dgu_ptr, stride_dgum, hw_ptr, stride_hwm, I,
                       ACT: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr, EPI_COLS: gl.constexpr):
-    """bf16.py's ``_swiglu_bwd_epilogue`` with dg and du stored interleaved (dg's column c at 2c,
-    du's at 2c + 1: gpt-oss's gate_up_proj order) from a layout of 16-byte pieces of the
-    interleaved row (columns col0 .. col0 + EPI_COLS - 1); returns the slice's partial sums of
-    dh_raw * h."""
-    g, u = _load_gu(rows, cols, gu_ptr, stride_gum, I, ACT)
+    """bf16.py's ``_swiglu_bwd_math`` with dg and du stored interleaved (dg's column c at 2c, du's
+    at 2c + 1: gpt-oss's gate_up_proj order) from a layout of 16-byte pieces of the interleaved row
+    (columns col0 .. col0 + EPI_COLS - 1); returns the slice's partial sums of dh_raw * h."""
     h = act_fwd(g, u, ACT, LIMIT, ALPHA)
     dw = gl.sum(acc * h, axis=1)
     dh = acc * w[:, None]
@@ -526,10 +548,11 @@ def _paired_bwd_slice(acc, rows, cols, col0, w, gu_ptr, stride_gum, dgu_ptr, str
 def _dgrad_epilogue(acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
                     dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m, I, GROUP_M: gl.constexpr,
                     SCHED_BM: gl.constexpr, EPI_COLS: gl.constexpr, ACT: gl.constexpr, LIMIT: gl.constexpr,
-                    ALPHA: gl.constexpr, DGU_PAIRED: gl.constexpr, TILE_N: gl.constexpr):
+                    ALPHA: gl.constexpr, DGU_PAIRED: gl.constexpr, TILE_N: gl.constexpr, PREFETCH: gl.constexpr):
     _walk_row_tiles(_dgrad_epilogue_tile, (acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr,
                                            stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm, I, EPI_COLS, ACT,
-                                           LIMIT, ALPHA, DGU_PAIRED, TILE_N), gl.to_tensor(0), tile_expert_ptr,
+                                           LIMIT, ALPHA, DGU_PAIRED, TILE_N, PREFETCH), gl.to_tensor(0),
+                    tile_expert_ptr,
                     num_tiles_ptr, num_m, gl.cdiv(I, TILE_N), GROUP_M, SCHED_BM)
 
 
@@ -538,7 +561,8 @@ def down_dgrad_ws_kernel(a_desc, b_desc, gu_ptr, stride_gum, ws_ptr, dgu_ptr, st
                          stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m, I, b_pitch, NK, STAGES: gl.constexpr,
                          GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, B_KN: gl.constexpr, EPI_COLS: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, TILE_N: gl.constexpr, ACT: gl.constexpr = 0,
-                         LIMIT: gl.constexpr = 0.0, ALPHA: gl.constexpr = 0.0, DGU_PAIRED: gl.constexpr = False):
+                         LIMIT: gl.constexpr = 0.0, ALPHA: gl.constexpr = 0.0, DGU_PAIRED: gl.constexpr = False,
+                         PREFETCH: gl.constexpr = True):
     """dh_raw = dys @ Wd[e] (B_KN: Wd [E, H, I] as it lies; else a transposed down_proj [E, I, H])
     with the activation's backward (bf16.py's ``down_dgrad_swiglu_tile``: the same outputs)."""
     a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -556,7 +580,7 @@ def down_dgrad_ws_kernel(a_desc, b_desc, gu_ptr, stride_gum, ws_ptr, dgu_ptr, st
     gl.warp_specialize([
         (_dgrad_epilogue, (acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr,
                            stride_hwm, dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m, I, GROUP_M,
-                           SCHED_BM, EPI_COLS, ACT, LIMIT, ALPHA, DGU_PAIRED, TILE_N)),
+                           SCHED_BM, EPI_COLS, ACT, LIMIT, ALPHA, DGU_PAIRED, TILE_N, PREFETCH)),
         (_dgrad_consumer, (a_lo, b_bufs, ready, empty, acc_smem, acc_full, acc_free, tile_expert_ptr, num_tiles_ptr,
                            num_m, I, NK, 0, STAGES, GROUP_M, SCHED_BM, B_KN, TILE_N)),
         (_dgrad_consumer, (a_hi, b_bufs, ready, empty, acc_smem, acc_full, acc_free, tile_expert_ptr, num_tiles_ptr,
@@ -829,7 +853,8 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
 
 def down_dgrad_ws(dys, w_down, gu, ws, tile_expert, num_tiles, dgu, hw, dw_part, *, sched_bm: int, stages: int,
                   tile_n: int = 128, epi_cols: int | None = None, consumer_regs: int | None = None,
-                  grid: int | None = None, GROUP_M: int = 8, act: Activation = SWIGLU, dgu_paired: bool = False):
+                  grid: int | None = None, GROUP_M: int = 8, act: Activation = SWIGLU, dgu_paired: bool = False,
+                  prefetch: bool = True):
     """bf16.py's ``down_dgrad_swiglu_bwd`` (its operands and outputs; dw_part [R, cdiv(I, tile_n)]) on
     the warp-specialized kernel with its epilogue partition; raises where ``fits`` does not hold or
     H is not a multiple of 64 (B's K blocks are rows of Wd [E, H, I]: none may run into the next
@@ -869,7 +894,7 @@ def down_dgrad_ws(dys, w_down, gu, ws, tile_expert, num_tiles, dgu, hw, dw_part,
         _desc(dys, R, [HALF.value, BK.value]), b_desc, gu, gu.stride(0), ws, dgu, dgu.stride(0), hw, hw.stride(0),
         dw_part, dw_part.stride(0), tile_expert, num_tiles, num_m, I, b_pitch, triton.cdiv(H, BK.value),
         STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, B_KN=b_kn, EPI_COLS=epi_cols, CONSUMER_REGS=consumer_regs,
-        TILE_N=tile_n, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, DGU_PAIRED=dgu_paired, num_warps=4)
+        TILE_N=tile_n, PREFETCH=prefetch, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, DGU_PAIRED=dgu_paired, num_warps=4)
     return dgu, hw, dw_part
 
 
