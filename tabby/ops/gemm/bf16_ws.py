@@ -562,7 +562,7 @@ def down_dgrad_ws_kernel(a_desc, b_desc, gu_ptr, stride_gum, ws_ptr, dgu_ptr, st
                          GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, B_KN: gl.constexpr, EPI_COLS: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, TILE_N: gl.constexpr, ACT: gl.constexpr = 0,
                          LIMIT: gl.constexpr = 0.0, ALPHA: gl.constexpr = 0.0, DGU_PAIRED: gl.constexpr = False,
-                         PREFETCH: gl.constexpr = True):
+                         PREFETCH: gl.constexpr = False):
     """dh_raw = dys @ Wd[e] (B_KN: Wd [E, H, I] as it lies; else a transposed down_proj [E, I, H])
     with the activation's backward (bf16.py's ``down_dgrad_swiglu_tile``: the same outputs)."""
     a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -854,7 +854,7 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
 def down_dgrad_ws(dys, w_down, gu, ws, tile_expert, num_tiles, dgu, hw, dw_part, *, sched_bm: int, stages: int,
                   tile_n: int = 128, epi_cols: int | None = None, consumer_regs: int | None = None,
                   grid: int | None = None, GROUP_M: int = 8, act: Activation = SWIGLU, dgu_paired: bool = False,
-                  prefetch: bool = True):
+                  prefetch: bool = False):
     """bf16.py's ``down_dgrad_swiglu_bwd`` (its operands and outputs; dw_part [R, cdiv(I, tile_n)]) on
     the warp-specialized kernel with its epilogue partition; raises where ``fits`` does not hold or
     H is not a multiple of 64 (B's K blocks are rows of Wd [E, H, I]: none may run into the next
