@@ -28,8 +28,10 @@ from tabby.ops.gemm import bf16 as gemm, bf16_ws as ws  # noqa: E402
 from tabby_bench.shapes import make_routing, shape_named  # noqa: E402
 
 WS_VARIANTS = [(256, 4), (256, 3), (128, 4)]
-# the down dgrad on bf16_ws's kernel with its epilogue partition: (tile width, stages, g/u prefetched)
-DGRAD_WS_VARIANTS = [(128, 4, True), (128, 4, False), (256, 3, True), (256, 3, False)]
+# the down dgrad on bf16_ws's kernel with its epilogue partition: (tile width, stages, g/u prefetched,
+# the epilogue's slice: None as the launcher picks)
+DGRAD_WS_VARIANTS = [(128, 4, True, None), (128, 4, False, None), (256, 3, True, None), (256, 3, False, None),
+                     (256, 3, True, 8)]
 
 
 def ms_of(fn, warmup=3, iters=10):
@@ -138,11 +140,11 @@ def run_shape(name, T, kinds=None):
         print(f"    same dgu, hw: {r['same_dgu_hw']} (max diff {r['dgu_max_diff']:.2e}), dw rel {r['dw_max_rel']:.2e}",
               flush=True)
 
-    for tn, st, pf in DGRAD_WS_VARIANTS:
+    for tn, st, pf, ec in DGRAD_WS_VARIANTS:
         vdwp = torch.empty(R, -(-I // tn), dtype=torch.float32, device="cuda")
-        add("dgrad_swiglu", f"ws-{tn}-{st}{'' if pf else '-np'}",
+        add("dgrad_swiglu", f"ws-{tn}-{st}{'' if pf else '-np'}{f'-e{ec}' if ec else ''}",
             lambda: ws.down_dgrad_ws(xs, wd, gu, w, te, nt, dgu, hw, vdwp, sched_bm=128, stages=st, tile_n=tn,
-                                     prefetch=pf), f_d)
+                                     prefetch=pf, epi_cols=ec), f_d)
         check_dgrad(vdwp)
     add("dgrad_swiglu", "floor", lambda: torch._grouped_mm(xr, wd, offs=offs), f_d)
     add("dgrad_swiglu", "dense", lambda: torch.mm(xr, wd[0]), f_d)
