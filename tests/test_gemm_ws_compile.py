@@ -74,9 +74,11 @@ def _report():
     # slice, ACT, dg/du interleaved), the slices as the launcher picks them: SwiGLU; gpt-oss's on a
     # transposed down_proj, dg, du interleaved too (at 128 columns only: at 256 its backward spills
     # beside the consumers' 168 registers); relu2 (ungated)
-    for tile_n, stages, kn, cols, act, paired in ((128, 4, True, 32, 0, False), (128, 4, False, 8, 3, False),
-                                                  (128, 4, False, 8, 3, True), (256, 3, True, 16, 0, False),
-                                                  (256, 3, False, 16, 0, False), (256, 3, True, 16, 5, False)):
+    # (and each width with the epilogue's g, u prefetched)
+    for tile_n, stages, kn, cols, act, paired, pf in (
+            (128, 4, True, 32, 0, False, False), (128, 4, False, 8, 3, False, False), (128, 4, False, 8, 3, True, False),
+            (256, 3, True, 16, 0, False, False), (256, 3, False, 16, 0, False, False), (256, 3, True, 16, 5, False, False),
+            (128, 4, True, 32, 0, False, True), (256, 3, True, 16, 0, False, True)):
         args = dict(a_desc=desc([64, 64]), b_desc=desc([64, tile_n] if kn else [tile_n, 64]), gu_ptr="*bf16",
                     stride_gum="i32:16", ws_ptr="*fp32", dgu_ptr="*bf16", stride_dgum="i32:16", hw_ptr="*bf16",
                     stride_hwm="i32:16", dwp_ptr="*fp32", stride_dwpm="i32", tile_expert_ptr="*i32",
@@ -84,14 +86,14 @@ def _report():
                     GROUP_M=Const(8), SCHED_BM=Const(128), B_KN=Const(kn), EPI_COLS=Const(cols),
                     CONSUMER_REGS=Const(120 if tile_n == 128 else 168), TILE_N=Const(tile_n), ACT=Const(act),
                     LIMIT=Const(7.0 if act == 3 else 0.0), ALPHA=Const(1.702 if act == 3 else 0.0),
-                    DGU_PAIRED=Const(paired))
+                    DGU_PAIRED=Const(paired), PREFETCH=Const(pf))
         _line(f"dgrad{'_pair' if tile_n == 256 else ''}/tile{tile_n}/stages{stages}/kn{int(kn)}/cols{cols}/act{act}"
-              f"/paired{int(paired)}", compile_args(ws.down_dgrad_ws_kernel, args, num_warps=4))
+              f"/paired{int(paired)}/prefetch{int(pf)}", compile_args(ws.down_dgrad_ws_kernel, args, num_warps=4))
 
 
 def test_warp_specialized_bf16_gemms_compile():
     lines = run_compiled_check(__file__).splitlines()
-    assert len(lines) == 22, lines
+    assert len(lines) == 24, lines
     for line in lines:
         f = line.split()
         c = dict(zip(f[1::2], map(int, f[2::2])))

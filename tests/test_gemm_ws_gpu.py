@@ -238,14 +238,15 @@ DGRAD_CASES = [([300, 0, 128, 5], 256, 256), ([129, 1, 700], 1024, 384), ([40, 0
 @pytest.mark.parametrize("counts,H,I", DGRAD_CASES)
 @pytest.mark.parametrize("act", ["swiglu", "gpt-oss", "gpt-oss-paired", "relu2"])
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("tile_n,stages,epi_cols,grid", [(128, 4, None, None), (128, 2, 8, 1), (256, 3, None, None),
-                                                         (256, 2, 8, 3)])
-def test_down_dgrad_with_epilogue_partition(counts, H, I, act, transposed, tile_n, stages, epi_cols, grid):
+@pytest.mark.parametrize("tile_n,stages,epi_cols,grid,prefetch", [
+    (128, 4, None, None, False), (128, 4, None, None, True), (128, 2, 8, 1, True), (256, 3, None, None, False),
+    (256, 3, None, None, True), (256, 2, 8, 3, True)])
+def test_down_dgrad_with_epilogue_partition(counts, H, I, act, transposed, tile_n, stages, epi_cols, grid, prefetch):
     """The down dgrad + activation backward on bf16_ws's kernel (its epilogue partition) against
     bf16.py's Triton kernel: dgu and hw within one bf16 rounding, dw summed in another order (and,
     at 256 columns, from dh_raw rounded to bf16); Wd as Tabby's [E, H, I] and as a transposed
     down_proj [E, I, H] read in place; unused rows untouched; grids of one and three programs (the
-    handoff's phases over many tiles); 3 repeats bitwise."""
+    handoff's phases over many tiles); g, u loaded in turn and prefetched; 3 repeats bitwise."""
     from tabby.activation import Activation
 
     paired = act.endswith("-paired")  # dg, du interleaved (gpt-oss's gate_up_proj order)
@@ -269,7 +270,7 @@ def test_down_dgrad_with_epilogue_partition(counts, H, I, act, transposed, tile_
         hw = torch.full((s.R, I), nan, dtype=torch.bfloat16, device="cuda")
         dwp = torch.full((s.R, -(-I // tile_n)), nan, dtype=torch.float32, device="cuda")
         ws.down_dgrad_ws(dys, wd, gu, wts, s.tile_expert, s.num_tiles, dgu, hw, dwp, sched_bm=128, stages=stages,
-                         tile_n=tile_n, epi_cols=epi_cols, grid=grid, act=a, dgu_paired=paired)
+                         tile_n=tile_n, epi_cols=epi_cols, grid=grid, act=a, dgu_paired=paired, prefetch=prefetch)
         outs.append((dgu, hw, dwp))
     dgu, hw, dwp = outs[0]
     cols = slice(I, 2 * I) if not a.gated else slice(0, 2 * I)
