@@ -52,11 +52,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...activation import SWIGLU, Activation
 from ...validate import LAYOUT_KN, LAYOUT_KN_PAIRED, LAYOUT_NK
-from .activation import ACT_RELU2, act_fwd, act_grads
-from .bf16 import (W_KN, W_KN_PAIRED, W_LAYOUT_CODES, W_NK, _swiglu_bwd_math, grouped_tile, paired_gate_up,
-                   tma_aligned)
-from .fp8_ws import (EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _ring_gate_up, _sm90,
-                     _store_tile, _walk_row_tiles)
+from .activation import act_fwd
+from .bf16 import W_KN, W_KN_PAIRED, W_LAYOUT_CODES, W_NK, grouped_tile, paired_gate_up, tma_aligned
+from .fp8_ws import EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _ring_gate_up, _sm90, _store_tile
+from .ws_common import _walk_row_tiles, dgrad_epilogue, handoff_smem, tile_handed_over, wait_tile_free
 
 BM = gl.constexpr(128)  # two consumer warpgroups of 64 rows
 HALF = gl.constexpr(64)
@@ -419,7 +418,7 @@ def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr,
 # idle for its whole length, the Triton kernel's largest loss (the down dgrad at 0.64-0.75x its
 # floor). Here the consumers store their halves of the tile into shared memory and go on to the
 # next tile's K loop while a fourth partition (4 warps) runs the epilogue from there in slices of
-# EPI_COLS columns. Two tile widths:
+# EPI_COLS columns (ws_common.py: the partition and the handoff's protocol). Two tile widths:
 # - TILE_N 128: the 64 x 128 fp32 accumulators handed over as they are (a 64 KB tile beside 4
 #   stages of 32 KB); the same bits as bf16.py's kernel.
 # - TILE_N 256: two 64 x 128 products a consumer (one [64, 256] wgmma's accumulator does not fit
@@ -427,13 +426,6 @@ def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr,
 #   as a separate GEMM's bf16 output would be (the reference's), within a rounding of the 128-wide
 #   tile's; half the shared-memory operand traffic a product of the 128-wide tile (the rows GEMM:
 #   ws-256 against ws-128, 1.2-1.3x).
-#
-# The handoff: ``acc_full`` (count 2: each consumer arrives once its half is stored) and
-# ``acc_free`` (count 1: the epilogue arrives once it has read the whole tile); the n-th tile a
-# program runs is phase n of both (every partition walks the same tiles). A consumer waits on
-# ``acc_free`` of the tile before (parity (n & 1) ^ 1: a fresh barrier passes the first), the
-# epilogue on ``acc_full`` of its tile: each waits only for work another partition of the same
-# CTA has already been given, so no wait depends on another program.
 
 @gluon.jit
 def _dgrad_consumer_tile(state, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_free, NK,
@@ -447,16 +439,15 @@ def _dgrad_consumer_tile(state, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, a
         p0 = gl.zeros([HALF, 128], gl.float32, layout)
         p1 = gl.zeros([HALF, 128], gl.float32, layout)
         p0, p1, it = _pair_mainloop(p0, p1, a_bufs, b_bufs, b_bufs, ready, empty, it, NK, STAGES, B_KN, True)
-        mbarrier.wait(acc_free, (n & 1) ^ 1)
+        wait_tile_free(acc_free, n)
         mine.slice(0, 128, dim=1).store(p0.to(gl.bfloat16))
         mine.slice(128, 128, dim=1).store(p1.to(gl.bfloat16))
     else:
         acc = gl.zeros([HALF, 128], gl.float32, layout)
         acc, it = _mainloop(acc, a_bufs, b_bufs, ready, empty, it, NK, STAGES, B_KN)
-        mbarrier.wait(acc_free, (n & 1) ^ 1)
+        wait_tile_free(acc_free, n)
         mine.store(acc)
-    gl.thread_barrier()  # every thread's part of the half stored before the partition's one arrival
-    mbarrier.arrive(acc_full, count=1)
+    tile_handed_over(acc_full)
     return it, n + 1
 
 
@@ -466,93 +457,6 @@ def _dgrad_consumer(a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_free, 
                     SCHED_BM: gl.constexpr, B_KN: gl.constexpr, TILE_N: gl.constexpr):
     _walk_row_tiles(_dgrad_consumer_tile, (a_bufs, b_bufs, ready, empty, acc_smem, acc_full, acc_free, NK, HALF_ROW,
                                            STAGES, B_KN, TILE_N), (gl.to_tensor(0), gl.to_tensor(0)), tile_expert_ptr,
-                    num_tiles_ptr, num_m, gl.cdiv(I, TILE_N), GROUP_M, SCHED_BM)
-
-
-@gluon.jit
-def _gu_slice(rows, cols, gu_ptr, stride_gum, I, ACT: gl.constexpr):
-    """A slice's saved g, u as stored (bf16; 0 past I); ungated (relu2): u for both."""
-    mask = (cols < I)[None, :]
-    ptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
-    u = gl.load(ptrs + I, mask=mask, other=0.0)
-    if ACT == ACT_RELU2:  # (g's columns never written)
-        g = u
-    else:
-        g = gl.load(ptrs, mask=mask, other=0.0)
-    return g, u
-
-
-@gluon.jit
-def _dgrad_epilogue_tile(n, pid_m, pid_n, e, acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr,
-                         stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm, I, EPI_COLS: gl.constexpr,
-                         ACT: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr, DGU_PAIRED: gl.constexpr,
-                         TILE_N: gl.constexpr, PREFETCH: gl.constexpr):
-    """The epilogue partition's tile (its n-th): bf16.py's ``_swiglu_bwd_math`` on EPI_COLS columns
-    at a time of the shared tile, released once the last slice is read; the router weight's partial
-    sum of the tile's TILE_N columns into dwp[:, pid_n]. PREFETCH: each slice's g, u loaded while
-    the slice before is computed (the first's before the tile is handed over: they do not depend
-    on it), so that the partition's four warps wait for one load latency a tile, not one a slice."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (EPI_COLS // 8), EPI_COLS // 8], [4, 1], [1, 0])
-    rows = pid_m.to(gl.int64) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-    cols0 = pid_n * TILE_N + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
-    w = gl.load(ws_ptr + rows)
-    dw = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
-    if PREFETCH:
-        g_next, u_next = _gu_slice(rows, cols0, gu_ptr, stride_gum, I, ACT)
-    mbarrier.wait(acc_full, n & 1)
-    for c in gl.static_range(0, TILE_N, EPI_COLS):
-        cols = cols0 + c
-        if PREFETCH:
-            g, u = g_next, u_next
-            if c + EPI_COLS < TILE_N:
-                g_next, u_next = _gu_slice(rows, cols + EPI_COLS, gu_ptr, stride_gum, I, ACT)
-        else:
-            g, u = _gu_slice(rows, cols, gu_ptr, stride_gum, I, ACT)
-        acc = acc_smem.slice(c, EPI_COLS, dim=1).load(layout).to(gl.float32)
-        if c + EPI_COLS == TILE_N:  # the whole tile read: the consumers may store the next
-            gl.thread_barrier()
-            mbarrier.arrive(acc_free, count=1)
-        if DGU_PAIRED:
-            dw += _paired_bwd_slice(acc, g.to(gl.float32), u.to(gl.float32), rows, cols, pid_n * TILE_N + c, w,
-                                    dgu_ptr, stride_dgum, hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA, EPI_COLS)
-        else:
-            dw += _swiglu_bwd_math(acc, g.to(gl.float32), u.to(gl.float32), rows, cols, w, dgu_ptr, stride_dgum,
-                                   hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA)
-    gl.store(dwp_ptr + rows * stride_dwpm + pid_n, dw)
-    return n + 1
-
-
-@gluon.jit
-def _paired_bwd_slice(acc, g, u, rows, cols, col0, w, dgu_ptr, stride_dgum, hw_ptr, stride_hwm, I,
-                      ACT: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr, EPI_COLS: gl.constexpr):
-    """bf16.py's ``_swiglu_bwd_math`` with dg and du stored interleaved (dg's column c at 2c, du's
-    at 2c + 1: gpt-oss's gate_up_proj order) from a layout of 16-byte pieces of the interleaved row
-    (columns col0 .. col0 + EPI_COLS - 1); returns the slice's partial sums of dh_raw * h."""
-    h = act_fwd(g, u, ACT, LIMIT, ALPHA)
-    dw = gl.sum(acc * h, axis=1)
-    dh = acc * w[:, None]
-    dg, du = act_grads(g, u, dh, ACT, LIMIT, ALPHA)
-    cmask = (cols < I)[None, :]
-    gl.store(hw_ptr + rows[:, None] * stride_hwm + cols[None, :], (h * w[:, None]).to(hw_ptr.dtype.element_ty),
-             mask=cmask)
-    wide: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (EPI_COLS // 4), EPI_COLS // 4], [4, 1], [1, 0])
-    pair = gl.convert_layout(gl.reshape(gl.join(dg, du), [dg.shape[0], 2 * EPI_COLS]), wide)
-    prow = gl.convert_layout(rows, gl.SliceLayout(1, wide))
-    pcol = 2 * col0 + gl.arange(0, 2 * EPI_COLS, layout=gl.SliceLayout(0, wide))
-    gl.store(dgu_ptr + prow[:, None] * stride_dgum + pcol[None, :], pair.to(dgu_ptr.dtype.element_ty),
-             mask=(pcol < 2 * I)[None, :])
-    return dw
-
-
-@gluon.jit
-def _dgrad_epilogue(acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
-                    dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m, I, GROUP_M: gl.constexpr,
-                    SCHED_BM: gl.constexpr, EPI_COLS: gl.constexpr, ACT: gl.constexpr, LIMIT: gl.constexpr,
-                    ALPHA: gl.constexpr, DGU_PAIRED: gl.constexpr, TILE_N: gl.constexpr, PREFETCH: gl.constexpr):
-    _walk_row_tiles(_dgrad_epilogue_tile, (acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr,
-                                           stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm, I, EPI_COLS, ACT,
-                                           LIMIT, ALPHA, DGU_PAIRED, TILE_N, PREFETCH), gl.to_tensor(0),
-                    tile_expert_ptr,
                     num_tiles_ptr, num_m, gl.cdiv(I, TILE_N), GROUP_M, SCHED_BM)
 
 
@@ -569,16 +473,9 @@ def down_dgrad_ws_kernel(a_desc, b_desc, gu_ptr, stride_gum, ws_ptr, dgu_ptr, st
     a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready, empty = _ring_barriers(STAGES)
-    # rows of 512 bytes (128 fp32 or 256 bf16): 2-element pieces swizzled across rows, so that the
-    # MMA layout's stores (8 rows a warp, 2 columns a thread) fall in different banks
-    acc_smem = gl.allocate_shared_memory(gl.float32 if TILE_N == 128 else gl.bfloat16, [BM, TILE_N],
-                                         gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0]))
-    acc_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    acc_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(acc_full, count=2)
-    mbarrier.init(acc_free, count=1)
+    acc_smem, acc_full, acc_free = handoff_smem(TILE_N)
     gl.warp_specialize([
-        (_dgrad_epilogue, (acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr,
+        (dgrad_epilogue, (acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr,
                            stride_hwm, dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m, I, GROUP_M,
                            SCHED_BM, EPI_COLS, ACT, LIMIT, ALPHA, DGU_PAIRED, TILE_N, PREFETCH)),
         (_dgrad_consumer, (a_lo, b_bufs, ready, empty, acc_smem, acc_full, acc_free, tile_expert_ptr, num_tiles_ptr,

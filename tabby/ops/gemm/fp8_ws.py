@@ -57,6 +57,7 @@ from .. import INTERPRET
 from ..quantize import BLOCK, exp2_int, scale_exponent, to_e4m3
 from .activation import act_fwd
 from .bf16 import _check_schedule, _swiglu_bwd_epilogue, grouped_tile, tma_aligned
+from .ws_common import _walk_row_tiles
 
 BM = 128  # two consumer warpgroups of 64 rows
 BN = 128
@@ -140,35 +141,6 @@ def _ring_retire(tok, empty, it, STAGES: gl.constexpr):
     part = warpgroup_mma_wait(0, deps=(tok, ))
     mbarrier.arrive(empty.index(it % STAGES), count=1)
     return part
-
-
-@gluon.jit
-def _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
-    """Tile t of a persistent walk over 128-row kernel tiles, in ``gemm.grouped_tile`` order:
-    (pid_m, pid_n, its expert), the expert -1 where its schedule tile (SCHED_BM rows) is unused (at
-    or past ``nt``, the used tiles: gemm._row_tile_expert with the count loaded once per program).
-    Every partition of a kernel walks the same tiles."""
-    pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
-    st = pid_m * 128 // SCHED_BM
-    e = gl.load(tile_expert_ptr + st)
-    return pid_m, pid_n, gl.where(st < nt, e, -1)
-
-
-@gluon.jit
-def _walk_row_tiles(TILE: gl.constexpr, args, state, tile_expert_ptr, num_tiles_ptr, num_m, num_n,
-                    GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
-    """A partition's persistent walk over num_m x num_n row tiles (this program's: tiles
-    program_id, program_id + programs, ... in ``_row_tile``'s order, the same for every partition
-    of a kernel): ``state = TILE(state, pid_m, pid_n, e, *args)`` for each used tile, the unused
-    skipped; returns the last state. The state is what a partition carries from tile to tile (the
-    ring's K-block count, a consumer's product registers); ``args`` the tile function's own (a
-    tuple, constexprs included: they reach TILE as its parameters, still constant)."""
-    nt = gl.load(num_tiles_ptr)
-    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n, e = _row_tile(t, num_m, num_n, tile_expert_ptr, nt, GROUP_M, SCHED_BM)
-        if e >= 0:
-            state = TILE(state, pid_m, pid_n, e, *args)
-    return state
 
 
 @gluon.jit
