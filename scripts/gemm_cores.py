@@ -148,6 +148,30 @@ def run_shape(name, T, kinds=None):
         check_dgrad(vdwp)
     add("dgrad_swiglu", "floor", lambda: torch._grouped_mm(xr, wd, offs=offs), f_d)
     add("dgrad_swiglu", "dense", lambda: torch.mm(xr, wd[0]), f_d)
+    # the FP8 down dgrad + activation backward (dys 1x128, W_down^T [E, I, H] 128x128): the plan's
+    # ws kernel (the backward on its consumers), the kernel with an epilogue partition, dense FP8
+    if not kinds or "fp8_dgrad" in kinds:
+        from tabby.ops.gemm import fp8 as gemm_fp8, fp8_ws
+        from tabby.ops.quantize import quantize_blocks, quantize_rows
+        dq, dsc = quantize_rows(xs)
+        wtq, wts = quantize_blocks(wd.transpose(1, 2).contiguous())
+        fk = heuristics.fp8_down_dgrad(128, ws=True, programs=None)
+        outs = (dgu, hw, torch.empty(R, -(-I // 128), dtype=torch.float32, device="cuda"))
+        add("fp8_dgrad", "ws", lambda: gemm_fp8.down_dgrad_swiglu_fp8(dq, dsc, wtq, wts, gu, w, te, nt, kernel=fk,
+                                                                      tile_m=128, outputs=outs), f_d)
+        fwant = tuple(t.clone() for t in outs)
+        *_, fepi = gemm_fp8._swiglu_bwd_outputs(gu, w, outs[2].shape[1], outs)
+        for pf in (False, True):
+            add("fp8_dgrad", f"ws-part{'-pf' if pf else ''}",
+                lambda: fp8_ws.launch_dgrad(dq, dsc, wtq, wts, te, nt, 128, fepi, I, stages=fk.config.num_stages,
+                                            prefetch=pf), f_d)
+            if rows[-1]["ms"]:
+                rows[-1]["same_dgu_hw"] = bool(torch.equal(outs[0], fwant[0]) and torch.equal(outs[1], fwant[1]))
+                print(f"    same dgu, hw: {rows[-1]['same_dgu_hw']}", flush=True)
+        one = torch.ones((), device="cuda")
+        wt0 = wtq[0]  # one expert's [I, H]: B column-major as its transpose
+        add("fp8_dgrad", "dense", lambda: torch._scaled_mm(dq[:n_real], wt0.t(), scale_a=one, scale_b=one,
+                                                             out_dtype=torch.bfloat16), f_d)
     # gate/up dgrad, pushed
     cfg = heuristics.gemm_config(gemm.KIND_GATE_UP_DGRAD, H, 2 * I, 128)
     add("gate_up_dgrad", "triton", lambda: gemm.gate_up_dgrad_push(gu, wg, wu, te, nt, row_src, ptrs, T * k,
@@ -186,7 +210,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--out", default=".")
     ap.add_argument("--kinds", default="", help="only these GEMM kinds (comma-separated: gate_up, down, "
-                    "dgrad_swiglu, gate_up_dgrad, wgrad_down, wgrad_gate_up)")
+                    "dgrad_swiglu, gate_up_dgrad, wgrad_down, wgrad_gate_up, fp8_dgrad)")
     a = ap.parse_args()
     rows = []
     for name in a.shapes.split(","):

@@ -80,6 +80,21 @@ def _report():
             _line(f"{tile}/epilogue{epilogue}/nk{nk}", compile_args(kernel, args, num_warps=4))
     for nk in (16, 56, 23):  # gate/up at H 2048, 7168 and 2880 (a partial last block)
         _line(f"gate_up/nk{nk}", compile_args(ws.gate_up_swiglu_fp8_ws_kernel, gate_up_args(nk), num_warps=4))
+    # the down dgrad with its epilogue partition (ws_common.dgrad_epilogue): SwiGLU at kimi-k2's K
+    # (7168) and gpt-oss-120b's (2880, a partial last block), gpt-oss's backward (8-column slices),
+    # g, u prefetched; as the launcher picks: consumers at 168 registers, 16-column slices (32 spill
+    # in the partition), 4 stages beside the 64 KB handoff
+    for nk, act, cols, pf in ((56, 0, 16, False), (23, 0, 16, False), (23, 3, 8, False), (56, 0, 16, True)):
+        args = dict(a_desc=f"tensordesc<fp8e4nv[{ws.HALF},128],{a_layout!r}>", as_ptr="*fp32", stride_asm="i32",
+                    b_desc=f"tensordesc<fp8e4nv[{ws.BN},128],{b_layout!r}>", bs_ptr="*fp32", stride_bse="i32",
+                    stride_bsn="i32", gu_ptr="*bf16", stride_gum="i32:16", ws_ptr="*fp32", dgu_ptr="*bf16",
+                    stride_dgum="i32:16", hw_ptr="*bf16", stride_hwm="i32:16", dwp_ptr="*fp32", stride_dwpm="i32",
+                    tile_expert_ptr="*i32", num_tiles_ptr="*i32", num_m="i32", I="i32:16", NK=Const(nk),
+                    STAGES=Const(4), GROUP_M=Const(8), SCHED_BM=Const(128), EPI_COLS=Const(cols),
+                    CONSUMER_REGS=Const(168), ACT=Const(act), LIMIT=Const(7.0 if act == 3 else 0.0),
+                    ALPHA=Const(1.702 if act == 3 else 0.0), PREFETCH=Const(pf))
+        _line(f"dgrad_partition/nk{nk}/act{act}/cols{cols}/prefetch{int(pf)}",
+              compile_args(ws.down_dgrad_fp8_ws_kernel, args, num_warps=4))
     b_half = gl.NVMMASharedLayout.get_default_for([ws.BN, 128], gl.float8e4nv)
     c_layout = gl.NVMMASharedLayout.get_default_for([1, 64, 64], gl.bfloat16)
     for M, N in ((7168, 2048), (2048, 7168), (2880, 2880)):  # kimi-k2's dW_down and dW_gate, gpt-oss-120b's
@@ -110,7 +125,7 @@ def _report():
 
 def test_warp_specialized_rows_gemm_compiles_unserialized():
     lines = run_compiled_check(__file__).splitlines()
-    assert len(lines) == 16, lines
+    assert len(lines) == 20, lines
     for line in lines:
         f = line.split()
         c = dict(zip(f[1::2], map(int, f[2::2])))
@@ -128,7 +143,7 @@ def test_warp_specialized_rows_gemm_compiles_unserialized():
             assert c["word_stores"] == 32 * copies, line
         if f[0].startswith("wgrad"):  # the weight gradient stores by TMA (4 boxes a tile and consumer)
             assert c["tma_stores"] >= 4 and c["v4_stores"] == 0, line
-        elif "epilogue2" not in f[0]:  # the SwiGLU backward stores from the MMA layout
+        elif "epilogue2" not in f[0] and not f[0].startswith("dgrad_partition"):  # (the backward: its own layouts)
             assert c["v4_stores"] > 0, line
 
 

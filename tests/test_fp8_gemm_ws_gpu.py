@@ -116,6 +116,40 @@ def test_ws_down_dgrad_swiglu_matches_triton_bitwise(counts, H, I):
     assert rel(got[2][used], want[2][used]) < 1e-6
 
 
+@pytest.mark.parametrize("counts,H,I", [([300, 0, 128, 5], 1024, 256), ([77, 500, 3], 2880, 320),
+                                        ([129, 1, 700], 7168, 2048)])
+@pytest.mark.parametrize("act", ["swiglu", "gpt-oss"])
+@pytest.mark.parametrize("prefetch,grid", [(False, None), (True, None), (True, 3)])
+def test_ws_down_dgrad_epilogue_partition(counts, H, I, act, prefetch, grid):
+    """The down dgrad with the activation's backward on an epilogue partition (``launch_dgrad``)
+    against the consumers' epilogue (the entry point's ws kernel): dgu and hw bitwise (the same
+    per-element math on the same fp32 sums), dw summed in another order; grids of every SM and of
+    three programs (the handoff's phases over many tiles); repeats bitwise; unused rows untouched."""
+    from tabby.activation import Activation
+
+    a = Activation("gpt-oss", limit=7.0, alpha=1.702) if act == "gpt-oss" else Activation()
+    sch, _, _, dq, ds, wq, wsc = _case(counts, H, I, seed=H + I)
+    gu = rand(sch.R, 2 * I, seed=5).cuda()
+    w = torch.rand(sch.R, generator=torch.Generator().manual_seed(6)).cuda()
+    want = gemm_fp8.down_dgrad_swiglu_fp8(dq, ds, wq, wsc, gu, w, sch.tile_expert, sch.num_tiles,
+                                          kernel=hx.fp8_down_dgrad(128, ws=True, programs=None), tile_m=128, act=a)
+    used = slice(0, sch.used)
+    runs = []
+    for _ in range(3):
+        outs = tuple(torch.full_like(t, float("nan")) for t in want)
+        *_, epi = gemm_fp8._swiglu_bwd_outputs(gu, w, want[2].shape[1], outs, a)
+        gemm_fp8_ws.launch_dgrad(dq, ds, wq, wsc, sch.tile_expert, sch.num_tiles, 128, epi, I, stages=4, act=a,
+                                 prefetch=prefetch, grid=grid)
+        runs.append(outs)
+    got = runs[0]
+    for name, x, y in zip(("dgu", "hw"), got[:2], want[:2]):
+        assert torch.equal(x[used], y[used]), (name, (x[used].float() - y[used].float()).abs().max())
+    assert rel(got[2][used], want[2][used]) < 1e-5
+    assert all(t[sch.used:].isnan().all() for t in got), "an unused tile was written"
+    for r in runs[1:]:
+        assert all(torch.equal(x[used], y[used]) for x, y in zip(r, got))
+
+
 def test_ws_deterministic():
     sch, a, b, aq, as_, bq, bs = _case([1000, 3, 257, 0, 640], 2048, 512, seed=9)
     first = gemm_fp8_ws.rows_gemm_fp8_ws(aq, as_, bq, bs, sch.tile_expert, sch.num_tiles, tile_n=256,

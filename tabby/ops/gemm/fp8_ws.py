@@ -57,7 +57,7 @@ from .. import INTERPRET
 from ..quantize import BLOCK, exp2_int, scale_exponent, to_e4m3
 from .activation import act_fwd
 from .bf16 import _check_schedule, _swiglu_bwd_epilogue, grouped_tile, tma_aligned
-from .ws_common import _walk_row_tiles
+from .ws_common import _walk_row_tiles, dgrad_epilogue, handoff_smem, tile_handed_over, wait_tile_free
 
 BM = 128  # two consumer warpgroups of 64 rows
 BN = 128
@@ -225,12 +225,10 @@ def _epilogue(acc, rows, pid_n, N, epi, EPILOGUE: gl.constexpr, layout: gl.const
 
 
 @gluon.jit
-def _consumer_tile(state, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse,
-                   stride_bsn, epi, N, HALF_ROW: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr,
-                   EPILOGUE: gl.constexpr):
-    """``_consumer``'s tile: its 64 rows' K loop, each block's product promoted by its row and
-    weight scales, then the epilogue; returns (the K-block count, the product registers)."""
-    it, part = state
+def _promoted_k_loop(it, part, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse,
+                     stride_bsn, HALF_ROW: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr):
+    """A consumer's 64 rows of one tile: the K loop, each block's product promoted by its row and
+    weight scales; returns (acc, its rows, the K-block count, the product registers)."""
     layout: gl.constexpr = part.type.layout
     rows = pid_m.to(gl.int64) * 128 + HALF_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
     as_ptrs = as_ptr + rows * stride_asm
@@ -249,6 +247,19 @@ def _consumer_tile(state, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, as_ptr,
         sa = sa_next
         sb = sb_next
         it += 1
+    return acc, rows, it, part
+
+
+@gluon.jit
+def _consumer_tile(state, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse,
+                   stride_bsn, epi, N, HALF_ROW: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr,
+                   EPILOGUE: gl.constexpr):
+    """``_consumer``'s tile: ``_promoted_k_loop``, then the epilogue; returns (the K-block count,
+    the product registers)."""
+    it, part = state
+    acc, rows, it, part = _promoted_k_loop(it, part, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, as_ptr, stride_asm,
+                                           bs_ptr, stride_bse, stride_bsn, HALF_ROW, NK, STAGES)
+    layout: gl.constexpr = part.type.layout
     _epilogue(acc, rows, pid_n, N, epi, EPILOGUE, layout)
     return it, part
 
@@ -279,6 +290,70 @@ def rows_gemm_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_b
         (_producer, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, N,
                      NK, STAGES, GROUP_M, SCHED_BM)),
     ], [4, 1], [232, 40])
+
+
+# --------------------------------------------------------------------------------------------
+# the down dgrad with the activation's backward on an epilogue partition of its own
+# --------------------------------------------------------------------------------------------
+#
+# As bf16_ws's 128-wide down dgrad (ws_common.py: the partition and its handoff): the consumers
+# run ``_promoted_k_loop`` and hand their fp32 64 x 128 halves over in shared memory (64 KB beside
+# 4 stages of 32 KB), then go on to the next tile; the activation's backward, which
+# ``EPI_SWIGLU_BWD`` runs on the consumers with the tensor cores idle, runs on a fourth partition.
+# The same sums as ``rows_gemm_fp8_ws_kernel``'s (dgu, hw: the same bits; dw summed per 128
+# columns in slices).
+
+@gluon.jit
+def _dgrad_consumer_tile(state, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse,
+                         stride_bsn, acc_smem, acc_full, acc_free, HALF_ROW: gl.constexpr, NK: gl.constexpr,
+                         STAGES: gl.constexpr):
+    """A consumer's tile: the K loop, then its half of the shared tile once the epilogue has read
+    the tile before. State: (K-block count, product registers, tiles run)."""
+    it, part, n = state
+    acc, rows, it, part = _promoted_k_loop(it, part, pid_m, pid_n, e, a_bufs, b_bufs, ready, empty, as_ptr, stride_asm,
+                                           bs_ptr, stride_bse, stride_bsn, HALF_ROW, NK, STAGES)
+    wait_tile_free(acc_free, n)
+    acc_smem.slice(HALF_ROW, 64, dim=0).store(acc)
+    tile_handed_over(acc_full)
+    return it, part, n + 1
+
+
+@gluon.jit
+def _dgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, acc_smem,
+                    acc_full, acc_free, tile_expert_ptr, num_tiles_ptr, num_m, N, HALF_ROW: gl.constexpr,
+                    NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr):
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    part = gl.zeros([64, 128], gl.float32, layout)
+    _walk_row_tiles(_dgrad_consumer_tile, (a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse,
+                                           stride_bsn, acc_smem, acc_full, acc_free, HALF_ROW, NK, STAGES),
+                    (gl.to_tensor(0), part, gl.to_tensor(0)), tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(N, 128),
+                    GROUP_M, SCHED_BM)
+
+
+@gluon.jit
+def down_dgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_bse, stride_bsn, gu_ptr, stride_gum,
+                             ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm, tile_expert_ptr,
+                             num_tiles_ptr, num_m, I, NK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                             SCHED_BM: gl.constexpr, EPI_COLS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             ACT: gl.constexpr = 0, LIMIT: gl.constexpr = 0.0, ALPHA: gl.constexpr = 0.0,
+                             PREFETCH: gl.constexpr = False):
+    """dh_raw = dys @ Wd[e] in FP8 (B: the transposed copy W_down^T [E, I, H], K-major) with the
+    activation's backward on the epilogue partition (``ws_common.dgrad_epilogue``)."""
+    a_lo, a_hi, b_bufs, ready, empty = _ring_128x128(a_desc, b_desc, STAGES)
+    acc_smem, acc_full, acc_free = handoff_smem(128)
+    gl.warp_specialize([
+        (dgrad_epilogue, (acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr,
+                          stride_hwm, dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m, I, GROUP_M,
+                          SCHED_BM, EPI_COLS, ACT, LIMIT, ALPHA, False, 128, PREFETCH)),
+        (_dgrad_consumer, (a_lo, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, acc_smem,
+                           acc_full, acc_free, tile_expert_ptr, num_tiles_ptr, num_m, I, 0, NK, STAGES, GROUP_M,
+                           SCHED_BM)),
+        (_dgrad_consumer, (a_hi, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, acc_smem,
+                           acc_full, acc_free, tile_expert_ptr, num_tiles_ptr, num_m, I, 64, NK, STAGES, GROUP_M,
+                           SCHED_BM)),
+        (_producer, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr, num_tiles_ptr, num_m, I, NK,
+                     STAGES, GROUP_M, SCHED_BM)),
+    ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 40])
 
 
 # --------------------------------------------------------------------------------------------
@@ -595,6 +670,28 @@ def launch(aq, a_scale, bq, b_scale, tile_expert, num_tiles, sched_bm: int, epil
         _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bq, bq.shape[0] * bq.shape[1], BN), b_scale,
         b_scale.stride(0), b_scale.stride(1), epi, tile_expert, num_tiles, num_m, N, NK=triton.cdiv(K, BLOCK),
         STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, EPILOGUE=epilogue, num_warps=4)
+
+
+def launch_dgrad(aq, a_scale, bq, b_scale, tile_expert, num_tiles, sched_bm: int, epi: tuple, I: int, *,
+                 stages: int, act: Activation = SWIGLU, epi_cols: int | None = None, consumer_regs: int = 168,
+                 prefetch: bool = False, grid: int | None = None, GROUP_M: int = 8):
+    """The down dgrad (``launch`` with ``epi_act_bwd(act)`` and its arguments ``epi``, the
+    activation's limit and alpha left out of them) on ``down_dgrad_fp8_ws_kernel``: the backward on
+    an epilogue partition; the caller has checked operands. ``stages``: the ring's depth (32 KB a
+    stage, beside the 64 KB handoff); ``epi_cols``: the partition's slice (None: 16, gpt-oss's 8: the
+    widest without spills beside 168-register consumers);
+    ``consumer_regs``: the consumers' registers (the partition gets the rest); ``prefetch``: each
+    slice's g, u loaded under the slice before."""
+    R, K = aq.shape
+    num_m = R // BM
+    if epi_cols is None:
+        epi_cols = 8 if act.kind == "gpt-oss" else 16
+    ACT, LIMIT, ALPHA = act.constexprs()
+    down_dgrad_fp8_ws_kernel[_grid(aq.device, num_m * triton.cdiv(I, BN), grid)](
+        _e4m3_desc(aq, R, HALF), a_scale, a_scale.stride(0), _e4m3_desc(bq, bq.shape[0] * bq.shape[1], BN), b_scale,
+        b_scale.stride(0), b_scale.stride(1), *epi[:9], tile_expert, num_tiles, num_m, I, NK=triton.cdiv(K, BLOCK),
+        STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, EPI_COLS=epi_cols, CONSUMER_REGS=consumer_regs, ACT=ACT,
+        LIMIT=LIMIT, ALPHA=ALPHA, PREFETCH=prefetch, num_warps=4)
 
 
 def fits_bt(aq: torch.Tensor, parts, sched_bm: int) -> bool:
