@@ -8,7 +8,8 @@ origins, down dgrad + SwiGLU backward, gate/up dgrad pushed, the two weight grad
 time and TFLOP/s of: bf16.py's Triton kernel at the plan's tiles (``triton``), the warp-specialized
 kernels of bf16_ws.py at each (tile_n, stages) (``ws-N-S``; gate/up, down, the down dgrad and the weight
 gradients), ``torch._grouped_mm`` on the same rows (the floor) and one dense ``torch.mm`` of the
-same FLOPs (cuBLAS). FLOPs count real rows only. Writes
+same FLOPs (cuBLAS); the FP8 down dgrad (``fp8_dgrad``: fp8_ws's kernels against a dense
+``torch._scaled_mm`` of the same FLOPs). FLOPs count real rows only. Writes
 gemm-cores.json and gemm-cores.md under --out.
 """
 from __future__ import annotations

@@ -6,6 +6,8 @@
   (``fits_gate_up``);
 - ``expert_wgrad_fp8_ws``: the weight gradient over the layer's padded segments (``fits_wgrad``),
   two pipelines of whole tiles;
+- ``launch_dgrad``: the down dgrad with the activation's backward on an epilogue partition of its
+  own (ws_common.py), 128 x 128 (measured against the consumers' epilogue before the plan runs it);
 - ``launch_bt``: the rows GEMM at 128 x 128 with B read from forward weight copies, each block
   transposed in shared memory by a producer warpgroup (the dgrads where no transposed copy is
   held: ``fits_bt``).
