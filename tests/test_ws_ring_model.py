@@ -8,8 +8,8 @@ mbarrier's semantics, a parity wait included: it passes while the barrier's curr
 waiter two phases early passes as if its phase had completed. The model checks that every read
 finds the block it expects in its stage and that no stage is refilled before its readers have
 released it, and that the partitions never all wait (deadlock). The handoff of a tile from the
-consumers to an epilogue partition (bf16_ws's down dgrad: ``acc_full`` of two arrivals,
-``acc_free`` of one)
+consumers to an epilogue partition (ws_common.py's, the bf16 and FP8 down dgrads': ``acc_full``
+of two arrivals, ``acc_free`` of one)
 is modelled the same way: the epilogue reads each tile whole and once, and no consumer stores
 over a tile the epilogue has not finished reading.
 """
@@ -221,7 +221,7 @@ class Handoff:
 
 
 def handing_consumer(ring, blocks_per_tile, hand, which, wait_free=True):
-    """A consumer of ``_dgrad_consumer_tile``: the K loop (released a
+    """A consumer of bf16_ws's / fp8_ws's ``_dgrad_consumer_tile``: the K loop (released a
     block late, as ``lagged_consumer``), then its half of the shared tile once the epilogue has
     read the tile before (wait on free, parity (n & 1) ^ 1), then its arrival on full."""
     it = 0
