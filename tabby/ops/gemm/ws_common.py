@@ -170,11 +170,12 @@ def _paired_bwd_slice(acc, g, u, rows, cols, col0, w, dgu_ptr, stride_dgum, hw_p
 
 @gluon.jit
 def dgrad_epilogue(acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr, stride_hwm,
-                    dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m, I, GROUP_M: gl.constexpr,
-                    SCHED_BM: gl.constexpr, EPI_COLS: gl.constexpr, ACT: gl.constexpr, LIMIT: gl.constexpr,
-                    ALPHA: gl.constexpr, DGU_PAIRED: gl.constexpr, TILE_N: gl.constexpr, PREFETCH: gl.constexpr):
+                   dwp_ptr, stride_dwpm, tile_expert_ptr, num_tiles_ptr, num_m, I, GROUP_M: gl.constexpr,
+                   SCHED_BM: gl.constexpr, EPI_COLS: gl.constexpr, ACT: gl.constexpr, LIMIT: gl.constexpr,
+                   ALPHA: gl.constexpr, DGU_PAIRED: gl.constexpr, TILE_N: gl.constexpr, PREFETCH: gl.constexpr):
+    """The epilogue partition (a ``gl.warp_specialize`` default partition of 4 warps): the kernel's
+    tiles of TILE_N columns of I in the consumers' order, each through ``_dgrad_epilogue_tile``."""
     _walk_row_tiles(_dgrad_epilogue_tile, (acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr,
                                            stride_dgum, hw_ptr, stride_hwm, dwp_ptr, stride_dwpm, I, EPI_COLS, ACT,
                                            LIMIT, ALPHA, DGU_PAIRED, TILE_N, PREFETCH), gl.to_tensor(0),
-                    tile_expert_ptr,
-                    num_tiles_ptr, num_m, gl.cdiv(I, TILE_N), GROUP_M, SCHED_BM)
+                    tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(I, TILE_N), GROUP_M, SCHED_BM)
