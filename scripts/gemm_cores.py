@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from tabby.activation import Activation  # noqa: E402
 from tabby.functional import heuristics  # noqa: E402
 from tabby.ops.gemm import bf16 as gemm, bf16_ws as ws  # noqa: E402
 from tabby_bench.shapes import make_routing, shape_named  # noqa: E402
@@ -112,6 +113,15 @@ def run_shape(name, T, kinds=None):
     for st in (3, 4):
         add("gate_up", f"ws-128-{st}", lambda: ws.gate_up_swiglu_ws(xs, wg, wu, te, nt, h, gu, sched_bm=128, stages=st),
             f_gu)
+    # gate/up with gpt-oss's activation (clamps, a second sigmoid), its epilogue on the consumers or
+    # on a partition of its own (``handoff``: 3 stages beside the 64 KB of g, u)
+    gpt = Activation("gpt-oss", limit=7.0, alpha=1.702)
+    add("gate_up", "ws-128-4-gptoss", lambda: ws.gate_up_swiglu_ws(xs, wg, wu, te, nt, h, gu, sched_bm=128, stages=4,
+                                                                  act=gpt), f_gu)
+    for ec in (16, 32):
+        add("gate_up", f"ws-ho-3-e{ec}-gptoss", lambda: ws.gate_up_swiglu_ws(xs, wg, wu, te, nt, h, gu, sched_bm=128,
+                                                                            stages=3, act=gpt, handoff=True,
+                                                                            epi_cols=ec), f_gu)
     add("gate_up", "floor", lambda: torch._grouped_mm(xr, wgu.transpose(-2, -1), offs=offs), f_gu)
     add("gate_up", "dense", lambda: torch.mm(xr, wgu_t), f_gu)
     # down, pushed

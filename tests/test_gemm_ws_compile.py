@@ -64,6 +64,21 @@ def _report():
         pair = gated and lay != 2  # g's and u's wgmma a block
         _line(f"gate_up{'_pair' if pair else ''}/stages{stages}/layout{lay}/gated{int(gated)}/bias{int(bias)}/act{act}",
               compile_args(ws.gate_up_swiglu_ws_kernel, args, num_warps=4))
+    # gate/up with its epilogue partition (3 stages beside the 64 KB handoff): SwiGLU; gpt-oss's
+    # transposed and interleaved (two 128-column products) with biases; relu2
+    for lay, gated, bias, act in ((0, True, False, 0), (0, True, False, 3), (1, True, True, 3), (2, True, True, 3),
+                                 (0, False, False, 5)):
+        args = dict(a_desc=desc([64, 64]), wg_desc=desc(blocks[lay]), wu_desc=desc(blocks[lay]), h_ptr="*bf16",
+                    stride_hm="i32:16", gu_ptr="*bf16", stride_gum="i32:16", tile_expert_ptr="*i32",
+                    num_tiles_ptr="*i32", num_m="i32", I="i32:16", w_pitch="i32:16", NK="i32", STAGES=Const(3),
+                    GROUP_M=Const(8), SCHED_BM=Const(128), SAVE_GU=Const(True), EPI_COLS=Const(16),
+                    CONSUMER_REGS=Const(168), ACT=Const(act), LIMIT=Const(7.0 if act == 3 else 0.0),
+                    ALPHA=Const(1.702 if act == 3 else 0.0), W_LAYOUT=Const(lay), GATED=Const(gated))
+        if bias:
+            args.update(HAS_BIAS=Const(True), bg_ptr="*bf16", bu_ptr="*bf16", stride_bias_e="i32",
+                        BIAS_STRIDE_N=Const(2 if lay == 2 else 1))
+        _line(f"gate_up{'_pair' if gated else ''}_handoff/stages3/layout{lay}/gated{int(gated)}/bias{int(bias)}/act{act}",
+              compile_args(ws.gate_up_handoff_ws_kernel, args, num_warps=4))
     for pairs, stages in ((1, 4), (2, 4), (2, 3)):
         args = dict(a0_desc=desc([64, 64]), a1_desc=desc([64, 64]), b_desc=desc([64, 256]), c0_ptr="*bf16",
                     c1_ptr="*bf16", stride_ce="i32:16", stride_cm="i32:16", expert_start_ptr="*i32",
@@ -93,7 +108,7 @@ def _report():
 
 def test_warp_specialized_bf16_gemms_compile():
     lines = run_compiled_check(__file__).splitlines()
-    assert len(lines) == 24, lines
+    assert len(lines) == 29, lines
     for line in lines:
         f = line.split()
         c = dict(zip(f[1::2], map(int, f[2::2])))

@@ -281,3 +281,56 @@ def test_down_dgrad_with_epilogue_partition(counts, H, I, act, transposed, tile_
     for o in outs[1:]:  # (ungated: dgu's g columns unwritten, NaN in every run)
         assert torch.equal(o[0][used][:, cols], dgu[used][:, cols])
         assert torch.equal(o[1][used], hw[used]) and torch.equal(o[2][used], dwp[used])
+
+
+@pytest.mark.parametrize("counts,K,N", CASES)
+@pytest.mark.parametrize("form", ["swiglu", "gpt-oss", "gpt-oss-kn-bias", "gpt-oss-paired-bias", "relu2", "swiglu-bias"])
+@pytest.mark.parametrize("stages,epi_cols,grid", [(3, 16, None), (2, 32, 3)])
+def test_gate_up_with_epilogue_partition(counts, K, N, form, stages, epi_cols, grid):
+    """Gate/up on the epilogue partition's kernel (``handoff``) against the kernel without it: g, u
+    bitwise, h within a rounding (the activation of the rounded g, u); unused rows untouched;
+    repeats bitwise."""
+    from tabby.activation import Activation
+    from tabby.validate import LAYOUT_KN, LAYOUT_KN_PAIRED, LAYOUT_NK
+
+    gpt = Activation("gpt-oss", limit=7.0, alpha=1.702)
+    act = {"gpt-oss": gpt, "gpt-oss-kn-bias": gpt, "gpt-oss-paired-bias": gpt, "relu2": Activation("relu2")}.get(
+        form, Activation())
+    layout = LAYOUT_KN if "kn" in form else LAYOUT_KN_PAIRED if "paired" in form else LAYOUT_NK
+    if layout != LAYOUT_NK and K % 64:
+        pytest.skip("transposed weights need H a multiple of 64")
+    s = Sched(counts, 128, W=1, TK=sum(counts) + 1, seed=K + N)
+    x = s.rows(K, seed=K)
+    wg = rand(s.E, N, K, seed=K + 1, scale=K ** -0.5)
+    wu = rand(s.E, N, K, seed=K + 2, scale=K ** -0.5)
+    biases = None
+    if "bias" in form:
+        biases = (rand(s.E, N, seed=K + 3, scale=0.5), rand(s.E, N, seed=K + 4, scale=0.5))
+    if layout == LAYOUT_KN:
+        wg, wu = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (wg, wu))
+    elif layout == LAYOUT_KN_PAIRED:  # gpt-oss's gate_up_proj [E, H, 2I] and gate_up_proj_bias [E, 2I] as stored
+        paired = torch.stack([wg, wu], 2).flatten(1, 2).transpose(1, 2).contiguous()
+        wg, wu = (w.transpose(1, 2) for w in paired.unflatten(2, (N, 2)).unbind(3))
+        biases = tuple(torch.stack(biases, 2).flatten(1, 2).contiguous().unflatten(1, (N, 2)).unbind(2))
+    used = s.used_rows.cuda()
+
+    def run(handoff):
+        h = torch.full((s.R, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gu = torch.full((s.R, 2 * N), float("nan"), dtype=torch.bfloat16, device="cuda")
+        kw = dict(handoff=True, epi_cols=epi_cols) if handoff else {}
+        ws.gate_up_swiglu_ws(x, wg, wu, s.tile_expert, s.num_tiles, h, gu, sched_bm=128, stages=stages, grid=grid,
+                             act=act, layout=layout, biases=biases, **kw)
+        return h, gu
+
+    want_h, want_gu = run(False)
+    outs = [run(True) for _ in range(3)]
+    h, gu = outs[0]
+    cols = slice(0, 2 * N) if act.gated else slice(N, 2 * N)
+    assert torch.equal(gu[used][:, cols], want_gu[used][:, cols])
+    assert rel_err(h[used], want_h[used]) < 1e-2
+    g_r, u_r = gu[used][:, :N].float(), gu[used][:, N:].float()
+    from tabby.activation import apply
+    assert rel_err(h[used], apply(g_r if act.gated else u_r, u_r, act).cpu()) < 1e-2
+    assert torch.all(h[~used].isnan()) and torch.all(gu[~used].isnan()), "unused tiles must not be written"
+    for o in outs[1:]:
+        assert torch.equal(o[0][used], h[used]) and torch.equal(o[1][used], gu[used])

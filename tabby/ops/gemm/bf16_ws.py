@@ -408,6 +408,145 @@ def gate_up_swiglu_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr,
 
 
 # --------------------------------------------------------------------------------------------
+# gate/up with the activation on an epilogue partition of its own
+# --------------------------------------------------------------------------------------------
+#
+# As the down dgrad's (ws_common.py's handoff: ``hand_full`` count 2, ``hand_free`` 1): the
+# consumers hand g and u over in shared memory (bf16, the values saved for the backward: 64 KB
+# beside 3 stages of 48 KB) and run the next tile's K loop while a fourth partition writes g, u and
+# h = act(g, u) from there, EPI_COLS columns at a time. h is the activation of the rounded g, u
+# (those the backward reads), within a rounding of the kernel above's. With SwiGLU it measured no
+# faster than the kernel above at 4 stages (H100, 2bc51ad: 0.91-1.01x); kept to measure where the
+# activation's epilogue is heavier (clamps, gpt-oss's: their cost runs on the consumers above with
+# the tensor cores idle, 5.0-6.6% of the layer's forward at gpt-oss-120b@ep8 on an H200).
+
+@gluon.jit
+def _gate_up_handoff_tile(state, pid_m, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, g_smem, u_smem, hand_full,
+                          hand_free, I, NK, HALF_ROW: gl.constexpr, STAGES: gl.constexpr, W_LAYOUT: gl.constexpr,
+                          GATED: gl.constexpr, HAS_BIAS: gl.constexpr, bg_ptr, bu_ptr, stride_bias_e,
+                          BIAS_STRIDE_N: gl.constexpr):
+    it, n = state
+    if W_LAYOUT == W_KN_PAIRED:
+        # the interleaved block's two 128-column halves into two [64, 128] products (g's and u's
+        # columns 0-63 and 64-127 of the tile, interleaved): one [64, 256] wgmma's 128 accumulator
+        # registers do not fit beside four partitions
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, 128, 16])
+        pa = gl.zeros([HALF, 128], gl.float32, layout)
+        pb = gl.zeros([HALF, 128], gl.float32, layout)
+        if HAS_BIAS:
+            pa += _bias_row(bg_ptr, bu_ptr, stride_bias_e, e, pid_n * 128, I, 128, True, BIAS_STRIDE_N, layout)[None, :]
+            pb += _bias_row(bg_ptr, bu_ptr, stride_bias_e, e, pid_n * 128 + 64, I, 128, True, BIAS_STRIDE_N,
+                            layout)[None, :]
+        pa, pb, it = _pair_mainloop(pa, pb, a_bufs, bu_bufs, bu_bufs, ready, empty, it, NK, STAGES, True, True)
+        ga, ua = gl.split(gl.reshape(pa, (HALF, 64, 2)))
+        gb, ub = gl.split(gl.reshape(pb, (HALF, 64, 2)))
+        wait_tile_free(hand_free, n)
+        g_rows = g_smem.slice(HALF_ROW, HALF, dim=0)
+        u_rows = u_smem.slice(HALF_ROW, HALF, dim=0)
+        g_rows.slice(0, 64, dim=1).store(ga.to(gl.bfloat16))
+        g_rows.slice(64, 64, dim=1).store(gb.to(gl.bfloat16))
+        u_rows.slice(0, 64, dim=1).store(ua.to(gl.bfloat16))
+        u_rows.slice(64, 64, dim=1).store(ub.to(gl.bfloat16))
+    else:
+        g, u, it = _gate_up_products(it, pid_n, e, a_bufs, bg_bufs, bu_bufs, ready, empty, I, NK, STAGES, W_LAYOUT,
+                                     GATED, HAS_BIAS, bg_ptr, bu_ptr, stride_bias_e, BIAS_STRIDE_N)
+        wait_tile_free(hand_free, n)
+        if GATED:
+            g_smem.slice(HALF_ROW, HALF, dim=0).store(g.to(gl.bfloat16))
+        u_smem.slice(HALF_ROW, HALF, dim=0).store(u.to(gl.bfloat16))
+    tile_handed_over(hand_full)
+    return it, n + 1
+
+
+@gluon.jit
+def _gate_up_handoff_consumer(a_bufs, bg_bufs, bu_bufs, ready, empty, g_smem, u_smem, hand_full, hand_free,
+                              tile_expert_ptr, num_tiles_ptr, num_m, I, NK, HALF_ROW: gl.constexpr,
+                              STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr,
+                              W_LAYOUT: gl.constexpr, GATED: gl.constexpr, HAS_BIAS: gl.constexpr, bg_ptr, bu_ptr,
+                              stride_bias_e, BIAS_STRIDE_N: gl.constexpr):
+    _walk_row_tiles(_gate_up_handoff_tile, (a_bufs, bg_bufs, bu_bufs, ready, empty, g_smem, u_smem, hand_full,
+                                            hand_free, I, NK, HALF_ROW, STAGES, W_LAYOUT, GATED, HAS_BIAS, bg_ptr,
+                                            bu_ptr, stride_bias_e, BIAS_STRIDE_N),
+                    (gl.to_tensor(0), gl.to_tensor(0)), tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(I, 128),
+                    GROUP_M, SCHED_BM)
+
+
+@gluon.jit
+def _gate_up_epilogue_tile(n, pid_m, pid_n, e, g_smem, u_smem, hand_full, hand_free, h_ptr, stride_hm, gu_ptr,
+                           stride_gum, I, SAVE_GU: gl.constexpr, ACT: gl.constexpr, LIMIT: gl.constexpr,
+                           ALPHA: gl.constexpr, GATED: gl.constexpr, EPI_COLS: gl.constexpr):
+    """The epilogue partition's tile (its n-th): g, u (SAVE_GU) and h, EPI_COLS columns at a time,
+    the shared tile released once its last slice is read."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (EPI_COLS // 8), EPI_COLS // 8], [4, 1], [1, 0])
+    rows = pid_m.to(gl.int64) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    mbarrier.wait(hand_full, n & 1)
+    for c in gl.static_range(0, 128, EPI_COLS):
+        u = u_smem.slice(c, EPI_COLS, dim=1).load(layout)
+        if GATED:
+            g = g_smem.slice(c, EPI_COLS, dim=1).load(layout)
+        else:
+            g = u
+        if c + EPI_COLS == 128:
+            gl.thread_barrier()
+            mbarrier.arrive(hand_free, count=1)
+        cols = pid_n * 128 + c + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
+        mask = (cols < I)[None, :]
+        h = act_fwd(g.to(gl.float32), u.to(gl.float32), ACT, LIMIT, ALPHA)
+        gl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+        if SAVE_GU:
+            gptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
+            if GATED:  # (ungated: g's columns left unwritten, never read)
+                gl.store(gptrs, g, mask=mask)
+            gl.store(gptrs + I, u, mask=mask)
+    return n + 1
+
+
+@gluon.jit
+def _gate_up_epilogue(g_smem, u_smem, hand_full, hand_free, h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr,
+                      num_tiles_ptr, num_m, I, GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr,
+                      ACT: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr, GATED: gl.constexpr,
+                      EPI_COLS: gl.constexpr):
+    _walk_row_tiles(_gate_up_epilogue_tile, (g_smem, u_smem, hand_full, hand_free, h_ptr, stride_hm, gu_ptr,
+                                             stride_gum, I, SAVE_GU, ACT, LIMIT, ALPHA, GATED, EPI_COLS),
+                    gl.to_tensor(0), tile_expert_ptr, num_tiles_ptr, num_m, gl.cdiv(I, 128), GROUP_M, SCHED_BM)
+
+
+@gluon.jit
+def gate_up_handoff_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr, stride_gum, tile_expert_ptr,
+                              num_tiles_ptr, num_m, I, w_pitch, NK, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                              SCHED_BM: gl.constexpr, SAVE_GU: gl.constexpr, EPI_COLS: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, ACT: gl.constexpr = 0, LIMIT: gl.constexpr = 0.0,
+                              ALPHA: gl.constexpr = 0.0, W_LAYOUT: gl.constexpr = 0, GATED: gl.constexpr = True,
+                              HAS_BIAS: gl.constexpr = False, bg_ptr=None, bu_ptr=None, stride_bias_e=None,
+                              BIAS_STRIDE_N: gl.constexpr = 1):
+    a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _gate_up_ring(a_desc, wg_desc, wu_desc, STAGES, W_LAYOUT, GATED)
+    hand: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0])
+    u_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, 128], hand)
+    if GATED:
+        g_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, 128], hand)
+    else:
+        g_smem = u_smem
+    hand_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    hand_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(hand_full, count=2)
+    mbarrier.init(hand_free, count=1)
+    gl.warp_specialize([
+        (_gate_up_epilogue, (g_smem, u_smem, hand_full, hand_free, h_ptr, stride_hm, gu_ptr, stride_gum,
+                             tile_expert_ptr, num_tiles_ptr, num_m, I, GROUP_M, SCHED_BM, SAVE_GU, ACT, LIMIT, ALPHA,
+                             GATED, EPI_COLS)),
+        (_gate_up_handoff_consumer, (a_lo, bg_bufs, bu_bufs, ready, empty, g_smem, u_smem, hand_full, hand_free,
+                                     tile_expert_ptr, num_tiles_ptr, num_m, I, NK, 0, STAGES, GROUP_M, SCHED_BM,
+                                     W_LAYOUT, GATED, HAS_BIAS, bg_ptr, bu_ptr, stride_bias_e, BIAS_STRIDE_N)),
+        (_gate_up_handoff_consumer, (a_hi, bg_bufs, bu_bufs, ready, empty, g_smem, u_smem, hand_full, hand_free,
+                                     tile_expert_ptr, num_tiles_ptr, num_m, I, NK, HALF, STAGES, GROUP_M, SCHED_BM,
+                                     W_LAYOUT, GATED, HAS_BIAS, bg_ptr, bu_ptr, stride_bias_e, BIAS_STRIDE_N)),
+        (_gate_up_producer, (a_desc, wg_desc, wu_desc, a_lo, a_hi, bg_bufs, bu_bufs, ready, empty, tile_expert_ptr,
+                             num_tiles_ptr, num_m, I, w_pitch, NK, STAGES, GROUP_M, SCHED_BM, W_LAYOUT, GATED)),
+    ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 40])
+
+
+# --------------------------------------------------------------------------------------------
 # the down dgrad with the activation's backward, on an epilogue partition of its own
 # --------------------------------------------------------------------------------------------
 #
@@ -701,12 +840,14 @@ def rows_launch(a, b, tile_expert, num_tiles, sched_bm: int, epilogue: int, epi:
 
 def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_bm: int, stages: int,
                       grid: int | None = None, GROUP_M: int = 8, act: Activation = SWIGLU, layout: str = LAYOUT_NK,
-                      biases=None):
+                      biases=None, handoff: bool = False, epi_cols: int = 16, consumer_regs: int = 168):
     """h [R, I] = act(xs @ Wg[e]^T + bg[e], xs @ Wu[e]^T + bu[e]) per row tile, g | u into gu [R, 2I]
     unless gu is None; xs [R, H], W [E, I, H] in ``layout`` (validate.LAYOUTS; the transposed ones
     need H a multiple of 64), ``biases`` None or (bg, bu) [E, I] (equal strides, column stride 1 or
     2); an ungated ``act``: Wu alone (w_gate unread). Raises where ``fits`` does not hold.
-    ``stages``: the ring's depth (48 KB a stage)."""
+    ``stages``: the ring's depth (48 KB a stage); ``handoff``: the activation on an epilogue
+    partition (``gate_up_handoff_ws_kernel``: 64 KB beside the stages; ``epi_cols`` its slice,
+    ``consumer_regs`` the consumers' registers); not in the plan until measured faster."""
     R, H = xs.shape
     E, I, _ = w_gate.shape
     _check_stages("gate_up_swiglu_ws", stages)
@@ -742,6 +883,14 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
             raise ValueError(f"gate_up_swiglu_ws: biases {tuple(bg.shape)}, {tuple(bu.shape)} must be [{E}, {I}] "
                              "with equal strides, column stride 1 or 2")
         kw.update(HAS_BIAS=True, bg_ptr=bg, bu_ptr=bu, stride_bias_e=bg.stride(0), BIAS_STRIDE_N=bg.stride(-1))
+    if handoff:
+        kw.update(EPI_COLS=epi_cols, CONSUMER_REGS=consumer_regs)
+        gate_up_handoff_ws_kernel[_grid(xs.device, num_m * triton.cdiv(I, 128), grid)](
+            _desc(xs, R, [HALF.value, BK.value]), wg_desc, wu_desc, h, h.stride(0),
+            gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, w_pitch, triton.cdiv(H, BK.value),
+            STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA,
+            num_warps=4, **kw)
+        return
     gate_up_swiglu_ws_kernel[_grid(xs.device, num_m * triton.cdiv(I, 128), grid)](
         _desc(xs, R, [HALF.value, BK.value]), wg_desc, wu_desc, h, h.stride(0),
         gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, w_pitch, triton.cdiv(H, BK.value), STAGES=stages,
