@@ -77,7 +77,8 @@ def _report():
         if bias:
             args.update(HAS_BIAS=Const(True), bg_ptr="*bf16", bu_ptr="*bf16", stride_bias_e="i32",
                         BIAS_STRIDE_N=Const(2 if lay == 2 else 1))
-        _line(f"gate_up{'_pair' if gated else ''}_handoff/stages3/layout{lay}/gated{int(gated)}/bias{int(bias)}/act{act}",
+        _line(f"gate_up{'_pair' if gated else ''}_handoff/stages3/layout{lay}/gated{int(gated)}/bias{int(bias)}"
+              f"/act{act}",
               compile_args(ws.gate_up_handoff_ws_kernel, args, num_warps=4))
     for pairs, stages in ((1, 4), (2, 4), (2, 3)):
         args = dict(a0_desc=desc([64, 64]), a1_desc=desc([64, 64]), b_desc=desc([64, 256]), c0_ptr="*bf16",
@@ -91,8 +92,9 @@ def _report():
     # beside the consumers' 168 registers); relu2 (ungated)
     # (and each width with the epilogue's g, u prefetched)
     for tile_n, stages, kn, cols, act, paired, pf in (
-            (128, 4, True, 32, 0, False, False), (128, 4, False, 8, 3, False, False), (128, 4, False, 8, 3, True, False),
-            (256, 3, True, 16, 0, False, False), (256, 3, False, 16, 0, False, False), (256, 3, True, 16, 5, False, False),
+            (128, 4, True, 32, 0, False, False), (128, 4, False, 8, 3, False, False),
+            (128, 4, False, 8, 3, True, False), (256, 3, True, 16, 0, False, False),
+            (256, 3, False, 16, 0, False, False), (256, 3, True, 16, 5, False, False),
             (128, 4, True, 32, 0, False, True), (256, 3, True, 16, 0, False, True)):
         args = dict(a_desc=desc([64, 64]), b_desc=desc([64, tile_n] if kn else [tile_n, 64]), gu_ptr="*bf16",
                     stride_gum="i32:16", ws_ptr="*fp32", dgu_ptr="*bf16", stride_dgum="i32:16", hw_ptr="*bf16",

@@ -284,7 +284,8 @@ def test_down_dgrad_with_epilogue_partition(counts, H, I, act, transposed, tile_
 
 
 @pytest.mark.parametrize("counts,K,N", CASES)
-@pytest.mark.parametrize("form", ["swiglu", "gpt-oss", "gpt-oss-kn-bias", "gpt-oss-paired-bias", "relu2", "swiglu-bias"])
+@pytest.mark.parametrize("form", ["swiglu", "gpt-oss", "gpt-oss-kn-bias", "gpt-oss-paired-bias", "relu2",
+                                  "swiglu-bias"])
 @pytest.mark.parametrize("stages,epi_cols,grid", [(3, 16, None), (2, 32, 3)])
 def test_gate_up_with_epilogue_partition(counts, K, N, form, stages, epi_cols, grid):
     """Gate/up on the epilogue partition's kernel (``handoff``) against the kernel without it: g, u
