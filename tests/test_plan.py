@@ -286,9 +286,11 @@ def test_bf16_plans_choose_the_core():
         assert g.config.num_stages == heuristics.BF16_WS_STAGES[kind] and g.programs == 132
     kind, N, K = gemm.KIND_GATE_UP_DGRAD, H, 2 * I
     assert p.gemm[kind] == gemm.Bf16Gemm(gemm.CORE_TRITON, heuristics.gemm_config(kind, N, K, p.tile_m)), kind
-    gpt = make_plan(dims, MoEConfig(megakernel=False, activation=Activation("gpt-oss", limit=7.0, alpha=1.702)),
-                    torch.device("cpu"), sms=132, arch=90).gemm[gemm.KIND_DGRAD_SWIGLU]
-    assert gpt.core == gemm.CORE_WS and (gpt.config.BN, gpt.config.num_stages) == heuristics.BF16_WS_DGRAD_NARROW
+    for act in (Activation("gpt-oss", limit=7.0, alpha=1.702), Activation("swiglu-clamp", limit=10.0)):
+        narrow = make_plan(dims, MoEConfig(megakernel=False, activation=act), torch.device("cpu"), sms=132,
+                           arch=90).gemm[gemm.KIND_DGRAD_SWIGLU]
+        assert narrow.core == gemm.CORE_WS
+        assert (narrow.config.BN, narrow.config.num_stages) == heuristics.BF16_WS_DGRAD_NARROW, act
     short = make_plan(MoEDims(T=16384, H=2048, k=8, E_local=16, I=768, world_size=1, I_shared=0), MoEConfig(
         megakernel=False), torch.device("cpu"), sms=132, arch=90).gemm[gemm.KIND_DGRAD_SWIGLU]
     assert short.core == gemm.CORE_WS and (short.config.BN, short.config.num_stages) == heuristics.BF16_WS_DGRAD_NARROW

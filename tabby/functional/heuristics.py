@@ -50,13 +50,15 @@ BF16_WS_ARCH = 90  # the warp-specialized kernels' wgmma and TMA: sm_90 only
 # accumulator), both 4 stages; the down dgrad with its epilogue partition at 128 x 256 (dh_raw
 # handed over in bf16: 64 KB beside 3 stages of 48 KB) where K = H is long enough to cover that
 # partition's 256 columns (H100: 1.18-1.22x the 128-wide tile at H 6144-7168, 0.55-0.67x at H
-# 2048-2880), else at 128 x 128 (the fp32 tile beside 4 stages of 32 KB); gpt-oss's backward
-# spills beside the wider tile's consumers: 128 x 128. The gate/up dgrad stays on its Triton tiles
-# ("Warp-specialized bf16 GEMMs", "Epilogue partitions")
+# 2048-2880), else at 128 x 128 (the fp32 tile beside 4 stages of 32 KB). Only SwiGLU's and relu2's
+# backward fit the wider tile's partition beside its 168-register consumers; the other kinds
+# spill there (16-192 bytes: ptxas) and take the 128-wide tile. The gate/up dgrad stays on its
+# Triton tiles ("Warp-specialized bf16 GEMMs", "Epilogue partitions")
 BF16_WS_TILE_N = {gemm.KIND_GATE_UP: 128, gemm.KIND_DOWN: 256, gemm.KIND_DGRAD_SWIGLU: 256}
 BF16_WS_STAGES = {gemm.KIND_GATE_UP: 4, gemm.KIND_DOWN: 4, gemm.KIND_DGRAD_SWIGLU: 3}
 BF16_WS_DGRAD_NARROW = (128, 4)  # (tile width, stages)
 BF16_WS_DGRAD_WIDE_MIN_K = 4096
+BF16_WS_DGRAD_WIDE_ACTS = ("swiglu", "relu2")
 
 
 def bf16_ws_possible(arch: int | None, tile_m: int, H: int, I: int, layout: str = LAYOUT_NK) -> bool:
@@ -80,7 +82,7 @@ def bf16_gemm(kind: str, N: int, K: int, tile_m: int, ws: bool, programs: int | 
     if not ws or kind not in BF16_WS_TILE_N or (kind == gemm.KIND_DGRAD_SWIGLU and K % 64):
         return gemm.Bf16Gemm(gemm.CORE_TRITON, gemm_config(kind, N, K, tile_m))
     tile_n, stages = BF16_WS_TILE_N[kind], BF16_WS_STAGES[kind]
-    if kind == gemm.KIND_DGRAD_SWIGLU and (K < BF16_WS_DGRAD_WIDE_MIN_K or act_kind == "gpt-oss"):
+    if kind == gemm.KIND_DGRAD_SWIGLU and (K < BF16_WS_DGRAD_WIDE_MIN_K or act_kind not in BF16_WS_DGRAD_WIDE_ACTS):
         tile_n, stages = BF16_WS_DGRAD_NARROW
     return gemm.Bf16Gemm(gemm.CORE_WS, GemmConfig(BM=tile_m, BN=tile_n, BK=64, num_warps=4, num_stages=stages,
                                                   GROUP_M=8), programs=programs)
