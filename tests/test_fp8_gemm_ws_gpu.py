@@ -122,8 +122,9 @@ def test_ws_down_dgrad_swiglu_matches_triton_bitwise(counts, H, I):
 @pytest.mark.parametrize("prefetch,grid", [(False, None), (True, None), (True, 3)])
 def test_ws_down_dgrad_epilogue_partition(counts, H, I, act, prefetch, grid):
     """The down dgrad with the activation's backward on an epilogue partition (``launch_dgrad``)
-    against the consumers' epilogue (the entry point's ws kernel): dgu and hw bitwise (the same
-    per-element math on the same fp32 sums), dw summed in another order; grids of every SM and of
+    against the consumers' epilogue (the entry point's ws kernel): dgu and hw bitwise for SwiGLU
+    (the same per-element math on the same fp32 sums; gpt-oss's within a rounding), dw summed in
+    another order; grids of every SM and of
     three programs (the handoff's phases over many tiles); repeats bitwise; unused rows untouched."""
     from tabby.activation import Activation
 
@@ -143,7 +144,10 @@ def test_ws_down_dgrad_epilogue_partition(counts, H, I, act, prefetch, grid):
         runs.append(outs)
     got = runs[0]
     for name, x, y in zip(("dgu", "hw"), got[:2], want[:2]):
-        assert torch.equal(x[used], y[used]), (name, (x[used].float() - y[used].float()).abs().max())
+        if act == "swiglu":
+            assert torch.equal(x[used], y[used]), (name, (x[used].float() - y[used].float()).abs().max())
+        else:  # (its limit and alpha constants there, fp32 arguments on the consumers: within a rounding)
+            assert rel(x[used], y[used]) < 1e-2, name
     assert rel(got[2][used], want[2][used]) < 1e-5
     assert all(t[sch.used:].isnan().all() for t in got), "an unused tile was written"
     for r in runs[1:]:
