@@ -54,8 +54,9 @@ from ...activation import SWIGLU, Activation
 from ...validate import LAYOUT_KN, LAYOUT_KN_PAIRED, LAYOUT_NK
 from .activation import act_fwd
 from .bf16 import W_KN, W_KN_PAIRED, W_LAYOUT_CODES, W_NK, grouped_tile, paired_gate_up, tma_aligned
-from .fp8_ws import EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_barriers, _ring_fill, _ring_gate_up, _sm90, _store_tile
-from .ws_common import _walk_row_tiles, dgrad_epilogue, handoff_smem, tile_handed_over, wait_tile_free
+from .fp8_ws import EPI_PUSH, EPI_STORE, _epilogue, _grid, _ring_fill, _ring_gate_up, _ring_rows, _sm90, _store_tile
+from .ws_common import (_walk_row_tiles, dgrad_epilogue, handoff_barriers, handoff_smem, tile_handed_over, tile_read,
+                        wait_tile_free, wait_tile_full)
 
 BM = gl.constexpr(128)  # two consumer warpgroups of 64 rows
 HALF = gl.constexpr(64)
@@ -196,10 +197,7 @@ def rows_gemm_ws_kernel(a_desc, b_desc, epi, tile_expert_ptr, num_tiles_ptr, num
     """A @ B[e]^T (B [E, N, K]), or A @ B[e] with B_KN (B [E, K, N]: a transposed down_proj read as
     it lies), + bias[e] with HAS_BIAS, through EPILOGUE; expert e's B from row e * b_pitch of
     b_desc."""
-    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready, empty = _ring_barriers(STAGES)
+    a_lo, a_hi, b_bufs, ready, empty = _ring_rows(a_desc, b_desc, STAGES)
     gl.warp_specialize([
         (_rows_consumer, (a_lo, b_bufs, ready, empty, epi, tile_expert_ptr, num_tiles_ptr, num_m, N, NK, 0, TILE_N,
                           STAGES, GROUP_M, SCHED_BM, EPILOGUE, B_KN, HAS_BIAS, bias_ptr, stride_bias_e)),
@@ -375,11 +373,8 @@ def _gate_up_ring(a_desc, wg_desc, wu_desc, STAGES: gl.constexpr, W_LAYOUT: gl.c
     """Gate/up's ring: A's two halves and the weights' blocks a stage, one block (wu_desc's) where
     g and u are interleaved in it or there is no gate, two otherwise; and the barriers."""
     if W_LAYOUT == W_KN_PAIRED or not GATED:
-        a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        bu_bufs = gl.allocate_shared_memory(wu_desc.dtype, [STAGES] + wu_desc.block_type.shape, wu_desc.layout)
+        a_lo, a_hi, bu_bufs, ready, empty = _ring_rows(a_desc, wu_desc, STAGES)
         bg_bufs = bu_bufs
-        ready, empty = _ring_barriers(STAGES)
     else:
         a_lo, a_hi, bg_bufs, bu_bufs, ready, empty = _ring_gate_up(a_desc, wg_desc, STAGES)
     return a_lo, a_hi, bg_bufs, bu_bufs, ready, empty
@@ -480,16 +475,15 @@ def _gate_up_epilogue_tile(n, pid_m, pid_n, e, g_smem, u_smem, hand_full, hand_f
     the shared tile released once its last slice is read."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (EPI_COLS // 8), EPI_COLS // 8], [4, 1], [1, 0])
     rows = pid_m.to(gl.int64) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-    mbarrier.wait(hand_full, n & 1)
+    wait_tile_full(hand_full, n)
     for c in gl.static_range(0, 128, EPI_COLS):
         u = u_smem.slice(c, EPI_COLS, dim=1).load(layout)
         if GATED:
             g = g_smem.slice(c, EPI_COLS, dim=1).load(layout)
         else:
             g = u
-        if c + EPI_COLS == 128:
-            gl.thread_barrier()
-            mbarrier.arrive(hand_free, count=1)
+        if c + EPI_COLS == 128:  # the whole tile read
+            tile_read(hand_free)
         cols = pid_n * 128 + c + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
         mask = (cols < I)[None, :]
         h = act_fwd(g.to(gl.float32), u.to(gl.float32), ACT, LIMIT, ALPHA)
@@ -527,10 +521,7 @@ def gate_up_handoff_ws_kernel(a_desc, wg_desc, wu_desc, h_ptr, stride_hm, gu_ptr
         g_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, 128], hand)
     else:
         g_smem = u_smem
-    hand_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    hand_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(hand_full, count=2)
-    mbarrier.init(hand_free, count=1)
+    hand_full, hand_free = handoff_barriers()
     gl.warp_specialize([
         (_gate_up_epilogue, (g_smem, u_smem, hand_full, hand_free, h_ptr, stride_hm, gu_ptr, stride_gum,
                              tile_expert_ptr, num_tiles_ptr, num_m, I, GROUP_M, SCHED_BM, SAVE_GU, ACT, LIMIT, ALPHA,
@@ -608,10 +599,7 @@ def down_dgrad_ws_kernel(a_desc, b_desc, gu_ptr, stride_gum, ws_ptr, dgu_ptr, st
                          PREFETCH: gl.constexpr = False):
     """dh_raw = dys @ Wd[e] (B_KN: Wd [E, H, I] as it lies; else a transposed down_proj [E, I, H])
     with the activation's backward (bf16.py's ``down_dgrad_swiglu_tile``: the same outputs)."""
-    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready, empty = _ring_barriers(STAGES)
+    a_lo, a_hi, b_bufs, ready, empty = _ring_rows(a_desc, b_desc, STAGES)
     acc_smem, acc_full, acc_free = handoff_smem(TILE_N)
     gl.warp_specialize([
         (dgrad_epilogue, (acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr,
@@ -736,10 +724,7 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, fixed, c0_ptr, c1_ptr, stride_
 def expert_wgrad_ws_kernel(a0_desc, a1_desc, b_desc, c0_ptr, c1_ptr, stride_ce, stride_cm, expert_start_ptr,
                            expert_count_ptr, E, M, N, NUM_PAIRS: gl.constexpr, STAGES: gl.constexpr,
                            GROUP_M: gl.constexpr):
-    a_lo = gl.allocate_shared_memory(a0_desc.dtype, [STAGES] + a0_desc.block_type.shape, a0_desc.layout)
-    a_hi = gl.allocate_shared_memory(a0_desc.dtype, [STAGES] + a0_desc.block_type.shape, a0_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready, empty = _ring_barriers(STAGES)
+    a_lo, a_hi, b_bufs, ready, empty = _ring_rows(a0_desc, b_desc, STAGES)
     fixed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(fixed, count=2)
     gl.warp_specialize([
@@ -883,15 +868,11 @@ def gate_up_swiglu_ws(xs, w_gate, w_up, tile_expert, num_tiles, h, gu, *, sched_
             raise ValueError(f"gate_up_swiglu_ws: biases {tuple(bg.shape)}, {tuple(bu.shape)} must be [{E}, {I}] "
                              "with equal strides, column stride 1 or 2")
         kw.update(HAS_BIAS=True, bg_ptr=bg, bu_ptr=bu, stride_bias_e=bg.stride(0), BIAS_STRIDE_N=bg.stride(-1))
+    kernel = gate_up_swiglu_ws_kernel
     if handoff:
+        kernel = gate_up_handoff_ws_kernel
         kw.update(EPI_COLS=epi_cols, CONSUMER_REGS=consumer_regs)
-        gate_up_handoff_ws_kernel[_grid(xs.device, num_m * triton.cdiv(I, 128), grid)](
-            _desc(xs, R, [HALF.value, BK.value]), wg_desc, wu_desc, h, h.stride(0),
-            gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, w_pitch, triton.cdiv(H, BK.value),
-            STAGES=stages, GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA,
-            num_warps=4, **kw)
-        return
-    gate_up_swiglu_ws_kernel[_grid(xs.device, num_m * triton.cdiv(I, 128), grid)](
+    kernel[_grid(xs.device, num_m * triton.cdiv(I, 128), grid)](
         _desc(xs, R, [HALF.value, BK.value]), wg_desc, wu_desc, h, h.stride(0),
         gu_arg, gu_arg.stride(0), tile_expert, num_tiles, num_m, I, w_pitch, triton.cdiv(H, BK.value), STAGES=stages,
         GROUP_M=GROUP_M, SCHED_BM=sched_bm, SAVE_GU=save_gu, ACT=ACT, LIMIT=LIMIT, ALPHA=ALPHA, num_warps=4, **kw)

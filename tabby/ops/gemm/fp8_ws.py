@@ -94,9 +94,10 @@ def _ring_barriers(STAGES: gl.constexpr, READERS: gl.constexpr = 2, WRITERS: gl.
 
 
 @gluon.jit
-def _ring_128x128(a_desc, b_desc, STAGES: gl.constexpr, READERS: gl.constexpr = 2):
-    """The ring of a 128 x 128 output tile: per stage A's two 64-row halves, B's 128 x 128 block,
-    and the barriers (``_ring_barriers``; READERS: the consumers that read each stage)."""
+def _ring_rows(a_desc, b_desc, STAGES: gl.constexpr, READERS: gl.constexpr = 2):
+    """The rows GEMMs' ring: per stage A's two 64-row halves and B's block (the descriptors' boxes:
+    FP8's 128 x 128, bf16's 64 x 128 or 64 x 256), and the barriers (``_ring_barriers``; READERS:
+    the consumers that read each stage)."""
     a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -283,7 +284,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_b
 def rows_gemm_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_bse, stride_bsn, epi,
                             tile_expert_ptr, num_tiles_ptr, num_m, N, NK: gl.constexpr, STAGES: gl.constexpr,
                             GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
-    a_lo, a_hi, b_bufs, ready, empty = _ring_128x128(a_desc, b_desc, STAGES)
+    a_lo, a_hi, b_bufs, ready, empty = _ring_rows(a_desc, b_desc, STAGES)
     gl.warp_specialize([
         (_consumer, (a_lo, b_bufs, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
                      tile_expert_ptr, num_tiles_ptr, num_m, N, 0, NK, STAGES, GROUP_M, SCHED_BM, EPILOGUE)),
@@ -341,7 +342,7 @@ def down_dgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_
                              PREFETCH: gl.constexpr = False):
     """dh_raw = dys @ Wd[e] in FP8 (B: the transposed copy W_down^T [E, I, H], K-major) with the
     activation's backward on the epilogue partition (``ws_common.dgrad_epilogue``)."""
-    a_lo, a_hi, b_bufs, ready, empty = _ring_128x128(a_desc, b_desc, STAGES)
+    a_lo, a_hi, b_bufs, ready, empty = _ring_rows(a_desc, b_desc, STAGES)
     acc_smem, acc_full, acc_free = handoff_smem(128)
     gl.warp_specialize([
         (dgrad_epilogue, (acc_smem, acc_full, acc_free, gu_ptr, stride_gum, ws_ptr, dgu_ptr, stride_dgum, hw_ptr,
@@ -603,7 +604,7 @@ def _wide_consumer(a_bufs, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr,
 def rows_gemm_fp8_ws_wide_kernel(a_desc, as_ptr, stride_asm, b_desc, bs_ptr, stride_bse, stride_bsn, epi,
                                  tile_expert_ptr, num_tiles_ptr, num_m, N, NK: gl.constexpr, STAGES: gl.constexpr,
                                  GROUP_M: gl.constexpr, SCHED_BM: gl.constexpr, EPILOGUE: gl.constexpr):
-    a_lo, a_hi, b_lo, ready, empty = _ring_128x128(a_desc, b_desc, STAGES)
+    a_lo, a_hi, b_lo, ready, empty = _ring_rows(a_desc, b_desc, STAGES)
     b_hi = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     gl.warp_specialize([
         (_wide_consumer, (a_lo, b_lo, b_hi, ready, empty, as_ptr, stride_asm, bs_ptr, stride_bse, stride_bsn, epi,
@@ -983,8 +984,8 @@ def _wgrad_consumer(a_lo, a_hi, b_bufs, ready, empty, as_ptr, stride_asr, bs_ptr
 @gluon.jit
 def expert_wgrad_fp8_ws_kernel(a_desc, as_ptr, stride_asr, b_desc, bs_ptr, stride_bsr, c_desc, expert_start_ptr,
                                expert_count_ptr, E, M, N, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    a_lo0, a_hi0, b_bufs0, ready0, empty0 = _ring_128x128(a_desc, b_desc, STAGES, 1)
-    a_lo1, a_hi1, b_bufs1, ready1, empty1 = _ring_128x128(a_desc, b_desc, STAGES, 1)
+    a_lo0, a_hi0, b_bufs0, ready0, empty0 = _ring_rows(a_desc, b_desc, STAGES, 1)
+    a_lo1, a_hi1, b_bufs1, ready1, empty1 = _ring_rows(a_desc, b_desc, STAGES, 1)
     # each consumer's epilogue buffers: two 64 x 64 halves of its 64 rows (16 KB; 192 + 32 KB in all)
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], c_desc.dtype)
     c_bufs0 = gl.allocate_shared_memory(c_desc.dtype, [2, 64, 64], c_layout)

@@ -79,23 +79,46 @@ def tile_handed_over(acc_full):
 
 
 @gluon.jit
-def handoff_smem(TILE_N: gl.constexpr):
-    """The shared tile and its two barriers (``acc_full`` of two arrivals, ``acc_free`` of one):
-    fp32 at 128 columns, bf16 at 256 (rows of 512 bytes either way: 2-element pieces swizzled
-    across rows, so that the MMA layout's stores, 8 rows a warp and 2 columns a thread, fall in
-    different banks)."""
-    acc_smem = gl.allocate_shared_memory(gl.float32 if TILE_N == 128 else gl.bfloat16, [BM, TILE_N],
-                                         gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0]))
+def wait_tile_full(acc_full, n):
+    """The epilogue partition, before reading its n-th tile: both consumers have stored their halves."""
+    mbarrier.wait(acc_full, n & 1)
+
+
+@gluon.jit
+def tile_read(acc_free):
+    """The epilogue partition, once it has read the whole tile: every thread's reads done, then its
+    one arrival (the consumers may store the next)."""
+    gl.thread_barrier()
+    mbarrier.arrive(acc_free, count=1)
+
+
+@gluon.jit
+def handoff_barriers():
+    """The handoff's two barriers: ``acc_full`` of two arrivals (the consumers), ``acc_free`` of one
+    (the epilogue partition)."""
     acc_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     acc_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(acc_full, count=2)
     mbarrier.init(acc_free, count=1)
+    return acc_full, acc_free
+
+
+@gluon.jit
+def handoff_smem(TILE_N: gl.constexpr):
+    """The shared tile and its barriers (``handoff_barriers``): fp32 at 128 columns, bf16 at 256 (rows
+    of 512 bytes either way: 2-element pieces swizzled across rows, so that the MMA layout's stores,
+    8 rows a warp and 2 columns a thread, fall in different banks)."""
+    acc_smem = gl.allocate_shared_memory(gl.float32 if TILE_N == 128 else gl.bfloat16, [BM, TILE_N],
+                                         gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0]))
+    acc_full, acc_free = handoff_barriers()
     return acc_smem, acc_full, acc_free
 
 
 @gluon.jit
 def _gu_slice(rows, cols, gu_ptr, stride_gum, I, ACT: gl.constexpr):
-    """A slice's saved g, u as stored (bf16; 0 past I); ungated (relu2): u for both."""
+    """A slice's saved g, u as stored (bf16; 0 past I); ungated (relu2): u for both. (bf16.py's
+    ``_load_gu`` converts to fp32 as it loads; a prefetched slice held in bf16 takes half the
+    registers.)"""
     mask = (cols < I)[None, :]
     ptrs = gu_ptr + rows[:, None] * stride_gum + cols[None, :]
     u = gl.load(ptrs + I, mask=mask, other=0.0)
@@ -123,7 +146,7 @@ def _dgrad_epilogue_tile(n, pid_m, pid_n, e, acc_smem, acc_full, acc_free, gu_pt
     dw = gl.zeros([BM], gl.float32, gl.SliceLayout(1, layout))
     if PREFETCH:
         g_next, u_next = _gu_slice(rows, cols0, gu_ptr, stride_gum, I, ACT)
-    mbarrier.wait(acc_full, n & 1)
+    wait_tile_full(acc_full, n)
     for c in gl.static_range(0, TILE_N, EPI_COLS):
         cols = cols0 + c
         if PREFETCH:
@@ -133,9 +156,8 @@ def _dgrad_epilogue_tile(n, pid_m, pid_n, e, acc_smem, acc_full, acc_free, gu_pt
         else:
             g, u = _gu_slice(rows, cols, gu_ptr, stride_gum, I, ACT)
         acc = acc_smem.slice(c, EPI_COLS, dim=1).load(layout).to(gl.float32)
-        if c + EPI_COLS == TILE_N:  # the whole tile read: the consumers may store the next
-            gl.thread_barrier()
-            mbarrier.arrive(acc_free, count=1)
+        if c + EPI_COLS == TILE_N:  # the whole tile read
+            tile_read(acc_free)
         if DGU_PAIRED:
             dw += _paired_bwd_slice(acc, g.to(gl.float32), u.to(gl.float32), rows, cols, pid_n * TILE_N + c, w,
                                     dgu_ptr, stride_dgum, hw_ptr, stride_hwm, I, ACT, LIMIT, ALPHA, EPI_COLS)
